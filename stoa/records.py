@@ -1,0 +1,404 @@
+"""The bucket contract: every object type the two sides exchange, its schema version and codec.
+
+Who writes and who reads each type:
+
+- ``RunContract`` (``runs/<run>/run.json``): written once, create-only, by the trainer before
+  the first anchor; read and verified by every worker (and by a restarting trainer).
+- ``RolloutRecord`` (``runs/<run>/rollouts/v<version>/<worker>-<seq>.rec``): written
+  create-only by workers, one per prompt group; read by the trainer, which treats it as
+  untrusted input (``validate_record``).
+- The weight pointer, anchors and patches (``runs/<run>/weights/...``) are written by the
+  trainer and read by workers; their byte layout lives in ``stoa.weights`` (see docs/weights.md).
+
+This module imports neither torch nor mlx: both kinds of worker and the trainer use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+SCHEMA_VERSION = 1
+"""Version of every record type in this module; bump on any incompatible change."""
+
+RECORD_MAGIC = b"STOAREC\x00"
+_PREFIX = struct.Struct("<8sHHI")  # magic, schema version, reserved, header length
+_DIGEST_LEN = 16
+MAX_RECORD_BYTES = 64 * 1024 * 1024
+"""Records larger than this are rejected before decoding (``oversize``)."""
+
+FINISH_REASONS = ("stop", "length")
+
+
+def run_prefix(run_id: str) -> str:
+    """Return the key prefix of a run inside the bucket."""
+    return f"runs/{run_id}"
+
+
+def contract_key(run_id: str) -> str:
+    """Return the key of a run's contract."""
+    return f"{run_prefix(run_id)}/run.json"
+
+
+def rollout_version_prefix(run_id: str, version: int) -> str:
+    """Return the key prefix under which records sampled at ``version`` live."""
+    return f"{run_prefix(run_id)}/rollouts/v{version:08d}/"
+
+
+def rollout_key(run_id: str, version: int, worker_id: str, seq: int) -> str:
+    """Return the key of one rollout record."""
+    return f"{rollout_version_prefix(run_id, version)}{worker_id}-{seq:08d}.rec"
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Serialise ``obj`` as canonical JSON (sorted keys, no spaces) for hashing."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def digest_hex(data: bytes) -> str:
+    """Return the hex xxh3-128 digest used for fingerprints."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+class ContractMismatch(RuntimeError):
+    """A worker or trainer found a run contract that disagrees with its own view.
+
+    Args:
+        fields: names of the mismatching fields (dotted paths).
+        detail: a human-readable explanation.
+    """
+
+    def __init__(self, fields: Sequence[str], detail: str = ""):
+        self.fields = list(fields)
+        msg = "run contract mismatch in field(s): " + ", ".join(self.fields)
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What both sides must agree on about the model."""
+
+    architecture: str
+    """Model type from config.json (e.g. ``llama``)."""
+    config_hash: str
+    """Hash of the config fields that change what the model computes (rope theta, norms, ties...)."""
+    tokenizer_hash: str
+    """Hash of the tokenizer's vocabulary, merges, special tokens and chat template."""
+    vocab_size: int
+    """Rows of the embedding matrix; every token id in a record must be below it."""
+    base_weights_hash: str | None = None
+    """Hash of the base checkpoint the run started from (informational)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Token ids that end a completion."""
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling defaults every worker uses."""
+
+    temperature: float = 1.0
+    """Logits are divided by this before softmax; the trainer uses the same value."""
+    top_p: float = 1.0
+    """Nucleus mass; 1.0 keeps the full distribution (the trainer's ratios are then exact)."""
+    max_new_tokens: int = 64
+    """Completion length cap; longer completions end with finish reason ``length``."""
+
+
+@dataclass(frozen=True)
+class RunContract:
+    """Everything workers and the trainer must agree on. Written once by the trainer."""
+
+    run_id: str
+    """Run name (``DRL_RUN``)."""
+    model: ModelSpec
+    """Model architecture and fingerprints."""
+    n_samples: int
+    """Group size n (``DRL_N_SAMPLES``); records with another n are dropped."""
+    plane: str
+    """Weight plane: ``bf16`` or ``int8g64`` (``DRL_PULSE_PLANE``)."""
+    task_id: str
+    """Task name (``arithmetic``, ``gsm8k``)."""
+    task_spec: Mapping[str, Any]
+    """Task knobs; prompt ids are only meaningful together with them."""
+    reward_version: str
+    """Version of the task's reward function."""
+    sampling: SamplingSpec
+    """Sampling defaults."""
+    staleness_bound: int = 3
+    """Records older than ``current - staleness_bound`` are not used (informational for workers)."""
+    reuse_cap: int = 2
+    """A record is used in at most this many optimizer steps (informational for workers)."""
+    algorithm: Mapping[str, Any] = field(default_factory=dict)
+    """Algorithm name and knobs (informational for workers)."""
+    schema_version: int = SCHEMA_VERSION
+    """Schema version of records and weights."""
+    created_at: float = 0.0
+    """Unix time the trainer wrote the contract."""
+
+    def to_json(self) -> bytes:
+        """Encode as canonical JSON."""
+        return canonical_json(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RunContract:
+        """Decode and type-check a contract.
+
+        Args:
+            data: the bytes of ``run.json``.
+
+        Raises:
+            ContractMismatch: on a schema version this code does not speak.
+            ValueError: on malformed JSON or missing fields.
+        """
+        try:
+            d = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"run.json is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ValueError("run.json must hold a JSON object")
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise ContractMismatch(
+                ["schema_version"], f"run has {d.get('schema_version')!r}, this stoa speaks {SCHEMA_VERSION}"
+            )
+        try:
+            model = dict(d.pop("model"))
+            model["eos_token_ids"] = tuple(model.get("eos_token_ids", ()))
+            sampling = d.pop("sampling")
+            return cls(model=ModelSpec(**model), sampling=SamplingSpec(**sampling), **d)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"run.json is missing or has unknown fields: {e}") from e
+
+    def fingerprint(self) -> str:
+        """Hash of the fields a record depends on (not timestamps); records carry it."""
+        d = asdict(self)
+        d.pop("created_at", None)
+        return digest_hex(canonical_json(d))[:16]
+
+    def mismatches(self, other: RunContract) -> list[str]:
+        """Return the dotted names of fields that differ from ``other`` (ignoring ``created_at``)."""
+        a, b = asdict(self), asdict(other)
+        a.pop("created_at", None)
+        b.pop("created_at", None)
+        return _diff_fields(a, b, "")
+
+
+def _diff_fields(a: Any, b: Any, path: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff_fields(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
+        return out
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return [] if list(a) == list(b) else [path]
+    return [] if a == b else [path]
+
+
+@dataclass
+class Sample:
+    """One completion of a group."""
+
+    tokens: np.ndarray
+    """Completion token ids, int32 [T]."""
+    logprobs: np.ndarray
+    """Behaviour logprob of each completion token under the distribution sampled from, float32 [T]."""
+    reward: float
+    """Worker-computed reward (the trainer recomputes it for verifiable tasks)."""
+    finish_reason: str
+    """``stop`` (EOS) or ``length`` (hit max_new_tokens)."""
+
+
+@dataclass
+class RolloutRecord:
+    """One prompt group: written by a worker, read (untrusted) by the trainer."""
+
+    worker_id: str
+    seq: int
+    policy_version: int
+    contract_fingerprint: str
+    task_id: str
+    prompt_id: str
+    prompt_tokens: np.ndarray
+    samples: list[Sample]
+    sampling: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    created_at: float = 0.0
+    schema_version: int = SCHEMA_VERSION
+
+    def encode(self) -> bytes:
+        """Encode to the compact binary form (no pickle): prefix, JSON header, arrays, digest."""
+        prompt = np.ascontiguousarray(self.prompt_tokens, dtype="<i4")
+        header = {
+            "worker_id": self.worker_id,
+            "seq": int(self.seq),
+            "policy_version": int(self.policy_version),
+            "contract_fingerprint": self.contract_fingerprint,
+            "task_id": self.task_id,
+            "prompt_id": self.prompt_id,
+            "prompt_len": int(prompt.size),
+            "samples": [
+                {"len": int(np.asarray(s.tokens).size), "reward": float(s.reward), "finish": s.finish_reason}
+                for s in self.samples
+            ],
+            "sampling": self.sampling,
+            "timings": self.timings,
+            "created_at": float(self.created_at),
+        }
+        hbytes = json.dumps(header, separators=(",", ":")).encode()
+        parts = [_PREFIX.pack(RECORD_MAGIC, self.schema_version, 0, len(hbytes)), hbytes, prompt.tobytes()]
+        for s in self.samples:
+            toks = np.ascontiguousarray(s.tokens, dtype="<i4")
+            lps = np.ascontiguousarray(s.logprobs, dtype="<f4")
+            parts += [toks.tobytes(), lps.tobytes()]
+        body = b"".join(parts)
+        return body + xxhash.xxh3_128_digest(body)
+
+    @classmethod
+    def decode(cls, data: bytes) -> RolloutRecord:
+        """Decode bytes into a record, checking framing, digest and declared sizes.
+
+        Args:
+            data: the object's bytes.
+
+        Raises:
+            RecordRejected: with reason ``oversize``, ``malformed``, ``digest`` or ``schema``.
+        """
+        if len(data) > MAX_RECORD_BYTES:
+            raise RecordRejected("oversize", f"{len(data)} bytes > {MAX_RECORD_BYTES}")
+        if len(data) < _PREFIX.size + _DIGEST_LEN:
+            raise RecordRejected("malformed", "shorter than the fixed prefix")
+        magic, schema, _, hlen = _PREFIX.unpack_from(data)
+        if magic != RECORD_MAGIC:
+            raise RecordRejected("malformed", "bad magic")
+        body, digest = data[:-_DIGEST_LEN], data[-_DIGEST_LEN:]
+        if xxhash.xxh3_128_digest(body) != digest:
+            raise RecordRejected("digest", "content digest does not match (truncated or corrupted)")
+        if schema != SCHEMA_VERSION:
+            raise RecordRejected("schema", f"schema version {schema}, expected {SCHEMA_VERSION}")
+        off = _PREFIX.size
+        try:
+            header = json.loads(body[off : off + hlen])
+            off += hlen
+            plen = _nonneg_int(header["prompt_len"])
+            sample_meta = header["samples"]
+            if not isinstance(sample_meta, list):
+                raise TypeError("samples must be a list")
+            need = plen * 4 + sum(8 * _nonneg_int(m["len"]) for m in sample_meta)
+            if off + need != len(body):
+                raise RecordRejected("length_mismatch", f"declared sizes need {need} payload bytes")
+            prompt = np.frombuffer(body, dtype="<i4", count=plen, offset=off).astype(np.int32)
+            off += plen * 4
+            samples = []
+            for m in sample_meta:
+                n = _nonneg_int(m["len"])
+                toks = np.frombuffer(body, dtype="<i4", count=n, offset=off).astype(np.int32)
+                off += 4 * n
+                lps = np.frombuffer(body, dtype="<f4", count=n, offset=off).astype(np.float32)
+                off += 4 * n
+                samples.append(Sample(toks, lps, float(m["reward"]), str(m["finish"])))
+            return cls(
+                worker_id=str(header["worker_id"]),
+                seq=int(header["seq"]),
+                policy_version=int(header["policy_version"]),
+                contract_fingerprint=str(header["contract_fingerprint"]),
+                task_id=str(header["task_id"]),
+                prompt_id=str(header["prompt_id"]),
+                prompt_tokens=prompt,
+                samples=samples,
+                sampling=dict(header.get("sampling", {})),
+                timings=dict(header.get("timings", {})),
+                created_at=float(header.get("created_at", 0.0)),
+                schema_version=schema,
+            )
+        except RecordRejected:
+            raise
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+            raise RecordRejected("malformed", f"bad header: {e}") from e
+
+
+def _nonneg_int(x: Any) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ValueError(f"expected a non-negative integer, got {x!r}")
+    return x
+
+
+class RecordRejected(ValueError):
+    """A rollout record failed validation; ``reason`` is the counter it is filed under.
+
+    Args:
+        reason: one of ``REJECT_REASONS``.
+        detail: human-readable detail.
+    """
+
+    def __init__(self, reason: str, detail: str = ""):
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+REJECT_REASONS = (
+    "oversize",
+    "malformed",
+    "digest",
+    "schema",
+    "length_mismatch",
+    "fingerprint",
+    "task",
+    "group_size",
+    "vocab",
+    "nonfinite",
+    "finish_reason",
+    "version",
+    "prompt",
+)
+
+
+def validate_record(
+    rec: RolloutRecord,
+    contract: RunContract,
+    *,
+    current_version: int | None = None,
+    max_prompt_tokens: int = 4096,
+) -> None:
+    """Check a decoded record against the run contract; raise ``RecordRejected`` on any problem.
+
+    Args:
+        rec: the decoded record.
+        contract: the run contract.
+        current_version: the trainer's version; records claiming a future version are rejected.
+        max_prompt_tokens: prompts longer than this are rejected as oversize.
+    """
+    if rec.contract_fingerprint != contract.fingerprint():
+        raise RecordRejected("fingerprint", f"record {rec.contract_fingerprint} != run {contract.fingerprint()}")
+    if rec.task_id != contract.task_id:
+        raise RecordRejected("task", f"task {rec.task_id!r} != {contract.task_id!r}")
+    if len(rec.samples) != contract.n_samples:
+        raise RecordRejected("group_size", f"{len(rec.samples)} samples, contract n={contract.n_samples}")
+    if rec.policy_version < 1 or (current_version is not None and rec.policy_version > current_version):
+        raise RecordRejected("version", f"policy version {rec.policy_version}")
+    vocab = contract.model.vocab_size
+    if rec.prompt_tokens.size == 0 or rec.prompt_tokens.size > max_prompt_tokens:
+        raise RecordRejected("oversize" if rec.prompt_tokens.size else "prompt", "prompt length out of range")
+    if rec.prompt_tokens.min() < 0 or rec.prompt_tokens.max() >= vocab:
+        raise RecordRejected("vocab", "prompt token id outside the vocabulary")
+    max_new = contract.sampling.max_new_tokens
+    for i, s in enumerate(rec.samples):
+        if s.tokens.size != s.logprobs.size:
+            raise RecordRejected("length_mismatch", f"sample {i}: {s.tokens.size} tokens, {s.logprobs.size} logprobs")
+        if s.tokens.size == 0 or s.tokens.size > max_new:
+            raise RecordRejected("oversize", f"sample {i}: {s.tokens.size} tokens (max_new_tokens={max_new})")
+        if s.tokens.min() < 0 or s.tokens.max() >= vocab:
+            raise RecordRejected("vocab", f"sample {i}: token id outside the vocabulary")
+        if not np.all(np.isfinite(s.logprobs)) or np.any(s.logprobs > 1e-4):
+            raise RecordRejected("nonfinite", f"sample {i}: logprobs must be finite and <= 0")
+        if not math.isfinite(s.reward):
+            raise RecordRejected("nonfinite", f"sample {i}: reward is not finite")
+        if s.finish_reason not in FINISH_REASONS:
+            raise RecordRejected("finish_reason", f"sample {i}: {s.finish_reason!r}")

@@ -1,0 +1,122 @@
+"""The trainer's policy: fp32 master weights, completion logprobs for packed sequences, weight export."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Packed:
+    """A micro-batch of (prompt + completion) sequences, right-padded, with gather indices.
+
+    ``pos[b, t]`` is the position whose output predicts completion token ``t`` of row ``b``.
+    """
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    pos: torch.Tensor  # [B, T]
+    targets: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T] float, 1 on real completion tokens
+
+
+def pack(prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], t_max: int, device: torch.device) -> Packed:
+    """Right-pad prompt+completion sequences and build the completion gather indices.
+
+    Args:
+        prompts: prompt token ids per row.
+        completions: completion token ids per row (non-empty).
+        t_max: width of the completion axis (>= longest completion).
+        device: where to put the tensors.
+    """
+    b = len(prompts)
+    seq_lens = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    width = max(seq_lens)
+    ids = np.zeros((b, width), dtype=np.int64)
+    am = np.zeros((b, width), dtype=np.int64)
+    pos = np.zeros((b, t_max), dtype=np.int64)
+    tgt = np.zeros((b, t_max), dtype=np.int64)
+    msk = np.zeros((b, t_max), dtype=np.float32)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        lp, lc = len(p), len(c)
+        ids[i, :lp] = p
+        ids[i, lp : lp + lc] = c
+        am[i, : lp + lc] = 1
+        pos[i, :lc] = np.arange(lp - 1, lp + lc - 1)
+        tgt[i, :lc] = c
+        msk[i, :lc] = 1.0
+    t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return Packed(t(ids), t(am), t(pos), t(tgt), t(msk))
+
+
+class Policy:
+    """An HF causal LM in fp32 (master weights) that scores completions.
+
+    Args:
+        model_dir: HF directory (config + safetensors).
+        device: torch device.
+        temperature: logits are divided by it before log-softmax (must match the workers').
+        gradient_checkpointing: recompute activations during backward.
+        trainable: whether parameters get gradients (False for the frozen reference).
+    """
+
+    def __init__(self, model_dir: str | Path, device: torch.device, *, temperature: float = 1.0,
+                 gradient_checkpointing: bool = False, trainable: bool = True):
+        from transformers import AutoModelForCausalLM
+
+        self.device = device
+        self.temperature = temperature
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        self.model.config.use_cache = False
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train(trainable)
+        for p in self.model.parameters():
+            p.requires_grad_(trainable)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        # Autocast to bf16 on CUDA; master weights and the loss stay fp32.
+        self.autocast = device.type == "cuda"
+
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Trainable parameters by name (tied weights appear once)."""
+        return dict(self.model.named_parameters())
+
+    def logprobs(self, batch: Packed) -> torch.Tensor:
+        """Log-probabilities [B, T] of each completion token under the temperature-scaled policy.
+
+        The LM head runs only on the completion positions, which saves the vocabulary
+        projection of every prompt token.
+
+        Args:
+            batch: a packed micro-batch.
+        """
+        decoder = self.model.get_decoder()
+        head = self.model.get_output_embeddings()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+            idx = batch.pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+            h = torch.gather(hidden, 1, idx)
+            logits = head(h).float()
+        logp = torch.log_softmax(logits / self.temperature, dim=-1)
+        return torch.gather(logp, -1, batch.targets.unsqueeze(-1)).squeeze(-1) * batch.mask
+
+    def export_f32(self) -> dict[str, np.ndarray]:
+        """Copy the master weights out as float32 numpy arrays (names as ``named_parameters``)."""
+        return {k: p.detach().float().cpu().numpy() for k, p in self.model.named_parameters()}
+
+    def load_f32(self, named: dict[str, np.ndarray]) -> None:
+        """Overwrite the parameters from float32 arrays (e.g. when resuming).
+
+        Args:
+            named: parameter name -> array.
+        """
+        params = self.named_parameters()
+        if set(params) != set(named):
+            raise ValueError("checkpoint tensors do not match the model's parameters")
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(torch.from_numpy(named[k]).to(p.device))

@@ -1,0 +1,231 @@
+"""Torch generation engine: batched group sampling with a shared-prefix KV cache and exact logprobs."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Completion:
+    """One sampled completion with the behaviour logprob of each token."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass
+class GenStats:
+    """Timing and size figures of one ``generate`` call."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    new_tokens: int = 0
+    steps: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def sampling_logprobs_torch(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Log-probabilities of the sampling distribution (temperature, then top-p, renormalised).
+
+    Mirrors ``stoa.worker.sampling.sampling_logprobs_np`` exactly in its choice of nucleus.
+
+    Args:
+        logits: [N, V] float32 logits.
+        temperature: divides the logits.
+        top_p: nucleus mass in (0, 1].
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return logp
+    sorted_lp, order = torch.sort(logp, dim=-1, descending=True, stable=True)
+    sorted_p = sorted_lp.exp()
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, before >= top_p)
+    return torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+
+
+def resolve_device(device: str) -> torch.device:
+    """Map ``auto`` to cuda when available, else cpu.
+
+    Args:
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class TorchEngine:
+    """Samples groups of completions from an HF causal LM held in float32 (bf16 on CUDA).
+
+    Args:
+        model_dir: HF directory with config.json (weights optional: ``load_weights`` fills them).
+        device: torch device string.
+        threads: CPU threads (0 keeps torch's default).
+    """
+
+    def __init__(self, model_dir: str | Path, device: str = "auto", threads: int = 0):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = resolve_device(device)
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        config = AutoConfig.from_pretrained(model_dir)
+        has_weights = any(Path(model_dir).glob("*.safetensors"))
+        if has_weights:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self._setup(model)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> TorchEngine:
+        """Wrap an already loaded HF model (e.g. the trainer's policy, for evaluation).
+
+        Args:
+            model: an HF causal LM; its device and dtype are kept.
+        """
+        self = cls.__new__(cls)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self._setup(model)
+        return self
+
+    def _setup(self, model: torch.nn.Module) -> None:
+        self.model = model.to(self.device, self.dtype).eval()
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        params = inspect.signature(self.model.forward).parameters
+        # transformers >= 5.x renamed past_key_values to cache.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def load_weights(self, named: Mapping[str, np.ndarray]) -> None:
+        """Copy float32 arrays into the model's parameters (names as in ``named_parameters``).
+
+        Args:
+            named: parameter name -> float32 array of the parameter's shape.
+
+        Raises:
+            ValueError: on a missing, unexpected or misshaped tensor (never loads partially).
+        """
+        params = dict(self.model.named_parameters())
+        missing = sorted(set(params) - set(named))
+        extra = sorted(set(named) - set(params))
+        if missing or extra:
+            raise ValueError(f"weights do not match the model: missing={missing[:5]} unexpected={extra[:5]}")
+        for name, p in params.items():
+            if tuple(named[name].shape) != tuple(p.shape):
+                raise ValueError(f"{name}: shape {named[name].shape} != model {tuple(p.shape)}")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(torch.from_numpy(np.ascontiguousarray(named[name])).to(p.device, p.dtype))
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        eos_ids: Sequence[int] = (),
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+    ) -> tuple[list[list[Completion]], GenStats]:
+        """Sample ``n`` completions for each prompt; each prompt is prefilled once and its KV shared.
+
+        Args:
+            prompts: token ids of each prompt (one group per prompt).
+            n: completions per prompt.
+            max_new_tokens: length cap.
+            temperature: sampling temperature.
+            top_p: nucleus mass.
+            eos_ids: tokens that end a completion (included in the completion).
+            generator: torch RNG for reproducible sampling.
+            greedy: take the argmax instead of sampling (for evaluation); logprobs stay those of
+                the temperature/top-p distribution.
+
+        Returns:
+            per prompt, its ``n`` completions; and timing figures.
+        """
+        stats = GenStats()
+        dev = self.device
+        k = len(prompts)
+        lens = [len(p) for p in prompts]
+        if k == 0 or min(lens) == 0:
+            raise ValueError("every prompt needs at least one token")
+        width = max(lens)
+        ids = torch.zeros((k, width), dtype=torch.long)
+        mask = torch.zeros((k, width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding keeps every row's last token at the end
+            ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+        t0 = time.perf_counter()
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: cache})
+        logits = out.logits[:, -1, :].float()
+        # Share the prompt's KV: one prefill per group, then n rows per group.
+        cache.batch_repeat_interleave(n)
+        logits = logits.repeat_interleave(n, dim=0)
+        mask = mask.repeat_interleave(n, dim=0)
+        next_pos = pos[:, -1:].repeat_interleave(n, dim=0) + 1
+        stats.prefill_s = time.perf_counter() - t0
+
+        rows = k * n
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        lps: list[list[float]] = [[] for _ in range(rows)]
+        finish = ["length"] * rows
+        active = torch.arange(rows, device=dev)
+        eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
+        t1 = time.perf_counter()
+        for step in range(max_new_tokens):
+            logp = sampling_logprobs_torch(logits, temperature, top_p)
+            if greedy:
+                tok = logp.argmax(dim=-1)
+            else:
+                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+            stats.steps += 1
+            done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(tok, dtype=torch.bool)
+            act_l, tok_l, lp_l, done_l = active.tolist(), tok.tolist(), tok_lp.tolist(), done.tolist()
+            for r, t, lp, d in zip(act_l, tok_l, lp_l, done_l, strict=True):
+                tokens[r].append(t)
+                lps[r].append(lp)
+                if d:
+                    finish[r] = "stop"
+            stats.new_tokens += len(act_l)
+            if step == max_new_tokens - 1:
+                break
+            keep = ~done
+            if not bool(keep.any()):
+                break
+            if not bool(keep.all()):  # drop finished rows from the batch and the cache
+                sel = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(sel)
+                active, tok, mask, next_pos = active[sel], tok[sel], mask[sel], next_pos[sel]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                             use_cache=True, **{self._cache_kw: cache})
+            logits = out.logits[:, -1, :].float()
+            next_pos = next_pos + 1
+        stats.decode_s = time.perf_counter() - t1
+        groups = [
+            [Completion(tokens[g * n + j], lps[g * n + j], finish[g * n + j]) for j in range(n)]
+            for g in range(k)
+        ]
+        return groups, stats
