@@ -1,0 +1,91 @@
+"""Tasks: prompts addressed by stable ids and exact reward functions, shared by workers and trainer."""
+
+from __future__ import annotations
+
+from stoa.tasks.arithmetic import ArithmeticTask
+from stoa.tasks.base import Prompt, PromptIdError, Task, coerce_options
+from stoa.tasks.extract import answers_match, extract_answer, normalize_number
+from stoa.tasks.gsm8k import GSM8KTask
+
+__all__ = [
+    "TASKS",
+    "ArithmeticTask",
+    "GSM8KTask",
+    "Prompt",
+    "PromptIdError",
+    "Task",
+    "answers_match",
+    "extract_answer",
+    "get_task",
+    "load_task",
+    "normalize_number",
+    "parse_task_spec",
+]
+
+# Task name -> class; each class declares its options (name -> type) in OPTIONS.
+TASKS: dict[str, type[ArithmeticTask] | type[GSM8KTask]] = {
+    "arithmetic": ArithmeticTask,
+    "gsm8k": GSM8KTask,
+}
+
+
+def _task_class(name: str) -> type[ArithmeticTask] | type[GSM8KTask]:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}") from None
+
+
+def get_task(name: str, **options: object) -> Task:
+    """Build a task by name.
+
+    Args:
+        name: "arithmetic" or "gsm8k".
+        **options: the task's options; strings are converted to the option's type ("2" -> 2).
+
+    Raises:
+        ValueError: unknown task (the message lists the known ones), unknown option or bad value
+            (the message names the option).
+    """
+    cls = _task_class(name)
+    kwargs = coerce_options(name, cls.OPTIONS, options)
+    return cls(**kwargs)
+
+
+def parse_task_spec(spec: str) -> tuple[str, dict[str, object]]:
+    """Parse "name" or "name:key=value,key=value" into (name, options with coerced types).
+
+    The value is everything after the first "=" up to the next ",", with surrounding spaces
+    removed, so values cannot contain commas. Example: "arithmetic:digits=2,ops=+-" ->
+    ("arithmetic", {"digits": 2, "ops": "+-"}).
+
+    Args:
+        spec: the task spec string, e.g. from a command line.
+
+    Raises:
+        ValueError: unknown task, malformed item, repeated, unknown or badly typed option.
+    """
+    name, sep, rest = spec.strip().partition(":")
+    name = name.strip()
+    cls = _task_class(name)
+    raw: dict[str, object] = {}
+    if sep and rest.strip():
+        for item in rest.split(","):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or not key:
+                raise ValueError(f"task spec {spec!r}: expected key=value, got {item.strip()!r}")
+            if key in raw:
+                raise ValueError(f"task spec {spec!r}: option {key!r} given twice")
+            raw[key] = value.strip()
+    return name, coerce_options(name, cls.OPTIONS, raw)
+
+
+def load_task(spec: str) -> Task:
+    """Build a task from a spec string such as "gsm8k:path=/data/gsm8k/train.jsonl".
+
+    Args:
+        spec: see `parse_task_spec`.
+    """
+    name, options = parse_task_spec(spec)
+    return get_task(name, **options)
