@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ class PoolStats:
     rejected: collections.Counter = field(default_factory=collections.Counter)
     dropped_stale: int = 0
     reward_mismatch: int = 0
+    filtered: int = 0
 
 
 class RecordPool:
@@ -127,14 +129,25 @@ class RecordPool:
         """Number of groups that can still be used."""
         return sum(1 for e in self.entries.values() if e.uses < self.reuse_cap)
 
-    def take(self, count: int) -> list[Entry]:
+    def take(self, count: int, keep: Callable[[np.ndarray], bool] | None = None) -> list[Entry]:
         """Take up to ``count`` groups: least used first, then freshest; charge one use each.
 
         Args:
             count: groups wanted.
+            keep: the algorithm's group filter on a group's rewards [n]; groups it rejects are
+                dropped from the pool (counted as ``filtered``) and not charged.
         """
-        pool = sorted((e for e in self.entries.values() if e.uses < self.reuse_cap),
-                      key=lambda e: (e.uses, -e.record.policy_version, e.key))[:count]
+        ranked = sorted((e for e in self.entries.values() if e.uses < self.reuse_cap),
+                        key=lambda e: (e.uses, -e.record.policy_version, e.key))
+        pool = []
+        for e in ranked:
+            if len(pool) == count:
+                break
+            if keep is not None and not keep(e.rewards):
+                del self.entries[e.key]
+                self.stats.filtered += 1
+                continue
+            pool.append(e)
         for e in pool:
             e.uses += 1
             self.uses[e.key] = e.uses

@@ -1,0 +1,35 @@
+"""``stoa model``: import a GGUF into an HF directory, or pull a known model into the cache."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``model`` command with ``import-gguf`` and ``pull``.
+
+    Args:
+        sub: the top-level subparsers.
+    """
+    p = sub.add_parser("model", help="import or pull models", description=__doc__)
+    msub = p.add_subparsers(dest="model_command", metavar="ACTION")
+    msub.required = True
+    imp = msub.add_parser("import-gguf", help="convert a GGUF file into an HF (safetensors) directory")
+    imp.add_argument("file", help="the .gguf file")
+    imp.add_argument("outdir", help="directory to create")
+    imp.set_defaults(func=lambda a: _import(a))
+    pull = msub.add_parser("pull", help="fetch and convert a known model into the cache (e.g. smollm2-135m)")
+    pull.add_argument("name", help="model name, e.g. smollm2-135m or tiny")
+    pull.set_defaults(func=lambda a: _pull(a))
+
+
+def _import(args: argparse.Namespace) -> int:
+    from stoa.models import import_gguf_cli
+
+    return import_gguf_cli(args.file, args.outdir)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from stoa.models import pull_cli
+
+    return pull_cli(args.name)

@@ -1,0 +1,114 @@
+"""``stoa quickstart``: a local bucket, one trainer and N worker processes, with live progress."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from stoa.config import TrainerConfig, load_config
+
+# Defaults sized so the whole run finishes within ~20 minutes on a 2-core CPU with SmolLM2-135M.
+DEFAULTS = {"model": "smollm2-135m", "task": "arithmetic", "steps": 12, "workers": 2}
+PRESETS = {
+    # Short completions and small batches: arithmetic answers need few tokens.
+    "smollm2-135m": {"n_samples": 8, "groups_per_step": 4, "max_new_tokens": 16, "lr": 3e-6, "eval_n": 100,
+                     "micro_batch": 16, "checkpoint_every": 4, "kl_beta": 0.0},
+    "tiny": {"n_samples": 4, "groups_per_step": 4, "max_new_tokens": 8, "lr": 1e-3, "eval_n": 16,
+             "micro_batch": 16, "checkpoint_every": 1},
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``quickstart`` command.
+
+    Args:
+        sub: the top-level subparsers.
+    """
+    p = sub.add_parser("quickstart", help="run trainer + workers on a local bucket", description=__doc__)
+    p.add_argument("--workers", type=int, default=DEFAULTS["workers"], help="worker processes [default: 2]")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps [default: 12]")
+    p.add_argument("--model", default=DEFAULTS["model"], help="model name or path [default: smollm2-135m]")
+    p.add_argument("--task", default=DEFAULTS["task"], help="task spec [default: arithmetic]")
+    p.add_argument("--dir", default="./stoa-quickstart", help="local bucket directory [default: ./stoa-quickstart]")
+    p.add_argument("--run", default="", help="run id [default: quickstart-<time>]")
+    p.add_argument("--algorithm", default="grpo", help="grpo, dr_grpo, dapo, gspo, rloo, cispo [default: grpo]")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any trainer setting, e.g. --set lr=1e-5 (repeatable)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the workers, run the trainer in this process, stop the workers, print a summary.
+
+    Args:
+        args: parsed arguments.
+    """
+    from stoa.config import ConfigError, _parse_scalar
+    from stoa.trainer.loop import run_trainer
+
+    if args.workers < 1:
+        raise ConfigError("workers", "must be >= 1")
+    if args.steps < 1:
+        raise ConfigError("steps", "must be >= 1")
+    run_id = args.run or time.strftime("quickstart-%Y%m%d-%H%M%S")
+    preset = PRESETS["tiny" if args.model.startswith("tiny") else "smollm2-135m"]
+    overrides = {**preset, "bucket": args.dir, "run": run_id, "model": args.model, "task": args.task,
+                 "steps": args.steps, "algorithm": args.algorithm, "max_wait_seconds": 900.0}
+    for item in args.set:
+        if "=" not in item:
+            raise ConfigError("set", f"expected KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        overrides[k.strip().replace("-", "_")] = _parse_scalar(v.strip())
+    cfg = load_config(TrainerConfig, overrides=overrides, env={})
+    from stoa.models import resolve_model
+
+    print(f"[quickstart] run {run_id} in {Path(args.dir).resolve()} with {args.workers} workers, "
+          f"model {args.model}, task {args.task}, {args.steps} steps")
+    resolve_model(cfg.model)  # fetch/convert once, before workers start
+    log_dir = Path(args.dir) / "runs" / run_id / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 2) // (args.workers + 1))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    workers = []
+    for i in range(args.workers):
+        cmd = [sys.executable, "-m", "stoa", "worker", "--bucket", args.dir, "--run", run_id,
+               "--name", f"qs{i}", "--engine", "torch", "--threads", str(threads), "--wait-seconds", "900"]
+        fh = open(log_dir / f"worker{i}.log", "w")  # noqa: SIM115 - closed below
+        workers.append((subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env), fh))
+    t0 = time.perf_counter()
+    try:
+        summary = run_trainer(cfg)
+    finally:
+        for proc, _ in workers:
+            proc.terminate()
+        for proc, fh in workers:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            fh.close()
+    wall = time.perf_counter() - t0
+    _print_summary(summary, wall, Path(args.dir), run_id)
+    return 0
+
+
+def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
+    from stoa.metrics import read_metrics
+
+    rows = read_metrics(root / "runs" / run_id / "metrics" / "trainer.jsonl")
+    steps = [r for r in rows if "train/loss" in r]
+    records = sum(r.get("rollout/accepted", 0) for r in steps)
+    evals = summary.get("evals", [])
+    print("\n[quickstart] summary")
+    print(f"  run            {run_id}  ({root.resolve() / 'runs' / run_id})")
+    print(f"  steps          {summary.get('step')} (now at v{summary.get('version')})")
+    print(f"  wall time      {wall / 60:.1f} min")
+    print(f"  records/s      {records / wall:.3f} groups/s")
+    if steps:
+        print(f"  reward mean    first {steps[0]['rollout/reward_mean']:.3f} -> last {steps[-1]['rollout/reward_mean']:.3f}")
+    if evals:
+        print(f"  held-out acc   before {evals[0]['accuracy']:.3f} -> after {evals[-1]['accuracy']:.3f}")

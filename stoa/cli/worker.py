@@ -1,0 +1,38 @@
+"""``stoa worker``: pull the current policy, sample groups, upload records; safe to kill any time."""
+
+from __future__ import annotations
+
+import argparse
+
+from stoa.config import WorkerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``worker`` command.
+
+    Args:
+        sub: the top-level subparsers.
+    """
+    p = sub.add_parser("worker", help="run a rollout worker", description=__doc__)
+    p.add_argument("--config", help="TOML file with worker settings (flags override it)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
+    add_config_flags(p, WorkerConfig)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Resolve the config and run the worker.
+
+    Args:
+        args: parsed arguments.
+    """
+    cfg = load_config(WorkerConfig, toml_path=args.config, overrides=overrides_from_args(args, WorkerConfig))
+    if args.dry_run:
+        print(config_to_toml(cfg), end="")
+        return 0
+    from stoa.worker.loop import run_worker
+
+    s = run_worker(cfg)
+    print(f"[worker {s['worker_id']}] done: {s['groups']} groups, {s['tokens']} tokens, "
+          f"{s['tokens_per_s']:.1f} tok/s, versions {s['versions']}")
+    return 0

@@ -1,0 +1,174 @@
+"""The worker loop: check the contract, sync weights, sample groups, upload one record per group."""
+
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stoa.bucket import BucketError, open_bucket
+from stoa.config import WorkerConfig
+from stoa.metrics import MetricsWriter, default_log_dir
+from stoa.records import ContractMismatch, RolloutRecord, RunContract, Sample, rollout_key
+from stoa.runfiles import download_model_files, wait_for_contract
+
+
+def default_engine() -> str:
+    """``mlx`` on Apple silicon, ``torch`` elsewhere."""
+    return "mlx" if platform.system() == "Darwin" and platform.machine() == "arm64" else "torch"
+
+
+def worker_id(label: str) -> str:
+    """A unique, key-safe worker id: the label (or host name) plus a random suffix.
+
+    Args:
+        label: user-given label, may be empty.
+    """
+    base = label or socket.gethostname()
+    base = "".join(c if c.isalnum() or c in "-_." else "-" for c in base)[:40].strip("-.") or "worker"
+    return f"{base}-{secrets.token_hex(3)}"
+
+
+def check_model(model_dir: Path, contract: RunContract) -> None:
+    """Refuse a model directory whose config or tokenizer differs from the contract, naming the field.
+
+    Args:
+        model_dir: the local model directory.
+        contract: the run contract.
+    """
+    from stoa.models import model_fingerprint
+
+    fp = model_fingerprint(model_dir)
+    bad = [f"model.{k}" for k in ("config_hash", "tokenizer_hash", "architecture")
+           if getattr(fp, k) != getattr(contract.model, k)]
+    if bad:
+        raise ContractMismatch(bad, f"model at {model_dir} does not match run {contract.run_id!r}")
+
+
+def make_engine(name: str, model_dir: Path, cfg: WorkerConfig):
+    """Build the generation engine.
+
+    Args:
+        name: ``torch`` or ``mlx``.
+        model_dir: model directory (config + tokenizer; weights come from the bucket).
+        cfg: worker config (device, threads).
+    """
+    if name == "mlx":
+        from stoa.worker.engine_mlx import MLXEngine
+
+        return MLXEngine(model_dir)
+    from stoa.worker.engine_torch import TorchEngine
+
+    return TorchEngine(model_dir, device=cfg.device, threads=cfg.threads)
+
+
+def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
+    """Sample and upload groups until ``cfg.max_groups`` (or forever). Safe to kill at any moment.
+
+    Args:
+        cfg: validated worker config.
+        echo: where progress lines go.
+
+    Returns:
+        a summary (groups, tokens, tokens/s, versions seen).
+    """
+    from stoa.tasks import get_task
+    from stoa.tokenize import TextCodec
+    from stoa.weights.store import WeightSync
+
+    bucket = open_bucket(cfg.bucket)
+    wid = worker_id(cfg.name)
+    contract = wait_for_contract(bucket, cfg.run, cfg.wait_seconds, echo=echo)
+    cache = Path(os.environ.get("STOA_CACHE", Path.home() / ".cache" / "stoa")) / "runs" / cfg.run / f"model-{wid}"
+    model_dir = Path(cfg.model) if cfg.model else download_model_files(bucket, cfg.run, cache)
+    check_model(model_dir, contract)
+    engine_name = default_engine() if cfg.engine == "auto" else cfg.engine
+    engine = make_engine(engine_name, model_dir, cfg)
+    codec = TextCodec(model_dir)
+    task = get_task(contract.task_id, **dict(contract.task_spec))
+    sync = WeightSync(bucket, cfg.run, contract.plane)
+    version = _sync(sync, engine, contract, cfg, echo, current=None)
+    metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / f"worker-{wid}.jsonl", wid)
+    rng = np.random.default_rng(None if cfg.seed < 0 else cfg.seed)
+    gen = _torch_generator(engine_name, cfg.seed)
+    sp = contract.sampling
+    fingerprint = contract.fingerprint()
+    echo(f"[worker {wid}] engine {engine_name}, run {cfg.run}, v{version}, n={contract.n_samples}")
+    seq, total_tokens, t_start = 0, 0, time.perf_counter()
+    versions_seen = {version}
+    while cfg.max_groups == 0 or seq < cfg.max_groups:
+        version = _sync(sync, engine, contract, cfg, echo, current=version)
+        versions_seen.add(version)
+        k = cfg.groups_in_flight if cfg.max_groups == 0 else min(cfg.groups_in_flight, cfg.max_groups - seq)
+        prompts = [task.sample_train(rng) for _ in range(k)]
+        prompt_ids = [codec.encode_prompt(p.messages) for p in prompts]
+        t0 = time.perf_counter()
+        groups, st = engine.generate(prompt_ids, contract.n_samples, max_new_tokens=sp.max_new_tokens,
+                                     temperature=sp.temperature, top_p=sp.top_p, eos_ids=contract.model.eos_token_ids,
+                                     generator=gen)
+        gen_s = time.perf_counter() - t0
+        for prompt, ids, comps in zip(prompts, prompt_ids, groups, strict=True):
+            samples = [Sample(np.array(c.tokens, np.int32), np.array(c.logprobs, np.float32),
+                              task.reward(prompt, codec.decode(c.tokens)), c.finish_reason) for c in comps]
+            rec = RolloutRecord(worker_id=wid, seq=seq, policy_version=version, contract_fingerprint=fingerprint,
+                                task_id=task.id, prompt_id=prompt.id, prompt_tokens=np.array(ids, np.int32),
+                                samples=samples, sampling={"temperature": sp.temperature, "top_p": sp.top_p},
+                                timings={"generate_s": gen_s / k}, created_at=time.time())
+            bucket.put_create(rollout_key(cfg.run, version, wid, seq), rec.encode())
+            seq += 1
+            metrics.log({"worker/version": version, "worker/reward_mean": float(np.mean([s.reward for s in samples])),
+                         "worker/tokens": sum(len(c.tokens) for c in comps)}, step=seq)
+        total_tokens += st.new_tokens
+        metrics.log({"worker/tokens_per_s": st.new_tokens / gen_s if gen_s else 0.0, "worker/prefill_s": st.prefill_s,
+                     "worker/decode_s": st.decode_s, "worker/version": version})
+    metrics.close()
+    dt = time.perf_counter() - t_start
+    return {"worker_id": wid, "groups": seq, "tokens": total_tokens, "tokens_per_s": total_tokens / dt if dt else 0.0,
+            "versions": sorted(versions_seen)}
+
+
+def _torch_generator(engine_name: str, seed: int):
+    if engine_name != "torch":
+        return None
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed if seed >= 0 else secrets.randbits(62))
+    return g
+
+
+def _sync(sync, engine, contract: RunContract, cfg: WorkerConfig, echo, current: int | None) -> int:
+    """Adopt the newest verified weights; wait for the first version; keep the old ones on failure."""
+    from stoa.weights.planes import state_to_f32
+
+    deadline = time.monotonic() + cfg.wait_seconds
+    while True:
+        try:
+            pointer = sync.poll()
+            if pointer is not None and (current is None or pointer.version > current):
+                version, state = sync.sync()
+                if hasattr(engine, "load_state"):
+                    engine.load_state(state, contract.plane)
+                else:
+                    engine.load_weights(state_to_f32(state, contract.plane))
+                m = sync.last_metrics if hasattr(sync, "last_metrics") else {}
+                echo(f"[worker] now at v{version} ({m.get('path', 'sync')}, {m.get('bytes', 0) / 1e6:.1f} MB)")
+                return version
+        except (BucketError, ValueError) as e:
+            if current is not None:  # keep sampling with the last verified weights, retry next time
+                echo(f"[worker] weight sync failed, keeping v{current}: {e}")
+                return current
+            if time.monotonic() > deadline:
+                raise
+            echo(f"[worker] weight sync failed, retrying: {e}")
+        if current is not None:
+            return current
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run {contract.run_id!r} published no weights within {cfg.wait_seconds:.0f}s")
+        time.sleep(cfg.poll_seconds)
