@@ -347,6 +347,18 @@ def test_arithmetic_option_validation(options: dict[str, object], names: str) ->
         get_task("arithmetic", **options)
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"digits": 3, "ops": "-*", "n_terms": 3, "seed": 5, "format_reward": 0.1}]
+)
+def test_arithmetic_spec_round_trip(options: dict[str, object]) -> None:
+    task = get_task("arithmetic", **options)
+    again = get_task("arithmetic", **task.spec())
+    assert again.spec() == task.spec()
+    assert [again.get(f"train:{i}") for i in range(5)] == [task.get(f"train:{i}") for i in range(5)]
+    with pytest.raises(ValueError, match="option 'prompt_version'"):
+        get_task("arithmetic", **{**task.spec(), "prompt_version": 999})
+
+
 def test_arithmetic_spec_is_json_and_canonical() -> None:
     spec = get_task("arithmetic", ops="*+-+", digits="3").spec()
     assert json.loads(json.dumps(spec)) == spec
@@ -420,12 +432,41 @@ def test_load_task_round_trip() -> None:
 
 @needs_gsm8k
 def test_gsm8k_counts_and_spec(gsm8k: GSM8KTask) -> None:
+    assert GSM8K_DIR is not None
     assert len(gsm8k.train) == 7473 and len(gsm8k.test) == 1319
     spec = gsm8k.spec()
     assert json.loads(json.dumps(spec)) == spec
     assert spec["n_train"] == 7473 and spec["n_test"] == 1319
     assert isinstance(spec["train_sha256"], str) and len(spec["train_sha256"]) == 64
-    assert "path" not in spec  # the location differs between machines; the fingerprint does not
+    assert spec["path"] == str((GSM8K_DIR / "train.jsonl").resolve())
+    assert spec["test_path"] == str((GSM8K_DIR / "test.jsonl").resolve())
+
+
+@needs_gsm8k
+def test_gsm8k_spec_round_trip(gsm8k: GSM8KTask) -> None:
+    # A worker rebuilds the task from the run contract's task spec.
+    again = get_task("gsm8k", **gsm8k.spec())
+    assert again.spec() == gsm8k.spec()
+    assert again.get("test:7") == gsm8k.get("test:7")
+
+
+def test_gsm8k_spec_checks_fail_closed(tmp_path: Path) -> None:
+    rows = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(4)]
+    _write_jsonl(tmp_path / "train.jsonl", rows)
+    _write_jsonl(tmp_path / "test.jsonl", rows[:1])
+    spec = GSM8KTask(path=str(tmp_path)).spec()
+    _write_jsonl(tmp_path / "train.jsonl", rows[::-1])  # same problems, another order: other ids
+    with pytest.raises(ValueError, match="option 'train_sha256'"):
+        get_task("gsm8k", **spec)
+    _write_jsonl(tmp_path / "train.jsonl", rows[:3])
+    with pytest.raises(ValueError, match="option 'n_train'"):
+        get_task("gsm8k", **spec)
+    with pytest.raises(ValueError, match="option 'prompt_version'"):
+        get_task("gsm8k", path=str(tmp_path), prompt_version=99)
+    (tmp_path / "test.jsonl").unlink()
+    no_test = GSM8KTask(path=str(tmp_path))
+    assert no_test.spec()["test_sha256"] == "" and "test_path" not in no_test.spec()
+    assert get_task("gsm8k", **no_test.spec()).spec() == no_test.spec()
 
 
 @needs_gsm8k
@@ -549,8 +590,14 @@ def test_gsm8k_hub_via_fake_datasets(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     train = _write_jsonl(tmp_path / "train.jsonl", rows["train"])
     _write_jsonl(tmp_path / "test.jsonl", rows["test"])
     local = GSM8KTask(path=str(train))
-    assert local.spec() == hub.spec()
     assert local.heldout(1) == hub.heldout(1)
+    data_keys = ["n_train", "n_test", "train_sha256", "test_sha256", "prompt_version", "answer_format"]
+    assert {k: local.spec()[k] for k in data_keys} == {k: hub.spec()[k] for k in data_keys}
+    assert hub.spec()["hf"] == "openai/gsm8k" and hub.spec()["hf_config"] == "main"
+    # A worker that reads a local copy can check it against a contract written from the hub.
+    checks = {k: hub.spec()[k] for k in data_keys}
+    assert get_task("gsm8k", path=str(train), **checks).get("train:1") == hub.get("train:1")
+    assert get_task("gsm8k", **hub.spec()).spec() == hub.spec()
 
     def failing(name: str, config: str, split: str) -> list[dict[str, str]]:
         raise ConnectionError("hub unreachable")

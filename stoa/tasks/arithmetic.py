@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from stoa.tasks.base import Prompt, chat_messages, format_prompt_id, parse_prompt_id
+from stoa.tasks.base import Prompt, chat_messages, check_prompt_version, format_prompt_id, parse_prompt_id
 from stoa.tasks.extract import EXTRACT_VERSION, answers_match, extract_answer, normalize_number
 
 __all__ = ["ArithmeticTask"]
@@ -91,6 +91,8 @@ class ArithmeticTask:
         seed: selects which problems the ids map to.
         format_reward: reward for a wrong answer given as just a number (default 0: exact only).
         system: optional system message (default none).
+        prompt_version: if given, must equal this code's prompt version (a check; spec() has it,
+            so `get_task("arithmetic", **task.spec())` rebuilds the task and fails on a mismatch).
     """
 
     id: str = "arithmetic"
@@ -102,6 +104,7 @@ class ArithmeticTask:
         "seed": int,
         "format_reward": float,
         "system": str,
+        "prompt_version": int,
     }
 
     def __init__(
@@ -112,7 +115,9 @@ class ArithmeticTask:
         seed: int = 0,
         format_reward: float = 0.0,
         system: str = "",
+        prompt_version: int | None = None,
     ) -> None:
+        check_prompt_version(self.id, prompt_version, _PROMPT_VERSION)
         if not 1 <= digits <= _MAX_DIGITS:
             raise ValueError(f"arithmetic: option 'digits' must be in [1, {_MAX_DIGITS}], got {digits}")
         bad = sorted(set(ops) - set(_ALL_OPS))

@@ -14,6 +14,7 @@ __all__ = [
     "PromptIdError",
     "Task",
     "chat_messages",
+    "check_prompt_version",
     "coerce_options",
     "format_prompt_id",
     "parse_prompt_id",
@@ -115,6 +116,24 @@ def parse_prompt_id(task_id: str, prompt_id: str, splits: tuple[str, ...]) -> tu
             f"{task_id}: unknown split {split!r} in prompt id {prompt_id!r}; known: {list(splits)}"
         )
     return split, int(m.group("index"))
+
+
+def check_prompt_version(task_id: str, given: int | None, current: int) -> None:
+    """Fail when a run was started with prompts of another version than this code builds.
+
+    Args:
+        task_id: task name, used in the error message.
+        given: the `prompt_version` option (from a run contract's task spec), or None for no check.
+        current: the version this code builds.
+
+    Raises:
+        ValueError: `given` is set and differs from `current`; the message names the option.
+    """
+    if given is not None and given != current:
+        raise ValueError(
+            f"{task_id}: option 'prompt_version' is {given}, but this version of stoa builds {task_id} "
+            f"prompts of version {current}; use the stoa version the run was started with"
+        )
 
 
 def chat_messages(user: str, system: str = "") -> tuple[dict[str, str], ...]:

@@ -12,7 +12,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from stoa.tasks.base import Prompt, PromptIdError, chat_messages, format_prompt_id, parse_prompt_id
+from stoa.tasks.base import (
+    Prompt,
+    PromptIdError,
+    chat_messages,
+    check_prompt_version,
+    format_prompt_id,
+    parse_prompt_id,
+)
 from stoa.tasks.extract import EXTRACT_VERSION, answers_match, extract_answer, normalize_number
 
 __all__ = ["GSM8KTask", "Problem", "load_hf", "load_jsonl", "parse_gsm8k_answer"]
@@ -132,8 +139,11 @@ class GSM8KTask:
     """GSM8K: grade-school math word problems with integer answers, verified exactly.
 
     Prompt ids are "train:<i>" / "test:<i>", i the 0-based record index in the split's file (blank
-    lines skipped) or hub split. spec() carries a fingerprint of the data, not its location, so a
-    worker reading a local copy and a trainer reading the hub agree exactly when the data do.
+    lines skipped) or hub split.
+
+    spec() names the source (the resolved local files, or the hub dataset) and a SHA-256 fingerprint
+    and count of each split, and feeding it back (`get_task("gsm8k", **task.spec())`) rebuilds the
+    task and checks that the data are the same, so a worker fails closed on a different copy.
 
     Args:
         path: local train jsonl, or a directory holding train.jsonl (and test.jsonl).
@@ -142,6 +152,11 @@ class GSM8KTask:
         hf_config: hub dataset config (default "main").
         answer_format: "hashes" (finish with "#### <number>", the default) or "boxed" (\\boxed{}).
         system: optional system message (default none).
+        prompt_version: if given, must equal this code's prompt version (a check, from spec()).
+        n_train: if given, the train split must have this many problems (a check, from spec()).
+        n_test: if given, the test split must have this many problems (a check, from spec()).
+        train_sha256: if given, the train split's fingerprint must equal it (a check, from spec()).
+        test_sha256: if given, the test split's fingerprint must equal it ("" for no test split).
     """
 
     id: str = "gsm8k"
@@ -153,6 +168,11 @@ class GSM8KTask:
         "hf_config": str,
         "answer_format": str,
         "system": str,
+        "prompt_version": int,
+        "n_train": int,
+        "n_test": int,
+        "train_sha256": str,
+        "test_sha256": str,
     }
 
     def __init__(
@@ -163,27 +183,34 @@ class GSM8KTask:
         hf_config: str = "main",
         answer_format: str = "hashes",
         system: str = "",
+        prompt_version: int | None = None,
+        n_train: int | None = None,
+        n_test: int | None = None,
+        train_sha256: str | None = None,
+        test_sha256: str | None = None,
     ) -> None:
         if answer_format not in _INSTRUCTIONS:
             raise ValueError(
                 f"gsm8k: option 'answer_format' must be one of {sorted(_INSTRUCTIONS)}, got {answer_format!r}"
             )
+        check_prompt_version(self.id, prompt_version, _PROMPT_VERSION)
         if path is not None and hf is not None:
             raise ValueError("gsm8k: give option 'path' (local jsonl) or option 'hf' (hub dataset), not both")
         if test_path is not None and path is None:
             raise ValueError("gsm8k: option 'test_path' needs option 'path' for the train split")
         self.answer_format = answer_format
         self.system = system
+        self._source: dict[str, object]
         self.test_source: str | None
         if path is not None:
-            train_file = Path(path).expanduser()
+            train_file = Path(path).expanduser().resolve()
             if train_file.is_dir():
                 train_file = train_file / "train.jsonl"
             if not train_file.is_file():
                 raise ValueError(f"gsm8k: option 'path': no such file: {train_file}")
             test_file: Path | None
             if test_path is not None:
-                test_file = Path(test_path).expanduser()
+                test_file = Path(test_path).expanduser().resolve()
                 if not test_file.is_file():
                     raise ValueError(f"gsm8k: option 'test_path': no such file: {test_file}")
             else:
@@ -193,23 +220,47 @@ class GSM8KTask:
             self.test: list[Problem] = load_jsonl(test_file) if test_file is not None else []
             self.train_source = str(train_file)
             self.test_source = str(test_file) if test_file is not None else None
+            self._source = {"path": self.train_source}
+            if self.test_source is not None:
+                self._source["test_path"] = self.test_source
         else:
             dataset = hf if hf is not None else _DEFAULT_HF
             self.train = load_hf(dataset, hf_config, "train")
             self.test = load_hf(dataset, hf_config, "test")
             self.train_source = f"hf:{dataset}/{hf_config}/train"
             self.test_source = f"hf:{dataset}/{hf_config}/test"
+            self._source = {"hf": dataset, "hf_config": hf_config}
         if not self.train:
             raise ValueError(f"gsm8k: the train split ({self.train_source}) is empty")
         self._train_sha256 = _fingerprint(self.train)
-        self._test_sha256 = _fingerprint(self.test) if self.test else None
+        self._test_sha256 = _fingerprint(self.test) if self.test else ""
+        expected = {
+            "n_train": n_train,
+            "n_test": n_test,
+            "train_sha256": train_sha256,
+            "test_sha256": test_sha256,
+        }
+        actual = {
+            "n_train": len(self.train),
+            "n_test": len(self.test),
+            "train_sha256": self._train_sha256,
+            "test_sha256": self._test_sha256,
+        }
+        for name, want in expected.items():
+            if want is not None and want != actual[name]:
+                raise ValueError(
+                    f"gsm8k: option {name!r}: expected {want!r} but the data loaded from "
+                    f"{self.train_source} / {self.test_source} give {actual[name]!r}; "
+                    "this is a different copy or order of GSM8K than the run was started with"
+                )
 
     def spec(self) -> dict[str, object]:
-        """JSON-able description of everything that determines prompts and rewards (data by fingerprint)."""
+        """JSON-able description of what determines prompts and rewards; `get_task("gsm8k", **spec)` rebuilds it."""
         return {
             "answer_format": self.answer_format,
             "system": self.system,
             "prompt_version": _PROMPT_VERSION,
+            **self._source,
             "n_train": len(self.train),
             "n_test": len(self.test),
             "train_sha256": self._train_sha256,
