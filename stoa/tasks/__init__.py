@@ -6,6 +6,7 @@ from stoa.tasks.arithmetic import ArithmeticTask
 from stoa.tasks.base import Prompt, PromptIdError, Task, coerce_options
 from stoa.tasks.extract import answers_match, extract_answer, normalize_number
 from stoa.tasks.gsm8k import GSM8KTask
+from stoa.tasks.toy import ToyTask
 
 __all__ = [
     "TASKS",
@@ -14,6 +15,7 @@ __all__ = [
     "Prompt",
     "PromptIdError",
     "Task",
+    "ToyTask",
     "answers_match",
     "extract_answer",
     "get_task",
@@ -23,13 +25,14 @@ __all__ = [
 ]
 
 # Task name -> class; each class declares its options (name -> type) in OPTIONS.
-TASKS: dict[str, type[ArithmeticTask] | type[GSM8KTask]] = {
+TASKS: dict[str, type[ArithmeticTask] | type[GSM8KTask] | type[ToyTask]] = {
     "arithmetic": ArithmeticTask,
     "gsm8k": GSM8KTask,
+    "toy": ToyTask,
 }
 
 
-def _task_class(name: str) -> type[ArithmeticTask] | type[GSM8KTask]:
+def _task_class(name: str) -> type[ArithmeticTask] | type[GSM8KTask] | type[ToyTask]:
     try:
         return TASKS[name]
     except KeyError:

@@ -42,7 +42,7 @@ def train_step(
     Returns:
         flat metrics without the ``train/`` prefix.
     """
-    from stoa.algorithms.torch_loss import LossInputs
+    from stoa.algorithms import LossInputs, combine_metrics
 
     t0 = time.perf_counter()
     rewards = np.stack([e.rewards for e in entries]).astype(np.float32)  # [G, n]
@@ -60,8 +60,7 @@ def train_step(
     normalizer = float(algo.normalizer(mask_all))
     order = sorted(range(len(rows)), key=lambda i: -(len(rows[i][0]) + len(rows[i][1])))
     dev = policy.device
-    sums: dict[str, float] = {}
-    weight_total = 0.0
+    parts: list[dict[str, float]] = []
     loss_total = 0.0
     n_tokens = int(mask_all.sum())
     for start in range(0, len(order), micro_batch):
@@ -83,22 +82,18 @@ def train_step(
             advantages=torch.tensor([r[3] for r in chunk], dtype=torch.float32, device=dev),
             mask=packed.mask,
             normalizer=normalizer,
-            version_lag=torch.tensor([r[4] for r in chunk], dtype=torch.long, device=dev),
+            version_lag=np.array([r[4] for r in chunk], dtype=np.int64),
         )
         loss, diag = algo.loss(inp)
         loss.backward()
         loss_total += float(loss.detach())
-        w = float(packed.mask.sum())
-        weight_total += w
-        for k, v in diag.items():
-            if isinstance(v, int | float | torch.Tensor):
-                sums[k] = sums.get(k, 0.0) + float(v) * w
+        parts.append(diag)
     params = [p for p in policy.model.parameters() if p.grad is not None]
     gn = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     opt.step()
     opt.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0
-    out = {k: v / max(weight_total, 1.0) for k, v in sums.items()}
+    out = combine_metrics(parts)
     out.update(
         loss=loss_total,
         grad_norm=float(gn),
