@@ -1,0 +1,41 @@
+"""Errors of the weight plane; each carries a machine-readable ``reason``."""
+
+from __future__ import annotations
+
+
+class WeightsError(Exception):
+    """Base class: something about published weights is wrong or unavailable.
+
+    Args:
+        reason: short machine-readable cause, e.g. ``"hash_mismatch"``.
+        detail: human-readable explanation.
+    """
+
+    def __init__(self, reason: str, detail: str = ""):
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+class PatchError(WeightsError):
+    """A PULSE patch cannot be applied; the state it was given is left untouched.
+
+    Reasons: ``bad_magic``, ``bad_format``, ``truncated``, ``checksum``, ``wrong_run``, ``wrong_plane``,
+    ``wrong_from_version``, ``base_mismatch``, ``tensor_mismatch``, ``hash_mismatch``.
+    """
+
+
+class AnchorError(WeightsError):
+    """An anchor checkpoint is malformed or does not match its manifest.
+
+    Reasons: ``bad_format``, ``truncated``, ``wrong_run``, ``wrong_plane``, ``wrong_version``,
+    ``tensor_mismatch``, ``hash_mismatch``.
+    """
+
+
+class SyncError(WeightsError):
+    """A worker could not reach verified weights for the requested version; retry later.
+
+    Reasons: ``no_pointer``, ``bad_pointer``, ``wrong_run``, ``wrong_plane``, ``unavailable``,
+    ``verification_failed``.
+    """

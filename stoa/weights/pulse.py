@@ -1,0 +1,460 @@
+"""PULSE patches: exact-bit sparse deltas between two published weight states."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import xxhash
+import zstandard
+
+from stoa.weights.errors import PatchError
+from stoa.weights.hashing import state_hash_from_tensor_hashes, tensor_hash
+from stoa.weights.planes import State, check_plane
+
+MAGIC = b"STOAPTCH"
+FORMAT_VERSION = 1
+SCHEMA = "stoa.weights.patch/1"
+CODEC = "xor-shuffle-zstd"
+DEFAULT_LEVEL = 1
+"""zstd level 1: as small as level 3 on these payloads and faster (figures in docs/weights.md)."""
+
+_PREFIX = struct.Struct("<8sHHIQ")  # magic, format version, flags, header length, body length
+_DIGEST_LEN = 16
+_MAX_GAP = (1 << 32) - 1
+_CHUNK = 1 << 18
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    """What a patch says about itself (read from its verified header).
+
+    Args:
+        run_id: run the patch belongs to.
+        from_version: version the patch applies to.
+        to_version: version it produces.
+        plane: weight plane (``bf16`` or ``int8g64``).
+        from_state_hash: state hash of the base it was made against.
+        state_hash: state hash of the result.
+        tensor_hashes: per-tensor hashes of the result.
+        changed: number of elements whose stored bits change.
+        elements: total number of elements in the state.
+        nbytes: size of the patch in bytes.
+        level: zstd level used.
+    """
+
+    run_id: str
+    from_version: int
+    to_version: int
+    plane: str
+    from_state_hash: str
+    state_hash: str
+    tensor_hashes: dict[str, str] = field(repr=False)
+    changed: int
+    elements: int
+    nbytes: int
+    level: int
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    hash: str
+    changed: int
+    offset: int
+    length: int
+
+
+_tls = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_tls, "c", None)
+    if cache is None:
+        cache = _tls.c = {}
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_tls, "d", None)
+    if d is None:
+        d = _tls.d = zstandard.ZstdDecompressor()
+    return d
+
+
+def _pmap(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]:
+    items = list(items)
+    if threads <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=threads) as ex:
+        return list(ex.map(fn, items))
+
+
+def default_threads() -> int:
+    """Worker threads for encode/apply: up to 4, never more than the CPUs this process may use."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        n = os.cpu_count() or 1
+    return max(1, min(4, n))
+
+
+def _flat_uint(arr: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(arr).reshape(-1)
+    if a.dtype.itemsize not in _UINT:
+        raise ValueError(f"unsupported element size {a.dtype.itemsize} for dtype {a.dtype}")
+    return a.view(_UINT[a.dtype.itemsize])
+
+
+def changed_positions(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Flat indices (int64, ascending) where the stored bits of ``a`` and ``b`` differ.
+
+    Compares raw unsigned integers, so NaN payloads and -0.0 vs 0.0 count as changes.
+
+    Args:
+        a: old stored bits.
+        b: new stored bits, same shape and dtype.
+    """
+    ua, ub = _flat_uint(a), _flat_uint(b)
+    parts = []
+    for start in range(0, ua.size, _CHUNK):
+        p = np.flatnonzero(ua[start : start + _CHUNK] != ub[start : start + _CHUNK])
+        if p.size:
+            parts.append(p + start)
+    if not parts:
+        return np.zeros(0, np.int64)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _shuffle(arr: np.ndarray) -> bytes:
+    """Byte-planes of a little-endian array: all first bytes, then all second bytes, ..."""
+    w = arr.dtype.itemsize
+    return arr.view(np.uint8).reshape(-1, w).T.tobytes()
+
+
+def _unshuffle(buf: bytes | memoryview, n: int, dtype: np.dtype) -> np.ndarray:
+    w = dtype.itemsize
+    planes = np.frombuffer(buf, np.uint8, count=n * w).reshape(w, n)
+    return np.ascontiguousarray(planes.T).view(dtype).reshape(n)
+
+
+def _check_same_layout(prev: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray]) -> None:
+    if prev.keys() != new.keys():
+        missing = sorted(set(prev) ^ set(new))[:5]
+        raise ValueError(f"prev and new states have different tensor sets (e.g. {missing})")
+    for name in prev:
+        a, b = prev[name], new[name]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(f"{name}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}; publish an anchor instead")
+
+
+def encode_patch(
+    prev: Mapping[str, np.ndarray],
+    new: Mapping[str, np.ndarray],
+    *,
+    run_id: str,
+    from_version: int,
+    to_version: int,
+    plane: str,
+    level: int = DEFAULT_LEVEL,
+    threads: int | None = None,
+) -> bytes:
+    """Encode the patch that turns ``prev`` into ``new`` (byte layout in docs/weights.md).
+
+    For each tensor: the ascending flat positions whose stored bits changed, as uint32 gaps, and the
+    XOR of old and new bits at those positions; both byte-shuffled and zstd-compressed. The header
+    carries run, versions, plane, the base's state hash, and the result's per-tensor and state hashes;
+    a trailing xxh3-128 digest covers every byte.
+
+    Args:
+        prev: the state at ``from_version``.
+        new: the state at ``to_version``; same names, shapes and dtypes as ``prev``.
+        run_id: run id written into the header.
+        from_version: version of ``prev``.
+        to_version: version of ``new`` (greater than ``from_version``).
+        plane: ``"bf16"`` or ``"int8g64"``.
+        level: zstd level.
+        threads: worker threads (default :func:`default_threads`).
+    """
+    check_plane(plane)
+    if not (0 <= from_version < to_version):
+        raise ValueError(f"need 0 <= from_version < to_version, got {from_version} -> {to_version}")
+    _check_same_layout(prev, new)
+    names = sorted(new)
+    nthreads = threads or default_threads()
+
+    def one(name: str) -> tuple[str, str, int, bytes]:
+        a, b = prev[name], new[name]
+        if a.size > _MAX_GAP:
+            raise ValueError(f"{name}: {a.size} elements exceeds the 2**32 - 1 a patch can address")
+        h_old, h_new = tensor_hash(a), tensor_hash(b)
+        p = changed_positions(a, b)
+        if p.size == 0:
+            return h_old, h_new, 0, b""
+        ua, ub = _flat_uint(a), _flat_uint(b)
+        gaps = np.diff(p, prepend=np.int64(-1))
+        gaps -= 1
+        xor = np.bitwise_xor(ua[p], ub[p])
+        le = xor.dtype.newbyteorder("<")
+        payload = _shuffle(gaps.astype("<u4")) + _shuffle(xor.astype(le, copy=False))
+        return h_old, h_new, int(p.size), _compressor(level).compress(payload)
+
+    results = _pmap(one, names, nthreads)
+    entries = []
+    frames = []
+    offset = 0
+    for name, (_, h_new, n, frame) in zip(names, results, strict=True):
+        arr = new[name]
+        entries.append(
+            {
+                "name": name,
+                "dtype": arr.dtype.newbyteorder("<").str if arr.dtype.itemsize > 1 else arr.dtype.str,
+                "shape": list(arr.shape),
+                "hash": h_new,
+                "changed": n,
+                "offset": offset,
+                "length": len(frame),
+            }
+        )
+        frames.append(frame)
+        offset += len(frame)
+    header = {
+        "schema": SCHEMA,
+        "run_id": run_id,
+        "from_version": from_version,
+        "to_version": to_version,
+        "plane": plane,
+        "codec": CODEC,
+        "level": level,
+        "from_state_hash": state_hash_from_tensor_hashes(
+            {n: r[0] for n, r in zip(names, results, strict=True)}
+        ),
+        "state_hash": state_hash_from_tensor_hashes({n: r[1] for n, r in zip(names, results, strict=True)}),
+        "tensors": entries,
+    }
+    hbytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    body = b"".join(frames)
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hbytes), len(body))
+    h = xxhash.xxh3_128(prefix)
+    h.update(hbytes)
+    h.update(body)
+    return b"".join((prefix, hbytes, body, h.digest()))
+
+
+def _parse(patch: bytes | bytearray | memoryview) -> tuple[PatchInfo, list[_Entry], memoryview]:
+    mv = memoryview(patch).cast("B")
+    n = len(mv)
+    if n < len(MAGIC):
+        raise PatchError("truncated" if MAGIC.startswith(bytes(mv)) else "bad_magic", f"{n} bytes")
+    if bytes(mv[: len(MAGIC)]) != MAGIC:
+        raise PatchError("bad_magic", f"starts with {bytes(mv[:8])!r}")
+    if n < _PREFIX.size:
+        raise PatchError("truncated", f"{n} bytes, prefix needs {_PREFIX.size}")
+    _, version, flags, hlen, blen = _PREFIX.unpack_from(mv, 0)
+    if version != FORMAT_VERSION or flags != 0:
+        raise PatchError(
+            "bad_format", f"format version {version} flags {flags}; this reader knows {FORMAT_VERSION}"
+        )
+    total = _PREFIX.size + hlen + blen + _DIGEST_LEN
+    if n < total:
+        raise PatchError("truncated", f"{n} bytes, header says {total}")
+    if n > total:
+        raise PatchError("bad_format", f"{n - total} trailing bytes")
+    h = xxhash.xxh3_128()
+    h.update(mv[: total - _DIGEST_LEN])
+    if h.digest() != bytes(mv[total - _DIGEST_LEN :]):
+        raise PatchError("checksum", "patch digest does not match its bytes")
+    try:
+        header: dict[str, Any] = json.loads(bytes(mv[_PREFIX.size : _PREFIX.size + hlen]))
+        if header["schema"] != SCHEMA or header["codec"] != CODEC:
+            raise ValueError(f"schema {header['schema']!r} codec {header['codec']!r}")
+        entries = []
+        elements = 0
+        changed = 0
+        for t in header["tensors"]:
+            dtype = np.dtype(t["dtype"])
+            shape = tuple(int(s) for s in t["shape"])
+            size = int(np.prod(shape, dtype=np.int64))
+            e = _Entry(
+                t["name"], dtype, shape, t["hash"], int(t["changed"]), int(t["offset"]), int(t["length"])
+            )
+            if dtype.itemsize not in _UINT or not (0 <= e.changed <= size) or e.offset < 0 or e.length < 0:
+                raise ValueError(f"bad tensor entry {t['name']!r}")
+            if e.offset + e.length > blen or (e.changed == 0) != (e.length == 0):
+                raise ValueError(f"tensor {t['name']!r} frame out of bounds")
+            entries.append(e)
+            elements += size
+            changed += e.changed
+        info = PatchInfo(
+            run_id=str(header["run_id"]),
+            from_version=int(header["from_version"]),
+            to_version=int(header["to_version"]),
+            plane=str(header["plane"]),
+            from_state_hash=str(header["from_state_hash"]),
+            state_hash=str(header["state_hash"]),
+            tensor_hashes={e.name: e.hash for e in entries},
+            changed=changed,
+            elements=elements,
+            nbytes=n,
+            level=int(header["level"]),
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise PatchError("bad_format", f"header: {e}") from None
+    if len(info.tensor_hashes) != len(entries):
+        raise PatchError("bad_format", "duplicate tensor names")
+    if state_hash_from_tensor_hashes(info.tensor_hashes) != info.state_hash:
+        raise PatchError("bad_format", "state hash does not match the per-tensor hashes")
+    body = mv[_PREFIX.size + hlen : _PREFIX.size + hlen + blen]
+    return info, entries, body
+
+
+def read_patch_header(patch: bytes | bytearray | memoryview) -> PatchInfo:
+    """Verify a patch's framing and digest and return its header, without applying it.
+
+    Args:
+        patch: the patch bytes.
+    """
+    return _parse(patch)[0]
+
+
+def _decode_frame(e: _Entry, body: memoryview) -> tuple[np.ndarray, np.ndarray]:
+    w = e.dtype.itemsize
+    want = e.changed * (4 + w)
+    try:
+        raw = _decompressor().decompress(bytes(body[e.offset : e.offset + e.length]), max_output_size=want)
+    except zstandard.ZstdError as err:
+        raise PatchError("bad_format", f"{e.name}: {err}") from None
+    if len(raw) != want:
+        raise PatchError("bad_format", f"{e.name}: frame holds {len(raw)} bytes, expected {want}")
+    gaps = _unshuffle(raw, e.changed, np.dtype("<u4"))
+    pos = gaps.astype(np.int64)
+    pos += 1
+    np.cumsum(pos, out=pos)
+    pos -= 1
+    size = int(np.prod(e.shape, dtype=np.int64))
+    if pos[-1] >= size:
+        raise PatchError("bad_format", f"{e.name}: position {int(pos[-1])} outside {size} elements")
+    mv = memoryview(raw)[e.changed * 4 :]
+    xor = _unshuffle(mv, e.changed, np.dtype(_UINT[w]).newbyteorder("<")).astype(_UINT[w], copy=False)
+    return pos, xor
+
+
+def apply_patch(
+    state: Mapping[str, np.ndarray],
+    patch: bytes | bytearray | memoryview,
+    *,
+    run_id: str,
+    expected_from_version: int,
+    plane: str,
+    expected_from_hash: str | None = None,
+    inplace: bool = False,
+    threads: int | None = None,
+) -> tuple[State, PatchInfo]:
+    """Apply a patch: verify it, scatter the exact new bits, verify every result hash.
+
+    Checks in order: magic and format, length, digest, run, plane, from-version, base hash (when
+    ``expected_from_hash`` is given), tensor names/shapes/dtypes, frame contents; then applies and
+    compares each tensor's hash and the state hash with the header. Any failure raises
+    :class:`PatchError` and leaves ``state`` exactly as it was.
+
+    Args:
+        state: the state at ``expected_from_version``.
+        patch: the patch bytes.
+        run_id: the run this worker follows; a foreign patch raises ``wrong_run``.
+        expected_from_version: the version ``state`` is at; anything else raises ``wrong_from_version``.
+        plane: the plane this worker follows.
+        expected_from_hash: the known state hash of ``state``; compared with the patch's base hash.
+        inplace: modify ``state``'s arrays in place (no copy; they must be writable) and return a dict
+            holding those same arrays. On failure every array is restored before the error propagates.
+        threads: worker threads (default :func:`default_threads`).
+
+    Returns:
+        (the new state, the patch's header).
+    """
+    info, entries, body = _parse(patch)
+    if info.run_id != run_id:
+        raise PatchError("wrong_run", f"patch is for run {info.run_id!r}, not {run_id!r}")
+    if info.plane != plane:
+        raise PatchError("wrong_plane", f"patch is for plane {info.plane!r}, not {plane!r}")
+    if info.from_version != expected_from_version:
+        raise PatchError(
+            "wrong_from_version",
+            f"patch goes {info.from_version} -> {info.to_version}, state is at {expected_from_version}",
+        )
+    if info.to_version <= info.from_version:
+        raise PatchError("bad_format", f"to_version {info.to_version} <= from_version {info.from_version}")
+    if expected_from_hash is not None and expected_from_hash != info.from_state_hash:
+        raise PatchError(
+            "base_mismatch", f"state hash {expected_from_hash} but patch base {info.from_state_hash}"
+        )
+    names = [e.name for e in entries]
+    if set(names) != set(state.keys()):
+        diff = sorted(set(names) ^ set(state.keys()))[:5]
+        raise PatchError("tensor_mismatch", f"tensor sets differ (e.g. {diff})")
+    for e in entries:
+        arr = state[e.name]
+        if arr.shape != e.shape or arr.dtype.newbyteorder("<") != e.dtype.newbyteorder("<"):
+            raise PatchError(
+                "tensor_mismatch", f"{e.name}: state {arr.dtype}{arr.shape}, patch {e.dtype}{e.shape}"
+            )
+        if inplace and e.changed and not (arr.flags.writeable and arr.flags.c_contiguous):
+            raise ValueError(f"inplace apply needs writable C-contiguous arrays ({e.name})")
+    nthreads = threads or default_threads()
+    decoded = dict(
+        zip(
+            names,
+            _pmap(lambda e: _decode_frame(e, body) if e.changed else None, entries, nthreads),
+            strict=True,
+        )
+    )
+
+    out: State = dict(state) if inplace else {}
+    applied: list[str] = []
+    lock = threading.Lock()
+
+    def work(e: _Entry) -> str:
+        arr = state[e.name]
+        if not inplace:
+            arr = np.array(arr, copy=True, order="C")
+            out[e.name] = arr
+        d = decoded[e.name]
+        if d is not None:
+            pos, xor = d
+            flat = arr.reshape(-1).view(_UINT[e.dtype.itemsize])
+            flat[pos] ^= xor
+            with lock:
+                applied.append(e.name)
+        return tensor_hash(arr)
+
+    try:
+        hashes = dict(zip(names, _pmap(work, entries, nthreads), strict=True))
+        bad = [n for n in names if hashes[n] != info.tensor_hashes[n]]
+        if bad:
+            raise PatchError("hash_mismatch", f"{len(bad)} tensors differ after apply (e.g. {bad[0]})")
+        if state_hash_from_tensor_hashes(hashes) != info.state_hash:
+            raise PatchError("hash_mismatch", "state hash differs after apply")
+    except BaseException:
+        if inplace:
+            for name in applied:  # XOR is its own inverse: re-applying restores the old bits
+                d = decoded[name]
+                if d is not None:
+                    state[name].reshape(-1).view(_UINT[state[name].dtype.itemsize])[d[0]] ^= d[1]
+        raise
+    if not inplace:
+        out = {name: out[name] for name in state}
+    return out, info
