@@ -10,9 +10,6 @@ HAS_MLX = importlib.util.find_spec("mlx") is not None
 
 BACKENDS = [
     pytest.param("torch", id="torch"),
-]
-_LATER = [
-    pytest.param("torch", id="torch"),
     pytest.param("mlx", id="mlx", marks=[pytest.mark.mlx,
                                           pytest.mark.skipif(not HAS_MLX, reason="mlx is not importable")]),
 ]
