@@ -1,0 +1,130 @@
+"""The object-store bucket through which rollout workers and the trainer meet; open one with open_bucket."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from .base import (
+    AccessDenied,
+    Bucket,
+    BucketError,
+    BucketUnreachable,
+    ObjectExists,
+    ObjectInfo,
+    ObjectNotFound,
+    PreconditionFailed,
+    validate_key,
+)
+from .credentials import CredentialsError
+
+__all__ = [
+    "AccessDenied",
+    "Bucket",
+    "BucketError",
+    "BucketUnreachable",
+    "CredentialsError",
+    "ObjectExists",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "PreconditionFailed",
+    "open_bucket",
+    "validate_key",
+]
+
+ACCEPTED_FORMS = "a directory path, file://DIR, s3://BUCKET[/PREFIX] or r2://BUCKET[/PREFIX]"
+LISTING_VAR = "STOA_S3_LISTING"
+RETRY_TIMEOUT_VAR = "STOA_BUCKET_RETRY_TIMEOUT_S"
+CONNECT_TIMEOUT_VAR = "STOA_BUCKET_CONNECT_TIMEOUT_S"
+
+
+def _float_var(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return value
+
+
+def open_bucket(
+    url: str,
+    env: Mapping[str, str] | None = None,
+    *,
+    env_file: str | os.PathLike[str] | None = None,
+) -> Bucket:
+    """Open a bucket from a URL.
+
+    Forms: a plain directory path or ``file://DIR`` gives a LocalBucket rooted at DIR (created if
+    missing); ``s3://BUCKET/PREFIX`` and ``r2://BUCKET/PREFIX`` give an S3Bucket whose keys live under
+    PREFIX. For S3/R2 an empty BUCKET (``r2:///PREFIX``) means the R2_BUCKET (or AWS_BUCKET) variable.
+    Credentials come from ``env`` (see stoa.bucket.credentials). Tuning variables read from ``env``:
+    ``STOA_S3_LISTING`` ("server" or "client"), ``STOA_BUCKET_RETRY_TIMEOUT_S`` (default 20) and
+    ``STOA_BUCKET_CONNECT_TIMEOUT_S`` (default 5).
+
+    Args:
+        url: Bucket URL.
+        env: Variables to read (default ``os.environ``).
+        env_file: A 0600 KEY=VALUE file to read too (default: the path in ``STOA_ENV_FILE``, if any);
+            variables in ``env`` win over it.
+
+    Returns:
+        The bucket.
+
+    Raises:
+        ValueError: Unknown URL form or invalid prefix; the message names the accepted forms.
+        CredentialsError: S3/R2 credentials missing or env file unsafe; names the variables needed.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"empty bucket URL; expected {ACCEPTED_FORMS}")
+    url = url.strip()
+    if "://" not in url:
+        from .local import LocalBucket
+
+        return LocalBucket(url)
+    scheme, rest = url.split("://", 1)
+    scheme = scheme.lower()
+    if scheme == "file":
+        if rest.startswith("localhost/"):
+            rest = rest[len("localhost") :]
+        if not rest:
+            raise ValueError(f"file:// URL without a directory; expected {ACCEPTED_FORMS}")
+        from .local import LocalBucket
+
+        return LocalBucket(rest)
+    if scheme not in ("s3", "r2"):
+        raise ValueError(f"unsupported bucket URL scheme {scheme + '://'!r}; expected {ACCEPTED_FORMS}")
+    if "?" in rest or "#" in rest:
+        raise ValueError(f"bucket URLs take no query or fragment; expected {ACCEPTED_FORMS}")
+    bucket, _, prefix = rest.partition("/")
+    if "@" in bucket:
+        raise ValueError(
+            "credentials in bucket URLs are not accepted; use environment variables or an env file"
+        )
+
+    from .credentials import resolve_env, s3_credentials
+    from .s3 import RetryPolicy, S3Bucket
+
+    variables = resolve_env(env, env_file)
+    creds = s3_credentials(variables, scheme)
+    if not bucket:
+        bucket = creds.bucket or ""
+        if not bucket:
+            raise ValueError(f"{scheme}:// URL without a bucket name and R2_BUCKET/AWS_BUCKET unset")
+    listing = variables.get(LISTING_VAR, "server") or "server"
+    if listing not in ("server", "client"):
+        raise ValueError(f"{LISTING_VAR} must be 'server' or 'client', got {listing!r}")
+    retry = RetryPolicy(total_timeout_s=_float_var(variables, RETRY_TIMEOUT_VAR, 20.0))
+    return S3Bucket(
+        bucket,
+        prefix,
+        credentials=creds,
+        scheme=scheme,
+        retry=retry,
+        listing="client" if listing == "client" else "server",
+        connect_timeout_s=_float_var(variables, CONNECT_TIMEOUT_VAR, 5.0),
+    )

@@ -1,0 +1,853 @@
+"""Bucket on S3-compatible stores (AWS S3, R2, MinIO, SeaweedFS) through obstore, with retries."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import obstore as obs
+import xxhash
+from obstore.exceptions import (
+    AlreadyExistsError,
+    NotModifiedError,
+    PermissionDeniedError,
+    PreconditionError,
+    UnauthenticatedError,
+)
+from obstore.exceptions import BaseError as ObstoreError
+from obstore.store import S3Store
+
+from .base import (
+    AccessDenied,
+    BucketError,
+    BucketUnreachable,
+    ObjectExists,
+    ObjectInfo,
+    ObjectNotFound,
+    PreconditionFailed,
+    content_digest,
+    file_digest,
+    validate_key,
+    validate_prefix,
+)
+from .credentials import S3Credentials, redact_url
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig, S3Credential
+
+__all__ = ["Listing", "RetryPolicy", "S3Bucket"]
+
+_T = TypeVar("_T")
+Listing = Literal["server", "client"]
+
+MIB = 1 << 20
+# S3's limit for one PUT; create-only uploads are single PUTs (see put_file).
+MAX_SINGLE_PUT = 5 * 1024 * MIB
+_DOWNLOAD_CHUNK = 8 * MIB
+_DELETE_BATCH = 1000
+_MESSAGE_LIMIT = 300
+_STATUS = re.compile(r"status code: (\d{3})")
+
+# obstore runs a tokio runtime that does not survive fork(): a forked child of a process that already
+# made an obstore request hangs on its first request. We remember the first process that made one.
+_obstore_pid: int | None = None
+
+
+def _check_fork() -> None:
+    global _obstore_pid
+    pid = os.getpid()
+    if _obstore_pid is None:
+        _obstore_pid = pid
+    elif _obstore_pid != pid:
+        raise BucketError(
+            f"obstore was already used in process {_obstore_pid} and this process ({pid}) was forked "
+            "from it; obstore is not fork-safe. Start worker processes with the 'spawn' start method "
+            "(multiprocessing.get_context('spawn'))."
+        )
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter for transient failures (network errors, 5xx, 408/409/429).
+
+    Attributes:
+        total_timeout_s: Give up (BucketUnreachable) once this much time has passed since the first try.
+        max_attempts: Give up after this many tries.
+        initial_backoff_s: Backoff before the first retry (before jitter).
+        max_backoff_s: Cap on one backoff.
+    """
+
+    total_timeout_s: float = 20.0
+    max_attempts: int = 10
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 4.0
+
+    def delay(self, failures: int) -> float:
+        """Backoff before the next try ("equal jitter": half fixed, half random).
+
+        Args:
+            failures: How many tries have failed so far (>= 1).
+
+        Returns:
+            Seconds to sleep.
+        """
+        base = min(self.max_backoff_s, self.initial_backoff_s * (2 ** (failures - 1)))
+        return base / 2 + random.uniform(0, base / 2)
+
+
+class _Transient(Exception):
+    """Internal: a failure worth retrying; carries the scrubbed message."""
+
+
+class _Budget:
+    """Internal: failures so far and start time of one retried operation."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.started = time.monotonic()
+
+
+class _StaticCredentials:
+    """obstore credential provider returning fixed credentials (so obstore ignores AWS_* in os.environ)."""
+
+    def __init__(self, creds: S3Credentials) -> None:
+        self._creds = creds
+
+    def __call__(self) -> S3Credential:
+        return {
+            "access_key_id": self._creds.access_key_id,
+            "secret_access_key": self._creds.secret_access_key,
+            "token": self._creds.session_token,
+            "expires_at": None,
+        }
+
+    def __repr__(self) -> str:
+        return "_StaticCredentials(***)"
+
+
+class S3Bucket:
+    """A bucket (optionally under a key prefix) on an S3-compatible store.
+
+    Conditional writes use ``If-None-Match: *`` (create) and ``If-Match: <etag>`` (CAS). All retrying
+    happens here: obstore's own retries are off for single requests, so this layer knows which earlier
+    attempt of a conditional write may have landed; multipart parts and streamed downloads keep a few
+    obstore-level retries so one failed part does not restart a large transfer.
+
+    The obstore store is created lazily, once per process. obstore is not fork-safe: processes that
+    use a bucket must be started with the 'spawn' method; a forked child of a process that already
+    made a request gets a BucketError instead of a hang.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        credentials: S3Credentials,
+        scheme: str = "s3",
+        retry: RetryPolicy | None = None,
+        listing: Listing = "server",
+        connect_timeout_s: float = 5.0,
+        request_timeout_s: float = 600.0,
+        part_size: int = 16 * MIB,
+        max_concurrency: int = 4,
+    ) -> None:
+        """Describe an S3 bucket; nothing is contacted until the first operation.
+
+        Args:
+            bucket: Bucket name.
+            prefix: Key prefix inside the bucket ('' for the root); keys are relative to it.
+            credentials: Credentials and endpoint.
+            scheme: URL scheme for display ("s3" or "r2").
+            retry: Retry policy for transient failures (default: 20 s budget).
+            listing: "server" trusts the store to list in lexicographic order and to honour
+                start-after (AWS S3, R2, MinIO, moto); "client" lists the whole directory of the prefix
+                and sorts locally (needed for SeaweedFS, which lists in directory-tree order).
+            connect_timeout_s: TCP/TLS connect timeout of one request.
+            request_timeout_s: Timeout of one whole request (large single PUTs need it long).
+            part_size: Multipart part size.
+            max_concurrency: Parts uploaded concurrently.
+        """
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", bucket):
+            raise ValueError(f"invalid bucket name {bucket!r}")
+        prefix = prefix.strip("/")
+        if prefix:
+            validate_key(prefix)
+        if listing not in ("server", "client"):
+            raise ValueError(f"listing must be 'server' or 'client', got {listing!r}")
+        if part_size < 5 * MIB:
+            raise ValueError("part_size must be at least 5 MiB (S3 minimum)")
+        self.bucket = bucket
+        self.prefix = prefix
+        self.url = f"{scheme}://{bucket}" + (f"/{prefix}" if prefix else "")
+        self._creds = credentials
+        self._retry = retry or RetryPolicy()
+        self._listing: Listing = listing
+        self._connect_timeout_s = connect_timeout_s
+        self._request_timeout_s = request_timeout_s
+        self._part_size = part_size
+        self._max_concurrency = max_concurrency
+        self.endpoint = (
+            redact_url(credentials.endpoint) if credentials.endpoint else f"AWS S3 ({credentials.region})"
+        )
+        self._lock = threading.Lock()
+        self._stores: dict[bool, S3Store] = {}
+        self._pid = os.getpid()
+
+    def __repr__(self) -> str:
+        return f"S3Bucket({self.url!r}, endpoint={self.endpoint!r}, listing={self._listing!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        state["_stores"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ store
+
+    def _store(self, bulk: bool = False) -> S3Store:
+        _check_fork()
+        with self._lock:
+            if self._pid != os.getpid():
+                self._stores = {}
+                self._pid = os.getpid()
+            store = self._stores.get(bulk)
+            if store is None:
+                store = self._make_store(bulk)
+                self._stores[bulk] = store
+            return store
+
+    def _make_store(self, bulk: bool) -> S3Store:
+        endpoint = self._creds.endpoint
+        client: ClientConfig = {
+            "connect_timeout": timedelta(seconds=self._connect_timeout_s),
+            "timeout": timedelta(seconds=self._request_timeout_s),
+        }
+        if endpoint and endpoint.startswith("http://"):
+            client["allow_http"] = True
+        if bulk:
+            retry: RetryConfig = {
+                "max_retries": 3,
+                "backoff": {
+                    "init_backoff": timedelta(milliseconds=100),
+                    "max_backoff": timedelta(seconds=2),
+                    "base": 2,
+                },
+                "retry_timeout": timedelta(seconds=max(1.0, min(self._retry.total_timeout_s, 30.0))),
+            }
+        else:
+            retry = {"max_retries": 0}
+        kwargs: dict[str, Any] = {
+            "region": self._creds.region,
+            "conditional_put": "etag",
+            "skip_signature": False,
+        }
+        if endpoint:
+            # Pass both: obstore reads AWS_ENDPOINT_URL_S3 from os.environ and it beats `endpoint`.
+            kwargs["endpoint"] = endpoint
+            kwargs["aws_endpoint_url_s3"] = endpoint
+            kwargs["virtual_hosted_style_request"] = False
+        return S3Store(
+            self.bucket,
+            client_options=client,
+            retry_config=retry,
+            credential_provider=_StaticCredentials(self._creds),
+            **kwargs,
+        )
+
+    # ----------------------------------------------------------------- errors
+
+    def _full(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, path: str) -> str:
+        return path[len(self.prefix) + 1 :] if self.prefix else path
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._creds.secrets():
+            text = text.replace(secret, "***")
+        return text
+
+    def _short(self, exc: BaseException) -> str:
+        first = str(exc).strip().split("\n", 1)[0]
+        if len(first) > _MESSAGE_LIMIT:
+            first = first[:_MESSAGE_LIMIT] + "…"
+        return self._scrub(f"{type(exc).__name__}: {first}")
+
+    def _translate(self, exc: BaseException, op: str, key: str) -> BaseException:
+        """Map an obstore failure to a BucketError, or to _Transient if it is worth retrying."""
+        where = f"{op} {self.url}" + (f" key {key!r}" if key else "")
+        short = self._short(exc)
+        if isinstance(exc, FileNotFoundError):
+            if "NoSuchBucket" in str(exc):
+                return BucketError(f"{where}: bucket {self.bucket!r} does not exist at {self.endpoint}")
+            return ObjectNotFound(f"{where}: no such object")
+        if not isinstance(exc, ObstoreError):
+            return exc
+        if isinstance(exc, AlreadyExistsError):
+            return ObjectExists(f"{where}: an object already exists at the key")
+        if isinstance(exc, PreconditionError):
+            return PreconditionFailed(f"{where}: precondition failed (etag changed)")
+        if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)):
+            return AccessDenied(
+                f"{where}: access denied by {self.endpoint} for credentials from {self._creds.source} ({short})"
+            )
+        m = _STATUS.search(str(exc))
+        status = int(m.group(1)) if m else None
+        if status in (401, 403):
+            return AccessDenied(
+                f"{where}: access denied by {self.endpoint} for credentials from {self._creds.source} ({short})"
+            )
+        if status is None or status >= 500 or status in (408, 409, 429):
+            return _Transient(short)
+        return BucketError(f"{where}: {short}")
+
+    def _recover(self, exc: Exception, op: str, key: str, budget: _Budget) -> None:
+        """Raise ``exc`` translated to a BucketError, or sleep before the next try if it is transient."""
+        err = self._translate(exc, op, key)
+        if err is exc:
+            raise exc
+        if not isinstance(err, _Transient):
+            raise err from None
+        budget.failures += 1
+        policy = self._retry
+        elapsed = time.monotonic() - budget.started
+        delay = policy.delay(budget.failures)
+        if budget.failures >= policy.max_attempts or elapsed + delay > policy.total_timeout_s:
+            raise BucketUnreachable(
+                f"{op} on {self.url} failed: endpoint {self.endpoint} unreachable or failing after "
+                f"{budget.failures} attempt(s) over {elapsed:.1f}s (retry budget "
+                f"{policy.total_timeout_s:g}s); last error: {err}"
+            ) from None
+        time.sleep(delay)
+
+    def _attempts(self, op: str, key: str, fn: Callable[[int], _T]) -> _T:
+        """Run ``fn(failures)`` until it succeeds, retrying transient failures within the budget.
+
+        ``failures`` is 0 on the first try; a retry means an earlier try failed in a way that may or
+        may not have reached the store.
+        """
+        budget = _Budget()
+        while True:
+            try:
+                return fn(budget.failures)
+            except BucketError:
+                raise
+            except Exception as exc:
+                self._recover(exc, op, key, budget)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _stored_digest(self, path: str) -> tuple[int, str]:
+        """Size and content digest of the stored object, streamed."""
+        result = obs.get(self._store(bulk=True), path)
+        h = xxhash.xxh3_128()
+        size = 0
+        for chunk in result.stream(min_chunk_size=_DOWNLOAD_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        return size, h.hexdigest()
+
+    def _landed(self, path: str, data: bytes) -> str | None:
+        """Etag of the stored object if it holds exactly ``data``, else None."""
+        try:
+            got = obs.get(self._store(), path)
+        except FileNotFoundError:
+            return None
+        current = got.meta["e_tag"]
+        if current is not None and content_digest(bytes(got.bytes())) == content_digest(data):
+            return current
+        return None
+
+    def _same_content(self, path: str, size: int, digest: Callable[[], str]) -> bool:
+        meta = obs.head(self._store(), path)
+        if meta["size"] != size:
+            return False
+        return self._stored_digest(path)[1] == digest()
+
+    # --------------------------------------------------------------- protocol
+
+    def put_create(self, key: str, data: bytes) -> None:
+        """Create-only atomic put (``If-None-Match: *``).
+
+        If the key already holds byte-identical content this is a success, so a retried create whose
+        first response was lost does not fail.
+
+        Args:
+            key: Object key.
+            data: Object content (at most 5 GiB: one PUT).
+
+        Raises:
+            ObjectExists: A different object is stored at ``key``.
+        """
+        validate_key(key)
+        if len(data) > MAX_SINGLE_PUT:
+            raise ValueError("put_create is one PUT and S3 caps a PUT at 5 GiB")
+        path = self._full(key)
+
+        def attempt(_: int) -> None:
+            try:
+                obs.put(self._store(), path, data, mode="create", use_multipart=False)
+            except AlreadyExistsError:
+                if not self._same_content(path, len(data), lambda: content_digest(data)):
+                    raise ObjectExists(
+                        f"put_create {self.url} key {key!r}: a different object exists"
+                    ) from None
+
+        self._attempts("put_create", key, attempt)
+
+    def put(self, key: str, data: bytes) -> None:
+        """Unconditional atomic overwrite (multipart for large data).
+
+        Args:
+            key: Object key.
+            data: Object content.
+        """
+        validate_key(key)
+        path = self._full(key)
+        multipart = len(data) > 4 * self._part_size
+
+        def attempt(_: int) -> None:
+            if multipart:
+                obs.put(
+                    self._store(bulk=True),
+                    path,
+                    data,
+                    use_multipart=True,
+                    chunk_size=self._part_size,
+                    max_concurrency=self._max_concurrency,
+                )
+            else:
+                obs.put(self._store(), path, data, mode="overwrite", use_multipart=False)
+
+        self._attempts("put", key, attempt)
+
+    def get(self, key: str) -> bytes:
+        """Read a whole object.
+
+        Args:
+            key: Object key.
+
+        Returns:
+            The content.
+
+        Raises:
+            ObjectNotFound: Nothing is stored at ``key``.
+        """
+        return self.get_with_etag(key)[0]
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        """Read a whole object and its etag (from the same response).
+
+        Args:
+            key: Object key.
+
+        Returns:
+            (content, etag).
+
+        Raises:
+            ObjectNotFound: Nothing is stored at ``key``.
+        """
+        validate_key(key)
+        path = self._full(key)
+
+        def attempt(_: int) -> tuple[bytes, str]:
+            result = obs.get(self._store(), path)
+            etag = result.meta["e_tag"]
+            data = bytes(result.bytes())
+            if etag is None:
+                raise BucketError(f"get {self.url} key {key!r}: the store returned no ETag")
+            return data, etag
+
+        return self._attempts("get", key, attempt)
+
+    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
+        """Conditional GET (``If-None-Match: <etag>``).
+
+        Args:
+            key: Object key.
+            etag: The etag the caller holds, or None to always read.
+
+        Returns:
+            (content, etag), or None when the stored etag still equals ``etag``.
+
+        Raises:
+            ObjectNotFound: Nothing is stored at ``key``.
+        """
+        if etag is None:
+            return self.get_with_etag(key)
+        validate_key(key)
+        path = self._full(key)
+
+        def attempt(_: int) -> tuple[bytes, str] | None:
+            try:
+                result = obs.get(self._store(), path, options={"if_none_match": etag})
+            except NotModifiedError:
+                return None
+            current = result.meta["e_tag"]
+            if current == etag:  # the store ignored If-None-Match
+                return None
+            if current is None:
+                raise BucketError(f"get {self.url} key {key!r}: the store returned no ETag")
+            return bytes(result.bytes()), current
+
+        return self._attempts("get_if_changed", key, attempt)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Read bytes ``[start, end)``; like slicing, a range past the end is clipped.
+
+        Args:
+            key: Object key.
+            start: First byte offset (>= 0).
+            end: End offset, exclusive (>= start).
+
+        Returns:
+            The bytes.
+
+        Raises:
+            ValueError: Negative or inverted range.
+            ObjectNotFound: Nothing is stored at ``key``.
+        """
+        validate_key(key)
+        if start < 0 or end < start:
+            raise ValueError(f"invalid byte range [{start}, {end})")
+        if start == end:
+            if not self.exists(key):
+                raise ObjectNotFound(f"get_range {self.url} key {key!r}: no such object")
+            return b""
+        path = self._full(key)
+
+        def attempt(_: int) -> bytes:
+            try:
+                return bytes(obs.get_range(self._store(), path, start=start, end=end))
+            except ObstoreError as exc:
+                if "416" in _STATUS.findall(str(exc)):
+                    return b""  # the range starts at or past the end of the object
+                raise
+
+        return self._attempts("get_range", key, attempt)
+
+    def cas(self, key: str, data: bytes, expected_etag: str | None) -> str:
+        """Compare-and-swap (``If-Match: <etag>``, or ``If-None-Match: *`` when ``expected_etag`` is None).
+
+        If a try failed transiently and the retry then loses the precondition, the stored object is
+        read back: when it holds exactly ``data`` the earlier try landed and this counts as success.
+
+        Args:
+            key: Object key.
+            data: New content (one PUT, at most 5 GiB).
+            expected_etag: Etag that must be stored now, or None if the key must not exist.
+
+        Returns:
+            The new etag.
+
+        Raises:
+            PreconditionFailed: The stored object is not the expected one.
+        """
+        validate_key(key)
+        if len(data) > MAX_SINGLE_PUT:
+            raise ValueError("cas is one PUT and S3 caps a PUT at 5 GiB")
+        path = self._full(key)
+        mode: Any = "create" if expected_etag is None else {"e_tag": expected_etag}
+
+        def attempt(failures: int) -> str:
+            try:
+                result = obs.put(self._store(), path, data, mode=mode, use_multipart=False)
+            except (AlreadyExistsError, PreconditionError):
+                if failures > 0:
+                    landed = self._landed(path, data)
+                    if landed is not None:
+                        return landed
+                raise PreconditionFailed(
+                    f"cas {self.url} key {key!r}: expected "
+                    + ("no object" if expected_etag is None else f"etag {expected_etag}")
+                    + ", the stored object differs"
+                ) from None
+            etag = result["e_tag"]
+            if etag is None:
+                etag = obs.head(self._store(), path)["e_tag"]
+            if etag is None:
+                raise BucketError(f"cas {self.url} key {key!r}: the store returned no ETag")
+            return etag
+
+        return self._attempts("cas", key, attempt)
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """List objects whose key starts with ``prefix`` (plain string prefix), sorted by key.
+
+        Pages are fetched lazily; a transient failure mid-listing resumes after the last key seen.
+
+        Args:
+            prefix: Key prefix ('' for everything).
+            start_after: Only keys strictly greater than this.
+
+        Yields:
+            ObjectInfo with the store's etag.
+
+        Raises:
+            BucketError: In "server" listing mode, if the store lists out of lexicographic order.
+        """
+        validate_prefix(prefix)
+        cut = prefix.rfind("/")
+        directory = prefix[:cut] if cut >= 0 else ""
+        list_prefix = self._full(directory) if directory else (self.prefix or None)
+        if self._listing == "client":
+            yield from self._list_client(list_prefix, prefix, start_after)
+        else:
+            yield from self._list_server(list_prefix, prefix, start_after)
+
+    def _list_client(
+        self, list_prefix: str | None, prefix: str, start_after: str | None
+    ) -> Iterator[ObjectInfo]:
+        def attempt(_: int) -> list[ObjectInfo]:
+            out: list[ObjectInfo] = []
+            for chunk in obs.list(self._store(), prefix=list_prefix, chunk_size=1000):
+                for meta in chunk:
+                    key = self._rel(meta["path"])
+                    if key.startswith(prefix) and (start_after is None or key > start_after):
+                        out.append(ObjectInfo(key=key, size=meta["size"], etag=meta["e_tag"]))
+            out.sort(key=lambda info: info.key)
+            return out
+
+        yield from self._attempts("list", prefix, attempt)
+
+    def _list_server(
+        self, list_prefix: str | None, prefix: str, start_after: str | None
+    ) -> Iterator[ObjectInfo]:
+        floor = _floor(prefix)
+        position = start_after
+        if floor is not None and (position is None or floor > position):
+            position = floor
+        budget = _Budget()
+        while True:
+            offset = self._full(position) if position is not None else None
+            try:
+                stream = obs.list(self._store(), prefix=list_prefix, offset=offset, chunk_size=1000)
+                while True:
+                    try:
+                        chunk = next(stream)
+                    except StopIteration:
+                        return
+                    for meta in chunk:
+                        key = self._rel(meta["path"])
+                        if position is not None and key <= position:
+                            raise BucketError(
+                                f"list {self.url}: the store returned {key!r} after {position!r}; it does not "
+                                "list in lexicographic order (SeaweedFS does this). Open the bucket with "
+                                "listing='client' (env STOA_S3_LISTING=client)."
+                            )
+                        position = key
+                        if key.startswith(prefix):
+                            yield ObjectInfo(key=key, size=meta["size"], etag=meta["e_tag"])
+                        elif key > prefix:
+                            return
+            except BucketError:
+                raise
+            except Exception as exc:
+                self._recover(exc, "list", prefix, budget)
+
+    def exists(self, key: str) -> bool:
+        """Whether an object is stored at ``key`` (HEAD).
+
+        Args:
+            key: Object key.
+
+        Returns:
+            True if an object is there.
+        """
+        validate_key(key)
+        path = self._full(key)
+
+        def attempt(_: int) -> bool:
+            try:
+                obs.head(self._store(), path)
+            except FileNotFoundError as exc:
+                if "NoSuchBucket" in str(exc):
+                    raise
+                return False
+            return True
+
+        return self._attempts("exists", key, attempt)
+
+    def delete(self, key: str) -> None:
+        """Delete an object; a missing key is fine.
+
+        Args:
+            key: Object key.
+        """
+        validate_key(key)
+        path = self._full(key)
+
+        def attempt(_: int) -> None:
+            try:
+                obs.delete(self._store(), path)
+            except FileNotFoundError as exc:
+                if "NoSuchBucket" in str(exc):
+                    raise
+
+        self._attempts("delete", key, attempt)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object whose key starts with ``prefix`` (bulk DeleteObjects, 1000 per request).
+
+        Args:
+            prefix: Key prefix ('' deletes everything under the bucket prefix).
+
+        Returns:
+            How many objects were listed and deleted.
+        """
+        keys = [info.key for info in self.list(prefix)]
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch: Sequence[str] = [self._full(k) for k in keys[i : i + _DELETE_BATCH]]
+            self._attempts("delete_prefix", prefix, lambda _, b=batch: obs.delete(self._store(), b))
+        return len(keys)
+
+    def put_file(self, key: str, path: str | os.PathLike[str], *, create_only: bool = True) -> None:
+        """Upload a local file atomically.
+
+        ``create_only=False`` streams a multipart upload (``part_size`` parts, ``max_concurrency`` in
+        flight; memory stays around part_size x concurrency). ``create_only=True`` needs
+        ``If-None-Match``, which obstore only sends on a single PUT, so the file is memory-mapped and
+        sent as one PUT (page cache, not heap; S3 caps it at 5 GiB). A HEAD first avoids re-uploading
+        a large file that is already there.
+
+        Args:
+            key: Object key.
+            path: Local file.
+            create_only: Fail with ObjectExists if a different object is there (identical is success).
+
+        Raises:
+            ObjectExists: create_only and a different object is stored at ``key``.
+            ValueError: create_only and the file is larger than 5 GiB.
+        """
+        validate_key(key)
+        src = Path(path)
+        size = os.stat(src).st_size
+        full = self._full(key)
+        if create_only:
+            if size > MAX_SINGLE_PUT:
+                raise ValueError(
+                    f"put_file create_only is one PUT and S3 caps a PUT at 5 GiB ({src} is {size} bytes); "
+                    "use create_only=False (multipart) for larger files"
+                )
+            self._put_file_create(key, full, src, size)
+            return
+
+        def attempt(_: int) -> None:
+            if size <= self._part_size:
+                obs.put(self._store(), full, src.read_bytes(), mode="overwrite", use_multipart=False)
+            else:
+                obs.put(
+                    self._store(bulk=True),
+                    full,
+                    src,
+                    use_multipart=True,
+                    chunk_size=self._part_size,
+                    max_concurrency=self._max_concurrency,
+                )
+
+        self._attempts("put_file", key, attempt)
+
+    def _put_file_create(self, key: str, full: str, src: Path, size: int) -> None:
+        digest_cache: list[str] = []
+
+        def digest() -> str:
+            if not digest_cache:
+                digest_cache.append(file_digest(src))
+            return digest_cache[0]
+
+        def check_existing() -> None:
+            if not self._same_content(full, size, digest):
+                raise ObjectExists(f"put_file {self.url} key {key!r}: a different object exists")
+
+        def precheck(_: int) -> bool:
+            try:
+                check_existing()
+            except FileNotFoundError:
+                return False
+            return True
+
+        if self._attempts("put_file", key, precheck):
+            return
+
+        def attempt(_: int) -> None:
+            with open(src, "rb") as f:
+                if size == 0:
+                    body: bytes | mmap.mmap = b""
+                else:
+                    body = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                try:
+                    obs.put(self._store(), full, body, mode="create", use_multipart=False)
+                except AlreadyExistsError:
+                    check_existing()
+                finally:
+                    if isinstance(body, mmap.mmap):
+                        body.close()
+
+        self._attempts("put_file", key, attempt)
+
+    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        """Stream an object to ``path`` through a temp file next to it, renamed into place.
+
+        Args:
+            key: Object key.
+            path: Destination file; its directory must exist.
+
+        Raises:
+            ObjectNotFound: Nothing is stored at ``key``.
+        """
+        validate_key(key)
+        full = self._full(key)
+        dest = Path(path)
+        part = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.part")
+        out = open(part, "wb")
+        try:
+
+            def attempt(_: int) -> None:
+                out.seek(0)
+                out.truncate()
+                result = obs.get(self._store(bulk=True), full)
+                for chunk in result.stream(min_chunk_size=_DOWNLOAD_CHUNK):
+                    out.write(chunk)
+
+            self._attempts("get_file", key, attempt)
+            out.flush()
+            os.fsync(out.fileno())
+            out.close()
+            os.replace(part, dest)
+        except BaseException:
+            out.close()
+            try:
+                os.unlink(part)
+            except FileNotFoundError:
+                pass
+            raise
+
+
+def _floor(prefix: str) -> str | None:
+    """A start-after value below every key that starts with ``prefix`` (None if there is none).
+
+    Lowering the last character gives the tightest bound; when that would produce '/' or a control
+    character the prefix minus its last character (a proper prefix, hence smaller) is used instead.
+    """
+    if not prefix:
+        return None
+    lowered = chr(ord(prefix[-1]) - 1)
+    if lowered > "/":
+        return prefix[:-1] + lowered
+    return prefix[:-1].rstrip("/") or None
