@@ -64,7 +64,8 @@ class TrainerConfig:
     reuse_cap: int = _f(2, "Use each record in at most this many optimizer steps.")
     algorithm: str = _f("grpo", "RL objective: grpo, dr_grpo, dapo, gspo, rloo, cispo.")
     algo: dict = _f({}, "Algorithm knobs (eps_low, eps_high, dual_clip_c, gate, kl_beta, ...); TOML table [algo].")
-    kl_beta: float = _f(0.001, "KL-to-reference coefficient; 0 skips the reference forward.")
+    kl_beta: float | None = _f(None, "KL-to-reference coefficient; 0 skips the reference forward "
+                               "(default: the algorithm's, 0.001 for grpo, 0 for dapo).")
     lr: float = _f(1e-5, "AdamW learning rate.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
@@ -103,7 +104,7 @@ class TrainerConfig:
             raise ConfigError("reuse_cap", "must be >= 1")
         if not (0 < self.lr < 1):
             raise ConfigError("lr", f"must be in (0, 1), got {self.lr}")
-        if self.kl_beta < 0:
+        if self.kl_beta is not None and self.kl_beta < 0:
             raise ConfigError("kl_beta", "must be >= 0")
         if self.temperature <= 0:
             raise ConfigError("temperature", "must be > 0")
@@ -123,7 +124,8 @@ class TrainerConfig:
         from stoa.algorithms.base import AlgoConfig
 
         knobs = dict(self.algo)
-        knobs.setdefault("kl_beta", self.kl_beta)
+        if self.kl_beta is not None:
+            knobs.setdefault("kl_beta", self.kl_beta)
         knobs.setdefault("temperature", self.temperature)
         knobs.setdefault("max_tokens", self.max_new_tokens)
         try:
@@ -321,6 +323,9 @@ def config_to_toml(cfg: Any) -> str:
     lines, tables = [], []
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
+        if v is None:
+            lines.append(f"# {f.name} = (unset: {f.metadata.get('help', '')})")
+            continue
         if isinstance(v, dict):
             tables.append((f.name, v))
             continue

@@ -11,7 +11,9 @@ from stoa.config import ConfigError, TrainerConfig, WorkerConfig, config_to_toml
 
 def test_defaults_validate():
     cfg = load_config(TrainerConfig, env={})
-    assert cfg.n_samples == 8 and cfg.staleness_bound == 3 and cfg.reuse_cap == 2 and cfg.kl_beta == 0.001
+    assert cfg.n_samples == 8 and cfg.staleness_bound == 3 and cfg.reuse_cap == 2
+    assert cfg.algo_config().kl_beta == 0.001
+    assert load_config(TrainerConfig, overrides={"algorithm": "dapo"}, env={}).algo_config().kl_beta == 0.0
     load_config(WorkerConfig, env={})
 
 

@@ -377,7 +377,7 @@ def test_heldout_negative_n() -> None:
 
 
 def test_get_task_unknown_lists_known() -> None:
-    with pytest.raises(ValueError, match=r"unknown task 'math'.*\['arithmetic', 'gsm8k'\]"):
+    with pytest.raises(ValueError, match=r"unknown task 'math'.*\['arithmetic', 'gsm8k', 'toy'\]"):
         get_task("math")
 
 

@@ -70,15 +70,15 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
     policy = Policy(model_dir, device, temperature=cfg.temperature, gradient_checkpointing=cfg.gradient_checkpointing)
     contract = ensure_contract(bucket, build_contract(cfg, model_dir, task, codec, policy.vocab_size))
     upload_model_files(bucket, cfg.run, model_dir)
-    ref = Policy(model_dir, device, temperature=cfg.temperature, trainable=False) if cfg.kl_beta > 0 else None
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     algo = get_algorithm(cfg.algo_config(), "torch")
+    ref = Policy(model_dir, device, temperature=cfg.temperature, trainable=False) if algo.cfg.kl_beta > 0 else None
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     publisher = WeightPublisher(bucket, cfg.run, cfg.plane, anchor_every=cfg.anchor_every)
     pool = RecordPool(bucket, contract, task, codec, staleness_bound=cfg.staleness_bound, reuse_cap=cfg.reuse_cap)
     metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / "trainer.jsonl", cfg.run)
 
     # Resume: continue after the newest published version; restore weights, optimizer and reuse counts.
-    pointer = WeightSync(bucket, cfg.run, cfg.plane).poll()
+    pointer = publisher.resume()
     restored = ckpt.load_checkpoint(bucket, cfg.run, policy.model, opt)
     journal = ckpt.read_journal(bucket, cfg.run) or {}
     pool.restore(journal.get("pool", {}))
@@ -89,10 +89,10 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
         publisher.publish(version, state_from_f32(policy.export_f32(), cfg.plane))
         echo(f"[trainer] run {cfg.run}: published v1 ({contract.model.architecture}, plane {cfg.plane})")
     else:
-        version, prev_state = WeightSync(bucket, cfg.run, cfg.plane).sync()
-        publisher.resume(version, prev_state)
+        version = pointer.version
         if restored is None:  # crashed before the first checkpoint: keep the published weights
-            policy.load_f32(state_to_f32(prev_state, cfg.plane))
+            _, published = WeightSync(bucket, cfg.run, cfg.plane).sync(pointer)
+            policy.load_f32(state_to_f32(published, cfg.plane))
         echo(f"[trainer] resumed run {cfg.run} at v{version} (checkpoint v{restored.version if restored else '-'},"
              f" step {step})")
     if step == 0:
@@ -134,6 +134,8 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
                     "rollout/reward_mismatch": ps.reward_mismatch, "rollout/lag_mean": float(lags.mean()),
                     "rollout/lag_max": int(lags.max()), "rollout/reuse_mean": float(np.mean([e.uses for e in entries]))})
         row.update({f"rollout/rejected/{k}": v for k, v in ps.rejected.items()})
+        row["rollout/filtered"] = ps.filtered
+        row["rollout/keys"] = [e.key.rsplit("/", 2)[-2] + "/" + e.key.rsplit("/", 1)[-1] for e in entries]
         for lag in range(cfg.staleness_bound + 1):
             row[f"rollout/staleness/{lag}"] = int((lags == lag).sum())
         metrics.log(row, step=step)

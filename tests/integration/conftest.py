@@ -1,0 +1,76 @@
+"""Fixtures for trainer + worker processes over a local bucket or a moto S3 endpoint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stoa.metrics import read_metrics
+
+
+@pytest.fixture(scope="session")
+def stoa_cache(tmp_path_factory) -> Path:
+    """A model cache shared by every process of the session, with the tiny model built once."""
+    cache = tmp_path_factory.mktemp("stoa-cache")
+    os.environ["STOA_CACHE"] = str(cache)
+    from stoa.models import resolve_model
+
+    resolve_model("tiny", cache_dir=cache)
+    return cache
+
+
+class Procs:
+    """Starts ``python -m stoa ...`` processes with logs in files; kills leftovers at teardown."""
+
+    def __init__(self, root: Path, env: dict[str, str]):
+        self.root, self.env, self.procs = root, env, []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "w")  # noqa: SIM115 - closed in stop_all
+        p = subprocess.Popen([sys.executable, "-m", "stoa", *args], stdout=log, stderr=subprocess.STDOUT,
+                             env=self.env)
+        self.procs.append((name, p, log))
+        return p
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text()
+
+    def stop_all(self) -> None:
+        for _, p, _ in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for _, p, log in self.procs:
+            p.wait(timeout=30)
+            log.close()
+
+
+@pytest.fixture
+def procs(tmp_path, stoa_cache):
+    env = {**os.environ, "STOA_CACHE": str(stoa_cache), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    for k in ("DRL_RUN", "DRL_N_SAMPLES", "DRL_PULSE_PLANE"):
+        env.pop(k, None)
+    ps = Procs(tmp_path, env)
+    yield ps
+    ps.stop_all()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
+    """Poll ``predicate`` until it returns a truthy value or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = predicate()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def train_rows(metrics_path: Path) -> list[dict]:
+    """Rows of a trainer metrics file that describe optimizer steps."""
+    return [r for r in read_metrics(metrics_path) if "train/loss" in r]
