@@ -10,10 +10,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import obstore as obs
 import xxhash
@@ -233,7 +235,8 @@ class S3Bucket:
             return store
 
     def _make_store(self, bulk: bool) -> S3Store:
-        endpoint = self._creds.endpoint
+        # User info in an endpoint URL means nothing to SigV4 and would end up in error messages.
+        endpoint = redact_url(self._creds.endpoint) if self._creds.endpoint else None
         client: ClientConfig = {
             "connect_timeout": timedelta(seconds=self._connect_timeout_s),
             "timeout": timedelta(seconds=self._request_timeout_s),
@@ -279,7 +282,12 @@ class S3Bucket:
         return path[len(self.prefix) + 1 :] if self.prefix else path
 
     def _scrub(self, text: str) -> str:
-        for secret in self._creds.secrets():
+        secrets = list(self._creds.secrets())
+        if self._creds.endpoint:
+            userinfo = urlsplit(self._creds.endpoint).password
+            if userinfo:
+                secrets.append(userinfo)
+        for secret in secrets:
             text = text.replace(secret, "***")
         return text
 
@@ -293,12 +301,12 @@ class S3Bucket:
         """Map an obstore failure to a BucketError, or to _Transient if it is worth retrying."""
         where = f"{op} {self.url}" + (f" key {key!r}" if key else "")
         short = self._short(exc)
-        if isinstance(exc, FileNotFoundError):
-            if "NoSuchBucket" in str(exc):
-                return BucketError(f"{where}: bucket {self.bucket!r} does not exist at {self.endpoint}")
-            return ObjectNotFound(f"{where}: no such object")
-        if not isinstance(exc, ObstoreError):
+        if not isinstance(exc, (ObstoreError, FileNotFoundError)):
             return exc
+        if "NoSuchBucket" in str(exc):
+            return BucketError(f"{where}: bucket {self.bucket!r} does not exist at {self.endpoint}")
+        if isinstance(exc, FileNotFoundError):
+            return ObjectNotFound(f"{where}: no such object")
         if isinstance(exc, AlreadyExistsError):
             return ObjectExists(f"{where}: an object already exists at the key")
         if isinstance(exc, PreconditionError):
@@ -380,6 +388,40 @@ class S3Bucket:
             return False
         return self._stored_digest(path)[1] == digest()
 
+    def _create(
+        self,
+        op: str,
+        key: str,
+        path: str,
+        body: Callable[[], AbstractContextManager[bytes | mmap.mmap]],
+        size: int,
+        digest: Callable[[], str],
+    ) -> None:
+        """One ``If-None-Match: *`` PUT; on 412 compare the stored object with ours (equal is success)."""
+
+        def attempt(_: int) -> None:
+            for _round in range(3):
+                with body() as payload:
+                    try:
+                        obs.put(self._store(), path, payload, mode="create", use_multipart=False)
+                        return
+                    except AlreadyExistsError:
+                        pass
+                try:
+                    same = self._same_content(path, size, digest)
+                except FileNotFoundError:
+                    continue  # deleted since the 412 (or the store has a "directory" there): try again
+                if not same:
+                    raise ObjectExists(f"{op} {self.url} key {key!r}: a different object exists")
+                return
+            raise BucketError(
+                f"{op} {self.url} key {key!r}: the store says the key exists but no object can be read "
+                "there; on SeaweedFS (as in local buckets) a key cannot be both an object and a prefix "
+                "of other keys ('a' and 'a/b')"
+            )
+
+        self._attempts(op, key, attempt)
+
     # --------------------------------------------------------------- protocol
 
     def put_create(self, key: str, data: bytes) -> None:
@@ -400,16 +442,9 @@ class S3Bucket:
             raise ValueError("put_create is one PUT and S3 caps a PUT at 5 GiB")
         path = self._full(key)
 
-        def attempt(_: int) -> None:
-            try:
-                obs.put(self._store(), path, data, mode="create", use_multipart=False)
-            except AlreadyExistsError:
-                if not self._same_content(path, len(data), lambda: content_digest(data)):
-                    raise ObjectExists(
-                        f"put_create {self.url} key {key!r}: a different object exists"
-                    ) from None
-
-        self._attempts("put_create", key, attempt)
+        self._create(
+            "put_create", key, path, lambda: nullcontext(data), len(data), lambda: content_digest(data)
+        )
 
     def put(self, key: str, data: bytes) -> None:
         """Unconditional atomic overwrite (multipart for large data).
@@ -629,15 +664,24 @@ class S3Bucket:
     def _list_server(
         self, list_prefix: str | None, prefix: str, start_after: str | None
     ) -> Iterator[ObjectInfo]:
-        floor = _floor(prefix)
+        # Keys must be > start_after and start with prefix; `position` is the exclusive lower bound.
         position = start_after
+        floor = _floor(prefix)
         if floor is not None and (position is None or floor > position):
             position = floor
         budget = _Budget()
         while True:
-            offset = self._full(position) if position is not None else None
+            last_seen: str | None = None
+            # obstore normalises paths (e.g. drops a trailing '/'), so send a valid key that is <= position
+            # and filter exactly here.
+            offset = _safe_offset(position)
             try:
-                stream = obs.list(self._store(), prefix=list_prefix, offset=offset, chunk_size=1000)
+                stream = obs.list(
+                    self._store(),
+                    prefix=list_prefix,
+                    offset=self._full(offset) if offset else None,
+                    chunk_size=1000,
+                )
                 while True:
                     try:
                         chunk = next(stream)
@@ -645,12 +689,15 @@ class S3Bucket:
                         return
                     for meta in chunk:
                         key = self._rel(meta["path"])
-                        if position is not None and key <= position:
+                        if last_seen is not None and key <= last_seen:
                             raise BucketError(
-                                f"list {self.url}: the store returned {key!r} after {position!r}; it does not "
+                                f"list {self.url}: the store returned {key!r} after {last_seen!r}; it does not "
                                 "list in lexicographic order (SeaweedFS does this). Open the bucket with "
                                 "listing='client' (env STOA_S3_LISTING=client)."
                             )
+                        last_seen = key
+                        if position is not None and key <= position:
+                            continue
                         position = key
                         if key.startswith(prefix):
                             yield ObjectInfo(key=key, size=meta["size"], etag=meta["e_tag"])
@@ -771,35 +818,27 @@ class S3Bucket:
                 digest_cache.append(file_digest(src))
             return digest_cache[0]
 
-        def check_existing() -> None:
-            if not self._same_content(full, size, digest):
-                raise ObjectExists(f"put_file {self.url} key {key!r}: a different object exists")
-
         def precheck(_: int) -> bool:
             try:
-                check_existing()
+                same = self._same_content(full, size, digest)
             except FileNotFoundError:
                 return False
+            if not same:
+                raise ObjectExists(f"put_file {self.url} key {key!r}: a different object exists")
             return True
 
         if self._attempts("put_file", key, precheck):
             return
 
-        def attempt(_: int) -> None:
-            with open(src, "rb") as f:
-                if size == 0:
-                    body: bytes | mmap.mmap = b""
-                else:
-                    body = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                try:
-                    obs.put(self._store(), full, body, mode="create", use_multipart=False)
-                except AlreadyExistsError:
-                    check_existing()
-                finally:
-                    if isinstance(body, mmap.mmap):
-                        body.close()
+        @contextmanager
+        def body() -> Iterator[bytes | mmap.mmap]:
+            if size == 0:
+                yield b""
+                return
+            with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                yield m
 
-        self._attempts("put_file", key, attempt)
+        self._create("put_file", key, full, body, size, digest)
 
     def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """Stream an object to ``path`` through a temp file next to it, renamed into place.
@@ -837,6 +876,18 @@ class S3Bucket:
             except FileNotFoundError:
                 pass
             raise
+
+
+def _safe_offset(position: str | None) -> str | None:
+    """The longest '/'-prefix of ``position`` that is a valid key (a prefix sorts before the string)."""
+    while position:
+        try:
+            validate_key(position)
+            return position
+        except ValueError:
+            cut = position.rfind("/")
+            position = position[:cut] if cut > 0 else ""
+    return None
 
 
 def _floor(prefix: str) -> str | None:
