@@ -219,7 +219,7 @@ def _write_random_file(path: Path, size: int, seed: int) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("create_only", [False, True], ids=["multipart", "create-only"])
+@pytest.mark.parametrize("create_only", [False, True], ids=["overwrite", "create-only"])
 def test_200mib_round_trip(backend: Backend, tmp_path: Path, create_only: bool) -> None:
     bucket = backend.open()
     src = tmp_path / "src.bin"
