@@ -415,21 +415,23 @@ class WeightSync:
         return p
 
     def poll(self) -> Pointer | None:
-        """Conditional GET of the pointer; returns it when it changed and names another version, else None.
+        """Conditional GET of the pointer; returns it while the local verified weights are not at it.
 
-        Cheap when nothing changed (the bucket answers from the etag). A missing pointer (run not started)
-        also gives None.
+        Cheap when nothing changed (the bucket answers from the etag). Returns None when the worker is
+        current or the run has no pointer yet; after a failed sync it keeps returning the pointer, so a
+        ``if (p := sync.poll()): sync.sync(p)`` loop retries.
         """
         etag = self.pointer.etag if self.pointer is not None else None
         try:
             got = self.bucket.get_if_changed(pointer_key(self.run_id), etag)
         except ObjectNotFound:
             return None
-        if got is None:
+        if got is not None:
+            self.pointer = self._check_pointer(Pointer.from_json(got[0], got[1]))
+        p = self.pointer
+        if p is None or (p.version == self.version and p.state_hash == self.state_hash):
             return None
-        p = self._check_pointer(Pointer.from_json(got[0], got[1]))
-        self.pointer = p
-        return p if p.version != self.version else None
+        return p
 
     def _read_pointer(self) -> Pointer:
         try:
@@ -518,7 +520,7 @@ class WeightSync:
             (version, state) of the verified weights.
         """
         t0 = time.perf_counter()
-        counter: dict[str, Any] = {"bytes": 0, "versions_applied": 0}
+        counter: dict[str, Any] = {"bytes": 0, "versions_applied": 0, "rejected": 0}
         errors: list[str] = []
         path = "none"
         pointer = self._check_pointer(target) if target is not None else self._read_pointer()
@@ -540,7 +542,7 @@ class WeightSync:
             self.totals["failures"] += 1
             self._record(t0, counter, "failed", errors, pointer)
             raise SyncError(
-                "verification_failed",
+                "verification_failed" if counter["rejected"] else "unavailable",
                 f"could not reach verified v{pointer.version} (keeping v{self.version}): "
                 + "; ".join(errors),
             )
@@ -564,6 +566,7 @@ class WeightSync:
             except (PatchError, AnchorError, SyncError, ValueError) as e:
                 errors.append(f"{plan.path}{'' if plan.anchor is None else f'@v{plan.anchor}'}: {e}")
                 self.totals["fallbacks"] += 1
+                counter["rejected"] += 1
                 continue
             self.state, self.version, self.state_hash = state, pointer.version, s_hash
             return plan.path, False

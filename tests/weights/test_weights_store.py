@@ -262,6 +262,20 @@ def test_poll_is_conditional(bucket: Spy) -> None:
     assert p2 is not None and p2.version == 2
     assert w.sync(p2)[0] == 2 and w.metrics["path"] == "patches"
     assert w.sync()[0] == 2 and w.metrics["path"] == "current" and w.metrics["bytes"] == 0
+    assert w.poll() is None
+    # a failed sync leaves the worker behind: poll keeps reporting the pointer until a sync succeeds
+    pub.publish(3, sts[2])
+    _corrupt(bucket, patch_key(RUN, 3))
+    p3 = w.poll()
+    assert p3 is not None and p3.version == 3
+    with pytest.raises(SyncError):
+        w.sync(p3)
+    assert w.poll() == p3 and w.version == 2
+    bucket.inner.delete(patch_key(RUN, 3))
+    bucket.inner.put(anchor_prefix(RUN, 3) + "model.safetensors", b"")  # no manifest: not an anchor
+    with pytest.raises(SyncError) as ei:
+        w.sync(p3)
+    assert ei.value.reason == "unavailable" and w.version == 2
 
 
 def test_gc_keeps_what_is_needed(bucket: Spy) -> None:
