@@ -405,6 +405,11 @@ class WeightSync:
             "failures": 0,
         }
 
+    @property
+    def last_metrics(self) -> dict[str, Any]:
+        """Alias of ``metrics``: what the last sync did (path, bytes, seconds, versions_applied, ...)."""
+        return self.metrics
+
     def _check_pointer(self, p: Pointer) -> Pointer:
         if p.run_id != self.run_id:
             raise SyncError("wrong_run", f"current.json is for run {p.run_id!r}, not {self.run_id!r}")

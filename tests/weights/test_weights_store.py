@@ -164,7 +164,7 @@ def test_publish_layout_and_late_joiner(bucket: Spy, states: tuple[str, list[Sta
     version, got = late.sync()
     assert version == 6 and _same(got, sts[5])
     assert late.metrics["path"] == "anchor" and late.metrics["versions_applied"] == 2
-    assert late.metrics["bytes"] > 0 and late.metrics["errors"] == []
+    assert late.metrics["bytes"] > 0 and late.metrics["errors"] == [] and late.last_metrics is late.metrics
 
 
 def test_worker_three_behind_uses_patches(bucket: Spy, states: tuple[str, list[State]]) -> None:
