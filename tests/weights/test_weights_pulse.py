@@ -131,6 +131,29 @@ def test_real_planes_round_trip() -> None:
         assert _same(out, new) and 0 < info.changed < info.elements
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(["bf16", "int8g64"]),
+    st.sampled_from([0.0, 1e-7, 1e-5, 1e-2]),
+    st.integers(1, 4),
+)
+def test_real_plane_states_round_trip(seed: int, plane: str, step: float, rows: int) -> None:
+    rng = np.random.default_rng(seed)
+    named = {
+        "m.proj.weight": rng.standard_normal((rows, 128)).astype(np.float32) * 0.02,
+        "m.norm.weight": rng.standard_normal(64).astype(np.float32),
+    }
+    named["m.norm.weight"][:4] = [np.nan, np.inf, -np.inf, -0.0]
+    stepped = {
+        k: v + np.float32(step) * rng.standard_normal(v.shape).astype(np.float32) for k, v in named.items()
+    }
+    stepped["m.norm.weight"][:4] = [np.nan, -np.inf, 0.0, 0.0]  # inf sign flip, -inf -> 0.0, -0.0 -> 0.0
+    prev, new = state_from_f32(named, plane), state_from_f32(stepped, plane)
+    out, info = _apply(prev, _enc(prev, new, plane=plane), plane=plane)
+    assert _same(out, new) and info.state_hash == state_hash(new)
+
+
 @pytest.fixture()
 def pair() -> tuple[State, State, bytes]:
     rng = np.random.default_rng(7)
