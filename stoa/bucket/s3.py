@@ -378,7 +378,7 @@ class S3Bucket:
         except FileNotFoundError:
             return None
         current = got.meta["e_tag"]
-        if current is not None and content_digest(bytes(got.bytes())) == content_digest(data):
+        if current is not None and bytes(got.bytes()) == data:
             return current
         return None
 
