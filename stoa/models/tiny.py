@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 #: Bumped whenever the bytes :func:`make_tiny_model` writes change; caches built by another version rebuild.
-TINY_BUILDER_VERSION = 1
+TINY_BUILDER_VERSION = 2
 
 #: Name of the marker file every model directory built or imported by stoa ends with.
 MARKER_FILE = "stoa-model.json"
@@ -253,7 +253,9 @@ def tiny_weights(config: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]
     def norm() -> np.ndarray:
         return (1.0 + normal((h,), 0.1)).astype(np.float32)
 
-    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal((vocab, h), 0.5)}
+    # Small embeddings keep the tied LM head from echoing its input token: a random tiny model then
+    # samples a broad distribution, which RL smoke tests need for exploration.
+    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal((vocab, h), 0.05)}
     for i in range(n_layers):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm()

@@ -10,30 +10,30 @@ from stoa.tasks.base import Prompt, chat_messages, format_prompt_id, parse_promp
 
 
 class ToyTask:
-    """Reward = fraction of the completion's characters equal to ``target``.
+    """Reward = fraction of the completion's characters that are in ``chars`` (default: vowels).
 
     A random tiny model starts near the uniform rate and GRPO raises it within a few steps, which
     makes "the reward mean rises" a fast, reliable end-to-end check. Not a benchmark.
 
     Args:
-        target: the character to produce.
+        chars: the characters to produce.
         prompt_version: accepted for contract round trips; must be 1.
     """
 
     id: str = "toy"
     reward_version: str = "1"
-    OPTIONS: ClassVar[dict[str, type]] = {"target": str, "prompt_version": int}
+    OPTIONS: ClassVar[dict[str, type]] = {"chars": str, "prompt_version": int}
 
-    def __init__(self, target: str = "7", prompt_version: int | None = None) -> None:
-        if len(target) != 1:
-            raise ValueError(f"toy: option 'target' must be a single character, got {target!r}")
+    def __init__(self, chars: str = "aeiou", prompt_version: int | None = None) -> None:
+        if not chars:
+            raise ValueError("toy: option 'chars' must not be empty")
         if prompt_version not in (None, 1):
             raise ValueError(f"toy: option 'prompt_version' is {prompt_version}, this code builds 1")
-        self.target = target
+        self.chars = chars
 
     def spec(self) -> dict[str, object]:
         """Options for the run contract."""
-        return {"target": self.target, "prompt_version": 1}
+        return {"chars": self.chars, "prompt_version": 1}
 
     def get(self, prompt_id: str) -> Prompt:
         """The prompt with this id ("train:<i>" or "test:<i>").
@@ -42,8 +42,8 @@ class ToyTask:
             prompt_id: canonical id.
         """
         split, index = parse_prompt_id(self.id, prompt_id, ("train", "test"))
-        text = f"Write the digit {self.target} many times. ({split} {index % 97})"
-        return Prompt(prompt_id, chat_messages(text), self.target)
+        text = f"Write only these characters: {self.chars} ({split} {index % 97})"
+        return Prompt(prompt_id, chat_messages(text), self.chars)
 
     def sample_train(self, rng: np.random.Generator) -> Prompt:
         """A random training prompt.
@@ -62,16 +62,18 @@ class ToyTask:
         return [self.get(format_prompt_id("test", i)) for i in range(n)]
 
     def reward(self, prompt: Prompt, completion: str) -> float:
-        """Fraction of characters equal to the target.
+        """Fraction of characters that are in ``chars``.
 
         Args:
-            prompt: the prompt (its answer is the target).
+            prompt: the prompt (its answer holds the characters).
             completion: completion text.
         """
-        return completion.count(prompt.answer) / len(completion) if completion else 0.0
+        if not completion:
+            return 0.0
+        return sum(ch in prompt.answer for ch in completion) / len(completion)
 
     def is_correct(self, prompt: Prompt, completion: str) -> bool:
-        """At least half of the characters are the target.
+        """At least half of the characters are in ``chars``.
 
         Args:
             prompt: the prompt.

@@ -11,7 +11,7 @@ import pytest
 from tests.integration.conftest import train_rows, wait_for
 
 TRAIN_ARGS = ["--model", "tiny", "--task", "toy", "--n-samples", "4", "--groups-per-step", "4",
-              "--max-new-tokens", "8", "--lr", "3e-3", "--eval-n", "0", "--kl-beta", "0",
+              "--max-new-tokens", "8", "--lr", "3e-2", "--eval-n", "0", "--kl-beta", "0",
               "--max-wait-seconds", "120", "--poll-seconds", "0.2", "--anchor-every", "4"]
 
 
