@@ -57,8 +57,7 @@ class RecordPool:
         self.staleness_bound, self.reuse_cap = staleness_bound, reuse_cap
         self.entries: dict[str, Entry] = {}
         self.uses: dict[str, int] = {}  # every key ever taken (pruned to the window), persisted
-        self.seen: set[str] = set()  # keys already read (accepted or rejected) in this process
-        self.cursor: dict[int, str] = {}  # per version: last key listed
+        self.seen: set[str] = set()  # keys already read (accepted or rejected), pruned to the window
         self.stats = PoolStats()
 
     def state(self) -> dict[str, Any]:
@@ -84,12 +83,14 @@ class RecordPool:
             del self.entries[key]
             self.stats.dropped_stale += 1
         self.uses = {k: v for k, v in self.uses.items() if _version_of(k) >= low}
-        self.cursor = {v: c for v, c in self.cursor.items() if v >= low}
+        self.seen = {k for k in self.seen if _version_of(k) >= low}
         accepted = 0
+        # Keys sort by worker, not arrival, so a start-after cursor would skip late records of
+        # early-sorting workers; each version inside the window is listed whole instead (cost grows
+        # with the window, never with history).
         for v in range(low, current_version + 1):
             prefix = rollout_version_prefix(self.contract.run_id, v)
-            for info in self.bucket.list(prefix, start_after=self.cursor.get(v)):
-                self.cursor[v] = info.key
+            for info in self.bucket.list(prefix):
                 if info.key in self.seen or self.uses.get(info.key, 0) >= self.reuse_cap:
                     continue
                 self.seen.add(info.key)

@@ -152,7 +152,7 @@ def _sync(sync, engine, contract: RunContract, cfg: WorkerConfig, echo, current:
         try:
             pointer = sync.poll()
             if pointer is not None and (current is None or pointer.version > current):
-                version, state = sync.sync()
+                version, state = sync.sync(pointer)
                 if hasattr(engine, "load_state"):
                     engine.load_state(state, contract.plane)
                 else:

@@ -13,17 +13,6 @@ import pytest
 from stoa.metrics import read_metrics
 
 
-@pytest.fixture(scope="session")
-def stoa_cache(tmp_path_factory) -> Path:
-    """A model cache shared by every process of the session, with the tiny model built once."""
-    cache = tmp_path_factory.mktemp("stoa-cache")
-    os.environ["STOA_CACHE"] = str(cache)
-    from stoa.models import resolve_model
-
-    resolve_model("tiny", cache_dir=cache)
-    return cache
-
-
 class Procs:
     """Starts ``python -m stoa ...`` processes with logs in files; kills leftovers at teardown."""
 
