@@ -1,0 +1,50 @@
+"""The same trainer + worker loop over a real S3 protocol endpoint (moto on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import numpy as np
+import pytest
+
+from tests.integration.conftest import train_rows
+from tests.integration.test_loop_local import TRAIN_ARGS
+
+
+@pytest.fixture(scope="module")
+def moto_s3():
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="k", aws_secret_access_key="s",
+                 region_name="us-east-1").create_bucket(Bucket="stoa-it")
+    yield endpoint
+    server.stop()
+
+
+@pytest.mark.slow
+def test_loop_over_moto(procs, tmp_path, moto_s3):
+    procs.env.update({"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1",
+                      "AWS_ENDPOINT_URL": moto_s3})
+    bucket = "s3://stoa-it/ci"
+    logs = tmp_path / "logs"
+    trainer = procs.start("trainer", "trainer", "--bucket", bucket, "--run", "s3run", "--steps", "12",
+                          "--log-dir", str(logs), *TRAIN_ARGS)
+    for i in range(2):
+        procs.start(f"w{i}", "worker", "--bucket", bucket, "--run", "s3run", "--engine", "torch", "--threads", "1",
+                    "--poll-seconds", "0.2", "--wait-seconds", "120", "--log-dir", str(logs))
+    assert trainer.wait(timeout=300) == 0, procs.log("trainer")
+    rows = train_rows(logs / "trainer.jsonl")
+    assert [r["version"] for r in rows] == list(range(2, 14))
+    rewards = np.array([r["rollout/reward_mean"] for r in rows])
+    assert rewards[-3:].mean() > rewards[:3].mean() + 0.05, rewards
+    assert sum(r["train/patch_bytes"] for r in rows) > 0  # versions after v1 travel as patches
