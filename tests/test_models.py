@@ -131,7 +131,7 @@ def test_tiny_mlx_matches_torch(cache: Path, name: str) -> None:
     torch_logits = _torch_logits(model_dir, ids)
     mlx_logits, mlx_ids = _mlx_logits(model_dir, ids)
     assert mlx_ids == ids  # the same tokenizer on both sides
-    assert np.abs(torch_logits).max() > 5.0  # not a degenerate near-uniform model
+    assert np.abs(torch_logits).max() > 1.0  # non-trivial logits (the tiny model is broad on purpose)
     assert np.abs(torch_logits - mlx_logits).max() < 1e-4
 
 
