@@ -53,6 +53,12 @@ def pack(prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], t_max
     return Packed(t(ids), t(am), t(pos), t(tgt), t(msk))
 
 
+def _forward_params(module: torch.nn.Module) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(module.forward).parameters)
+
+
 class Policy:
     """An HF causal LM in fp32 (master weights) that scores completions.
 
@@ -72,6 +78,7 @@ class Policy:
         self.temperature = temperature
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
         self.model.config.use_cache = False
+        self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train(trainable)
@@ -103,6 +110,46 @@ class Policy:
             logits = head(h).float()
         logp = torch.log_softmax(logits / self.temperature, dim=-1)
         return torch.gather(logp, -1, batch.targets.unsqueeze(-1)).squeeze(-1) * batch.mask
+
+    def group_logprobs(self, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int) -> torch.Tensor:
+        """Logprobs [n, t_max] of one group's completions, running the shared prompt only once.
+
+        The prompt is forwarded once (with gradient) and its KV cache repeated for the ``n``
+        completions, which then attend to it; for short completions after a long prompt this
+        cuts the forward/backward FLOPs several-fold. Equal to ``logprobs(pack(...))`` (tested).
+
+        Args:
+            prompt: the group's prompt token ids.
+            completions: the ``n`` completions (non-empty).
+            t_max: width of the completion axis.
+        """
+        from transformers import DynamicCache
+
+        dev, n, plen = self.device, len(completions), len(prompt)
+        decoder = self.model.get_decoder()
+        head = self.model.get_output_embeddings()
+        comp = np.zeros((n, t_max), dtype=np.int64)
+        msk = np.zeros((n, t_max), dtype=np.float32)
+        for i, c in enumerate(completions):
+            comp[i, : len(c)] = c
+            msk[i, : len(c)] = 1.0
+        comp_t, mask_t = torch.from_numpy(comp).to(dev), torch.from_numpy(msk).to(dev)
+        kw = {"cache" if "cache" in _forward_params(decoder) else "past_key_values": DynamicCache()}
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.autocast):
+            pre = decoder(input_ids=torch.from_numpy(np.asarray(prompt, np.int64))[None].to(dev), use_cache=True, **kw)
+            cache = next(iter(kw.values()))
+            h_last = pre.last_hidden_state[:, -1:, :].expand(n, -1, -1)
+            if t_max > 1:
+                cache.batch_repeat_interleave(n)
+                attn = torch.cat([torch.ones((n, plen), dtype=torch.long, device=dev), mask_t[:, :-1].long()], dim=1)
+                pos = (plen + torch.arange(t_max - 1, device=dev)).expand(n, -1)
+                rest = decoder(input_ids=comp_t[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True, **kw)
+                hidden = torch.cat([h_last, rest.last_hidden_state], dim=1)
+            else:
+                hidden = h_last
+            logits = head(hidden).float()
+        logp = torch.log_softmax(logits / self.temperature, dim=-1)
+        return torch.gather(logp, -1, comp_t.unsqueeze(-1)).squeeze(-1) * mask_t
 
     def export_f32(self) -> dict[str, np.ndarray]:
         """Copy the master weights out as float32 numpy arrays (names as ``named_parameters``)."""

@@ -23,6 +23,7 @@ def train_step(
     current_version: int,
     micro_batch: int,
     grad_clip: float,
+    shared_prefix: bool = True,
 ) -> dict[str, float]:
     """Compute advantages, accumulate the loss over micro-batches, clip, and step the optimizer.
 
@@ -36,13 +37,17 @@ def train_step(
         algo: an ``Algorithm`` (torch backend).
         entries: the groups of this step.
         current_version: the policy version being trained (for lag diagnostics).
-        micro_batch: sequences per forward/backward.
+        micro_batch: sequences per forward/backward (packed mode).
         grad_clip: max global gradient norm (0 disables).
+        shared_prefix: run each group's prompt once and its completions on the shared KV cache
+            (one group per micro-batch); otherwise pack whole sequences into micro-batches.
 
     Returns:
         flat metrics without the ``train/`` prefix.
     """
     from stoa.algorithms import LossInputs, combine_metrics
+
+    shared_prefix = shared_prefix and not policy.gradient_checkpointing
 
     t0 = time.perf_counter()
     rewards = np.stack([e.rewards for e in entries]).astype(np.float32)  # [G, n]
@@ -58,29 +63,34 @@ def train_step(
     for i, r in enumerate(rows):
         mask_all[i, : len(r[1])] = 1.0
     normalizer = float(algo.normalizer(mask_all))
-    order = sorted(range(len(rows)), key=lambda i: -(len(rows[i][0]) + len(rows[i][1])))
     dev = policy.device
     parts: list[dict[str, float]] = []
     loss_total = 0.0
     n_tokens = int(mask_all.sum())
-    for start in range(0, len(order), micro_batch):
-        idx = order[start : start + micro_batch]
+    for idx in _micro_batches(rows, entries, micro_batch, shared_prefix):
         chunk = [rows[i] for i in idx]
-        packed = pack([r[0] for r in chunk], [r[1] for r in chunk], t_max, dev)
         beh = np.zeros((len(chunk), t_max), dtype=np.float32)
         for j, r in enumerate(chunk):
             beh[j, : len(r[2])] = r[2]
-        logp = policy.logprobs(packed)
+        if shared_prefix:  # one group: its prompt runs once
+            prompt, comps = chunk[0][0], [r[1] for r in chunk]
+            logp = policy.group_logprobs(prompt, comps, t_max)
+            mask = torch.from_numpy(mask_all[idx]).to(dev)
+            ref_fn = (lambda pr=prompt, cs=comps: ref.group_logprobs(pr, cs, t_max)) if ref is not None else None
+        else:
+            packed = pack([r[0] for r in chunk], [r[1] for r in chunk], t_max, dev)
+            logp, mask = policy.logprobs(packed), packed.mask
+            ref_fn = (lambda pk=packed: ref.logprobs(pk)) if ref is not None else None
         ref_lp = None
-        if ref is not None:
+        if ref_fn is not None:
             with torch.no_grad():
-                ref_lp = ref.logprobs(packed)
+                ref_lp = ref_fn()
         inp = LossInputs(
             logp=logp,
             behaviour_logp=torch.from_numpy(beh).to(dev),
             ref_logp=ref_lp,
             advantages=torch.tensor([r[3] for r in chunk], dtype=torch.float32, device=dev),
-            mask=packed.mask,
+            mask=mask,
             normalizer=normalizer,
             version_lag=np.array([r[4] for r in chunk], dtype=np.int64),
         )
@@ -105,3 +115,15 @@ def train_step(
         adv_abs_mean=float(np.abs(adv).mean()),
     )
     return out
+
+
+def _micro_batches(rows: list, entries: Sequence[Entry], micro_batch: int, shared_prefix: bool) -> list[list[int]]:
+    """Row indices per micro-batch: one group each with a shared prefix, else length-sorted chunks."""
+    if shared_prefix:
+        out, start = [], 0
+        for e in entries:
+            out.append(list(range(start, start + len(e.record.samples))))
+            start += len(e.record.samples)
+        return out
+    order = sorted(range(len(rows)), key=lambda i: -(len(rows[i][0]) + len(rows[i][1])))
+    return [order[i : i + micro_batch] for i in range(0, len(order), micro_batch)]
