@@ -145,6 +145,8 @@ class WorkerConfig:
     name: str = _f("", "Worker label used in record keys (default: host name); a random suffix is added.")
     engine: str = _f("auto", "Generation engine: auto (mlx on Apple silicon, else torch), torch, mlx.")
     model: str = _f("", "Optional local model dir; checked against the contract (default: from the bucket).")
+    plane: str = _f("", "Weight plane this worker expects (env DRL_PULSE_PLANE; empty = the contract's).")
+    n_samples: int = _f(0, "Group size this worker expects (env DRL_N_SAMPLES; 0 = the contract's).")
     groups_in_flight: int = _f(2, "Prompt groups decoded together in one batch (batch = this x n).")
     max_groups: int = _f(0, "Exit after uploading this many groups (0 = run forever).")
     poll_seconds: float = _f(2.0, "Wait between pointer polls while the run has no weights yet.")
@@ -157,6 +159,10 @@ class WorkerConfig:
     def validate(self) -> WorkerConfig:
         """Raise ``ConfigError`` naming the first invalid field; return self."""
         _check_run_id(self.run)
+        if self.plane and self.plane not in PLANES:
+            raise ConfigError("plane", f"{self.plane!r} is not one of {PLANES}")
+        if self.n_samples < 0:
+            raise ConfigError("n_samples", "must be >= 0")
         if self.engine not in ENGINES:
             raise ConfigError("engine", f"{self.engine!r} is not one of {ENGINES}")
         if self.groups_in_flight < 1:

@@ -51,6 +51,23 @@ def check_model(model_dir: Path, contract: RunContract) -> None:
         raise ContractMismatch(bad, f"model at {model_dir} does not match run {contract.run_id!r}")
 
 
+def check_expectations(cfg: WorkerConfig, contract: RunContract) -> None:
+    """Refuse to join a run whose plane or group size differs from what this worker was told.
+
+    Args:
+        cfg: worker config (``plane``/``n_samples`` empty or 0 mean "whatever the run says").
+        contract: the run contract.
+    """
+    bad = []
+    if cfg.plane and cfg.plane != contract.plane:
+        bad.append("plane")
+    if cfg.n_samples and cfg.n_samples != contract.n_samples:
+        bad.append("n_samples")
+    if bad:
+        detail = ", ".join(f"{f}: worker {getattr(cfg, f)!r} vs run {getattr(contract, f)!r}" for f in bad)
+        raise ContractMismatch(bad, detail)
+
+
 def make_engine(name: str, model_dir: Path, cfg: WorkerConfig):
     """Build the generation engine.
 
@@ -85,6 +102,7 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     bucket = open_bucket(cfg.bucket)
     wid = worker_id(cfg.name)
     contract = wait_for_contract(bucket, cfg.run, cfg.wait_seconds, echo=echo)
+    check_expectations(cfg, contract)
     cache = Path(os.environ.get("STOA_CACHE", Path.home() / ".cache" / "stoa")) / "runs" / cfg.run / f"model-{wid}"
     model_dir = Path(cfg.model) if cfg.model else download_model_files(bucket, cfg.run, cache)
     check_model(model_dir, contract)
@@ -93,8 +111,9 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     codec = TextCodec(model_dir)
     task = get_task(contract.task_id, **dict(contract.task_spec))
     sync = WeightSync(bucket, cfg.run, contract.plane)
-    version = _sync(sync, engine, contract, cfg, echo, current=None)
     metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / f"worker-{wid}.jsonl", wid)
+    version = _sync(sync, engine, contract, cfg, echo, metrics, current=None)
+    adopted_at = _published_at(sync)
     rng = np.random.default_rng(None if cfg.seed < 0 else cfg.seed)
     gen = _torch_generator(engine_name, cfg.seed)
     sp = contract.sampling
@@ -103,7 +122,9 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     seq, total_tokens, t_start = 0, 0, time.perf_counter()
     versions_seen = {version}
     while cfg.max_groups == 0 or seq < cfg.max_groups:
-        version = _sync(sync, engine, contract, cfg, echo, current=version)
+        new_version = _sync(sync, engine, contract, cfg, echo, metrics, current=version)
+        if new_version != version:
+            version, adopted_at = new_version, _published_at(sync)
         versions_seen.add(version)
         k = cfg.groups_in_flight if cfg.max_groups == 0 else min(cfg.groups_in_flight, cfg.max_groups - seq)
         prompts = [task.sample_train(rng) for _ in range(k)]
@@ -122,6 +143,9 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
                                 timings={"generate_s": gen_s / k}, created_at=time.time())
             bucket.put_create(rollout_key(cfg.run, version, wid, seq), rec.encode())
             seq += 1
+            if adopted_at is not None:  # pointer advance -> first record at the new version
+                metrics.log({"worker/adoption_latency_s": time.time() - adopted_at, "worker/version": version})
+                adopted_at = None
             metrics.log({"worker/version": version, "worker/reward_mean": float(np.mean([s.reward for s in samples])),
                          "worker/tokens": sum(len(c.tokens) for c in comps)}, step=seq)
         total_tokens += st.new_tokens
@@ -143,7 +167,19 @@ def _torch_generator(engine_name: str, seed: int):
     return g
 
 
-def _sync(sync, engine, contract: RunContract, cfg: WorkerConfig, echo, current: int | None) -> int:
+def _published_at(sync) -> float | None:
+    """Unix time the trainer published the version this worker just adopted (from the pointer)."""
+    from datetime import datetime
+
+    p = getattr(sync, "pointer", None)
+    try:
+        return datetime.fromisoformat(p.updated_at).timestamp() if p is not None else None
+    except (AttributeError, ValueError):
+        return None
+
+
+def _sync(sync, engine, contract: RunContract, cfg: WorkerConfig, echo, metrics: MetricsWriter,
+          current: int | None) -> int:
     """Adopt the newest verified weights; wait for the first version; keep the old ones on failure."""
     from stoa.weights.planes import state_to_f32
 
@@ -157,8 +193,11 @@ def _sync(sync, engine, contract: RunContract, cfg: WorkerConfig, echo, current:
                     engine.load_state(state, contract.plane)
                 else:
                     engine.load_weights(state_to_f32(state, contract.plane))
-                m = sync.last_metrics if hasattr(sync, "last_metrics") else {}
-                echo(f"[worker] now at v{version} ({m.get('path', 'sync')}, {m.get('bytes', 0) / 1e6:.1f} MB)")
+                m = sync.metrics
+                metrics.log({"worker/version": version, "worker/sync_bytes": m["bytes"],
+                             "worker/sync_s": m["seconds"], "worker/sync_path": m["path"],
+                             "worker/sync_versions_applied": m["versions_applied"]})
+                echo(f"[worker] now at v{version} ({m['path']}, {m['bytes'] / 1e6:.2f} MB in {m['seconds']:.2f}s)")
                 return version
         except (BucketError, ValueError) as e:
             if current is not None:  # keep sampling with the last verified weights, retry next time
