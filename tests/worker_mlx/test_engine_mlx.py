@@ -1,0 +1,141 @@
+"""The MLX engine samples what it records: logprobs agree with a torch recompute, greedy tokens with TorchEngine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core", reason="needs mlx (mlx[cpu] on Linux)")
+
+pytestmark = pytest.mark.mlx
+
+PROMPTS = [[5, 6, 7, 8, 9, 40, 41], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 300, 301]]
+EOS = tuple(range(3, 20))  # ~3% of the ids per step: some rows stop early, others run to length (rows get dropped)
+TOL = 1e-4
+
+
+def _recompute(model, prompt: list[int], tokens: list[int], temperature: float, top_p: float) -> np.ndarray:
+    """Torch logprobs of ``tokens`` after ``prompt``: one full forward, then the sampling distribution."""
+    import torch
+
+    from stoa.worker.engine_torch import sampling_logprobs_torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    logp = sampling_logprobs_torch(logits, temperature, top_p)
+    return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].numpy()
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.9)])
+def test_recorded_logprobs_match_torch_recompute(mlx_engine, torch_engine, temperature, top_p) -> None:
+    groups, stats = mlx_engine.generate(PROMPTS, 4, max_new_tokens=24, temperature=temperature, top_p=top_p,
+                                        eos_ids=EOS, generator=11)
+    assert len(groups) == len(PROMPTS) and all(len(g) == 4 for g in groups)
+    worst = 0.0
+    for prompt, group in zip(PROMPTS, groups, strict=True):
+        for c in group:
+            assert len(c.tokens) == len(c.logprobs) >= 1
+            ref = _recompute(torch_engine.model, prompt, c.tokens, temperature, top_p)
+            assert np.isfinite(c.logprobs).all()
+            worst = max(worst, float(np.abs(np.array(c.logprobs) - ref).max()))
+    assert worst <= TOL, f"max |MLX - torch| logprob difference {worst:.2e} > {TOL}"
+    finish = [c.finish_reason for g in groups for c in g]
+    assert "stop" in finish and "length" in finish, finish  # row dropping was exercised
+    assert stats.new_tokens == sum(len(c.tokens) for g in groups for c in g)
+    assert stats.extra["prompt_tokens"] == sum(len(p) for p in PROMPTS)
+
+
+def test_greedy_tokens_identical_to_torch_engine(mlx_engine, torch_engine) -> None:
+    a, _ = mlx_engine.generate(PROMPTS, 2, max_new_tokens=20, greedy=True, temperature=0.8)
+    b, _ = torch_engine.generate(PROMPTS, 2, max_new_tokens=20, greedy=True, temperature=0.8)
+    for ga, gb in zip(a, b, strict=True):
+        for ca, cb in zip(ga, gb, strict=True):
+            assert ca.tokens == cb.tokens
+            assert ca.finish_reason == cb.finish_reason
+            np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=TOL)
+
+
+def test_eos_rows_stop_and_others_run_to_length(mlx_engine) -> None:
+    groups, stats = mlx_engine.generate(PROMPTS, 3, max_new_tokens=12, eos_ids=EOS, generator=2)
+    eos = set(EOS)
+    for c in (c for g in groups for c in g):
+        if c.finish_reason == "stop":
+            assert c.tokens[-1] in eos and not eos & set(c.tokens[:-1])
+        else:
+            assert c.finish_reason == "length" and len(c.tokens) == 12 and not eos & set(c.tokens)
+    assert stats.steps <= 12
+
+
+def test_seeded_sampling_is_reproducible(mlx_engine) -> None:
+    def run(gen):
+        groups, _ = mlx_engine.generate(PROMPTS, 4, max_new_tokens=10, temperature=1.5, generator=gen)
+        return [c.tokens for g in groups for c in g]
+
+    assert run(5) == run(5)
+    assert run(5) == run(mx.random.key(5))
+    assert run(5) != run(6)
+    rows = run(5)
+    assert len({tuple(r) for r in rows}) > 1  # the n rows of a group are sampled independently
+
+
+def test_shared_prefix_equals_per_row_prefill(mlx_engine) -> None:
+    a, sa = mlx_engine.generate(PROMPTS, 3, max_new_tokens=8, greedy=True)
+    b, sb = mlx_engine.generate(PROMPTS, 3, max_new_tokens=8, greedy=True, share_prefix=False)
+    for ga, gb in zip(a, b, strict=True):
+        for ca, cb in zip(ga, gb, strict=True):
+            assert ca.tokens == cb.tokens
+            np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=1e-5)
+    assert sb.extra["prompt_tokens"] == 3 * sa.extra["prompt_tokens"]
+
+
+def test_single_prompt_single_sample(mlx_engine) -> None:
+    groups, stats = mlx_engine.generate([[42]], 1, max_new_tokens=3, greedy=True)
+    assert len(groups) == 1 and len(groups[0]) == 1 and len(groups[0][0].tokens) == 3
+    assert stats.steps == 3 and stats.new_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "prompts,kwargs,match",
+    [
+        ([], {}, "at least one token"),
+        ([[1, 2], []], {}, "at least one token"),
+        ([[1, 99999]], {}, "outside the vocabulary"),
+        ([[1, -1]], {}, "outside the vocabulary"),
+        ([[1, 2]], {"n": 0}, "must be >= 1"),
+        ([[1, 2]], {"max_new_tokens": 0}, "must be >= 1"),
+        ([[1, 2]], {"temperature": 0.0}, "temperature"),
+        ([[1, 2]], {"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_bad_generate_arguments(mlx_engine, prompts, kwargs, match) -> None:
+    args = {"n": 2, "max_new_tokens": 4} | kwargs
+    n = args.pop("n")
+    with pytest.raises(ValueError, match=match):
+        mlx_engine.generate(prompts, n, **args)
+
+
+def test_vocab_size(mlx_engine, torch_engine) -> None:
+    assert mlx_engine.vocab_size == torch_engine.vocab_size
+
+
+def test_unknown_dtype(tiny_dir) -> None:
+    from stoa.worker.engine_mlx import MLXEngine
+
+    with pytest.raises(ValueError, match="dtype"):
+        MLXEngine(tiny_dir, dtype="int8")
+
+
+def test_engine_without_weights_builds_from_config(tiny_dir, tmp_path, tiny_weights) -> None:
+    import shutil
+
+    from stoa.worker.engine_mlx import MLXEngine
+
+    for f in tiny_dir.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp_path / f.name)
+    eng = MLXEngine(tmp_path, dtype="float32")
+    eng.load_weights(tiny_weights)
+    ref = MLXEngine(tiny_dir, dtype="float32")
+    a, _ = eng.generate(PROMPTS, 2, max_new_tokens=6, greedy=True)
+    b, _ = ref.generate(PROMPTS, 2, max_new_tokens=6, greedy=True)
+    assert [c.tokens for g in a for c in g] == [c.tokens for g in b for c in g]
