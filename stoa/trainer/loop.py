@@ -86,6 +86,8 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
     summary: dict[str, Any] = {"run": cfg.run, "evals": [], "step_times": []}
     if pointer is None:
         version = 1
+        # Evaluate before publishing v1, so workers (which wait for v1) don't compete for the CPU.
+        summary["evals"].append(_eval(policy, codec, task, cfg, version, metrics, echo, "before"))
         publisher.publish(version, state_from_f32(policy.export_f32(), cfg.plane))
         echo(f"[trainer] run {cfg.run}: published v1 ({contract.model.architecture}, plane {cfg.plane})")
     else:
@@ -95,8 +97,6 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
             policy.load_f32(state_to_f32(published, cfg.plane))
         echo(f"[trainer] resumed run {cfg.run} at v{version} (checkpoint v{restored.version if restored else '-'},"
              f" step {step})")
-    if step == 0:
-        summary["evals"].append(_eval(policy, codec, task, cfg, version, metrics, echo, "before"))
 
     steps_here, waited_since, last_wait_note = 0, time.monotonic(), 0.0
     while not stop.requested and (cfg.steps == 0 or steps_here < cfg.steps):
