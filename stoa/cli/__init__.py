@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-COMMANDS = ("trainer", "worker", "quickstart", "model")
+COMMANDS = ("trainer", "worker", "quickstart", "model", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,102 @@
+"""Trainer step benchmark: seconds and tokens/s for B groups x n samples, shared-prefix vs packed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``stoa bench trainer``.
+
+    Args:
+        p: the subcommand's parser.
+    """
+    p.add_argument("--model", default="smollm2-135m", help="model name or path [default: smollm2-135m]")
+    p.add_argument("--groups", type=int, default=8, help="groups per step (B) [default: 8]")
+    p.add_argument("--n", type=int, default=8, help="samples per group [default: 8]")
+    p.add_argument("--prompt-tokens", type=int, default=48, help="prompt length [default: 48]")
+    p.add_argument("--tokens", type=int, default=64, help="completion length [default: 64]")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per mode [default: 3]")
+    p.add_argument("--modes", default="shared,packed", help="comma list of shared,packed [default: both]")
+    p.add_argument("--algorithm", default="grpo", help="algorithm [default: grpo]")
+    p.add_argument("--kl-beta", type=float, default=0.0, help="KL coefficient (>0 adds the reference forward)")
+    p.add_argument("--micro-batch", type=int, default=16, help="packed-mode micro-batch [default: 16]")
+    p.add_argument("--device", default="auto", help="torch device [default: auto]")
+    p.add_argument("--out", default="", help="append JSONL rows to this file")
+
+
+def _entries(groups: int, n: int, prompt_tokens: int, tokens: int, vocab: int, seed: int):
+    from stoa.records import RolloutRecord, Sample
+    from stoa.trainer.pool import Entry
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(10, vocab, size=prompt_tokens).astype(np.int32)
+        samples = [Sample(rng.integers(10, vocab, size=tokens).astype(np.int32),
+                          np.full(tokens, -2.0, np.float32), float(rng.random()), "length") for _ in range(n)]
+        rec = RolloutRecord("bench", g, 1, "f", "bench", f"train:{g}", prompt, samples)
+        out.append(Entry(f"k{g}", rec, np.array([s.reward for s in samples], np.float32)))
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    """Time optimizer steps on synthetic groups of the requested shape; print a table.
+
+    Args:
+        args: parsed flags (see ``add_arguments``).
+    """
+    import torch
+
+    from stoa.algorithms import AlgoConfig, get_algorithm
+    from stoa.models import resolve_model
+    from stoa.trainer.policy import Policy
+    from stoa.trainer.step import train_step
+    from stoa.worker.engine_torch import resolve_device
+
+    device = resolve_device(args.device)
+    model_dir = resolve_model(args.model)
+    policy = Policy(model_dir, device)
+    ref = Policy(model_dir, device, trainable=False) if args.kl_beta > 0 else None
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-6)
+    algo = get_algorithm(AlgoConfig.from_dict({"name": args.algorithm, "kl_beta": args.kl_beta,
+                                               "max_tokens": args.tokens}), "torch")
+    tokens_per_step = args.groups * args.n * args.tokens
+    print(f"model {args.model} on {device}, {args.groups} groups x {args.n} samples, prompt {args.prompt_tokens} "
+          f"+ completion {args.tokens} tokens ({tokens_per_step} trained tokens/step), threads {torch.get_num_threads()}")
+    rows = []
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        times = []
+        for r in range(args.repeats + 1):  # the first step warms up and is not counted
+            entries = _entries(args.groups, args.n, args.prompt_tokens, args.tokens, policy.vocab_size, r)
+            t0 = time.perf_counter()
+            train_step(policy, ref, opt, algo, entries, current_version=1, micro_batch=args.micro_batch,
+                       grad_clip=1.0, shared_prefix=(mode == "shared"))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if r:
+                times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        row = {"bench": "trainer", "mode": mode, "model": args.model, "groups": args.groups, "n": args.n,
+               "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "step_s_median": med,
+               "step_s_min": min(times), "step_s_max": max(times), "tokens_per_s": tokens_per_step / med,
+               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
+        rows.append(row)
+    print(f"\n{'mode':8} {'step s (median)':>16} {'min-max':>14} {'trained tok/s':>14} {'peak RSS GB':>12}")
+    for r in rows:
+        print(f"{r['mode']:8} {r['step_s_median']:16.2f} {r['step_s_min']:6.2f}-{r['step_s_max']:<7.2f} "
+              f"{r['tokens_per_s']:14.1f} {r['peak_rss_gb']:12.2f}")
+    if len(rows) == 2:
+        print(f"\nshared-prefix speed-up: {rows[1]['step_s_median'] / rows[0]['step_s_median']:.2f}x")
+    if args.out:
+        with Path(args.out).open("a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0

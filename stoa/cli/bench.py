@@ -1,0 +1,41 @@
+"""``stoa bench``: benchmarks that print figures (rollout engines, trainer step, PULSE, local mode)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "rollout": ("stoa.bench.rollout", "new tokens/s of our engines vs mlx-lm and HF generate"),
+    "trainer": ("stoa.bench.trainer", "trainer step time and tokens/s"),
+    "pulse": ("stoa.bench.pulse", "PULSE patch size, encode/apply speed, bit-exactness"),
+    "local": ("stoa.local.bench", "single-process local mode vs mlxrl"),
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``bench NAME [ARGS...]``; each benchmark parses its own flags (``stoa bench NAME --help``).
+
+    Args:
+        sub: the top-level subparsers.
+    """
+    p = sub.add_parser("bench", help="run a benchmark", description=__doc__,
+                       epilog="benchmarks: " + "; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items()))
+    p.add_argument("bench", choices=sorted(BENCHES), help="which benchmark")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Import the benchmark module lazily and hand it its flags.
+
+    Args:
+        args: parsed arguments.
+    """
+    module, help_text = BENCHES[args.bench]
+    mod = importlib.import_module(module)
+    if hasattr(mod, "add_arguments"):
+        bp = argparse.ArgumentParser(prog=f"stoa bench {args.bench}", description=(mod.__doc__ or help_text).strip())
+        mod.add_arguments(bp)
+        return int(mod.main(bp.parse_args(args.args)) or 0)
+    return int(mod.main(args.args) or 0)
