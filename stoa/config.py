@@ -147,7 +147,8 @@ class WorkerConfig:
     model: str = _f("", "Optional local model dir; checked against the contract (default: from the bucket).")
     plane: str = _f("", "Weight plane this worker expects (env DRL_PULSE_PLANE; empty = the contract's).")
     n_samples: int = _f(0, "Group size this worker expects (env DRL_N_SAMPLES; 0 = the contract's).")
-    groups_in_flight: int = _f(2, "Prompt groups decoded together in one batch (batch = this x n).")
+    groups_in_flight: int = _f(0, "Prompt groups decoded together (batch = this x n); 0 = from the memory "
+                                  "tier (see --print-tier; env STOA_GROUPS_IN_FLIGHT).")
     max_groups: int = _f(0, "Exit after uploading this many groups (0 = run forever).")
     poll_seconds: float = _f(2.0, "Wait between pointer polls while the run has no weights yet.")
     wait_seconds: float = _f(600.0, "Give up if the run contract or weights do not appear within this long.")
@@ -165,8 +166,8 @@ class WorkerConfig:
             raise ConfigError("n_samples", "must be >= 0")
         if self.engine not in ENGINES:
             raise ConfigError("engine", f"{self.engine!r} is not one of {ENGINES}")
-        if self.groups_in_flight < 1:
-            raise ConfigError("groups_in_flight", "must be >= 1")
+        if self.groups_in_flight < 0:
+            raise ConfigError("groups_in_flight", "must be >= 0")
         if self.max_groups < 0:
             raise ConfigError("max_groups", "must be >= 0")
         if self.poll_seconds <= 0 or self.wait_seconds <= 0:

@@ -16,6 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="run a rollout worker", description=__doc__)
     p.add_argument("--config", help="TOML file with worker settings (flags override it)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
+    p.add_argument("--print-tier", action="store_true",
+                   help="print this machine's memory tier (decode batch, groups in flight, BLAS) and exit")
     add_config_flags(p, WorkerConfig)
     p.set_defaults(func=run)
 
@@ -27,6 +29,11 @@ def run(args: argparse.Namespace) -> int:
         args: parsed arguments.
     """
     cfg = load_config(WorkerConfig, toml_path=args.config, overrides=overrides_from_args(args, WorkerConfig))
+    if args.print_tier:
+        from stoa.worker.tiers import describe_tier
+
+        print(describe_tier(n_samples=cfg.n_samples or 8))
+        return 0
     if args.dry_run:
         print(config_to_toml(cfg), end="")
         return 0

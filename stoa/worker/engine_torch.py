@@ -5,31 +5,12 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-
-@dataclass
-class Completion:
-    """One sampled completion with the behaviour logprob of each token."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: str
-
-
-@dataclass
-class GenStats:
-    """Timing and size figures of one ``generate`` call."""
-
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    new_tokens: int = 0
-    steps: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+from stoa.worker.types import Completion, GenStats
 
 
 def sampling_logprobs_torch(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

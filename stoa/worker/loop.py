@@ -118,7 +118,9 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     gen = _torch_generator(engine_name, cfg.seed)
     sp = contract.sampling
     fingerprint = contract.fingerprint()
-    echo(f"[worker {wid}] engine {engine_name}, run {cfg.run}, v{version}, n={contract.n_samples}")
+    in_flight = cfg.groups_in_flight or _tier_groups(contract.n_samples)
+    echo(f"[worker {wid}] engine {engine_name}, run {cfg.run}, v{version}, n={contract.n_samples}, "
+         f"{in_flight} groups in flight")
     seq, total_tokens, t_start = 0, 0, time.perf_counter()
     versions_seen = {version}
     while cfg.max_groups == 0 or seq < cfg.max_groups:
@@ -126,7 +128,7 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
         if new_version != version:
             version, adopted_at = new_version, _published_at(sync)
         versions_seen.add(version)
-        k = cfg.groups_in_flight if cfg.max_groups == 0 else min(cfg.groups_in_flight, cfg.max_groups - seq)
+        k = in_flight if cfg.max_groups == 0 else min(in_flight, cfg.max_groups - seq)
         prompts = [task.sample_train(rng) for _ in range(k)]
         prompt_ids = [codec.encode_prompt(p.messages) for p in prompts]
         t0 = time.perf_counter()
@@ -155,6 +157,13 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     dt = time.perf_counter() - t_start
     return {"worker_id": wid, "groups": seq, "tokens": total_tokens, "tokens_per_s": total_tokens / dt if dt else 0.0,
             "versions": sorted(versions_seen)}
+
+
+def _tier_groups(n_samples: int) -> int:
+    """Groups in flight from the machine's memory tier (env overrides apply)."""
+    from stoa.worker.tiers import choose_tier
+
+    return choose_tier(n_samples=n_samples).groups_in_flight
 
 
 def _torch_generator(engine_name: str, seed: int):
