@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     resolve_model(cfg.model)  # fetch/convert once, before workers start
     log_dir = Path(args.dir) / "runs" / run_id / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 2) // (args.workers + 1))
+    # Single-threaded processes share small machines without OpenMP spin-waiting on each other.
+    cores = os.cpu_count() or 2
+    threads = max(1, cores // (args.workers + 1))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     workers = []
     for i in range(args.workers):
@@ -80,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         fh = open(log_dir / f"worker{i}.log", "w")  # noqa: SIM115 - closed below
         workers.append((subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env), fh))
     t0 = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(max(1, cores - args.workers * threads))
     try:
         summary = run_trainer(cfg)
     finally:
