@@ -99,6 +99,7 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
              f" step {step})")
 
     steps_here, waited_since, last_wait_note = 0, time.monotonic(), 0.0
+    last_step_at = time.monotonic()
     while not stop.requested and (cfg.steps == 0 or steps_here < cfg.steps):
         pool.refresh(version)
         if pool.available() < cfg.groups_per_step:
@@ -126,11 +127,13 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
         rewards = np.stack([e.rewards for e in entries])
         lags = np.array([version - 1 - e.record.policy_version for e in entries])
         ps = pool.drain_stats()
+        since, last_step_at = time.monotonic() - last_step_at, time.monotonic()
         row = {f"train/{k}": v for k, v in m.items()}
         row.update({f"rollout/{k}": v for k, v in reward_stats(rewards).items()})
         row.update({"version": version, "train/publish_s": time.perf_counter() - t_pub,
                     "train/patch_bytes": float(getattr(pub, "bytes_patch", 0)),
-                    "rollout/accepted": ps.accepted, "rollout/dropped_stale": ps.dropped_stale,
+                    "rollout/accepted": ps.accepted, "rollout/records_per_s": ps.accepted / since,
+                    "rollout/sampled_tokens_per_s": ps.tokens / since, "rollout/dropped_stale": ps.dropped_stale,
                     "rollout/reward_mismatch": ps.reward_mismatch, "rollout/lag_mean": float(lags.mean()),
                     "rollout/lag_max": int(lags.max()), "rollout/reuse_mean": float(np.mean([e.uses for e in entries]))})
         row.update({f"rollout/rejected/{k}": v for k, v in ps.rejected.items()})
@@ -142,7 +145,8 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
         summary["step_times"].append(m["step_time_s"])
         echo(f"[trainer] step {step} -> v{version} | reward {row['rollout/reward_mean']:.3f} | "
              f"loss {m['loss']:+.4f} | kl {m.get('kl', 0.0):.2e} | {m['step_time_s']:.1f}s "
-             f"({m['tokens_per_s']:.0f} tok/s) | lag {lags.mean():.1f}")
+             f"({m['tokens_per_s']:.0f} tok/s) | lag {lags.mean():.1f} | records {ps.accepted / since:.2f}/s, "
+             f"sampled {ps.tokens / since:.0f} tok/s")
         if cfg.eval_every and step % cfg.eval_every == 0:
             summary["evals"].append(_eval(policy, codec, task, cfg, version, metrics, echo, f"step {step}"))
         waited_since = time.monotonic()

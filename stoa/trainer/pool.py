@@ -37,6 +37,7 @@ class PoolStats:
     dropped_stale: int = 0
     reward_mismatch: int = 0
     filtered: int = 0
+    tokens: int = 0
 
 
 class RecordPool:
@@ -124,6 +125,7 @@ class RecordPool:
             self.stats.reward_mismatch += 1
         self.entries[key] = Entry(key, rec, rewards, self.uses.get(key, 0))
         self.stats.accepted += 1
+        self.stats.tokens += sum(int(s.tokens.size) for s in rec.samples)
         return 1
 
     def available(self) -> int:
