@@ -1,0 +1,3 @@
+"""``stoa local``: the single-process local mode (implemented in ``stoa.local.cli``)."""
+
+from stoa.local.cli import register  # noqa: F401

@@ -1,0 +1,190 @@
+"""The Backend protocol the local loop drives (rollout, logprobs, ref logprobs, step), and what both backends share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from stoa.local.batch import Batch
+from stoa.local.config import DENSE_TARGETS, LocalConfig, lora_target_names, resolve_backend
+from stoa.worker.types import Completion, GenStats
+
+ADAPTER_LEAVES = ("lora_a", "lora_b")
+"""The only parameter names (last path component) that may be trainable."""
+
+
+@dataclass
+class ModelSummary:
+    """What ``stoa local smoke`` prints about a loaded model object."""
+
+    model_id: str
+    backend: str
+    layers: int
+    quant_bits: int
+    targets_per_layer: list[list[str]]
+    total_params: int
+    trainable_params: int
+    trainable_names: list[str]
+    quantized_linears: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def non_adapter_trainable(self) -> list[str]:
+        """Trainable leaves that are not LoRA adapter matrices (must be empty)."""
+        return [n for n in self.trainable_names if n.rsplit(".", 1)[-1] not in ADAPTER_LEAVES]
+
+
+class Backend(Protocol):
+    """One model object (quantized base + LoRA) that samples, scores and trains; numpy in, numpy out."""
+
+    name: str
+    summary: ModelSummary
+
+    def rollout(self, prompts: Sequence[Sequence[int]], n: int, *, max_new_tokens: int, temperature: float,
+                top_p: float, eos_ids: Sequence[int], seed: int, greedy: bool = False
+                ) -> tuple[list[list[Completion]], GenStats]:
+        """Sample ``n`` completions per prompt (one prefill per prompt, shared KV, batched decode)."""
+        ...
+
+    def logprobs(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
+        """[B, T] logprobs of every row's tokens from a full forward, no gradient (the old policy)."""
+        ...
+
+    def ref_logprobs(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
+        """[B, T] logprobs with the adapters disabled (the reference policy), no gradient."""
+        ...
+
+    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+        """Forward/backward every micro-batch, summing gradients; returns combined loss diagnostics."""
+        ...
+
+    def grad_arrays(self) -> dict[str, np.ndarray]:
+        """The accumulated adapter gradients by name (float32 copies)."""
+        ...
+
+    def apply_update(self) -> float:
+        """Clip, take one AdamW step, clear the gradients; returns the pre-clip gradient norm."""
+        ...
+
+    def clear_grads(self) -> None:
+        """Drop accumulated gradients without stepping."""
+        ...
+
+    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+        """``accumulate`` then ``apply_update``; diagnostics plus ``grad_norm``."""
+        ...
+
+    def adapter_arrays(self) -> dict[str, np.ndarray]:
+        """Adapter weights by name (mlx-lm naming: ``model.layers.0.self_attn.q_proj.lora_a``), float32."""
+        ...
+
+    def load_adapter_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Overwrite the adapters (same names and shapes as ``adapter_arrays``; anything else is refused)."""
+        ...
+
+    def optimizer_arrays(self) -> tuple[dict[str, np.ndarray], int]:
+        """AdamW moments as ``m/<name>`` and ``v/<name>`` float32 arrays, and the optimizer step count."""
+        ...
+
+    def load_optimizer_arrays(self, arrays: dict[str, np.ndarray], step: int) -> None:
+        """Restore ``optimizer_arrays`` output."""
+        ...
+
+    def logits_shape(self, prompt: Sequence[int]) -> tuple[int, ...]:
+        """Shape of the full-vocabulary logits of one forward over ``prompt`` (smoke check)."""
+        ...
+
+    def peak_memory_mb(self) -> float:
+        """The backend allocator's peak in MB since start (0 where it keeps none)."""
+        ...
+
+
+def choose_targets(layer_linears: Sequence[Sequence[str]], spec: str) -> list[list[str]]:
+    """Per decoder layer, the paths (inside the layer) of the linears that get adapters.
+
+    'auto' takes the dense attention and MLP projections (``DENSE_TARGETS``); a layer without any of them
+    (a linear-attention or state-space block of a hybrid stack) gets every linear instead, which is what
+    mlx-lm's own default does. 'all-linear' takes every linear; names match the last path component or
+    the whole path.
+
+    Args:
+        layer_linears: per layer, the paths of its linear (or quantized linear) modules.
+        spec: the ``lora_targets`` setting.
+
+    Raises:
+        ValueError: 'lora_targets: ...' when a named target matches nothing or a layer ends up without any.
+    """
+    names = lora_target_names(spec)
+    out: list[list[str]] = []
+    for i, paths in enumerate(layer_linears):
+        if names == ("all-linear",):
+            chosen = list(paths)
+        elif names == ("auto",):
+            chosen = [p for p in paths if p.rsplit(".", 1)[-1] in DENSE_TARGETS] or list(paths)
+        else:
+            chosen = [p for p in paths if p in names or p.rsplit(".", 1)[-1] in names]
+        if not chosen:
+            raise ValueError(f"lora_targets: layer {i} has no linear matching {spec!r} (it has {list(paths)})")
+        out.append(sorted(chosen, key=_target_order))
+    if names not in (("auto",), ("all-linear",)):
+        found = {p for layer in out for p in layer} | {p.rsplit(".", 1)[-1] for layer in out for p in layer}
+        missing = [n for n in names if n not in found]
+        if missing:
+            raise ValueError(f"lora_targets: {missing} match no linear in any layer")
+    return out
+
+
+def _target_order(path: str) -> tuple[int, str]:
+    """Attention then MLP projections in ``DENSE_TARGETS`` order, other names after them (backends agree)."""
+    leaf = path.rsplit(".", 1)[-1]
+    return (DENSE_TARGETS.index(leaf) if leaf in DENSE_TARGETS else len(DENSE_TARGETS), path)
+
+
+def check_same_arrays(have: dict[str, np.ndarray], got: dict[str, np.ndarray], what: str) -> None:
+    """Raise ValueError naming the first missing, unexpected or misshaped tensor of a loaded state.
+
+    Args:
+        have: the model's arrays (names and shapes are the reference).
+        got: the arrays being loaded.
+        what: 'adapter' or 'optimizer', for the message.
+    """
+    missing, extra = sorted(set(have) - set(got)), sorted(set(got) - set(have))
+    if missing or extra:
+        first = f"missing {missing[0]!r}" if missing else f"unexpected {extra[0]!r}"
+        raise ValueError(f"{what} state does not match the model: {first} (missing {len(missing)}, "
+                         f"unexpected {len(extra)})")
+    for k, v in have.items():
+        if tuple(np.shape(got[k])) != tuple(v.shape):
+            raise ValueError(f"{what} state: {k} has shape {tuple(np.shape(got[k]))}, the model {tuple(v.shape)}")
+
+
+def derive_seed(seed: int, step: int, salt: int = 0) -> int:
+    """A 31-bit seed for step ``step``: sampling is a pure function of (seed, step), so a resumed run samples
+    exactly what an uninterrupted one would.
+
+    Args:
+        seed: the run's seed.
+        step: the step (or evaluation) index.
+        salt: separates streams (0 rollout, 1 evaluation).
+    """
+    return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def make_backend(cfg: LocalConfig, model_dir: Path) -> Backend:
+    """Build the configured backend around ``model_dir`` (imports torch or mlx only now).
+
+    Args:
+        cfg: validated config.
+        model_dir: the resolved model directory.
+    """
+    name = resolve_backend(cfg.backend)
+    if name == "mlx":
+        from stoa.local.mlx_backend import MLXBackend
+
+        return MLXBackend(cfg, model_dir)
+    from stoa.local.torch_backend import TorchBackend
+
+    return TorchBackend(cfg, model_dir)

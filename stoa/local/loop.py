@@ -1,0 +1,268 @@
+"""The backend-agnostic local loop: sample groups, score them, one optimizer step; metrics, evals, save and resume."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stoa.config import config_to_toml
+from stoa.local import checkpoint as ckpt
+from stoa.local.backend import Backend, derive_seed, make_backend
+from stoa.local.batch import Trajectory, build_batch, micro_batches
+from stoa.local.config import LocalConfig
+from stoa.local.preflight import preflight, shape_for, shape_from_dir
+from stoa.local.smoke import check_only_adapters
+from stoa.metrics import MetricsWriter, read_metrics
+from stoa.tasks import Prompt, Task, load_task
+
+EVAL_BATCH = 32
+"""Held-out prompts decoded together."""
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM while installed: the loop finishes its step, saves and returns."""
+
+    requested = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopFlag]:
+        """Install the handlers (main thread only) and restore the previous ones afterwards."""
+        previous: dict[int, Any] = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, *_: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+def draw_prompts(task: Task, codec: Any, rng: np.random.Generator, count: int,
+                 max_prompt_tokens: int) -> list[tuple[Prompt, list[int]]]:
+    """``count`` training prompts with their token ids; prompts longer than the cap are redrawn.
+
+    Args:
+        task: the task.
+        codec: ``TextCodec`` of the model.
+        rng: the prompt sampler (its state is part of the saved state).
+        count: prompts to draw.
+        max_prompt_tokens: the cap.
+    """
+    out: list[tuple[Prompt, list[int]]] = []
+    for _ in range(100 * count):
+        p = task.sample_train(rng)
+        ids = codec.encode_prompt(p.messages)
+        if len(ids) <= max_prompt_tokens:
+            out.append((p, ids))
+            if len(out) == count:
+                return out
+    raise ValueError(f"max_prompt_tokens: fewer than {count} of {100 * count} drawn prompts fit in "
+                     f"{max_prompt_tokens} tokens")
+
+
+def collect_groups(backend: Backend, task: Task, codec: Any, prompts: Sequence[tuple[Prompt, list[int]]],
+                   cfg: LocalConfig, seed: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
+    """Single-turn rollout: G completions per prompt, rewarded by the task.
+
+    A multi-turn rollout returns the same thing: trajectories whose ``action_mask`` is 0 on environment
+    tokens; everything downstream (batch, old/ref logprobs, loss) is unchanged.
+
+    Args:
+        backend: the model.
+        task: the task (rewards).
+        codec: the tokenizer.
+        prompts: (prompt, token ids) pairs.
+        cfg: the run's config.
+        seed: the sampling seed of this step.
+    """
+    t0 = time.perf_counter()
+    groups, stats = backend.rollout([ids for _, ids in prompts], cfg.group_size, max_new_tokens=cfg.max_tokens,
+                                    temperature=cfg.temperature, top_p=cfg.top_p, eos_ids=codec.eos_ids, seed=seed)
+    dt = time.perf_counter() - t0
+    trajs = [[Trajectory.single_turn(ids, c.tokens, c.logprobs, task.reward(p, codec.decode(c.tokens)), c.finish_reason)
+              for c in group] for (p, ids), group in zip(prompts, groups, strict=True)]
+    return trajs, {"rollout_s": dt, "new_tokens": float(stats.new_tokens),
+                   "tokens_per_s": stats.new_tokens / dt if dt > 0 else 0.0, "prefill_s": stats.prefill_s}
+
+
+def train_step(backend: Backend, algo: Any, task: Task, codec: Any, cfg: LocalConfig, rng: np.random.Generator,
+               step: int) -> dict[str, Any]:
+    """One step: rollout, batch, old (and reference) logprobs by full forward, micro-batched update.
+
+    Args:
+        backend: the model.
+        algo: the ``Algorithm`` on the backend.
+        task: the task.
+        codec: the tokenizer.
+        cfg: the run's config.
+        rng: the prompt sampler.
+        step: the index of this step (seeds its sampling).
+
+    Returns:
+        the metrics row (``rollout/*`` and ``train/*``).
+    """
+    t0 = time.perf_counter()
+    prompts = draw_prompts(task, codec, rng, cfg.prompts_per_step, cfg.max_prompt_tokens)
+    groups, rs = collect_groups(backend, task, codec, prompts, cfg, derive_seed(cfg.seed, step))
+    rewards = np.array([[t.reward for t in g] for g in groups])
+    lengths = np.array([[len(t.tokens) for t in g] for g in groups])
+    row: dict[str, Any] = {f"rollout/{k}": v for k, v in rs.items()}
+    row.update({"rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std()),
+                "rollout/zero_variance_groups": float((rewards.std(axis=1) == 0).mean()),
+                "rollout/completion_len": float(lengths.mean()),
+                "rollout/stop_frac": float(np.mean([t.finish_reason == "stop" for g in groups for t in g]))})
+    batch, keep = build_batch(groups, algo)
+    row["rollout/filtered_groups"] = int((~keep).sum())
+    if batch is None:
+        row["train/skipped"] = 1
+        return row
+    micro = micro_batches(len(batch), cfg.micro_batch)
+    t1 = time.perf_counter()
+    batch.old_logp = backend.logprobs(batch, micro)
+    t2 = time.perf_counter()
+    if algo.cfg.kl_beta > 0:
+        batch.ref_logp = backend.ref_logprobs(batch, micro)
+    t3 = time.perf_counter()
+    m = backend.step(batch, micro, algo)
+    t4 = time.perf_counter()
+    gap = [np.abs(r.rollout_logprobs - batch.old_logp[i, : len(r.tokens)])[r.action_mask > 0]
+           for i, r in enumerate(batch.rows)]
+    row.update({f"train/{k}": v for k, v in m.items()})
+    row.update({"train/old_logp_s": t2 - t1, "train/ref_logp_s": t3 - t2, "train/update_s": t4 - t3,
+                "train/step_s": t4 - t0, "train/peak_memory_mb": backend.peak_memory_mb(),
+                "rollout/decode_vs_forward_logp_max": float(np.concatenate(gap).max())})
+    return row
+
+
+def evaluate(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, step: int) -> dict[str, float]:
+    """Greedy held-out accuracy and mean reward on the task's first ``eval_n`` held-out prompts.
+
+    Args:
+        backend: the model.
+        task: the task.
+        codec: the tokenizer.
+        cfg: the run's config.
+        step: the step evaluated (seeds nothing: decoding is greedy).
+    """
+    t0 = time.perf_counter()
+    prompts = task.heldout(cfg.eval_n)
+    correct, reward = 0, 0.0
+    for i in range(0, len(prompts), EVAL_BATCH):
+        chunk = prompts[i : i + EVAL_BATCH]
+        groups, _ = backend.rollout([codec.encode_prompt(p.messages) for p in chunk], 1, max_new_tokens=cfg.max_tokens,
+                                    temperature=cfg.temperature, top_p=1.0, eos_ids=codec.eos_ids,
+                                    seed=derive_seed(cfg.seed, step, 1), greedy=True)
+        for p, g in zip(chunk, groups, strict=True):
+            text = codec.decode(g[0].tokens)
+            correct += bool(task.is_correct(p, text))
+            reward += task.reward(p, text)
+    n = max(len(prompts), 1)
+    return {"eval/accuracy": correct / n, "eval/reward_mean": reward / n, "eval/n": float(len(prompts)),
+            "eval/seconds": time.perf_counter() - t0}
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop rows logged after ``step`` (they belong to steps a crash lost; the resumed run redoes them)."""
+    rows = read_metrics(path)
+    if any(r.get("step", 0) > step for r in rows):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= step))
+
+
+def run_local(cfg: LocalConfig, *, echo: Callable[[str], Any] = print, backend: Backend | None = None) -> dict[str, Any]:
+    """Train ``cfg.steps`` steps (resuming from ``output_dir`` when it holds a saved state).
+
+    Order: config checks, the output directory's saved state, the memory preflight (from config.json, before
+    any weight loads), then the model. SIGINT/SIGTERM finish the current step, save and return.
+
+    Args:
+        cfg: validated config.
+        echo: progress lines.
+        backend: an already built backend (tests); default: built from the config.
+
+    Returns:
+        summary: steps, evals, wall time, the output directory.
+    """
+    from stoa.algorithms import get_algorithm
+    from stoa.models import resolve_model
+    from stoa.tokenize import TextCodec
+
+    t_start = time.perf_counter()
+    out = Path(cfg.output_dir)
+    task = load_task(cfg.task)
+    saved = ckpt.find_latest(out)
+    ckpt.check_resumable(cfg, saved)
+    shape = shape_for(cfg.model)
+    if shape is not None:
+        echo(f"[local] preflight: {preflight(cfg, shape).message()}")
+    model_dir = resolve_model(cfg.model)
+    if shape is None:
+        echo(f"[local] preflight: {preflight(cfg, shape_from_dir(model_dir, cfg.model)).message()}")
+    codec = TextCodec(model_dir)
+    backend = backend or make_backend(cfg, model_dir)
+    check_only_adapters(backend.summary)
+    algo = get_algorithm(cfg.algo_config(), backend.name)
+    rng, step = np.random.default_rng(cfg.seed), 0
+    out.mkdir(parents=True, exist_ok=True)
+    if saved is not None:
+        ckpt.restore(saved, backend)
+        rng.bit_generator.state = saved.rng
+        step = saved.step
+        _truncate_metrics(out / "metrics.jsonl", step)
+        echo(f"[local] resumed {out} at step {step}")
+    (out / "config.toml").write_text(config_to_toml(cfg))
+    metrics = MetricsWriter(out / "metrics.jsonl", run_name=out.name)
+    summary: dict[str, Any] = {"output_dir": str(out), "evals": [], "step_times": [], "start_step": step}
+    s = backend.summary
+    echo(f"[local] {s.backend}: {cfg.model}, {s.layers} layers, {s.quant_bits}-bit base, "
+         f"{s.trainable_params:,} trainable of {s.total_params:,}; {cfg.algorithm}, G={cfg.group_size}")
+
+    def do_eval(label: str) -> None:
+        if cfg.eval_n == 0:
+            return
+        ev = evaluate(backend, task, codec, cfg, step)
+        metrics.log(ev, step=step)
+        summary["evals"].append({"step": step, "label": label, **ev})
+        echo(f"[local] eval ({label}, step {step}): accuracy {ev['eval/accuracy']:.3f}, reward "
+             f"{ev['eval/reward_mean']:.3f} on {int(ev['eval/n'])} held-out prompts ({ev['eval/seconds']:.1f}s)")
+
+    stop, last_saved = StopFlag(), step
+    with stop.installed():
+        if step == 0:
+            do_eval("before")
+        while step < cfg.steps and not stop.requested:
+            row = train_step(backend, algo, task, codec, cfg, rng, step)
+            step += 1
+            metrics.log(row, step=step)
+            summary["step_times"].append(row.get("train/step_s", row["rollout/rollout_s"]))
+            echo(f"[local] step {step}/{cfg.steps} | reward {row['rollout/reward_mean']:.3f} | loss "
+                 f"{row.get('train/loss', 0.0):+.4f} | kl {row.get('train/kl', 0.0):.2e} | "
+                 f"{row.get('train/step_s', 0.0):.2f}s ({row['rollout/tokens_per_s']:.0f} rollout tok/s)")
+            if cfg.save_every and step % cfg.save_every == 0:
+                ckpt.save_state(out, cfg, backend, step=step, rng=dict(rng.bit_generator.state))
+                last_saved = step
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                do_eval(f"step {step}")
+        if step != last_saved:
+            ckpt.save_state(out, cfg, backend, step=step, rng=dict(rng.bit_generator.state))
+        if step >= cfg.steps and step > summary["start_step"]:
+            do_eval("after")
+            ckpt.write_adapters(out / "adapters", cfg, backend)
+    metrics.close()
+    summary.update(step=step, interrupted=stop.requested and step < cfg.steps,
+                   wall_s=time.perf_counter() - t_start)
+    return summary

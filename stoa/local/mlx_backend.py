@@ -1,0 +1,352 @@
+"""MLX backend of the local mode: an mlx-lm model, nn.quantize'd base, mlx-lm LoRA layers, per-layer mx.checkpoint."""
+
+from __future__ import annotations
+
+from stoa.worker.tiers import prepare_mlx_blas
+
+prepare_mlx_blas()  # before the first `import mlx.core` of the process (Linux BLAS, see stoa/worker/tiers.py)
+
+import contextlib  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten as _tree_flatten  # noqa: E402
+from mlx.utils import tree_map, tree_unflatten  # noqa: E402
+
+from stoa.algorithms import LossInputs, combine_metrics  # noqa: E402
+from stoa.algorithms.mlx_loss import token_logprobs  # noqa: E402
+from stoa.local.backend import ADAPTER_LEAVES, ModelSummary, check_same_arrays, choose_targets  # noqa: E402
+from stoa.local.batch import Batch, Packed, pack  # noqa: E402
+from stoa.local.config import LocalConfig  # noqa: E402
+from stoa.worker.types import Completion, GenStats  # noqa: E402
+
+_SPLIT_HEAD_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+"""Model classes whose ``__call__`` is exactly ``head(self.model(x))``: the head can run on the gathered positions."""
+
+
+def tree_flatten(tree: Any) -> list[tuple[str, Any]]:
+    """``mlx.utils.tree_flatten`` with array-typed leaves (for the type checker)."""
+    flat: Any = _tree_flatten(tree)
+    return list(flat)
+
+
+def _enable_layer_checkpointing(layers: Sequence[nn.Module]) -> None:
+    """Make each layer's ``__call__`` an ``mx.checkpoint`` while its ``_stoa_checkpoint`` flag is set.
+
+    The class is patched once (like ``mlx_lm.tuner.trainer.grad_checkpoint``), but the wrapper only
+    checkpoints instances that carry the flag, so other models in the process are unaffected and rollout
+    (flag cleared) runs the plain layer.
+
+    Args:
+        layers: the decoder layers.
+    """
+    for cls in {type(layer) for layer in layers}:
+        if cls.__dict__.get("_stoa_checkpoint_patched", False):
+            continue
+        original = cls.__call__
+
+        def call(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            if not getattr(self, "_stoa_checkpoint", False):
+                return _original(self, *args, **kwargs)
+
+            def inner(params: Any, *a: Any, **k: Any) -> Any:
+                self.update(params)
+                return _original(self, *a, **k)
+
+            return mx.checkpoint(inner)(self.trainable_parameters(), *args, **kwargs)
+
+        cls.__call__ = call
+        setattr(cls, "_stoa_checkpoint_patched", True)  # noqa: B010 - a class flag, not a Module leaf
+
+
+def _engine_for(model: nn.Module, config: dict[str, Any], dtype_name: str) -> Any:
+    """An ``MLXEngine`` sampling from this model object (no second copy of the weights)."""
+    from stoa.worker.engine_mlx import DTYPES, MLXEngine
+
+    factory = getattr(MLXEngine, "from_model", None)
+    if factory is not None:
+        return factory(model, config)
+    engine = MLXEngine.__new__(MLXEngine)
+    engine.model, engine.config = model, config
+    engine.vocab_size = int(config["vocab_size"])
+    engine.dtype_name, engine.dtype = dtype_name, DTYPES[dtype_name]
+    return engine
+
+
+class MLXBackend:
+    """One mlx-lm model: quantized decoder linears (``nn.quantize``), LoRA via mlx-lm, adapters the only trainables.
+
+    Args:
+        cfg: validated local config.
+        model_dir: HF model directory (safetensors).
+    """
+
+    name = "mlx"
+
+    def __init__(self, cfg: LocalConfig, model_dir: Path):
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+        from mlx_lm.utils import load_model
+
+        self.cfg = cfg
+        dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if mx.metal.is_available() else "float32")
+        loaded: tuple[Any, dict[str, Any]] = load_model(Path(model_dir), lazy=True, strict=True)
+        model, config = loaded
+        model.set_dtype(getattr(mx, dtype_name))
+        model.freeze()
+        layers = list(model.layers)
+        gs = cfg.quant_group_size
+        if cfg.quant_bits < 16:
+            in_blocks = {id(m) for layer in layers for _, m in layer.named_modules()}
+            nn.quantize(model, group_size=gs, bits=cfg.quant_bits,
+                        class_predicate=lambda _p, m: id(m) in in_blocks and isinstance(m, nn.Linear)
+                        and m.weight.shape[1] % gs == 0)
+        linears = [[n for n, m in layer.named_modules() if isinstance(m, nn.Linear | nn.QuantizedLinear)]
+                   for layer in layers]
+        self.targets = choose_targets(linears, cfg.lora_targets)
+        mx.random.seed(cfg.seed)
+        linear_to_lora_layers(model, len(layers), {
+            "rank": cfg.lora_rank, "scale": cfg.lora_alpha / cfg.lora_rank, "dropout": 0.0,
+            "keys": {p for paths in self.targets for p in paths}})
+        model.freeze()
+        model.unfreeze(keys=list(ADAPTER_LEAVES), strict=False)
+        if cfg.gradient_checkpointing:
+            _enable_layer_checkpointing(layers)
+        mx.eval(model.parameters())
+        self.model: Any = model
+        self.layers = layers
+        self.loras = [m for _, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "scale")]
+        self.split_head = type(model).__module__ in _SPLIT_HEAD_MODULES
+        self.temperature = cfg.temperature
+        self.opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay, bias_correction=True)
+        self.opt.init(model.trainable_parameters())
+        self.engine = _engine_for(model, config, dtype_name)
+        self._grads: Any = None
+        self.summary = self._summary(str(model_dir), dtype_name)
+
+    # ------------------------------------------------------------------------------------------- helpers
+    @contextlib.contextmanager
+    def adapters_disabled(self) -> Iterator[None]:
+        """Scale every adapter by 0 inside the block (the reference policy)."""
+        scales = [m.scale for m in self.loras]
+        for m in self.loras:
+            m.scale = 0.0
+        try:
+            yield
+        finally:
+            for m, s in zip(self.loras, scales, strict=True):
+                m.scale = s
+
+    def _logp(self, ids: mx.array, pos: mx.array, targets: mx.array) -> mx.array:
+        """[b, T] logprobs of ``targets``; the LM head runs only on the gathered positions when it can."""
+        if self.split_head:
+            h = self.model.model(ids)
+            b, length, width = h.shape
+            flat = (mx.arange(b)[:, None] * length + pos).reshape(-1)
+            h = h.reshape(b * length, width)[flat].reshape(b, -1, width)
+            head = self.model.model.embed_tokens.as_linear if self.model.args.tie_word_embeddings else self.model.lm_head
+            logits = head(h)
+        else:
+            logits = self.model(ids)
+            b, length, vocab = logits.shape
+            flat = (mx.arange(b)[:, None] * length + pos).reshape(-1)
+            logits = logits.reshape(b * length, vocab)[flat].reshape(b, -1, vocab)
+        return token_logprobs(logits, targets, self.temperature)
+
+    def _score(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
+        out = np.zeros(batch.mask.shape, dtype=np.float32)
+        for idx in micro:
+            pk = pack(batch, idx)
+            lp = self._logp(mx.array(pk.input_ids), mx.array(pk.pos), mx.array(pk.targets))
+            out[idx] = np.array(lp.astype(mx.float32)) * pk.mask
+        return out
+
+    def _loss(self, pk: Packed, normalizer: float, algo: Any) -> tuple[mx.array, dict[str, float]]:
+        assert pk.old_logp is not None
+        inp = LossInputs(
+            logp=self._logp(mx.array(pk.input_ids), mx.array(pk.pos), mx.array(pk.targets)),
+            behaviour_logp=mx.array(pk.old_logp), ref_logp=None if pk.ref_logp is None else mx.array(pk.ref_logp),
+            advantages=mx.array(pk.advantages), mask=mx.array(pk.mask), normalizer=normalizer)
+        return algo.loss(inp)
+
+    def _set_checkpointing(self, on: bool) -> None:
+        if self.cfg.gradient_checkpointing:
+            for layer in self.layers:
+                layer._stoa_checkpoint = on
+
+    # ------------------------------------------------------------------------------------------ protocol
+    def rollout(self, prompts: Sequence[Sequence[int]], n: int, *, max_new_tokens: int, temperature: float,
+                top_p: float, eos_ids: Sequence[int], seed: int, greedy: bool = False
+                ) -> tuple[list[list[Completion]], GenStats]:
+        """Sample with the MLX engine on this model (one prefill per prompt, KV rows repeated, batched decode).
+
+        Args:
+            prompts: prompt token ids.
+            n: completions per prompt.
+            max_new_tokens: length cap.
+            temperature: sampling temperature.
+            top_p: nucleus mass.
+            eos_ids: stop tokens.
+            seed: sampling seed.
+            greedy: argmax decoding (evaluation).
+        """
+        return self.engine.generate(prompts, n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    top_p=top_p, eos_ids=eos_ids, generator=seed, greedy=greedy)
+
+    def logprobs(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
+        """Old-policy logprobs [B, T] from a full forward per micro-batch (0 off the mask).
+
+        Args:
+            batch: the step's batch.
+            micro: row indices per micro-batch (the training step's, so the numbers are identical).
+        """
+        return self._score(batch, micro)
+
+    def ref_logprobs(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
+        """Reference logprobs [B, T]: the same forward with every adapter scaled by 0.
+
+        Args:
+            batch: the step's batch.
+            micro: row indices per micro-batch.
+        """
+        with self.adapters_disabled():
+            return self._score(batch, micro)
+
+    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+        """Forward/backward each micro-batch under the whole-batch normaliser; gradients add up.
+
+        Args:
+            batch: the step's batch (``old_logp`` set; ``ref_logp`` set when kl_beta > 0).
+            micro: row indices per micro-batch.
+            algo: an MLX ``Algorithm``.
+        """
+        if batch.old_logp is None:
+            raise ValueError("old_logp: compute the old-policy logprobs before the step")
+        value_and_grad = nn.value_and_grad(self.model, self._loss)
+        parts, total = [], 0.0
+        self._set_checkpointing(True)
+        try:
+            for idx in micro:
+                (loss, diag), grads = value_and_grad(pack(batch, idx), batch.normalizer, algo)
+                self._grads = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
+                mx.eval(self._grads, loss)
+                total += float(loss.item())
+                parts.append(diag)
+        finally:
+            self._set_checkpointing(False)
+        out = combine_metrics(parts)
+        out["loss"] = total
+        return out
+
+    def grad_arrays(self) -> dict[str, np.ndarray]:
+        """Accumulated adapter gradients (zeros before any)."""
+        if self._grads is None:
+            return {k: np.zeros(v.shape, np.float32) for k, v in tree_flatten(self.model.trainable_parameters())}
+        return {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(self._grads)}
+
+    def apply_update(self) -> float:
+        """Clip to ``grad_clip``, AdamW step, clear gradients; returns the pre-clip norm."""
+        if self._grads is None:
+            raise ValueError("no gradients: call accumulate first")
+        grads = self._grads
+        if self.cfg.grad_clip > 0:
+            grads, norm = optim.clip_grad_norm(grads, self.cfg.grad_clip)
+        else:
+            norm = mx.sqrt(mx.array(sum(float(mx.sum(g.astype(mx.float32) ** 2)) for _, g in tree_flatten(grads))))
+        self.opt.update(self.model, grads)
+        mx.eval(self.model.trainable_parameters(), self.opt.state)
+        self._grads = None
+        return float(norm)
+
+    def clear_grads(self) -> None:
+        """Drop accumulated gradients without stepping."""
+        self._grads = None
+
+    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+        """``accumulate`` then ``apply_update``.
+
+        Args:
+            batch: the step's batch.
+            micro: row indices per micro-batch.
+            algo: an MLX ``Algorithm``.
+        """
+        out = self.accumulate(batch, micro, algo)
+        out["grad_norm"] = self.apply_update()
+        return out
+
+    def adapter_arrays(self) -> dict[str, np.ndarray]:
+        """Adapter weights by name, float32."""
+        return {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(self.model.trainable_parameters())}
+
+    def load_adapter_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Overwrite the adapters; names and shapes must match exactly.
+
+        Args:
+            arrays: name -> float32 array.
+        """
+        have = self.adapter_arrays()
+        check_same_arrays(have, arrays, "adapter")
+        self.model.load_weights([(k, mx.array(np.asarray(arrays[k], np.float32))) for k in have], strict=False)
+        mx.eval(self.model.parameters())
+
+    def optimizer_arrays(self) -> tuple[dict[str, np.ndarray], int]:
+        """AdamW moments ``m/<name>``, ``v/<name>`` and the step count."""
+        out: dict[str, np.ndarray] = {}
+        step = 0
+        for k, v in tree_flatten(self.opt.state):
+            if k == "step":
+                step = int(v.item())
+            elif k.endswith((".m", ".v")):
+                out[f"{k[-1]}/{k[:-2]}"] = np.array(v.astype(mx.float32))
+        return out, step
+
+    def load_optimizer_arrays(self, arrays: dict[str, np.ndarray], step: int) -> None:
+        """Restore AdamW moments and step.
+
+        Args:
+            arrays: ``m/<name>`` and ``v/<name>`` arrays.
+            step: the optimizer's step count.
+        """
+        check_same_arrays(self.optimizer_arrays()[0], arrays, "optimizer")
+        flat = []
+        for k, v in tree_flatten(self.opt.state):
+            if k == "step":
+                v = mx.array(step, dtype=mx.uint64)
+            elif k.endswith((".m", ".v")):
+                v = mx.array(np.asarray(arrays[f"{k[-1]}/{k[:-2]}"], np.float32))
+            flat.append((k, v))
+        self.opt.state = tree_unflatten(flat)
+        self.opt.init(self.model.trainable_parameters())
+        mx.eval(self.opt.state)
+
+    def logits_shape(self, prompt: Sequence[int]) -> tuple[int, ...]:
+        """Full-vocabulary logits shape of one forward.
+
+        Args:
+            prompt: token ids.
+        """
+        logits = self.model(mx.array([list(prompt)], dtype=mx.int32))
+        mx.eval(logits)
+        return tuple(logits.shape)
+
+    def peak_memory_mb(self) -> float:
+        """MLX allocator peak in MB since the process started (``mx.get_peak_memory``)."""
+        return mx.get_peak_memory() / 1e6
+
+    def _summary(self, model_id: str, dtype_name: str) -> ModelSummary:
+        from mlx_lm.utils import get_total_parameters
+
+        flat = tree_flatten(self.model.trainable_parameters())
+        n_train = int(sum(v.size for _, v in flat))
+        # get_total_parameters counts leaf modules only (a quantized weight as its logical size), so the
+        # adapters (held by the non-leaf LoRA wrappers) are added here.
+        return ModelSummary(
+            model_id=model_id, backend=self.name, layers=len(self.layers), quant_bits=self.cfg.quant_bits,
+            targets_per_layer=self.targets, total_params=int(get_total_parameters(self.model)) + n_train,
+            trainable_params=n_train, trainable_names=[k for k, _ in flat],
+            quantized_linears=sum(1 for _, m in self.model.named_modules() if isinstance(m, nn.QuantizedLinear)),
+            extra={"dtype": dtype_name, "device": str(mx.default_device())})

@@ -1,0 +1,280 @@
+"""Torch backend of the local mode: an HF model with a quantized frozen base and LoRA adapters (CPU or CUDA)."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from stoa.algorithms import LossInputs, combine_metrics
+from stoa.algorithms.torch_loss import token_logprobs
+from stoa.local.backend import ModelSummary, check_same_arrays
+from stoa.local.batch import Batch, Packed, pack
+from stoa.local.config import LocalConfig
+from stoa.local.torch_lora import LoRALinear, QuantLinear, decoder_layers, quantize_and_add_lora
+from stoa.worker.engine_torch import TorchEngine, resolve_device
+from stoa.worker.types import Completion, GenStats
+
+
+class TorchBackend:
+    """One HF causal LM: float32 storage, quantized decoder linears, LoRA adapters the only trainable leaves.
+
+    Args:
+        cfg: validated local config.
+        model_dir: HF model directory.
+    """
+
+    name = "torch"
+
+    def __init__(self, cfg: LocalConfig, model_dir: Path):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        cuda = self.device.type == "cuda"
+        self.packed = cfg.torch_base == "packed" or (cfg.torch_base == "auto" and cuda)
+        want = {"auto": torch.bfloat16 if cuda else None, "float32": None, "bfloat16": torch.bfloat16}[cfg.dtype]
+        self.autocast_dtype = want
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.targets = quantize_and_add_lora(
+            model, bits=cfg.quant_bits, group_size=cfg.quant_group_size, packed=self.packed, rank=cfg.lora_rank,
+            alpha=cfg.lora_alpha, targets=cfg.lora_targets, seed=cfg.seed)
+        model.to(self.device)
+        model.config.use_cache = False
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = model
+        self.loras = [m for m in model.modules() if isinstance(m, LoRALinear)]
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.engine = TorchEngine.from_model(model)
+        self.temperature = cfg.temperature
+        self.summary = self._summary(str(model_dir))
+
+    # ------------------------------------------------------------------------------------------- helpers
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    @contextlib.contextmanager
+    def adapters_disabled(self) -> Iterator[None]:
+        """Bypass every adapter (the reference policy) inside the block."""
+        for m in self.loras:
+            m.enabled = False
+        try:
+            yield
+        finally:
+            for m in self.loras:
+                m.enabled = True
+
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+    def _logp(self, pk: Packed) -> torch.Tensor:
+        """[b, T] logprobs of the packed targets; the LM head runs only on the positions that predict them."""
+        decoder = self.model.get_decoder()
+        head = self.model.get_output_embeddings()
+        with self._autocast():
+            hidden = decoder(input_ids=self._t(pk.input_ids).long(), use_cache=False).last_hidden_state
+            pos = self._t(pk.pos).long()
+            h = torch.gather(hidden, 1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            logits = head(h)
+        return token_logprobs(logits, self._t(pk.targets), self.temperature)
+
+    @torch.no_grad()
+    def _score(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
+        self.model.eval()
+        out = np.zeros(batch.mask.shape, dtype=np.float32)
+        for idx in micro:
+            pk = pack(batch, idx)
+            out[idx] = self._logp(pk).float().cpu().numpy() * pk.mask
+        return out
+
+    # ------------------------------------------------------------------------------------------ protocol
+    def rollout(self, prompts: Sequence[Sequence[int]], n: int, *, max_new_tokens: int, temperature: float,
+                top_p: float, eos_ids: Sequence[int], seed: int, greedy: bool = False
+                ) -> tuple[list[list[Completion]], GenStats]:
+        """Sample with the torch engine on this model (shared-prefix KV, batched decode).
+
+        Args:
+            prompts: prompt token ids.
+            n: completions per prompt.
+            max_new_tokens: length cap.
+            temperature: sampling temperature.
+            top_p: nucleus mass.
+            eos_ids: stop tokens.
+            seed: sampling seed.
+            greedy: argmax decoding (evaluation).
+        """
+        self.model.eval()
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        with self._autocast():
+            groups, stats = self.engine.generate(prompts, n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                 top_p=top_p, eos_ids=eos_ids, generator=gen, greedy=greedy)
+        return groups, stats  # type: ignore[return-value]
+
+    def logprobs(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
+        """Old-policy logprobs [B, T] from a full forward per micro-batch (0 off the mask).
+
+        Args:
+            batch: the step's batch.
+            micro: row indices per micro-batch (the training step's, so the numbers are identical).
+        """
+        return self._score(batch, micro)
+
+    def ref_logprobs(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
+        """Reference logprobs [B, T]: the same forward with every adapter bypassed.
+
+        Args:
+            batch: the step's batch.
+            micro: row indices per micro-batch.
+        """
+        with self.adapters_disabled():
+            return self._score(batch, micro)
+
+    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+        """Forward/backward each micro-batch under the whole-batch normaliser; gradients add up.
+
+        Args:
+            batch: the step's batch (``old_logp`` set; ``ref_logp`` set when kl_beta > 0).
+            micro: row indices per micro-batch.
+            algo: a torch ``Algorithm``.
+        """
+        if batch.old_logp is None:
+            raise ValueError("old_logp: compute the old-policy logprobs before the step")
+        self.model.train()
+        parts, total = [], 0.0
+        for idx in micro:
+            pk = pack(batch, idx)
+            assert pk.old_logp is not None
+            inp = LossInputs(
+                logp=self._logp(pk), behaviour_logp=self._t(pk.old_logp), advantages=self._t(pk.advantages),
+                ref_logp=None if pk.ref_logp is None else self._t(pk.ref_logp), mask=self._t(pk.mask),
+                normalizer=batch.normalizer)
+            loss, diag = algo.loss(inp)
+            loss.backward()
+            total += float(loss.detach())
+            parts.append(diag)
+        self.model.eval()
+        out = combine_metrics(parts)
+        out["loss"] = total
+        return out
+
+    def grad_arrays(self) -> dict[str, np.ndarray]:
+        """Accumulated adapter gradients (zeros where none flowed)."""
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu().numpy()
+                for n, p in self.params.items()}
+
+    def apply_update(self) -> float:
+        """Clip to ``grad_clip``, AdamW step, clear gradients; returns the pre-clip norm."""
+        params = list(self.params.values())
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = float(nn.utils.clip_grad_norm_(params, clip))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return norm
+
+    def clear_grads(self) -> None:
+        """Drop accumulated gradients without stepping."""
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+        """``accumulate`` then ``apply_update``.
+
+        Args:
+            batch: the step's batch.
+            micro: row indices per micro-batch.
+            algo: a torch ``Algorithm``.
+        """
+        out = self.accumulate(batch, micro, algo)
+        out["grad_norm"] = self.apply_update()
+        return out
+
+    def adapter_arrays(self) -> dict[str, np.ndarray]:
+        """Adapter weights by name, float32."""
+        return {n: p.detach().float().cpu().numpy() for n, p in self.params.items()}
+
+    def load_adapter_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Overwrite the adapters; names and shapes must match exactly.
+
+        Args:
+            arrays: name -> float32 array.
+        """
+        check_same_arrays(self.adapter_arrays(), arrays, "adapter")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(torch.from_numpy(np.asarray(arrays[n], dtype=np.float32)).to(p.device))
+
+    def optimizer_arrays(self) -> tuple[dict[str, np.ndarray], int]:
+        """AdamW moments ``m/<name>``, ``v/<name>`` and the step count (zeros before the first step)."""
+        out: dict[str, np.ndarray] = {}
+        step = 0
+        for n, p in self.params.items():
+            st = self.opt.state.get(p, {})
+            zero = np.zeros(tuple(p.shape), np.float32)
+            out[f"m/{n}"] = st["exp_avg"].float().cpu().numpy() if "exp_avg" in st else zero
+            out[f"v/{n}"] = st["exp_avg_sq"].float().cpu().numpy() if "exp_avg_sq" in st else zero
+            step = int(st["step"]) if "step" in st else step
+        return out, step
+
+    def load_optimizer_arrays(self, arrays: dict[str, np.ndarray], step: int) -> None:
+        """Restore AdamW moments and step.
+
+        Args:
+            arrays: ``m/<name>`` and ``v/<name>`` arrays.
+            step: the optimizer's step count.
+        """
+        check_same_arrays(self.optimizer_arrays()[0], arrays, "optimizer")
+        if step == 0:
+            self.opt.state.clear()
+            return
+        for n, p in self.params.items():
+            self.opt.state[p] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": torch.from_numpy(np.asarray(arrays[f"m/{n}"], np.float32).copy()).to(p.device),
+                "exp_avg_sq": torch.from_numpy(np.asarray(arrays[f"v/{n}"], np.float32).copy()).to(p.device),
+            }
+
+    @torch.no_grad()
+    def logits_shape(self, prompt: Sequence[int]) -> tuple[int, ...]:
+        """Full-vocabulary logits shape of one forward.
+
+        Args:
+            prompt: token ids.
+        """
+        self.model.eval()
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
+        with self._autocast():
+            return tuple(self.model(input_ids=ids, use_cache=False).logits.shape)
+
+    def peak_memory_mb(self) -> float:
+        """CUDA allocator peak on CUDA; the process's resident high-water mark on CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 1e6
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
+
+    def _summary(self, model_id: str) -> ModelSummary:
+        total = sum(p.numel() for p in self.model.parameters())
+        quant = [m for m in self.model.modules() if isinstance(m, QuantLinear)]
+        total += sum(m.in_features * m.out_features + (0 if m.bias is None else m.out_features) for m in quant)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        trainable = [n for n, _ in named]
+        return ModelSummary(
+            model_id=model_id, backend=self.name, layers=len(decoder_layers(self.model)),
+            quant_bits=self.cfg.quant_bits, targets_per_layer=self.targets, total_params=int(total),
+            trainable_params=int(sum(p.numel() for _, p in named)), trainable_names=trainable,
+            quantized_linears=len(quant),
+            extra={"base_storage": "packed" if self.packed else "dequantized", "device": str(self.device)})
+
