@@ -1,0 +1,188 @@
+"""LocalConfig validation, CLI flags and --dry-run, and the memory preflight (all before any model loads)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from stoa.config import ConfigError
+from stoa.local import cli
+from stoa.local.config import LocalConfig, load_local_config, resolve_backend
+from stoa.local.preflight import (
+    KNOWN_SHAPES,
+    MemoryPreflightError,
+    ModelShape,
+    check_fit,
+    estimate_memory,
+    preflight,
+)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="stoa")
+    sub = parser.add_subparsers(dest="command")
+    cli.register(sub)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(("overrides", "field"), [
+    ({"group_size": 1}, "group_size"),
+    ({"quant_bits": 3}, "quant_bits"),
+    ({"quant_group_size": 48}, "quant_group_size"),
+    ({"backend": "jax"}, "backend"),
+    ({"lora_rank": 0}, "lora_rank"),
+    ({"lora_alpha": 0}, "lora_alpha"),
+    ({"lora_targets": "q_proj,bad name"}, "lora_targets"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"prompts_per_step": 0}, "prompts_per_step"),
+    ({"lr": 2.0}, "lr"),
+    ({"grad_clip": -1}, "grad_clip"),
+    ({"top_p": 0}, "top_p"),
+    ({"kl_beta": -0.1}, "kl_beta"),
+    ({"algorithm": "ppo"}, "algorithm"),
+    ({"algo": {"eps_low": 3}}, "algo.eps_low"),
+    ({"algo": {"temperature": 0.5}}, "algo.temperature"),
+    ({"algo": {"kl_beta": 0.1}, "kl_beta": 0.2}, "kl_beta"),
+    ({"task": "nope"}, "task"),
+    ({"dtype": "float8"}, "dtype"),
+    ({"device": "tpu"}, "device"),
+    ({"torch_base": "gguf"}, "torch_base"),
+    ({"eval_n": -1}, "eval_n"),
+    ({"steps": "many"}, "steps"),
+])
+def test_invalid_values_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as e:
+        load_local_config(None, overrides)
+    assert e.value.field == field, str(e.value)
+    assert str(e.value).startswith(f"{field}:")
+
+
+def test_toml_file_then_flags(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('model = "tiny"\ngroup_size = 6\nlora_targets = ["q_proj", "v_proj"]\n[algo]\neps_high = 0.28\n')
+    cfg = load_local_config(str(f), {"group_size": "3", "seed": "7"})
+    assert (cfg.group_size, cfg.seed, cfg.lora_targets) == (3, 7, "q_proj,v_proj")
+    assert cfg.algo_config().eps_high == 0.28
+    f.write_text("group_sise = 4\n")
+    with pytest.raises(ConfigError, match="group_sise: unknown setting in"):
+        load_local_config(str(f))
+
+
+def test_algorithm_defaults_and_beta():
+    assert load_local_config(None, {"algorithm": "dapo"}).algo_config().kl_beta == 0.0
+    algo = load_local_config(None, {"kl_beta": 0.0, "max_tokens": 32, "temperature": 0.7}).algo_config()
+    assert (algo.kl_beta, algo.max_tokens, algo.temperature) == (0.0, 32, 0.7)
+
+
+def test_auto_backend():
+    assert resolve_backend("torch") == "torch" and resolve_backend("mlx") == "mlx"
+    assert resolve_backend("auto") in ("torch", "mlx")
+
+
+def test_cli_overrides_and_dry_run(capsys):
+    args = _parse(["local", "train", "--model", "tiny", "--steps", "5", "--group-size", "3", "--max-tokens", "16",
+                   "--algorithm", "dr_grpo", "--beta", "0", "--seed", "9", "--backend", "torch", "--dry-run",
+                   "--available-memory-gb", "64"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    for line in ("steps = 5", "group_size = 3", "max_tokens = 16", 'algorithm = "dr_grpo"', "kl_beta = 0.0",
+                 "seed = 9", "# backend: torch", "# resolved algorithm", "# name = 'dr_grpo'", "# kl_beta = 0.0",
+                 "# adv_std_norm = False", "available 64.00 GB (available_memory_gb): fits"):
+        assert line in out, line
+
+
+def test_cli_smoke_has_model_flags():
+    args = _parse(["local", "smoke", "--model", "tiny", "--quant-bits", "8", "--lora-rank", "4"])
+    assert (args.model, args.quant_bits, args.lora_rank) == ("tiny", "8", "4")
+    with pytest.raises(SystemExit):
+        _parse(["local", "smoke", "--steps", "3"])
+
+
+def test_cli_module_for_the_dispatcher():
+    from stoa.cli import local
+
+    assert local.register is cli.register
+
+
+# ----- memory preflight ------------------------------------------------------------------------------
+
+QWEN = ModelShape.from_config("Qwen/Qwen3-0.6B", KNOWN_SHAPES["Qwen/Qwen3-0.6B"])
+
+
+def _cfg(**kw) -> LocalConfig:
+    return load_local_config(None, {"backend": "mlx", "model": "Qwen/Qwen3-0.6B", "group_size": 8,
+                                    "prompts_per_step": 2, "max_tokens": 512, "max_prompt_tokens": 256, **kw})
+
+
+def test_shape_and_estimate_move_the_right_way():
+    assert 590e6 < QWEN.params() < 600e6  # Qwen3-0.6B has 596M parameters (tied embeddings)
+    base = estimate_memory(_cfg(), QWEN)
+    assert estimate_memory(_cfg(gradient_checkpointing=True), QWEN).total_gb < base.total_gb
+    assert estimate_memory(_cfg(group_size=4), QWEN).total_gb < base.total_gb
+    assert estimate_memory(_cfg(max_tokens=128), QWEN).total_gb < base.total_gb
+    assert estimate_memory(_cfg(quant_bits=16), QWEN).parts["weights"] > 2 * base.parts["weights"]
+    assert estimate_memory(_cfg(micro_batch=2), QWEN).total_gb < base.total_gb
+
+
+def test_refusal_suggests_checkpointing_first():
+    cfg = _cfg()
+    need = estimate_memory(cfg, QWEN).total_gb
+    with_ckpt = estimate_memory(dataclasses.replace(cfg, gradient_checkpointing=True), QWEN).total_gb
+    report = check_fit(cfg, QWEN, available_gb=(need + with_ckpt) / 2, source="test")
+    assert not report.fits and report.knob == "gradient_checkpointing"
+    assert "gradient_checkpointing = true" in report.message()
+
+
+def test_refusal_then_micro_batch_then_group_size_then_length():
+    ckpt = _cfg(gradient_checkpointing=True)
+    one_row = estimate_memory(dataclasses.replace(ckpt, micro_batch=1), QWEN).total_gb
+    report = check_fit(ckpt, QWEN, available_gb=one_row + 0.01, source="test")
+    assert report.knob == "micro_batch"
+    small = _cfg(gradient_checkpointing=True, micro_batch=1)
+    g2 = estimate_memory(dataclasses.replace(small, group_size=2), QWEN).total_gb
+    report = check_fit(small, QWEN, available_gb=g2 + 0.01, source="test")
+    assert report.knob == "group_size" and report.suggested is not None and report.suggested.group_size >= 2
+    tiny_budget = estimate_memory(dataclasses.replace(small, group_size=2, max_tokens=16), QWEN).total_gb
+    report = check_fit(dataclasses.replace(small, group_size=2), QWEN, available_gb=tiny_budget + 0.001, source="t")
+    assert report.knob == "max_tokens"
+
+
+def test_nothing_fits_names_the_model():
+    report = check_fit(_cfg(quant_bits=16), QWEN, available_gb=0.5, source="test")
+    assert report.knob == "model" and "the model alone needs" in report.message()
+
+
+def test_preflight_raises_with_the_knob_and_checks_positions():
+    with pytest.raises(MemoryPreflightError) as e:
+        preflight(_cfg(available_memory_gb=1.2), QWEN)
+    assert e.value.field in ("gradient_checkpointing", "micro_batch", "group_size", "max_tokens", "model")
+    assert "does not fit" in str(e.value)
+    with pytest.raises(ConfigError, match="max_tokens: .* exceeds the model's 40960 positions"):
+        preflight(_cfg(max_tokens=40900, available_memory_gb=1000), QWEN)
+    assert preflight(_cfg(available_memory_gb=1.2, preflight=False), QWEN).fits is False
+
+
+def test_train_refuses_before_any_model_loads(make_cfg, monkeypatch, capsys):
+    from stoa.local import backend, loop
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(backend, "make_backend", no_load)
+    monkeypatch.setattr(loop, "make_backend", no_load)
+    cfg = make_cfg(available_memory_gb=0.3)
+    with pytest.raises(MemoryPreflightError) as e:
+        loop.run_local(cfg, echo=lambda _s: None)
+    assert e.value.field == "model"  # the runtime alone exceeds 0.3 GB
+    from stoa.local.preflight import shape_for
+
+    cfg = make_cfg(max_tokens=400, group_size=16, prompts_per_step=4)
+    shape = shape_for(cfg.model)
+    assert shape is not None and shape.layers == 2
+    fits_with_ckpt = estimate_memory(dataclasses.replace(cfg, gradient_checkpointing=True), shape).total_gb
+    assert estimate_memory(cfg, shape).total_gb > fits_with_ckpt + 0.01
+    with pytest.raises(MemoryPreflightError) as e:
+        loop.run_local(dataclasses.replace(cfg, available_memory_gb=fits_with_ckpt + 0.001), echo=lambda _s: None)
+    assert e.value.field == "gradient_checkpointing", str(e.value)
