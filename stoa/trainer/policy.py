@@ -152,7 +152,11 @@ class Policy:
         return torch.gather(logp, -1, comp_t.unsqueeze(-1)).squeeze(-1) * mask_t
 
     def export_f32(self) -> dict[str, np.ndarray]:
-        """Copy the master weights out as float32 numpy arrays (names as ``named_parameters``)."""
+        """The master weights as float32 numpy arrays (names as ``named_parameters``).
+
+        On CPU the arrays share memory with the live parameters: consume them (e.g. with
+        ``state_from_f32``) before the next optimizer step, or copy them.
+        """
         return {k: p.detach().float().cpu().numpy() for k, p in self.model.named_parameters()}
 
     def load_f32(self, named: dict[str, np.ndarray]) -> None:
