@@ -19,6 +19,7 @@ QUANT_BITS = (4, 8, 16)
 QUANT_GROUP_SIZES = (32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16")
 TORCH_BASE = ("auto", "dequantized", "packed")
+OLD_LOGPROBS = ("forward", "reuse")
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """What ``lora_targets = "auto"`` adapts in a dense decoder block (attention and MLP projections)."""
 
@@ -65,6 +66,10 @@ class LocalConfig:
     output_dir: str = _f("stoa-local", "Directory for metrics.jsonl, checkpoints and the resolved config.")
     resume: bool = _f(True, "Continue from the last saved state in output_dir when there is one (false refuses "
                             "to reuse a directory that holds a run).")
+    old_logprobs: str = _f("forward", "Old-policy logprobs: 'forward' (a no-grad full forward before the update, "
+                                      "micro-batched like it) or 'reuse' (the training forward's own values, "
+                                      "stop-gradient: bitwise the same with one update per batch, one forward "
+                                      "cheaper). Never the decode-time logprobs (docs/local.md).")
     lr: float = _f(1e-4, "AdamW learning rate (LoRA adapters only).")
     weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
     grad_clip: float = _f(1.0, "Clip the adapters' global gradient norm to this (0 disables).")
@@ -123,6 +128,7 @@ class LocalConfig:
             raise ConfigError("kl_beta", f"must be >= 0, got {self.kl_beta}")
         _choice(self, "dtype", DTYPES)
         _choice(self, "torch_base", TORCH_BASE)
+        _choice(self, "old_logprobs", OLD_LOGPROBS)
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError("device", f"{self.device!r}: use auto, cpu, cuda or cuda:N")
         if resolve_backend(self.backend) == "mlx" and self.device not in ("auto", "cpu"):

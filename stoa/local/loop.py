@@ -133,13 +133,15 @@ def train_step(backend: Backend, algo: Any, task: Task, codec: Any, cfg: LocalCo
         return row
     micro = micro_batches(len(batch), cfg.micro_batch)
     t1 = time.perf_counter()
-    batch.old_logp = backend.logprobs(batch, micro)
+    if cfg.old_logprobs == "forward":
+        batch.old_logp = backend.logprobs(batch, micro)
     t2 = time.perf_counter()
     if algo.cfg.kl_beta > 0:
         batch.ref_logp = backend.ref_logprobs(batch, micro)
     t3 = time.perf_counter()
     m = backend.step(batch, micro, algo)
     t4 = time.perf_counter()
+    assert batch.old_logp is not None
     gap = [np.abs(r.rollout_logprobs - batch.old_logp[i, : len(r.tokens)])[r.action_mask > 0]
            for i, r in enumerate(batch.rows)]
     row.update({f"train/{k}": v for k, v in m.items()})

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten as _tree_flatten  # noqa: E402
 from mlx.utils import tree_map, tree_unflatten  # noqa: E402
 
 from stoa.algorithms import LossInputs, combine_metrics  # noqa: E402
-from stoa.algorithms.mlx_loss import token_logprobs  # noqa: E402
+from stoa.algorithms.mlx_loss import MlxOps, token_logprobs  # noqa: E402
 from stoa.local.backend import ADAPTER_LEAVES, ModelSummary, check_same_arrays, choose_targets  # noqa: E402
 from stoa.local.batch import Batch, Packed, pack  # noqa: E402
 from stoa.local.config import LocalConfig  # noqa: E402
@@ -62,6 +62,20 @@ def _enable_layer_checkpointing(layers: Sequence[nn.Module]) -> None:
 
         cls.__call__ = call
         setattr(cls, "_stoa_checkpoint_patched", True)  # noqa: B010 - a class flag, not a Module leaf
+
+
+class _DeferredDiagnostics(MlxOps):
+    """MLX ops whose ``to_floats`` does not evaluate: the loss inside ``value_and_grad`` stays one lazy graph.
+
+    ``Algorithm.loss`` reports diagnostics through ``to_floats``, which evaluates; inside ``value_and_grad``
+    that materialises the whole forward before the backward is even built, and every intermediate stays
+    alive (measured: twice the peak memory on SmolLM2). The gradient pass uses an algorithm built on these
+    ops (zeros for the diagnostics), and the real diagnostics are computed afterwards from the evaluated
+    logprobs, with no model forward.
+    """
+
+    def to_floats(self, xs: Sequence[Any]) -> list[float]:
+        return [0.0] * len(xs)
 
 
 def _engine_for(model: nn.Module, config: dict[str, Any], dtype_name: str) -> Any:
@@ -165,13 +179,17 @@ class MLXBackend:
             out[idx] = np.array(lp.astype(mx.float32)) * pk.mask
         return out
 
-    def _loss(self, pk: Packed, normalizer: float, algo: Any) -> tuple[mx.array, dict[str, float]]:
-        assert pk.old_logp is not None
-        inp = LossInputs(
-            logp=self._logp(mx.array(pk.input_ids), mx.array(pk.pos), mx.array(pk.targets)),
-            behaviour_logp=mx.array(pk.old_logp), ref_logp=None if pk.ref_logp is None else mx.array(pk.ref_logp),
-            advantages=mx.array(pk.advantages), mask=mx.array(pk.mask), normalizer=normalizer)
-        return algo.loss(inp)
+    @staticmethod
+    def _inputs(pk: Packed, logp: mx.array, normalizer: float) -> LossInputs[Any]:
+        old = mx.stop_gradient(logp) if pk.old_logp is None else mx.array(pk.old_logp)
+        return LossInputs(logp=logp, behaviour_logp=old, ref_logp=None if pk.ref_logp is None else mx.array(pk.ref_logp),
+                          advantages=mx.array(pk.advantages), mask=mx.array(pk.mask), normalizer=normalizer)
+
+    def _loss(self, pk: Packed, normalizer: float, algo: Any) -> tuple[mx.array, mx.array]:
+        """(loss, logprobs) of one micro-batch; ``algo`` runs on deferred-diagnostics ops (no eval here)."""
+        logp = self._logp(mx.array(pk.input_ids), mx.array(pk.pos), mx.array(pk.targets))
+        loss, _ = algo.loss(self._inputs(pk, logp, normalizer))
+        return loss, logp
 
     def _set_checkpointing(self, on: bool) -> None:
         if self.cfg.gradient_checkpointing:
@@ -220,24 +238,30 @@ class MLXBackend:
         """Forward/backward each micro-batch under the whole-batch normaliser; gradients add up.
 
         Args:
-            batch: the step's batch (``old_logp`` set; ``ref_logp`` set when kl_beta > 0).
+            batch: the step's batch (``ref_logp`` set when kl_beta > 0). Without ``old_logp`` the old policy
+                is this forward itself (stop-gradient; filled into ``batch.old_logp``).
             micro: row indices per micro-batch.
             algo: an MLX ``Algorithm``.
         """
-        if batch.old_logp is None:
-            raise ValueError("old_logp: compute the old-policy logprobs before the step")
         value_and_grad = nn.value_and_grad(self.model, self._loss)
+        lazy = type(algo)(algo.cfg, _DeferredDiagnostics())
+        reuse = batch.old_logp is None
+        filled = np.zeros(batch.mask.shape, np.float32)
         parts, total = [], 0.0
         self._set_checkpointing(True)
         try:
             for idx in micro:
-                (loss, diag), grads = value_and_grad(pack(batch, idx), batch.normalizer, algo)
+                pk = pack(batch, idx)
+                (loss, logp), grads = value_and_grad(pk, batch.normalizer, lazy)
                 self._grads = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
-                mx.eval(self._grads, loss)
+                mx.eval(self._grads, loss, logp)
                 total += float(loss.item())
-                parts.append(diag)
+                parts.append(algo.loss(self._inputs(pk, logp, batch.normalizer))[1])
+                filled[idx] = np.array(logp) * pk.mask
         finally:
             self._set_checkpointing(False)
+        if reuse:
+            batch.old_logp = filled
         out = combine_metrics(parts)
         out["loss"] = total
         return out

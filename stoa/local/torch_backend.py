@@ -148,25 +148,29 @@ class TorchBackend:
         """Forward/backward each micro-batch under the whole-batch normaliser; gradients add up.
 
         Args:
-            batch: the step's batch (``old_logp`` set; ``ref_logp`` set when kl_beta > 0).
+            batch: the step's batch (``ref_logp`` set when kl_beta > 0). Without ``old_logp`` the old policy
+                is this forward itself (detached; filled into ``batch.old_logp``).
             micro: row indices per micro-batch.
             algo: a torch ``Algorithm``.
         """
-        if batch.old_logp is None:
-            raise ValueError("old_logp: compute the old-policy logprobs before the step")
+        reuse = batch.old_logp is None
+        filled = np.zeros(batch.mask.shape, np.float32)
         self.model.train()
         parts, total = [], 0.0
         for idx in micro:
             pk = pack(batch, idx)
-            assert pk.old_logp is not None
+            logp = self._logp(pk)
+            filled[idx] = logp.detach().float().cpu().numpy() * pk.mask
             inp = LossInputs(
-                logp=self._logp(pk), behaviour_logp=self._t(pk.old_logp), advantages=self._t(pk.advantages),
-                ref_logp=None if pk.ref_logp is None else self._t(pk.ref_logp), mask=self._t(pk.mask),
-                normalizer=batch.normalizer)
+                logp=logp, behaviour_logp=logp.detach() if pk.old_logp is None else self._t(pk.old_logp),
+                advantages=self._t(pk.advantages), ref_logp=None if pk.ref_logp is None else self._t(pk.ref_logp),
+                mask=self._t(pk.mask), normalizer=batch.normalizer)
             loss, diag = algo.loss(inp)
             loss.backward()
             total += float(loss.detach())
             parts.append(diag)
+        if reuse:
+            batch.old_logp = filled
         self.model.eval()
         out = combine_metrics(parts)
         out["loss"] = total

@@ -118,3 +118,26 @@ def test_old_logprobs_give_ratio_one_and_disabled_adapters_are_the_base(backend,
     assert m["ratio_mean"] == 1.0 and m["ratio_max"] == 1.0  # old logprobs: the same full forward
     assert not np.array_equal(b.logprobs(batch, micro), base)
     np.testing.assert_array_equal(b.ref_logprobs(batch, micro), base)  # adapters off: the frozen base again
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reused_old_logprobs_are_the_separate_forwards(backend, make_cfg, tiny_dir):
+    """old_logprobs = 'reuse' takes them from the training forward: the same numbers, the same gradient."""
+    _skip_without(backend)
+    cfg = make_cfg(backend=backend, kl_beta=0.05)
+    b = make_backend(cfg, tiny_dir)
+    algo = get_algorithm(cfg.algo_config(), b.name)
+    batch = sample_batch(b, algo)
+    micro = micro_batches(len(batch), 3)
+    batch.ref_logp = b.ref_logprobs(batch, micro)
+    separate = b.logprobs(batch, micro)
+    batch.old_logp = separate
+    m_forward = b.accumulate(batch, micro, algo)
+    g_forward = b.grad_arrays()
+    b.clear_grads()
+    batch.old_logp = None
+    m_reuse = b.accumulate(batch, micro, algo)
+    np.testing.assert_array_equal(batch.old_logp, separate)
+    for k, g in b.grad_arrays().items():
+        np.testing.assert_array_equal(g, g_forward[k], err_msg=k)
+    assert m_reuse == m_forward

@@ -112,12 +112,13 @@ def test_cli_train_end_to_end(tiny_dir, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers())
     args = parser.parse_args(["local", "train", "--config", str(f), "--steps", "2", "--group-size", "3",
-                              "--beta", "0.01", "--available-memory-gb", "8"])
+                              "--beta", "0.01", "--available-memory-gb", "8", "--old-logprobs", "reuse"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "preflight: estimated peak memory" in out and "fits" in out
     assert "done: step 2/2" in out and "held-out accuracy" in out
     rows = read_metrics(tmp_path / "cli" / "metrics.jsonl")
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
+    assert all(r["train/ratio_mean"] == 1.0 and r["train/old_logp_s"] < 1e-3 for r in rows if "train/loss" in r)
     assert all(r["rollout/new_tokens"] <= 3 * 6 for r in rows if "train/loss" in r)
     assert "group_size = 3" in (tmp_path / "cli" / "config.toml").read_text()

@@ -1,0 +1,250 @@
+"""``stoa bench local``: rollout tok/s, s/step, it/s and peak memory of the local mode (MLX, torch) and of mlxrl."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MLXRL_DRIVER = r'''
+"""Times mlxrl's own GRPO step (rollout, old/ref logprobs, optimizer step) on a shape given as JSON."""
+import json, sys, time
+spec = json.loads(sys.argv[1])
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx_lm import load
+import mlxrl.rollout.naive as naive
+import mlxrl.rollout.optimized as optimized
+from mlxrl.algo.grpo import GRPOAlgorithm
+from mlxrl.policy.logprobs import pad_token_id_from_tokenizer
+from mlxrl.policy.model import LoRAConfig, assert_only_lora_trainable, inject_lora_adapters
+from mlxrl.train.grpo import batch_from_rollouts, optimizer_step
+
+if spec["ignore_eos"]:  # every completion runs to max_tokens, as in the stoa runs
+    naive.eos_token_ids_from_tokenizer = lambda tokenizer: frozenset()
+    if hasattr(optimized, "eos_token_ids_from_tokenizer"):
+        optimized.eos_token_ids_from_tokenizer = naive.eos_token_ids_from_tokenizer
+model, tokenizer = load(spec["model_dir"])
+model.set_dtype(mx.float32)
+gs, bits = spec["group_size_q"], spec["bits"]
+blocks = {id(m) for layer in model.layers for _, m in layer.named_modules()}
+if bits < 16:  # the same base as stoa's: decoder-block linears quantized, embeddings and head in float
+    nn.quantize(model, group_size=gs, bits=bits,
+                class_predicate=lambda p, m: id(m) in blocks and isinstance(m, nn.Linear) and m.weight.shape[1] % gs == 0)
+inject_lora_adapters(model, LoRAConfig(rank=spec["rank"], scale=spec["scale"], dropout=0.0,
+                                       grad_checkpoint=spec["checkpointing"]))
+model.freeze()
+model.unfreeze(keys=["lora_a", "lora_b"])
+assert_only_lora_trainable(model)
+model.eval()
+pad = pad_token_id_from_tokenizer(tokenizer)
+sampling = naive.SamplingConfig(max_tokens=spec["max_tokens"], temperature=1.0, top_p=1.0)
+algorithm = GRPOAlgorithm()
+opt = optim.Adam(learning_rate=spec["lr"])
+rows = []
+for step, (prompt, answer) in enumerate(spec["prompts"]):
+    t0 = time.perf_counter()
+    if spec["rollout"] == "optimized":
+        comps = optimized.generate_prefix_cached_group_rollouts(model, tokenizer, [prompt], spec["G"], sampling,
+                                                                seed=step, use_chat_template=True, batch_groups=True)
+    else:
+        comps = naive.generate_group_rollouts(model, tokenizer, [prompt], spec["G"], sampling, seed=step,
+                                              use_chat_template=True)
+    t1 = time.perf_counter()
+    rewards = [float(answer in c.text) for c in comps]
+    batch = batch_from_rollouts(model=model, completions=comps, rewards=rewards, group_size=spec["G"],
+                                pad_token_id=pad, algorithm=algorithm, use_checkpoint=spec["checkpointing"],
+                                compute_reference=spec["beta"] != 0.0)
+    optimizer_step(model=model, optimizer=opt, batch=batch, beta=spec["beta"], pad_token_id=pad,
+                   algorithm=algorithm, use_checkpoint=spec["checkpointing"], micro_batch_size=0)
+    mx.eval(model.trainable_parameters(), opt.state)
+    t2 = time.perf_counter()
+    new = sum(len(c.completion_tokens) for c in comps)
+    rows.append({"rollout_s": t1 - t0, "tokens": new, "tokens_per_s": new / (t1 - t0), "step_s": t2 - t0,
+                 "prompt_len": len(comps[0].prompt_tokens)})
+import resource
+print("RESULT " + json.dumps({"rows": rows, "allocator_peak_mb": mx.get_peak_memory() / 1e6,
+                             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+'''
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``stoa bench local`` flags.
+
+    Args:
+        parser: the parser to extend.
+    """
+    parser.add_argument("--model", default="smollm2-135m", help="model for every target [default: smollm2-135m]")
+    parser.add_argument("--targets", default="torch,mlx",
+                        help="comma list of: torch, mlx (stoa local mode), mlxrl [default: torch,mlx]")
+    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt G [default: 4]")
+    parser.add_argument("--max-tokens", type=int, default=64, help="completion length [default: 64]")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps (medians over them) [default: 3]")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured first steps [default: 1]")
+    parser.add_argument("--beta", type=float, default=0.04,
+                        help="KL weight for every target (> 0 runs the reference forward) [default: 0.04]")
+    parser.add_argument("--quant-bits", type=int, default=4, help="base bits [default: 4]")
+    parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank [default: 8]")
+    parser.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (scale = alpha / rank)")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="per-layer checkpointing everywhere")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads [default: 1]")
+    parser.add_argument("--old-logprobs", default="forward", choices=("forward", "reuse"),
+                        help="stoa targets: separate old-policy forward or reuse of the training forward")
+    parser.add_argument("--label", default="", help="suffix for the stoa targets' names in the table")
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="let completions stop at EOS (default: run to max tokens so every target does the same work)")
+    parser.add_argument("--mlxrl-python", default="/tmp/mlxrl-venv/bin/python",
+                        help="python of a SEPARATE venv with inductive-mlxrl installed [default: /tmp/mlxrl-venv/bin/python]")
+    parser.add_argument("--mlxrl-rollout", default="naive", choices=("naive", "optimized"),
+                        help="mlxrl rollout: naive (what its train command runs) or optimized (prefix-cached)")
+    parser.add_argument("--json", default="", help="also write the results here")
+
+
+def _child_local(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run the stoa local loop in this (child) process and return per-step figures from its metrics."""
+    import resource
+
+    from stoa.local.config import load_local_config
+    from stoa.local.loop import run_local
+    from stoa.metrics import read_metrics
+
+    if spec["ignore_eos"]:
+        from stoa import tokenize
+
+        original = tokenize.TextCodec.__init__
+
+        def init(self: Any, model_dir: Any) -> None:
+            original(self, model_dir)
+            self.eos_ids = ()
+
+        tokenize.TextCodec.__init__ = init  # type: ignore[method-assign]
+    with tempfile.TemporaryDirectory(prefix="stoa-bench-") as out:
+        cfg = load_local_config(None, {**spec["config"], "output_dir": out})
+        run_local(cfg, echo=lambda _s: None)
+        rows = [r for r in read_metrics(Path(out) / "metrics.jsonl") if "train/step_s" in r]
+    return {"rows": [{"rollout_s": r["rollout/rollout_s"], "tokens": r["rollout/new_tokens"],
+                      "tokens_per_s": r["rollout/tokens_per_s"], "step_s": r["train/step_s"],
+                      "old_logp_s": r["train/old_logp_s"], "ref_logp_s": r["train/ref_logp_s"],
+                      "update_s": r["train/update_s"]} for r in rows],
+            # torch on CPU keeps no allocator statistics (its train/peak_memory_mb is the RSS high-water mark)
+            "allocator_peak_mb": max((r.get("train/peak_memory_mb", 0.0) for r in rows), default=0.0)
+            if spec["config"]["backend"] == "mlx" else float("nan"),
+            "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+
+
+def _run_child(cmd: list[str], env: dict[str, str]) -> tuple[dict[str, Any], float, float]:
+    """Run a child; return its RESULT json, its peak RSS in GB (it reports its own ru_maxrss) and its wall time."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    out, err = proc.stdout, proc.stderr
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed (exit {proc.returncode}):\n{err[-3000:]}")
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"no RESULT line from {cmd[:3]}:\n{out[-2000:]}\n{err[-2000:]}")
+    res = json.loads(line[len("RESULT "):])
+    return res, res["peak_rss_kb"] / 1e6, wall
+
+
+def _prompts(model_dir: Path, n: int) -> list[tuple[str, str]]:
+    """(user message, answer) of the arithmetic task's first training prompts (seed 0), for mlxrl."""
+    import numpy as np
+
+    from stoa.tasks import load_task
+
+    task = load_task("arithmetic")
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        p = task.sample_train(rng)
+        out.append((p.messages[-1]["content"], p.answer))
+    del model_dir
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run each target in its own process and print the table (medians over the measured steps).
+
+    Args:
+        args: parsed ``add_arguments`` flags.
+    """
+    from stoa.models import resolve_model
+    from stoa.worker.tiers import blas_status
+
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    model_dir = resolve_model(args.model)
+    total = args.warmup + args.steps
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                           "load_before": os.getloadavg()}, "targets": {}}
+    for target in targets:
+        if target in ("torch", "mlx"):
+            config = {"backend": target, "model": args.model, "task": "arithmetic", "group_size": args.group_size,
+                      "prompts_per_step": 1, "max_tokens": args.max_tokens, "steps": total, "eval_n": 0,
+                      "save_every": 0, "kl_beta": args.beta, "quant_bits": args.quant_bits,
+                      "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha, "threads": args.threads,
+                      "gradient_checkpointing": args.gradient_checkpointing, "max_prompt_tokens": 128,
+                      "preflight": False, "old_logprobs": args.old_logprobs}
+            spec = {"config": config, "ignore_eos": not args.stop_at_eos}
+            cmd = [sys.executable, "-m", "stoa.local.bench", "--child", json.dumps(spec)]
+        elif target == "mlxrl":
+            if not Path(args.mlxrl_python).exists():
+                raise FileNotFoundError(f"--mlxrl-python {args.mlxrl_python} does not exist; create a separate venv: "
+                                        "python -m venv /tmp/mlxrl-venv && /tmp/mlxrl-venv/bin/pip install "
+                                        "inductive-mlxrl 'mlx[cpu]' 'mlx-lm==0.32.0'")
+            spec = {"model_dir": str(model_dir), "prompts": _prompts(model_dir, total), "G": args.group_size,
+                    "max_tokens": args.max_tokens, "beta": args.beta, "bits": args.quant_bits, "group_size_q": 64,
+                    "rank": args.lora_rank, "scale": args.lora_alpha / args.lora_rank, "lr": 1e-4,
+                    "checkpointing": args.gradient_checkpointing, "ignore_eos": not args.stop_at_eos,
+                    "rollout": args.mlxrl_rollout}
+            cmd = [args.mlxrl_python, "-c", MLXRL_DRIVER, json.dumps(spec)]
+        else:
+            raise ValueError(f"--targets: unknown target {target!r} (torch, mlx, mlxrl)")
+        res, peak_gb, wall = _run_child(cmd, env)
+        rows = res["rows"][args.warmup:]
+        step_s = statistics.median(r["step_s"] for r in rows)
+        name = f"{target}{args.label}" if target in ("torch", "mlx") else f"mlxrl ({args.mlxrl_rollout} rollout)"
+        results["targets"][name] = {
+            "rollout_tok_s": statistics.median(r["tokens_per_s"] for r in rows), "s_per_step": step_s,
+            "it_s": 1.0 / step_s, "peak_rss_gb": peak_gb, "allocator_peak_gb": res["allocator_peak_mb"] / 1e3,
+            "steps": len(rows), "wall_s": wall, "rows": res["rows"]}
+        print(f"[bench] {name}: done in {wall:.0f}s", flush=True)
+    results["machine"]["load_after"] = os.getloadavg()
+    results["machine"]["mlx_blas_linux"] = blas_status()
+    print(_table(results, args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _table(results: dict[str, Any], args: argparse.Namespace) -> str:
+    m = results["machine"]
+    lines = [f"model {args.model}, G={args.group_size}, {args.max_tokens} new tokens, 1 prompt/step, beta {args.beta}, "
+             f"{args.quant_bits}-bit base, LoRA r={args.lora_rank}; medians of {args.steps} steps after "
+             f"{args.warmup} warm-up; {m['cpus']} CPUs, load {m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}; "
+             f"MLX BLAS: {m['mlx_blas_linux']}",
+             "| target | rollout tok/s | s/step | it/s | peak RSS GB | allocator peak GB |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in results["targets"].items():
+        lines.append(f"| {name} | {r['rollout_tok_s']:.1f} | {r['s_per_step']:.2f} | {r['it_s']:.3f} | "
+                     f"{r['peak_rss_gb']:.2f} | {r['allocator_peak_gb']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print("RESULT " + json.dumps(_child_local(json.loads(sys.argv[2]))), flush=True)
+        sys.exit(0)
+    p = argparse.ArgumentParser(prog="python -m stoa.local.bench", description=__doc__)
+    add_arguments(p)
+    sys.exit(main(p.parse_args()))
