@@ -117,7 +117,7 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
             continue
         ckpt.write_journal(bucket, cfg.run, {"version": version + 1, "step": step + 1, "pool": pool.state()})
         m = train_step(policy, ref, opt, algo, entries, current_version=version,
-                       micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip)
+                       micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip, shared_prefix=cfg.shared_prefix)
         version, step, steps_here = version + 1, step + 1, steps_here + 1
         t_pub = time.perf_counter()
         pub = publisher.publish(version, state_from_f32(policy.export_f32(), cfg.plane))
