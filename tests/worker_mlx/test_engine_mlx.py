@@ -139,3 +139,25 @@ def test_engine_without_weights_builds_from_config(tiny_dir, tmp_path, tiny_weig
     a, _ = eng.generate(PROMPTS, 2, max_new_tokens=6, greedy=True)
     b, _ = ref.generate(PROMPTS, 2, max_new_tokens=6, greedy=True)
     assert [c.tokens for g in a for c in g] == [c.tokens for g in b for c in g]
+
+
+def test_qwen2_with_qkv_biases_matches_torch(tmp_path_factory) -> None:
+    pytest.importorskip("torch", reason="the comparison needs torch")
+    from safetensors.numpy import load_file
+
+    from stoa.models import resolve_model
+    from stoa.weights.planes import state_from_f32, state_to_f32
+    from stoa.worker.engine_mlx import MLXEngine
+    from stoa.worker.engine_torch import TorchEngine
+
+    d = resolve_model("tiny-qwen2", cache_dir=tmp_path_factory.mktemp("stoa-cache"))
+    me, te = MLXEngine(d, dtype="float32"), TorchEngine(d, device="cpu")
+    state = state_from_f32(load_file(str(d / "model.safetensors")), "bf16")
+    me.load_state(state, "bf16")
+    te.load_weights(state_to_f32(state, "bf16"))
+    a, _ = me.generate(PROMPTS, 2, max_new_tokens=12, greedy=True)
+    b, _ = te.generate(PROMPTS, 2, max_new_tokens=12, greedy=True)
+    for ga, gb in zip(a, b, strict=True):
+        for ca, cb in zip(ga, gb, strict=True):
+            assert ca.tokens == cb.tokens
+            np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=TOL)
