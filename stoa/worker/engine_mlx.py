@@ -127,6 +127,12 @@ class MLXEngine:
         model_dir = Path(model_dir)
         has_weights = any(model_dir.glob("model*.safetensors"))
         model, config = load_model(model_dir, lazy=True, strict=has_weights)
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
+        if kinds:
+            raise ValueError(f"{config.get('model_type')!r} models use {', '.join(kinds)} caches; the MLX engine "
+                             "supports full-attention models (plain KVCache per layer), e.g. llama and qwen2")
         model.set_dtype(self.dtype)
         model.eval()
         mx.eval(model.parameters())

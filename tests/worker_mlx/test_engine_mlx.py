@@ -14,16 +14,25 @@ EOS = tuple(range(3, 20))  # ~3% of the ids per step: some rows stop early, othe
 TOL = 1e-4
 
 
-def _recompute(model, prompt: list[int], tokens: list[int], temperature: float, top_p: float) -> np.ndarray:
-    """Torch logprobs of ``tokens`` after ``prompt``: one full forward, then the sampling distribution."""
+def _recompute(model, prompt: list[int], completions: list[list[int]], temperature: float,
+               top_p: float) -> list[np.ndarray]:
+    """Torch logprobs of each completion after ``prompt``: one full forward (the group right-padded, which
+    a causal model cannot see), then the sampling distribution."""
     import torch
 
     from stoa.worker.engine_torch import sampling_logprobs_torch
 
+    width = len(prompt) + max(len(c) for c in completions)
+    ids = torch.zeros((len(completions), width), dtype=torch.long)
+    for i, c in enumerate(completions):
+        ids[i, : len(prompt) + len(c)] = torch.tensor(prompt + c)
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-    logp = sampling_logprobs_torch(logits, temperature, top_p)
-    return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].numpy()
+        logits = model(ids).logits.float()
+    out = []
+    for i, c in enumerate(completions):
+        logp = sampling_logprobs_torch(logits[i, len(prompt) - 1 : len(prompt) - 1 + len(c)], temperature, top_p)
+        out.append(logp.gather(-1, torch.tensor(c)[:, None])[:, 0].numpy())
+    return out
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.9)])
@@ -33,9 +42,9 @@ def test_recorded_logprobs_match_torch_recompute(mlx_engine, torch_engine, tempe
     assert len(groups) == len(PROMPTS) and all(len(g) == 4 for g in groups)
     worst = 0.0
     for prompt, group in zip(PROMPTS, groups, strict=True):
-        for c in group:
+        refs = _recompute(torch_engine.model, prompt, [c.tokens for c in group], temperature, top_p)
+        for c, ref in zip(group, refs, strict=True):
             assert len(c.tokens) == len(c.logprobs) >= 1
-            ref = _recompute(torch_engine.model, prompt, c.tokens, temperature, top_p)
             assert np.isfinite(c.logprobs).all()
             worst = max(worst, float(np.abs(np.array(c.logprobs) - ref).max()))
     assert worst <= TOL, f"max |MLX - torch| logprob difference {worst:.2e} > {TOL}"
@@ -161,3 +170,19 @@ def test_qwen2_with_qkv_biases_matches_torch(tmp_path_factory) -> None:
         for ca, cb in zip(ga, gb, strict=True):
             assert ca.tokens == cb.tokens
             np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=TOL)
+
+
+def test_models_without_plain_kv_caches_are_refused(tiny_dir, tmp_path) -> None:
+    import json
+    import shutil
+
+    from stoa.worker.engine_mlx import MLXEngine
+
+    for f in tiny_dir.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg |= {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="RotatingKVCache"):
+        MLXEngine(tmp_path, dtype="float32")
