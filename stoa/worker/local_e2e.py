@@ -95,12 +95,16 @@ def run_local_e2e(
     task_name, task_opts = parse_task_spec(task)
     the_task = get_task(task_name, **task_opts)
 
-    tmp_root = None if bucket_url else tempfile.mkdtemp(prefix="stoa-local-e2e-")
-    url = bucket_url or str(tmp_root)
     tag = secrets.token_hex(4)
     prefix = f"{PREFIX_ROOT}/{tag}/"
-    bucket = open_bucket(url)
-    _probe(bucket, prefix, url)
+    if bucket_url:
+        url, tmp_root = bucket_url, None
+        bucket = open_bucket(url)
+        _probe(bucket, prefix, url)
+    else:
+        tmp_root = tempfile.mkdtemp(prefix="stoa-local-e2e-")
+        url = tmp_root
+        bucket = open_bucket(url)
     summary: dict[str, Any] = {"bucket": url, "prefix": prefix, "engine": engine_name}
     try:
         model_dir = resolve_model(model or os.environ.get("MODEL") or "tiny")

@@ -75,3 +75,8 @@ def test_bad_arguments(kwargs: dict[str, Any], match: str, tmp_path: Path) -> No
         run_local_e2e(sizes["groups"], sizes["samples"], sizes["tokens"], bucket_url=str(tmp_path),
                       echo=lambda _: None, **opts)
     assert _objects(tmp_path) == []
+
+
+def test_malformed_bucket_url_is_refused() -> None:
+    with pytest.raises(ValueError, match="scheme"):
+        run_local_e2e(1, 2, 4, engine="mlx", bucket_url="ftp://host/dir", echo=lambda _: None)
