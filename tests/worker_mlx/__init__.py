@@ -1,0 +1,1 @@
+"""MLX engine, memory tier, local-e2e tests."""
