@@ -51,8 +51,13 @@ def run_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(cfg)
     from stoa.local.loop import run_local
+    from stoa.local.smoke import TrainableLeafError
 
-    summary = run_local(cfg)
+    try:
+        summary = run_local(cfg)
+    except TrainableLeafError as e:
+        print(f"stoa local train: {e}", file=sys.stderr)
+        return 1
     evals = summary["evals"]
     acc = " -> ".join(f"{e['eval/accuracy']:.3f}" for e in evals) if evals else "not evaluated"
     state = "interrupted, saved" if summary["interrupted"] else "done"

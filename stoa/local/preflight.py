@@ -35,15 +35,20 @@ KNOWN_SHAPES["mlx-community/Qwen3-0.6B-4bit"] = KNOWN_SHAPES["Qwen/Qwen3-0.6B"]
 # ---- calibration (docs/local.md, "Memory"): figures MEASURED on this project's Linux CPU box (2 cores) as the
 # peak resident set of a fresh `stoa local train` process; the runtime baselines are those processes' RSS
 # after imports and the tokenizer, before the model. Metal figures are estimates (see the docs).
-RUNTIME_GB = {"torch": 0.60, "mlx": 0.42}
+RUNTIME_GB = {"torch": 0.40, "mlx": 0.38}
 """Process baseline: interpreter, torch or mlx + mlx-lm, transformers, tokenizer (measured)."""
 ACT_H, ACT_I, ACT_ATTN = 10.0, 5.0, 2.0
 """Saved activations per token and layer in a LoRA backward: ~ACT_H x hidden + ACT_I x intermediate values,
 plus ACT_ATTN x heads x L attention scores per token (fitted to the measurements)."""
-HEAD_COPIES = 4.0
+HEAD_COPIES = 6.0
 """float32 [tokens, vocab] buffers alive at the LM head's peak (logits, log-softmax, their gradients)."""
 ROLLOUT_LOGITS_COPIES = 4.0
 """float32 [rows, vocab] buffers per decode step (logits, sampling log-probs, probabilities, sort)."""
+BACKEND_ACT_SCALE = {"torch": 1.0, "mlx": 0.65}
+"""MLX keeps fewer bytes per token than torch for the same training forward (measured ratio ~0.65 on SmolLM2)."""
+TORCH_LOAD_BYTES_PER_PARAM = 8.0
+"""Measured resident bytes per parameter after the torch backend builds on CPU (dequantized base): the float32
+copy it computes with plus the checkpoint pages read (memory-mapped) while quantizing (SmolLM2: 1.09 GB)."""
 SLACK = 1.15
 """Multiplier on the dynamic (rollout / training) part: allocator fragmentation and transient copies."""
 
@@ -198,10 +203,10 @@ def estimate_memory(cfg: LocalConfig, shape: ModelShape, backend: str | None = N
         weights = n_quant * (bits / 8 + 2 * cb / gs) + n_float * cb
     elif packed:
         weights = n_quant * (bits / 8 + 8 / gs) + n_float * 4
-        if not cuda:  # the float32 checkpoint is in host memory while it is quantized
-            weights = max(weights, 4 * shape.params())
+        if not cuda:  # the checkpoint's pages stay resident after quantization (mmap)
+            weights += TORCH_LOAD_BYTES_PER_PARAM / 2 * shape.params()
     else:
-        weights = 4 * shape.params()
+        weights = TORCH_LOAD_BYTES_PER_PARAM * shape.params()
     lora = shape.layers * sum(cfg.lora_rank * (a + b) for a, b in _adapted(cfg, shape).values())
     adapters = lora * 4 * 5
     rows = cfg.prompts_per_step * cfg.group_size
@@ -215,7 +220,7 @@ def estimate_memory(cfg: LocalConfig, shape: ModelShape, backend: str | None = N
         acts = shape.layers * b * seq * shape.hidden * act_b + per_layer
     else:
         acts = shape.layers * per_layer
-    train = acts + b * cfg.max_tokens * shape.vocab * 4 * HEAD_COPIES
+    train = (acts + b * cfg.max_tokens * shape.vocab * 4 * HEAD_COPIES) * BACKEND_ACT_SCALE[be]
     dynamic = SLACK * max(rollout, train)
     parts = {"runtime": RUNTIME_GB["mlx" if be == "mlx" else "torch"], "weights": weights / GB,
              "adapters": adapters / GB, "rollout": rollout * SLACK / GB, "train": train * SLACK / GB}
