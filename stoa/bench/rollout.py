@@ -407,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: command-line arguments (default ``sys.argv[1:]``).
     """
-    p = argparse.ArgumentParser(prog="python -m stoa.bench.rollout", description=__doc__)
+    p = argparse.ArgumentParser(prog="stoa bench rollout", description=__doc__)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--serve", choices=ENGINES, help=argparse.SUPPRESS)
