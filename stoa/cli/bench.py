@@ -10,6 +10,7 @@ BENCHES = {
     "trainer": ("stoa.bench.trainer", "trainer step time and tokens/s"),
     "pulse": ("stoa.bench.pulse", "PULSE patch size, encode/apply speed, bit-exactness"),
     "local": ("stoa.local.bench", "single-process local mode vs mlxrl"),
+    "logprobs": ("stoa.bench.logprobs", "MLX vs torch logprob gap (bf16/int8 report)"),
 }
 
 

@@ -23,7 +23,8 @@ def sampling_logprobs_torch(logits: torch.Tensor, temperature: float, top_p: flo
         temperature: divides the logits.
         top_p: nucleus mass in (0, 1].
     """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    z = logits.float()
+    logp = torch.log_softmax(z if temperature == 1.0 else z / temperature, dim=-1)
     if top_p >= 1.0:
         return logp
     sorted_lp, order = torch.sort(logp, dim=-1, descending=True, stable=True)
@@ -178,8 +179,10 @@ class TorchEngine:
             logp = sampling_logprobs_torch(logits, temperature, top_p)
             if greedy:
                 tok = logp.argmax(dim=-1)
-            else:
-                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            else:  # inverse CDF: one uniform per row (multinomial draws one exponential per vocabulary entry)
+                cdf = logp.exp().cumsum(dim=-1)
+                u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device) * cdf[:, -1:]
+                tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
             tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
             stats.steps += 1
             done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(tok, dtype=torch.bool)

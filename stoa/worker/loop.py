@@ -168,6 +168,10 @@ def _tier_groups(n_samples: int) -> int:
 
 def _torch_generator(engine_name: str, seed: int):
     if engine_name != "torch":
+        if engine_name == "mlx" and seed >= 0:  # seed MLX's global stream once (engine_mlx set up BLAS first)
+            import mlx.core as mx
+
+            mx.random.seed(seed)
         return None
     import torch
 
