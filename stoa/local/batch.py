@@ -155,6 +155,22 @@ def micro_batches(n_rows: int, micro_batch: int) -> list[np.ndarray]:
     return [np.arange(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
 
 
+def group_rows(batch: Batch) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per group: (row indices, the shared prompt, the rows' tokens right-padded to ``batch.width``).
+
+    Args:
+        batch: the step's batch (a group's rows share their prompt).
+    """
+    out = []
+    for g in np.unique(batch.group_ids):
+        idx = np.flatnonzero(batch.group_ids == g)
+        tokens = np.zeros((len(idx), batch.width), dtype=np.int32)
+        for j, i in enumerate(idx):
+            tokens[j, : len(batch.rows[int(i)].tokens)] = batch.rows[int(i)].tokens
+        out.append((idx, batch.rows[int(idx[0])].prompt, tokens))
+    return out
+
+
 def pack(batch: Batch, idx: np.ndarray) -> Packed:
     """Right-pad the rows ``idx`` of a batch into arrays for one forward.
 

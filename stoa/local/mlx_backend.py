@@ -21,7 +21,7 @@ from mlx.utils import tree_map, tree_unflatten  # noqa: E402
 from stoa.algorithms import LossInputs, combine_metrics  # noqa: E402
 from stoa.algorithms.mlx_loss import MlxOps, token_logprobs  # noqa: E402
 from stoa.local.backend import ADAPTER_LEAVES, ModelSummary, check_same_arrays, choose_targets  # noqa: E402
-from stoa.local.batch import Batch, Packed, pack  # noqa: E402
+from stoa.local.batch import Batch, Packed, group_rows, pack  # noqa: E402
 from stoa.local.config import LocalConfig  # noqa: E402
 from stoa.worker.types import Completion, GenStats  # noqa: E402
 
@@ -162,8 +162,7 @@ class MLXBackend:
             b, length, width = h.shape
             flat = (mx.arange(b)[:, None] * length + pos).reshape(-1)
             h = h.reshape(b * length, width)[flat].reshape(b, -1, width)
-            head = self.model.model.embed_tokens.as_linear if self.model.args.tie_word_embeddings else self.model.lm_head
-            logits = head(h)
+            logits = self._head(h)
         else:
             logits = self.model(ids)
             b, length, vocab = logits.shape
@@ -178,6 +177,31 @@ class MLXBackend:
             lp = self._logp(mx.array(pk.input_ids), mx.array(pk.pos), mx.array(pk.targets))
             out[idx] = np.array(lp.astype(mx.float32)) * pk.mask
         return out
+
+    def _head(self, h: mx.array) -> mx.array:
+        return (self.model.model.embed_tokens.as_linear(h) if self.model.args.tie_word_embeddings
+                else self.model.lm_head(h))
+
+    def _group_logp(self, prompt: np.ndarray, tokens: np.ndarray) -> mx.array | None:
+        """[n, T] logprobs of right-padded ``tokens`` after one shared ``prompt`` (run once, KV rows repeated).
+
+        None when the model's head cannot be split off or its cache is not a plain ``KVCache`` (hybrid stacks).
+        """
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        if not self.split_head or not all(type(c) is KVCache for c in cache):
+            return None
+        n, width = tokens.shape
+        h = self.model.model(mx.array(np.asarray(prompt, np.int32))[None], cache=cache)
+        hidden = mx.repeat(h[:, -1:, :], n, axis=0)
+        if width > 1:
+            for c in cache:
+                c.keys = mx.repeat(c.keys[..., : c.offset, :], n, axis=0)
+                c.values = mx.repeat(c.values[..., : c.offset, :], n, axis=0)
+            rest = self.model.model(mx.array(tokens[:, :-1]), cache=cache)
+            hidden = mx.concatenate([hidden, rest], axis=1)
+        return token_logprobs(self._head(hidden), mx.array(tokens), self.temperature)
 
     @staticmethod
     def _inputs(pk: Packed, logp: mx.array, normalizer: float) -> LossInputs[Any]:
@@ -225,14 +249,24 @@ class MLXBackend:
         return self._score(batch, micro)
 
     def ref_logprobs(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
-        """Reference logprobs [B, T]: the same forward with every adapter scaled by 0.
+        """Reference logprobs [B, T] with every adapter scaled by 0, group by group with the prompt run once.
+
+        The KL term needs no bitwise agreement with the update's forward, so the reference uses the
+        shared-prefix forward (about 1e-6 from the full one in float32); models it does not cover use the
+        full forward per micro-batch.
 
         Args:
             batch: the step's batch.
-            micro: row indices per micro-batch.
+            micro: row indices per micro-batch (used by the full-forward fallback).
         """
+        out = np.zeros(batch.mask.shape, dtype=np.float32)
         with self.adapters_disabled():
-            return self._score(batch, micro)
+            for idx, prompt, tokens in group_rows(batch):
+                lp = self._group_logp(prompt, tokens)
+                if lp is None:
+                    return self._score(batch, micro)
+                out[idx] = np.array(lp) * batch.mask[idx]
+        return out
 
     def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
         """Forward/backward each micro-batch under the whole-batch normaliser; gradients add up.

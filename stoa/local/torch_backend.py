@@ -15,7 +15,7 @@ from torch import nn
 from stoa.algorithms import LossInputs, combine_metrics
 from stoa.algorithms.torch_loss import token_logprobs
 from stoa.local.backend import ModelSummary, check_same_arrays
-from stoa.local.batch import Batch, Packed, pack
+from stoa.local.batch import Batch, Packed, group_rows, pack
 from stoa.local.config import LocalConfig
 from stoa.local.torch_lora import LoRALinear, QuantLinear, decoder_layers, quantize_and_add_lora
 from stoa.worker.engine_torch import TorchEngine, resolve_device
@@ -53,7 +53,10 @@ class TorchBackend:
         model.to(self.device)
         model.config.use_cache = False
         if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model
         self.loras = [m for m in model.modules() if isinstance(m, LoRALinear)]
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -92,6 +95,29 @@ class TorchBackend:
             h = torch.gather(hidden, 1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
             logits = head(h)
         return token_logprobs(logits, self._t(pk.targets), self.temperature)
+
+    @torch.no_grad()
+    def _group_logp(self, prompt: np.ndarray, tokens: np.ndarray) -> torch.Tensor:
+        """[n, T] logprobs of right-padded ``tokens`` after one shared ``prompt`` (run once, KV rows repeated)."""
+        import inspect
+
+        from transformers import DynamicCache
+
+        decoder = self.model.get_decoder()
+        head = self.model.get_output_embeddings()
+        n, width = tokens.shape
+        cache = DynamicCache()
+        kw = {"cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values": cache}
+        with self._autocast():
+            pre = decoder(input_ids=self._t(np.asarray(prompt, np.int64))[None], use_cache=True, **kw)
+            hidden = pre.last_hidden_state[:, -1:, :].expand(n, -1, -1)
+            if width > 1:
+                cache.batch_repeat_interleave(n)
+                pos = (len(prompt) + torch.arange(width - 1, device=self.device)).expand(n, -1)
+                rest = decoder(input_ids=self._t(tokens[:, :-1]).long(), position_ids=pos, use_cache=True, **kw)
+                hidden = torch.cat([hidden, rest.last_hidden_state], dim=1)
+            logits = head(hidden)
+        return token_logprobs(logits, self._t(tokens), self.temperature)
 
     @torch.no_grad()
     def _score(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
@@ -135,14 +161,22 @@ class TorchBackend:
         return self._score(batch, micro)
 
     def ref_logprobs(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
-        """Reference logprobs [B, T]: the same forward with every adapter bypassed.
+        """Reference logprobs [B, T] with every adapter bypassed, group by group with the prompt run once.
+
+        The KL term needs no bitwise agreement with the update's forward, so the reference uses the
+        shared-prefix forward (about 1e-6 from the full one in float32).
 
         Args:
             batch: the step's batch.
-            micro: row indices per micro-batch.
+            micro: row indices per micro-batch (unused: the reference goes group by group).
         """
+        del micro
+        self.model.eval()
+        out = np.zeros(batch.mask.shape, dtype=np.float32)
         with self.adapters_disabled():
-            return self._score(batch, micro)
+            for idx, prompt, tokens in group_rows(batch):
+                out[idx] = self._group_logp(prompt, tokens).float().cpu().numpy() * batch.mask[idx]
+        return out
 
     def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
         """Forward/backward each micro-batch under the whole-batch normaliser; gradients add up.

@@ -111,13 +111,13 @@ def test_old_logprobs_give_ratio_one_and_disabled_adapters_are_the_base(backend,
     batch = sample_batch(b, algo)
     micro = micro_batches(len(batch), 3)
     base = b.logprobs(batch, micro)
-    np.testing.assert_array_equal(b.ref_logprobs(batch, micro), base)  # fresh adapters: lora_b = 0
+    np.testing.assert_allclose(b.ref_logprobs(batch, micro), base, atol=2e-5)  # fresh adapters: lora_b = 0
     batch.old_logp = base
     batch.ref_logp = base
     m = b.step(batch, micro, algo)
     assert m["ratio_mean"] == 1.0 and m["ratio_max"] == 1.0  # old logprobs: the same full forward
-    assert not np.array_equal(b.logprobs(batch, micro), base)
-    np.testing.assert_array_equal(b.ref_logprobs(batch, micro), base)  # adapters off: the frozen base again
+    assert np.abs(b.logprobs(batch, micro) - base).max() > 1e-3
+    np.testing.assert_allclose(b.ref_logprobs(batch, micro), base, atol=2e-5)  # adapters off: the base again
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -141,3 +141,19 @@ def test_reused_old_logprobs_are_the_separate_forwards(backend, make_cfg, tiny_d
     for k, g in b.grad_arrays().items():
         np.testing.assert_array_equal(g, g_forward[k], err_msg=k)
     assert m_reuse == m_forward
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_checkpointing_changes_memory_not_gradients(backend, make_cfg, tiny_dir):
+    _skip_without(backend)
+    plain = make_backend(make_cfg(backend=backend, kl_beta=0.0), tiny_dir)
+    ckpt = make_backend(make_cfg(backend=backend, kl_beta=0.0, gradient_checkpointing=True), tiny_dir)
+    algo = get_algorithm(make_cfg(kl_beta=0.0).algo_config(), plain.name)
+    batch = sample_batch(plain, algo)
+    micro = micro_batches(len(batch), 0)
+    batch.old_logp = plain.logprobs(batch, micro)
+    for b in (plain, ckpt):
+        b.accumulate(batch, micro, algo)
+    g_ckpt = ckpt.grad_arrays()
+    for k, g in plain.grad_arrays().items():
+        np.testing.assert_allclose(g_ckpt[k], g, rtol=1e-5, atol=1e-8, err_msg=k)
