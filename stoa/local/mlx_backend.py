@@ -30,7 +30,11 @@ _SPLIT_HEAD_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.mod
 
 
 def tree_flatten(tree: Any) -> list[tuple[str, Any]]:
-    """``mlx.utils.tree_flatten`` with array-typed leaves (for the type checker)."""
+    """``mlx.utils.tree_flatten`` as a list of (name, leaf) pairs (typed for the checker).
+
+    Args:
+        tree: a parameter, gradient or optimizer-state tree.
+    """
     flat: Any = _tree_flatten(tree)
     return list(flat)
 

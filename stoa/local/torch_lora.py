@@ -130,6 +130,11 @@ class QuantLinear(nn.Module):
         return dequantize_affine(codes, self.scales, self.biases)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T (+ bias) with the quantized weight.
+
+        Args:
+            x: [..., in] activations.
+        """
         if self.packed:
             return _PackedLinearFn.apply(x, self)  # type: ignore[return-value]
         return nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -164,6 +169,11 @@ class LoRALinear(nn.Module):
         self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The base output plus the scaled low-rank update (the base alone while disabled).
+
+        Args:
+            x: [..., in] activations.
+        """
         y = self.linear(x)
         if not self.enabled:
             return y
