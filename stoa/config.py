@@ -23,6 +23,7 @@ ENV_VARS = {"run": "DRL_RUN", "n_samples": "DRL_N_SAMPLES", "plane": "DRL_PULSE_
 
 PLANES = ("bf16", "int8g64")
 ENGINES = ("auto", "torch", "mlx")
+WORKER_DTYPES = ("auto", "float32", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -156,6 +157,8 @@ class WorkerConfig:
     wait_seconds: float = _f(600.0, "Give up if the run contract or weights do not appear within this long.")
     device: str = _f("auto", "Torch device for the torch engine: auto, cpu, cuda, cuda:N.")
     threads: int = _f(0, "Torch CPU threads (0 = library default).")
+    dtype: str = _f("auto", "Compute dtype: auto (torch: bf16 on CUDA and on CPUs with native bf16 when the "
+                            "plane is bf16, else fp32; mlx: bf16 on Metal, else fp32), float32, bfloat16.")
     seed: int = _f(-1, "Sampling seed (-1 = random per process).")
     log_dir: str = _f("", "Directory for worker metrics JSONL (default: inside a local bucket, else ./stoa-logs).")
 
@@ -180,6 +183,8 @@ class WorkerConfig:
             raise ConfigError("threads", "must be >= 0")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("device", f"{self.device!r}: use auto, cpu, cuda or cuda:N")
+        if self.dtype not in WORKER_DTYPES:
+            raise ConfigError("dtype", f"{self.dtype!r} is not one of {WORKER_DTYPES}")
         return self
 
 

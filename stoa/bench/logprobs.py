@@ -1,4 +1,4 @@
-"""`python -m stoa.bench.logprobs`: how far an MLX worker's recorded logprobs are from the trainer's torch recompute."""
+"""`python -m stoa.bench.logprobs`: how far a worker's recorded logprobs (MLX or torch engine) are from the trainer's fp32 recompute."""
 
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ def run_logprob_report(
     *,
     temperature: float = 1.0,
     seed: int = 0,
+    engine: str = "mlx",
     out: str | Path | None = None,
     echo: Callable[[str], Any] = print,
 ) -> dict[str, Any]:
-    """Sample with the MLX engine as a worker would, recompute every token's logprob with torch fp32, compare.
+    """Sample with a worker engine as a worker would, recompute every token's logprob with torch fp32, compare.
 
-    The MLX engine gets the model's float32 weights through the weight plane (``state_from_f32`` then
+    The engine (MLX, or the torch engine in ``dtype``) gets the model's float32 weights through the weight plane (``state_from_f32`` then
     ``load_state``), exactly what a worker pulls from the bucket, and samples arithmetic prompts. Two torch
     float32 references recompute the same tokens with one full forward over prompt + completion:
     ``master`` (the trainer's float32 master weights) and ``plane`` (the plane's weights widened to fp32,
@@ -35,13 +36,14 @@ def run_logprob_report(
 
     Args:
         model: model name or directory (``resolve_model``).
-        dtype: MLX compute dtype (``bfloat16`` as on Metal, or ``float32``).
+        dtype: the engine's compute dtype (``bfloat16`` as on Metal and bf16-capable CPUs, or ``float32``).
         plane: weight plane (``bf16`` or ``int8g64``).
         groups: prompts.
         samples: completions per prompt.
         tokens: max new tokens.
         temperature: sampling temperature (top-p 1).
         seed: prompt and sampling seed.
+        engine: ``mlx`` or ``torch``.
         out: JSONL file to append the figures to (None: do not write).
         echo: where the report goes.
 
@@ -57,8 +59,6 @@ def run_logprob_report(
     from stoa.tasks import get_task
     from stoa.tokenize import TextCodec
     from stoa.weights.planes import state_from_f32, state_to_f32
-    from stoa.worker.engine_mlx import MLXEngine
-
     model_dir = Path(resolve_model(model))
     master: dict[str, np.ndarray] = {}
     for f in sorted(model_dir.glob("model*.safetensors")):
@@ -66,19 +66,33 @@ def run_logprob_report(
     if not master:
         raise FileNotFoundError(f"{model_dir} has no safetensors weights to compare")
     state = state_from_f32(master, plane)
-    engine = MLXEngine(model_dir, dtype=dtype)
-    engine.load_state(state, plane)
+    eng: Any
+    if engine == "mlx":
+        from stoa.worker.engine_mlx import MLXEngine
+
+        eng = MLXEngine(model_dir, dtype=dtype)
+        eng.load_state(state, plane)
+        generator: Any = seed
+    elif engine == "torch":
+        from stoa.worker.engine_torch import TorchEngine
+
+        eng = TorchEngine(model_dir, device="cpu", dtype=dtype)
+        params = {name for name, _ in eng.model.named_parameters()}
+        eng.load_weights({k: v for k, v in state_to_f32(state, plane).items() if k in params})
+        generator = torch.Generator().manual_seed(seed)
+    else:
+        raise ValueError(f"engine {engine!r}: use mlx or torch")
     codec = TextCodec(model_dir)
     task = get_task("arithmetic")
     rng = np.random.default_rng(seed)
     prompts = [codec.encode_prompt(task.sample_train(rng).messages) for _ in range(groups)]
     t0 = time.perf_counter()
-    comps, stats = engine.generate(prompts, samples, max_new_tokens=tokens, temperature=temperature,
-                                   eos_ids=codec.eos_ids, generator=seed)
+    comps, stats = eng.generate(prompts, samples, max_new_tokens=tokens, temperature=temperature,
+                                eos_ids=codec.eos_ids, generator=generator)
     gen_s = time.perf_counter() - t0
 
     references = {"master": master, "plane": state_to_f32(state, plane)}
-    report: dict[str, Any] = {"model": str(model_dir), "dtype": dtype, "plane": plane, "groups": groups,
+    report: dict[str, Any] = {"model": str(model_dir), "engine": engine, "dtype": dtype, "plane": plane, "groups": groups,
                               "samples": samples, "max_new_tokens": tokens, "temperature": temperature,
                               "tokens": stats.new_tokens, "generate_s": gen_s}
     for ref_name, weights in references.items():
@@ -96,7 +110,7 @@ def run_logprob_report(
         d = np.concatenate(diffs)
         report[ref_name] = {"mean_abs": float(np.abs(d).mean()), "max_abs": float(np.abs(d).max()),
                             "mean_diff": float(d.mean()), "mean_ratio": float(np.exp(d).mean())}
-    echo(f"MLX {dtype} ({plane} plane) vs torch fp32 recompute, {model_dir.name}: {report['tokens']} tokens "
+    echo(f"{engine} engine {dtype} ({plane} plane) vs torch fp32 recompute, {model_dir.name}: {report['tokens']} tokens "
          f"({groups} prompts x {samples}, T={temperature})")
     echo(f"{'reference':<10} {'mean |d|':>10} {'max |d|':>10} {'mean d':>10} {'mean exp(d)':>12}")
     for ref_name in references:
@@ -117,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     p = argparse.ArgumentParser(prog="python -m stoa.bench.logprobs", description=__doc__)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--engine", default="mlx", choices=("mlx", "torch"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument("--plane", default="bf16", choices=("bf16", "int8g64"))
     p.add_argument("--groups", type=int, default=4)
@@ -127,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     run_logprob_report(a.model, a.dtype, a.plane, a.groups, a.samples, a.tokens, temperature=a.temperature,
-                       seed=a.seed, out=a.out)
+                       seed=a.seed, engine=a.engine, out=a.out)
     return 0
 
 

@@ -16,8 +16,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("mlx", "mlx-lm", "torch", "hf")
-"""``mlx``/``torch``: stoa's engines; ``mlx-lm``: ``mlx_lm.batch_generate``; ``hf``: transformers ``generate``."""
+ENGINES = ("mlx", "mlx-lm", "torch", "torch-fp32", "hf", "hf-bf16")
+"""``mlx``/``torch``: stoa's engines at the worker's default dtype (``dtype=auto``); ``torch-fp32``: the torch
+engine forced to float32; ``mlx-lm``: ``mlx_lm.batch_generate``; ``hf``: transformers ``generate`` in float32
+(bf16 on CUDA); ``hf-bf16``: ``generate`` with bf16 weights (its default attention)."""
+
+
+RATIOS = (("torch", "hf"), ("torch", "hf-bf16"), ("torch-fp32", "hf"), ("mlx", "mlx-lm"))
+"""(ours, baseline) pairs whose tokens/s ratio the table prints when both ran."""
 
 
 class PeakRSS:
@@ -84,7 +90,7 @@ class _NoEOS:
 def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, tokens: int,
             threads: int = 0) -> Callable[..., dict]:
     """Build the engine and return ``run(share=True) -> {"new_tokens", "prefill_s"?, ...}``."""
-    if threads and engine in ("torch", "hf"):
+    if threads and engine.startswith(("torch", "hf")):
         import torch
 
         torch.set_num_threads(threads)
@@ -97,15 +103,15 @@ def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, toke
         def run_mlx(share: bool = True, max_new: int = tokens) -> dict:
             _, st = eng.generate(prompts, n, max_new_tokens=max_new, generator=0, share_prefix=share)
             return {"new_tokens": st.new_tokens, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
-                    "mlx_peak_mb": st.extra["peak_memory_mb"]}
+                    "mlx_peak_mb": st.extra["peak_memory_mb"], "dtype": eng.dtype_name}
 
         return run_mlx
-    if engine == "torch":
+    if engine in ("torch", "torch-fp32"):
         import torch
 
         from stoa.worker.engine_torch import TorchEngine
 
-        teng = TorchEngine(model_dir, device="auto")
+        teng = TorchEngine(model_dir, device="auto", dtype="float32" if engine == "torch-fp32" else "auto")
         gen = torch.Generator(device=teng.device).manual_seed(0)
 
         def run_torch(share: bool = True, max_new: int = tokens) -> dict:
@@ -113,7 +119,8 @@ def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, toke
                 _, st = teng.generate(prompts, n, max_new_tokens=max_new, generator=gen)
             else:  # every row its own prompt: the same batched prefill, n times the rows
                 _, st = teng.generate(rows, 1, max_new_tokens=max_new, generator=gen)
-            return {"new_tokens": st.new_tokens, "prefill_s": st.prefill_s, "decode_s": st.decode_s}
+            return {"new_tokens": st.new_tokens, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
+                    "dtype": str(teng.dtype).removeprefix("torch.")}
 
         return run_torch
     if engine == "mlx-lm":
@@ -137,10 +144,10 @@ def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, toke
                                  completion_batch_size=len(rows), prefill_batch_size=len(rows))
             return {"new_tokens": sum(len(t) for t in out.token_ids or []),
                     "prefill_s": out.stats.prompt_time, "decode_s": out.stats.generation_time,
-                    "mlx_peak_mb": mx.get_peak_memory() / 1e6}
+                    "mlx_peak_mb": mx.get_peak_memory() / 1e6, "dtype": default_dtype()}
 
         return run_mlx_lm
-    if engine == "hf":
+    if engine in ("hf", "hf-bf16"):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -148,7 +155,8 @@ def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, toke
 
         dev = resolve_device("auto")
         hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        hf = hf.to(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
+        bf16 = dev.type == "cuda" or engine == "hf-bf16"
+        hf = hf.to(dev, torch.bfloat16 if bf16 else torch.float32).eval()
         ids = torch.tensor(rows, dtype=torch.long, device=dev)
         mask = torch.ones_like(ids)
         torch.manual_seed(0)
@@ -157,14 +165,15 @@ def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, toke
             with torch.inference_mode():
                 out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
                                   top_k=0, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
-            return {"new_tokens": int((out.shape[1] - ids.shape[1]) * out.shape[0])}
+            return {"new_tokens": int((out.shape[1] - ids.shape[1]) * out.shape[0]),
+                    "dtype": str(hf.dtype).removeprefix("torch.")}
 
         return run_hf
     raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
 
 
 def _sync_device(engine: str) -> None:
-    if engine in ("torch", "hf"):
+    if engine.startswith(("torch", "hf")):
         import torch
 
         if torch.cuda.is_available():
@@ -279,7 +288,7 @@ def _summarise(info: dict[str, Any], runs: list[dict[str, Any]], prefill: dict[b
         "tokens_per_s": statistics.median(tps), "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
         "wall_s": statistics.median(r["wall_s"] for r in runs), "new_tokens": runs[0]["new_tokens"],
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
-        "load_avg": statistics.median(r["load_avg"] for r in runs),
+        "load_avg": statistics.median(r["load_avg"] for r in runs), "dtype": runs[0].get("dtype", "?"),
     }
     if "prefill_s" in runs[0]:
         row["prefill_s"] = statistics.median(r["prefill_s"] for r in runs)
@@ -305,7 +314,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     Args:
         rows: one summary per engine, as :func:`run_rollout_bench` returns them.
     """
-    head = (f"{'engine':<8} {'G':>4} {'tok/s median (min-max)':>26} {'decode tok/s':>13} {'prefill s':>10} "
+    head = (f"{'engine':<10} {'dtype':<8} {'G':>4} {'tok/s median (min-max)':>26} {'decode tok/s':>13} {'prefill s':>10} "
             f"{'shared/unshared prefill s':>26} {'peak RSS MB':>12} {'MLX peak MB':>12} {'load':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -314,8 +323,13 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         pre = f"{r['prefill_s']:.3f}" if "prefill_s" in r else "-"
         share = (f"{r['prefill_shared_s']:.3f} / {r['prefill_unshared_s']:.3f}" if "prefill_shared_s" in r else "-")
         mlx_peak = f"{r['mlx_peak_mb']:.0f}" if "mlx_peak_mb" in r else "-"
-        lines.append(f"{r['engine']:<8} {r['batch']:>4} {rng:>26} {dec:>13} {pre:>10} {share:>26} "
+        lines.append(f"{r['engine']:<10} {r.get('dtype', '?'):<8} {r['batch']:>4} {rng:>26} {dec:>13} {pre:>10} {share:>26} "
                      f"{r['peak_rss_mb']:>12.0f} {mlx_peak:>12} {r['load_avg']:>5.1f}")
+    by_name = {r["engine"]: r for r in rows}
+    for ours, theirs in RATIOS:
+        if ours in by_name and theirs in by_name:
+            lines.append(f"{ours} / {theirs}: {by_name[ours]['tokens_per_s'] / by_name[theirs]['tokens_per_s']:.2f}x "
+                         "(medians)")
     return "\n".join(lines)
 
 
@@ -382,7 +396,7 @@ def run_rollout_bench(
                 echo(f"[bench] run {rep + 1}/{repeats} {engines[i]}: "
                      f"{runs[i][-1]['new_tokens'] / runs[i][-1]['wall_s']:.1f} tok/s")
             for i, s in enumerate(sessions):  # prefill only (one new token), with and without sharing
-                if engines[i] in ("mlx", "torch") and infos[i]["samples"] > 1:
+                if engines[i] in ("mlx", "torch", "torch-fp32") and infos[i]["samples"] > 1:
                     for share in (True, False):
                         prefill[i][share].append(s.call(share=share, max_new=1)["prefill_s"])
     finally:

@@ -16,8 +16,11 @@ from typing import Any
 
 MLXRL_DRIVER = r'''
 """Times mlxrl's own GRPO step (rollout, old/ref logprobs, optimizer step) on a shape given as JSON."""
-import json, sys, time
+import ctypes, json, os, sys, time
 spec = json.loads(sys.argv[1])
+if spec.get("mkl_rt"):  # the same BLAS as the stoa MLX target (loaded before mlx, as stoa does)
+    os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
+    ctypes.CDLL(spec["mkl_rt"], mode=os.RTLD_GLOBAL | os.RTLD_NOW)
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -72,8 +75,22 @@ for step, (prompt, answer) in enumerate(spec["prompts"]):
     rows.append({"rollout_s": t1 - t0, "tokens": new, "tokens_per_s": new / (t1 - t0), "step_s": t2 - t0,
                  "prompt_len": len(comps[0].prompt_tokens)})
 import resource
-print("RESULT " + json.dumps({"rows": rows, "allocator_peak_mb": mx.get_peak_memory() / 1e6,
-                             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+maps = open("/proc/self/maps").read() if sys.platform == "linux" else ""
+blas = "mkl" if "libmkl_rt" in maps else ("reference" if sys.platform == "linux" else "platform")
+print("RESULT " + json.dumps({"rows": rows, "allocator_peak_mb": mx.get_peak_memory() / 1e6, "blas": blas,
+                             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "blas": _child_blas(spec["config"]["backend"])}
+
+
+def _child_blas(backend: str) -> str:
+    """The BLAS this child's matmuls used: MLX's (mkl/reference on Linux) or torch's."""
+    if backend == "mlx":
+        from stoa.worker.tiers import blas_status
+
+        return blas_status().split(" (")[0]
+    import torch
+
+    return "torch mkldnn" if torch.backends.mkldnn.is_available() else "torch"))
 '''
 
 
@@ -106,6 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="python of a SEPARATE venv with inductive-mlxrl installed [default: /tmp/mlxrl-venv/bin/python]")
     parser.add_argument("--mlxrl-rollout", default="naive", choices=("naive", "optimized"),
                         help="mlxrl rollout: naive (what its train command runs) or optimized (prefix-cached)")
+    parser.add_argument("--mlxrl-blas", default="same", choices=("same", "reference"),
+                        help="BLAS for mlxrl on Linux: same (the MKL stoa's MLX target loads, when found) or "
+                             "reference (the wheel's own) [default: same]")
     parser.add_argument("--json", default="", help="also write the results here")
 
 
@@ -138,7 +158,19 @@ def _child_local(spec: dict[str, Any]) -> dict[str, Any]:
             # torch on CPU keeps no allocator statistics (its train/peak_memory_mb is the RSS high-water mark)
             "allocator_peak_mb": max((r.get("train/peak_memory_mb", 0.0) for r in rows), default=0.0)
             if spec["config"]["backend"] == "mlx" else float("nan"),
-            "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+            "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "blas": _child_blas(spec["config"]["backend"])}
+
+
+def _child_blas(backend: str) -> str:
+    """The BLAS this child's matmuls used: MLX's (mkl/reference on Linux) or torch's."""
+    if backend == "mlx":
+        from stoa.worker.tiers import blas_status
+
+        return blas_status().split(" (")[0]
+    import torch
+
+    return "torch mkldnn" if torch.backends.mkldnn.is_available() else "torch"
 
 
 def _run_child(cmd: list[str], env: dict[str, str]) -> tuple[dict[str, Any], float, float]:
@@ -179,7 +211,7 @@ def main(args: argparse.Namespace) -> int:
         args: parsed ``add_arguments`` flags.
     """
     from stoa.models import resolve_model
-    from stoa.worker.tiers import blas_status
+    from stoa.worker.tiers import blas_status, find_mkl_rt
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     model_dir = resolve_model(args.model)
@@ -206,7 +238,8 @@ def main(args: argparse.Namespace) -> int:
                     "max_tokens": args.max_tokens, "beta": args.beta, "bits": args.quant_bits, "group_size_q": 64,
                     "rank": args.lora_rank, "scale": args.lora_alpha / args.lora_rank, "lr": 1e-4,
                     "checkpointing": args.gradient_checkpointing, "ignore_eos": not args.stop_at_eos,
-                    "rollout": args.mlxrl_rollout}
+                    "rollout": args.mlxrl_rollout,
+                    "mkl_rt": find_mkl_rt() if args.mlxrl_blas == "same" else None}
             cmd = [args.mlxrl_python, "-c", MLXRL_DRIVER, json.dumps(spec)]
         else:
             raise ValueError(f"--targets: unknown target {target!r} (torch, mlx, mlxrl)")
@@ -217,7 +250,7 @@ def main(args: argparse.Namespace) -> int:
         results["targets"][name] = {
             "rollout_tok_s": statistics.median(r["tokens_per_s"] for r in rows), "s_per_step": step_s,
             "it_s": 1.0 / step_s, "peak_rss_gb": peak_gb, "allocator_peak_gb": res["allocator_peak_mb"] / 1e3,
-            "steps": len(rows), "wall_s": wall, "rows": res["rows"]}
+            "steps": len(rows), "wall_s": wall, "rows": res["rows"], "blas": res.get("blas", "")}
         print(f"[bench] {name}: done in {wall:.0f}s", flush=True)
     results["machine"]["load_after"] = os.getloadavg()
     results["machine"]["mlx_blas_linux"] = blas_status()
@@ -233,11 +266,18 @@ def _table(results: dict[str, Any], args: argparse.Namespace) -> str:
              f"{args.quant_bits}-bit base, LoRA r={args.lora_rank}; medians of {args.steps} steps after "
              f"{args.warmup} warm-up; {m['cpus']} CPUs, load {m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}; "
              f"MLX BLAS: {m['mlx_blas_linux']}",
-             "| target | rollout tok/s | s/step | it/s | peak RSS GB | allocator peak GB |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| target | BLAS | rollout tok/s | s/step | it/s | peak RSS GB | allocator peak GB |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in results["targets"].items():
-        lines.append(f"| {name} | {r['rollout_tok_s']:.1f} | {r['s_per_step']:.2f} | {r['it_s']:.3f} | "
+        lines.append(f"| {name} | {r.get('blas') or '-'} | {r['rollout_tok_s']:.1f} | {r['s_per_step']:.2f} | {r['it_s']:.3f} | "
                      f"{r['peak_rss_gb']:.2f} | {r['allocator_peak_gb']:.2f} |")
+    targets = results["targets"]
+    base = next((n for n in targets if n.startswith("mlxrl")), None)
+    for name in targets:
+        if base and name != base:
+            ours, theirs = targets[name], targets[base]
+            lines.append(f"{name} / {base}: it/s {ours['it_s'] / theirs['it_s']:.2f}x, "
+                         f"rollout tok/s {ours['rollout_tok_s'] / theirs['rollout_tok_s']:.2f}x")
     return "\n".join(lines)
 
 

@@ -68,21 +68,22 @@ def check_expectations(cfg: WorkerConfig, contract: RunContract) -> None:
         raise ContractMismatch(bad, detail)
 
 
-def make_engine(name: str, model_dir: Path, cfg: WorkerConfig):
+def make_engine(name: str, model_dir: Path, cfg: WorkerConfig, plane: str = "bf16"):
     """Build the generation engine.
 
     Args:
         name: ``torch`` or ``mlx``.
         model_dir: model directory (config + tokenizer; weights come from the bucket).
-        cfg: worker config (device, threads).
+        cfg: worker config (device, threads, dtype).
+        plane: the run's weight plane (``dtype="auto"`` uses it on the torch engine).
     """
     if name == "mlx":
         from stoa.worker.engine_mlx import MLXEngine
 
-        return MLXEngine(model_dir)
+        return MLXEngine(model_dir, dtype=cfg.dtype)
     from stoa.worker.engine_torch import TorchEngine
 
-    return TorchEngine(model_dir, device=cfg.device, threads=cfg.threads)
+    return TorchEngine(model_dir, device=cfg.device, threads=cfg.threads, dtype=cfg.dtype, plane=plane)
 
 
 def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
@@ -107,7 +108,7 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     model_dir = Path(cfg.model) if cfg.model else download_model_files(bucket, cfg.run, cache)
     check_model(model_dir, contract)
     engine_name = default_engine() if cfg.engine == "auto" else cfg.engine
-    engine = make_engine(engine_name, model_dir, cfg)
+    engine = make_engine(engine_name, model_dir, cfg, contract.plane)
     codec = TextCodec(model_dir)
     task = get_task(contract.task_id, **dict(contract.task_spec))
     sync = WeightSync(bucket, cfg.run, contract.plane)
@@ -119,7 +120,7 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     sp = contract.sampling
     fingerprint = contract.fingerprint()
     in_flight = cfg.groups_in_flight or _tier_groups(contract.n_samples)
-    echo(f"[worker {wid}] engine {engine_name}, run {cfg.run}, v{version}, n={contract.n_samples}, "
+    echo(f"[worker {wid}] engine {engine_name} ({_dtype_name(engine)}), run {cfg.run}, v{version}, n={contract.n_samples}, "
          f"{in_flight} groups in flight")
     seq, total_tokens, t_start = 0, 0, time.perf_counter()
     versions_seen = {version}
@@ -157,6 +158,11 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     dt = time.perf_counter() - t_start
     return {"worker_id": wid, "groups": seq, "tokens": total_tokens, "tokens_per_s": total_tokens / dt if dt else 0.0,
             "versions": sorted(versions_seen)}
+
+
+def _dtype_name(engine: Any) -> str:
+    """The engine's compute dtype as a short name (``float32``, ``bfloat16``)."""
+    return str(getattr(engine, "dtype_name", None) or engine.dtype).removeprefix("torch.")
 
 
 def _tier_groups(n_samples: int) -> int:

@@ -226,7 +226,8 @@ def describe_tier(n_samples: int = 8, choice: TierChoice | None = None) -> str:
     return "\n".join(lines)
 
 
-def _find_mkl_rt() -> str | None:
+def find_mkl_rt() -> str | None:
+    """Path of Intel MKL's ``libmkl_rt`` (``STOA_MKL_RT``, the environment's ``lib/``, the loader path), or None."""
     explicit = os.environ.get(ENV_MKL_RT, "").strip()
     if explicit:
         return explicit
@@ -268,7 +269,7 @@ def prepare_mlx_blas() -> str:
     if "mlx.core" in sys.modules or os.environ.get(ENV_MLX_BLAS, "").strip().lower() == "reference":
         _BLAS_STATUS = _status_from_maps()
         return _BLAS_STATUS
-    path = _find_mkl_rt()
+    path = find_mkl_rt()
     if path:
         os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
         try:
@@ -302,7 +303,7 @@ def blas_status() -> str:
         return "platform (Metal/Accelerate)" if sys.platform == "darwin" else "platform"
     if "mlx.core" in sys.modules:
         return _status_from_maps()
-    path = _find_mkl_rt()
+    path = find_mkl_rt()
     return f"mkl available at {path} (loaded when the MLX engine starts)" if path else "reference"
 
 

@@ -1,0 +1,19 @@
+"""The logprob-agreement report for the torch engine: fp32 agrees with the recompute, bf16 shows its gap."""
+
+from __future__ import annotations
+
+import json
+
+from stoa.bench.logprobs import run_logprob_report
+
+
+def test_torch_engine_report_fp32_agrees_and_bf16_is_measured(tiny_dir, tmp_path):
+    out = tmp_path / "lp.jsonl"
+    kw = dict(groups=2, samples=2, tokens=6, engine="torch", out=out, echo=lambda _s: None)
+    fp32 = run_logprob_report(str(tiny_dir), "float32", "bf16", **kw)
+    bf16 = run_logprob_report(str(tiny_dir), "bfloat16", "bf16", **kw)
+    assert fp32["tokens"] > 0 and fp32["plane"]["max_abs"] < 1e-4  # same weights, same dtype: same numbers
+    assert 0 < bf16["plane"]["mean_abs"] < 0.05
+    assert abs(bf16["plane"]["mean_ratio"] - 1.0) < 0.05
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["engine"], r["dtype"]) for r in rows] == [("torch", "float32"), ("torch", "bfloat16")]
