@@ -222,6 +222,34 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
         raise ConfigError(name, f"expected {t.__name__}, got {value!r}") from None
 
 
+def read_toml_settings(toml_path: str | Path | None, names: set[str]) -> dict[str, Any]:
+    """The top-level settings of a TOML file, keys with ``-`` read as ``_``; unknown keys are refused.
+
+    Args:
+        toml_path: the file (None or empty: no settings).
+        names: the settings the config class has.
+
+    Raises:
+        ConfigError: the file is missing, not TOML, or holds a key not in ``names`` (naming it).
+    """
+    if not toml_path:
+        return {}
+    p = Path(toml_path)
+    if not p.is_file():
+        raise ConfigError("config", f"file not found: {toml_path}")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("config", f"{toml_path} is not valid TOML: {e}") from None
+    values: dict[str, Any] = {}
+    for k, v in data.items():
+        key = k.replace("-", "_")
+        if key not in names:
+            raise ConfigError(k, f"unknown setting in {toml_path}")
+        values[key] = v
+    return values
+
+
 def load_config(
     cls: type[C],
     *,
@@ -239,20 +267,7 @@ def load_config(
     """
     env = os.environ if env is None else env
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    values: dict[str, Any] = {}
-    if toml_path:
-        p = Path(toml_path)
-        if not p.is_file():
-            raise ConfigError("config", f"file not found: {toml_path}")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError("config", f"{toml_path} is not valid TOML: {e}") from e
-        for k, v in data.items():
-            key = k.replace("-", "_")
-            if key not in names:
-                raise ConfigError(k, f"unknown setting in {toml_path}")
-            values[key] = _coerce(cls, key, v)
+    values: dict[str, Any] = {k: _coerce(cls, k, v) for k, v in read_toml_settings(toml_path, names).items()}
     for key, var in ENV_VARS.items():
         if key in names and env.get(var):
             values[key] = _coerce(cls, key, env[var])

@@ -6,13 +6,11 @@ import dataclasses
 import platform
 import re
 import sys
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from stoa.config import ConfigError, load_config
+from stoa.config import ConfigError, load_config, read_toml_settings
 
 BACKENDS = ("auto", "mlx", "torch")
 QUANT_BITS = (4, 8, 16)
@@ -220,22 +218,9 @@ def load_local_config(toml_path: str | None = None, overrides: Mapping[str, Any]
         overrides: field -> value (``None`` values are ignored).
     """
     names = {f.name for f in dataclasses.fields(LocalConfig)}
-    values: dict[str, Any] = {}
-    if toml_path:
-        p = Path(toml_path)
-        if not p.is_file():
-            raise ConfigError("config", f"file not found: {toml_path}")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError("config", f"{toml_path} is not valid TOML: {e}") from None
-        for k, v in data.items():
-            key = k.replace("-", "_")
-            if key not in names:
-                raise ConfigError(k, f"unknown setting in {toml_path}")
-            if key == "lora_targets" and isinstance(v, list):
-                v = ",".join(str(x) for x in v)
-            values[key] = v
+    values = read_toml_settings(toml_path, names)
+    if isinstance(values.get("lora_targets"), list):
+        values["lora_targets"] = ",".join(str(x) for x in values["lora_targets"])
     for k, v in (overrides or {}).items():
         if v is not None:
             values[k] = v
