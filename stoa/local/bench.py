@@ -78,19 +78,7 @@ import resource
 maps = open("/proc/self/maps").read() if sys.platform == "linux" else ""
 blas = "mkl" if "libmkl_rt" in maps else ("reference" if sys.platform == "linux" else "platform")
 print("RESULT " + json.dumps({"rows": rows, "allocator_peak_mb": mx.get_peak_memory() / 1e6, "blas": blas,
-                             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-            "blas": _child_blas(spec["config"]["backend"])}
-
-
-def _child_blas(backend: str) -> str:
-    """The BLAS this child's matmuls used: MLX's (mkl/reference on Linux) or torch's."""
-    if backend == "mlx":
-        from stoa.worker.tiers import blas_status
-
-        return blas_status().split(" (")[0]
-    import torch
-
-    return "torch mkldnn" if torch.backends.mkldnn.is_available() else "torch"))
+                             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 '''
 
 
@@ -218,7 +206,7 @@ def main(args: argparse.Namespace) -> int:
     total = args.warmup + args.steps
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
     results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                           "load_before": os.getloadavg()}, "targets": {}}
+                                           "load_before": os.getloadavg()}, "targets": {}, "failed": {}}
     for target in targets:
         if target in ("torch", "mlx"):
             config = {"backend": target, "model": args.model, "task": "arithmetic", "group_size": args.group_size,
@@ -243,21 +231,28 @@ def main(args: argparse.Namespace) -> int:
             cmd = [args.mlxrl_python, "-c", MLXRL_DRIVER, json.dumps(spec)]
         else:
             raise ValueError(f"--targets: unknown target {target!r} (torch, mlx, mlxrl)")
-        res, peak_gb, wall = _run_child(cmd, env)
+        name = f"{target}{args.label}" if target in ("torch", "mlx") else f"mlxrl ({args.mlxrl_rollout} rollout)"
+        try:
+            res, peak_gb, wall = _run_child(cmd, env)
+        except RuntimeError as e:  # one broken target must not lose the others' figures
+            print(f"[bench] {name}: FAILED: {e}", file=sys.stderr, flush=True)
+            results["failed"][name] = str(e)[-2000:]
+            continue
         rows = res["rows"][args.warmup:]
         step_s = statistics.median(r["step_s"] for r in rows)
-        name = f"{target}{args.label}" if target in ("torch", "mlx") else f"mlxrl ({args.mlxrl_rollout} rollout)"
         results["targets"][name] = {
             "rollout_tok_s": statistics.median(r["tokens_per_s"] for r in rows), "s_per_step": step_s,
             "it_s": 1.0 / step_s, "peak_rss_gb": peak_gb, "allocator_peak_gb": res["allocator_peak_mb"] / 1e3,
             "steps": len(rows), "wall_s": wall, "rows": res["rows"], "blas": res.get("blas", "")}
         print(f"[bench] {name}: done in {wall:.0f}s", flush=True)
+        if args.json:  # after every target, so an interrupted run keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=1))
     results["machine"]["load_after"] = os.getloadavg()
     results["machine"]["mlx_blas_linux"] = blas_status()
     print(_table(results, args))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0
+    return 1 if results["failed"] else 0
 
 
 def _table(results: dict[str, Any], args: argparse.Namespace) -> str:
@@ -271,6 +266,7 @@ def _table(results: dict[str, Any], args: argparse.Namespace) -> str:
     for name, r in results["targets"].items():
         lines.append(f"| {name} | {r.get('blas') or '-'} | {r['rollout_tok_s']:.1f} | {r['s_per_step']:.2f} | {r['it_s']:.3f} | "
                      f"{r['peak_rss_gb']:.2f} | {r['allocator_peak_gb']:.2f} |")
+    lines += [f"| {name} | FAILED (see stderr) | | | | | |" for name in results.get("failed", {})]
     targets = results["targets"]
     base = next((n for n in targets if n.startswith("mlxrl")), None)
     for name in targets:
