@@ -23,6 +23,7 @@ from stoa.algorithms.mlx_loss import MlxOps, token_logprobs  # noqa: E402
 from stoa.local.backend import ADAPTER_LEAVES, ModelSummary, check_same_arrays, choose_targets  # noqa: E402
 from stoa.local.batch import Batch, Packed, group_rows, pack  # noqa: E402
 from stoa.local.config import LocalConfig  # noqa: E402
+from stoa.worker.mlx_cpu import use_blas_for_quantized  # noqa: E402
 from stoa.worker.types import Completion, GenStats  # noqa: E402
 
 _SPLIT_HEAD_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
@@ -123,6 +124,7 @@ class MLXBackend:
             nn.quantize(model, group_size=gs, bits=cfg.quant_bits,
                         class_predicate=lambda _p, m: id(m) in in_blocks and isinstance(m, nn.Linear)
                         and m.weight.shape[1] % gs == 0)
+            use_blas_for_quantized(model)  # CPU only: MLX's CPU quantized kernel is ~30x slower than BLAS
         linears = [[n for n, m in layer.named_modules() if isinstance(m, nn.Linear | nn.QuantizedLinear)]
                    for layer in layers]
         self.targets = choose_targets(linears, cfg.lora_targets)

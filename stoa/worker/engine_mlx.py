@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from stoa.weights.planes import BITS, GROUP_SIZE, check_plane  # noqa: E402
+from stoa.worker.mlx_cpu import use_blas_for_quantized  # noqa: E402
 from stoa.worker.types import Completion, GenStats  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -239,6 +240,7 @@ class MLXEngine:
                 raise ValueError(f"{name}: dtype {a.dtype} does not fit the model's layer ({kind})")
         if to_quantize:
             nn.quantize(self.model, group_size=GROUP_SIZE, bits=BITS, class_predicate=lambda p, m: p in to_quantize)
+            use_blas_for_quantized(self.model)
         self.model.load_weights(list(arrays.items()), strict=True)
         mx.eval(self.model.parameters())
 

@@ -1,0 +1,54 @@
+"""Quantized layers on the MLX CPU device run as dequantize + BLAS: same outputs and gradients as MLX's kernel."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from stoa.worker.mlx_cpu import BlasQuantizedEmbedding, BlasQuantizedLinear, use_blas_for_quantized
+
+
+def _kernel(x, layer):
+    return mx.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], transpose=True,
+                               group_size=layer.group_size, bits=layer.bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_linear_forward_and_input_gradient_match_the_kernel(bits):
+    mx.random.seed(0)
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 64, bias=True), group_size=64, bits=bits)
+    x = mx.random.normal((3, 5, 128))
+    want_y = layer(x)
+    want_g = mx.grad(lambda v: (layer(v) ** 2).sum())(x)
+    assert use_blas_for_quantized(nn.Sequential(layer)) == 1
+    assert type(layer) is BlasQuantizedLinear
+    np.testing.assert_allclose(np.array(layer(x)), np.array(want_y), atol=1e-5)
+    got_g = mx.grad(lambda v: (layer(v) ** 2).sum())(x)
+    np.testing.assert_allclose(np.array(got_g), np.array(want_g), atol=1e-4)
+
+
+def test_bf16_scales_are_widened_not_rounded_again():
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 32, bias=False), group_size=64, bits=8)
+    layer.set_dtype(mx.bfloat16)  # a bf16 plane's scales and biases
+    x = mx.random.normal((4, 128))
+    want = _kernel(x, layer)
+    use_blas_for_quantized(nn.Sequential(layer))
+    np.testing.assert_allclose(np.array(layer(x)), np.array(want), atol=1e-5)
+
+
+def test_tied_embedding_head_matches_the_kernel():
+    emb = nn.QuantizedEmbedding.from_embedding(nn.Embedding(96, 64), group_size=64, bits=8)
+    h = mx.random.normal((2, 64))
+    want = emb.as_linear(h)
+    use_blas_for_quantized(nn.Sequential(emb))
+    assert type(emb) is BlasQuantizedEmbedding
+    np.testing.assert_allclose(np.array(emb.as_linear(h)), np.array(want), atol=1e-5)
+
+
+def test_opt_out_keeps_the_kernel(monkeypatch):
+    monkeypatch.setenv("STOA_MLX_QMM", "kernel")
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(64, 64), group_size=64, bits=4)
+    assert use_blas_for_quantized(nn.Sequential(layer)) == 0
+    assert type(layer) is nn.QuantizedLinear
