@@ -25,7 +25,7 @@ class MetricsWriter:
         self._wandb = None
         if os.environ.get("WANDB_PROJECT"):
             try:
-                import wandb  # optional
+                import wandb  # pyright: ignore[reportMissingImports]  # optional, imported only if present
 
                 self._wandb = wandb.init(project=os.environ["WANDB_PROJECT"], name=run_name, resume="allow")
             except ImportError:

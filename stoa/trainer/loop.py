@@ -128,7 +128,7 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
         lags = np.array([version - 1 - e.record.policy_version for e in entries])
         ps = pool.drain_stats()
         since, last_step_at = time.monotonic() - last_step_at, time.monotonic()
-        row = {f"train/{k}": v for k, v in m.items()}
+        row: dict[str, Any] = {f"train/{k}": v for k, v in m.items()}
         row.update({f"rollout/{k}": v for k, v in reward_stats(rewards).items()})
         row.update({"version": version, "train/publish_s": time.perf_counter() - t_pub,
                     "train/patch_bytes": float(getattr(pub, "bytes_patch", 0)),

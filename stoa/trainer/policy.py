@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,7 +77,8 @@ class Policy:
 
         self.device = device
         self.temperature = temperature
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model: Any = model.to(device)
         self.model.config.use_cache = False
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:

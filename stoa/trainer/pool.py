@@ -118,7 +118,7 @@ class RecordPool:
             self.stats.rejected[reason] += 1
             log.warning("rejected %s: %s", key, e)
             return 0
-        rewards = np.array([self.task.reward(prompt, self.codec.decode(s.tokens)) for s in rec.samples],
+        rewards = np.array([self.task.reward(prompt, self.codec.decode(s.tokens.tolist())) for s in rec.samples],
                            dtype=np.float32)
         claimed = np.array([s.reward for s in rec.samples], dtype=np.float32)
         if not np.allclose(rewards, claimed, atol=1e-6):

@@ -6,6 +6,7 @@ import inspect
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -129,7 +130,7 @@ class TorchEngine:
         return self
 
     def _setup(self, model: torch.nn.Module) -> None:
-        self.model = model.to(self.device, self.dtype).eval()
+        self.model: Any = model.to(self.device, self.dtype).eval()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         params = inspect.signature(self.model.forward).parameters
         # transformers >= 5.x renamed past_key_values to cache.

@@ -68,7 +68,7 @@ def check_expectations(cfg: WorkerConfig, contract: RunContract) -> None:
         raise ContractMismatch(bad, detail)
 
 
-def make_engine(name: str, model_dir: Path, cfg: WorkerConfig, plane: str = "bf16"):
+def make_engine(name: str, model_dir: Path, cfg: WorkerConfig, plane: str = "bf16") -> Any:
     """Build the generation engine.
 
     Args:
