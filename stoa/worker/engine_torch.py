@@ -113,7 +113,10 @@ class TorchEngine:
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             # torch's CPU flash-attention kernel is ~5x slower in bf16 than in fp32 for one-token decode
             # steps; the eager path (bf16 matmuls, fp32 softmax) is faster than either.
-            model.set_attn_implementation("eager")
+            if hasattr(model, "set_attn_implementation"):
+                model.set_attn_implementation("eager")
+            else:  # transformers < 4.56 reads the choice from the config at every forward
+                model.config._attn_implementation = "eager"
         self._setup(model)
 
     @classmethod
