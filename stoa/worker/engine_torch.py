@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stoa.config import WORKER_DTYPES
 from stoa.worker.types import Completion, GenStats
 
 
@@ -46,7 +47,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = WORKER_DTYPES
 
 
 def cpu_has_native_bf16() -> bool:
@@ -67,7 +68,7 @@ def resolve_dtype(dtype: str, device: torch.device, plane: str = "bf16") -> torc
     """The engine's compute dtype.
 
     ``auto`` picks bf16 on CUDA, and on a CPU with native bf16 when the weight plane is bf16 (the plane's
-    values are then exact in bf16, and decoding reads half the bytes: 1.9x tokens/s on SmolLM2, see
+    values are then exact in bf16, and decoding reads half the bytes: 2x tokens/s on SmolLM2, see
     docs/mlx.md); float32 otherwise. bf16 activations move recorded logprobs away from the trainer's
     fp32 recompute (figures in docs/mlx.md); the trust-region gate bounds what that can do.
 
