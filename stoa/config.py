@@ -88,6 +88,13 @@ class TrainerConfig:
                                     "memory, but one group per micro-batch); off packs whole sequences.")
     poll_seconds: float = _f(0.5, "Sleep between bucket listings while waiting for records.")
     max_wait_seconds: float = _f(0.0, "Exit with an error if no usable record arrives for this long (0 = wait forever).")
+    quarantine: bool = _f(True, "Skip the records of a worker whose rejection rate or logprob disagreement "
+                                "(at lag 0) is over threshold; false turns quarantine off.")
+    quarantine_disagreement: float = _f(0.05, "Quarantine a worker whose median exp|recorded - recomputed "
+                                              "logprob| - 1 over its lag-0 tokens exceeds this.")
+    quarantine_reject_rate: float = _f(0.5, "Quarantine a worker once more than this fraction of its records "
+                                            "is rejected.")
+    quarantine_min_records: int = _f(8, "Records a worker must have sent before its rates are judged.")
 
     def validate(self) -> TrainerConfig:
         """Raise ``ConfigError`` naming the first invalid field; return self."""
@@ -115,6 +122,12 @@ class TrainerConfig:
             raise ConfigError("top_p", "must be in (0, 1]")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("weight_decay" if self.weight_decay < 0 else "grad_clip", "must be >= 0")
+        if self.quarantine_disagreement <= 0:
+            raise ConfigError("quarantine_disagreement", "must be > 0 (turn quarantine off with quarantine = false)")
+        if not (0 < self.quarantine_reject_rate <= 1):
+            raise ConfigError("quarantine_reject_rate", "must be in (0, 1]")
+        if self.quarantine_min_records < 1:
+            raise ConfigError("quarantine_min_records", "must be >= 1")
         if self.keep_versions < self.staleness_bound + 1:
             raise ConfigError("keep_versions", f"must be >= staleness_bound + 1 = {self.staleness_bound + 1}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
