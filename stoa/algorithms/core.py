@@ -37,6 +37,10 @@ def clipped_surrogate(ops: Ops, ratio: Any, adv: Any, eps_low: float, eps_high: 
     With ``dual_clip_c`` the loss of negative-advantage entries is capped at c * |A|
     (-max(min(rA, clip(r)A), cA)). Works element-wise on tokens [B, T] or sequences [B].
 
+    The regimes are chosen by strict inequalities on the detached ratio (A > 0 and r > 1 + eps_high,
+    A < 0 and r < 1 - eps_low, A < 0 and r > c), the same ones ``clip_regimes`` counts: a ratio exactly
+    on a bound keeps its gradient on every backend and version (``maximum`` at a tie splits it).
+
     Args:
         ops: the backend shim.
         ratio: importance ratios (differentiable).
@@ -45,11 +49,15 @@ def clipped_surrogate(ops: Ops, ratio: Any, adv: Any, eps_low: float, eps_high: 
         eps_high: upper clip (1 + eps_high); may be inf.
         dual_clip_c: the dual-clip bound (> 1) or None.
     """
-    unclipped = -ratio * adv
-    clipped = -ops.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    loss = ops.maximum(unclipped, clipped)
+    r = ops.stop_gradient(ratio)
+    loss = -ratio * adv
+    if math.isfinite(eps_high):
+        hi = 1.0 + eps_high
+        loss = ops.where((adv > 0) * (r > hi), -hi * adv, loss)
+    lo = 1.0 - eps_low
+    loss = ops.where((adv < 0) * (r < lo), -lo * adv, loss)
     if dual_clip_c is not None:
-        loss = ops.where(adv < 0, ops.minimum(loss, -dual_clip_c * adv), loss)
+        loss = ops.where((adv < 0) * (r > dual_clip_c), -dual_clip_c * adv, loss)
     return loss
 
 
