@@ -1,0 +1,251 @@
+"""Worker quarantine: skip the records of a worker id whose rejection rate or lag-0 logprob disagreement is too high.
+
+Two signals per worker id (the ``<worker>`` of ``runs/<run>/rollouts/v<version>/<worker>-<seq>.rec``):
+
+- **rejection rate**: the fraction of its records rejected at intake, judged once it has sent
+  ``min_records`` records.
+- **lag-0 disagreement** (grail's statistic): for its records sampled at the trainer's current
+  version, each completion token gives ``exp(|recorded - recomputed|) - 1`` between the worker's
+  behaviour logprob and the trainer's recompute, which differ only by engine and weight-plane
+  rounding for an honest worker. The worker is quarantined when the median over its lag-0 tokens
+  exceeds the threshold, judged once ``min_records`` lag-0 records were seen.
+
+Both are kept over a bounded recent window (counts halve when the window fills), so memory and the
+journal entry per worker are a handful of numbers. "Median above the threshold" is decided exactly
+from two counts: more than half of the tokens are above it. Quarantine is sticky for the worker id.
+With ``top_p < 1`` the worker's logprobs are renormalised over the nucleus, which the trainer does
+not recompute: ``exp|d|`` grows by at most ``1 / top_p``, so the threshold becomes
+``(1 + disagreement) / top_p - 1``.
+
+A worker id is chosen by the worker, so quarantine stops a broken or naive worker, not one that
+changes its id: that is what record validation and the reuse cap are for.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_KEY = re.compile(r"/rollouts/v\d{8}/(?P<worker>[^/]+)-\d{8}\.rec\Z")
+STATE_VERSION = 1
+
+
+def worker_of_key(key: str) -> str | None:
+    """The worker id in a record key, or ``None`` when the key is not a record key.
+
+    Args:
+        key: e.g. ``runs/r/rollouts/v00000003/host-a1b2c3-00000042.rec`` (the id may contain ``-``).
+    """
+    m = _KEY.search(key)
+    return m.group("worker") if m else None
+
+
+def disagreement_values(recorded: np.ndarray, recomputed: np.ndarray) -> np.ndarray:
+    """Per-token ``exp(|recorded - recomputed|) - 1`` (float64).
+
+    Args:
+        recorded: the worker's behaviour logprobs.
+        recomputed: the trainer's logprobs of the same tokens at the same version.
+    """
+    d = np.abs(np.asarray(recorded, np.float64) - np.asarray(recomputed, np.float64))
+    return np.expm1(d)
+
+
+@dataclass
+class Disagreement:
+    """One worker's lag-0 tokens of one step.
+
+    Args:
+        values: ``exp|recorded - recomputed| - 1`` per lag-0 completion token.
+        records: lag-0 records (groups) the tokens came from.
+    """
+
+    values: np.ndarray
+    records: int
+
+    @property
+    def median(self) -> float:
+        """Median of ``values`` (0 when empty)."""
+        return float(np.median(self.values)) if self.values.size else 0.0
+
+
+@dataclass
+class _Worker:
+    records: float = 0.0
+    rejected: float = 0.0
+    tokens: float = 0.0
+    over: float = 0.0  # tokens above the threshold
+    lag0_records: int = 0
+    reason: str = ""  # "" (not quarantined), "reject_rate" or "disagreement"
+
+    def row(self) -> list[Any]:
+        return [self.records, self.rejected, self.tokens, self.over, self.lag0_records, self.reason]
+
+
+@dataclass
+class _Since:
+    """What happened since the last ``metrics()`` call."""
+
+    skipped: int = 0
+    new: int = 0
+    medians: dict[str, float] = field(default_factory=dict)
+
+
+class Quarantine:
+    """Per worker id rejection rate and lag-0 logprob disagreement; decides whose records to skip.
+
+    Args:
+        enabled: False tracks and reports but never quarantines.
+        disagreement: threshold on the median of ``exp|recorded - recomputed| - 1`` (at ``top_p = 1``).
+        reject_rate: quarantine once more than this fraction of a worker's records is rejected.
+        min_records: records (lag-0 records for the disagreement) before a worker is judged.
+        top_p: the run's nucleus mass; below 1 the threshold is widened (see the module docstring).
+        max_workers: worker ids tracked at most; the least recently seen are forgotten first,
+            quarantined ones last.
+    """
+
+    RECORD_WINDOW = 256
+    TOKEN_WINDOW = 16384
+
+    def __init__(self, *, enabled: bool, disagreement: float, reject_rate: float, min_records: int,
+                 top_p: float = 1.0, max_workers: int = 1024):
+        self.enabled = enabled
+        self.threshold = (1.0 + disagreement) / top_p - 1.0
+        self.reject_rate = reject_rate
+        self.min_records = max(1, int(min_records))
+        self.max_workers = max_workers
+        self.workers: collections.OrderedDict[str, _Worker] = collections.OrderedDict()
+        self._since = _Since()
+
+    def _touch(self, worker_id: str) -> _Worker:
+        w = self.workers.get(worker_id)
+        if w is None:
+            w = self.workers[worker_id] = _Worker()
+            if len(self.workers) > self.max_workers:
+                victim = next((k for k, v in self.workers.items() if not v.reason), next(iter(self.workers)))
+                del self.workers[victim]
+        self.workers.move_to_end(worker_id)
+        return w
+
+    def observe(self, worker_id: str, accepted: bool) -> None:
+        """Count one record read from the bucket under this worker's key.
+
+        Args:
+            worker_id: the key's worker id.
+            accepted: whether intake accepted it.
+        """
+        w = self._touch(worker_id)
+        w.records += 1
+        w.rejected += 0 if accepted else 1
+        if w.records >= self.RECORD_WINDOW:
+            w.records, w.rejected = w.records / 2, w.rejected / 2
+        if w.records >= self.min_records and w.rejected > self.reject_rate * w.records:
+            self._quarantine(worker_id, w, "reject_rate", f"{w.rejected / w.records:.2f} of its records rejected "
+                                                           f"(> {self.reject_rate})")
+
+    def observe_disagreement(self, worker_id: str, stats: Disagreement) -> None:
+        """Add one step's lag-0 tokens of a worker.
+
+        Args:
+            worker_id: the worker (see ``stoa.trainer.step.train_step``).
+            stats: its lag-0 values of this step.
+        """
+        values = np.asarray(stats.values, np.float64)
+        if values.size == 0:
+            return
+        w = self._touch(worker_id)
+        w.tokens += values.size
+        # NaN (a recompute that overflowed) counts as over the threshold.
+        w.over += int(values.size - np.count_nonzero(values <= self.threshold))
+        w.lag0_records += int(stats.records)
+        while w.tokens > self.TOKEN_WINDOW:
+            w.tokens, w.over = w.tokens / 2, w.over / 2
+        self._since.medians[worker_id] = float(np.median(values))
+        if w.lag0_records >= self.min_records and w.over > w.tokens / 2:
+            self._quarantine(worker_id, w, "disagreement",
+                             f"median exp|recorded - recomputed logprob| - 1 over its lag-0 tokens > {self.threshold:.4g} "
+                             f"({w.over / w.tokens:.2f} of {w.tokens:.0f} tokens above; this step's median "
+                             f"{self._since.medians[worker_id]:.4g})")
+
+    def _quarantine(self, worker_id: str, w: _Worker, reason: str, detail: str) -> None:
+        if not self.enabled or w.reason:
+            return
+        w.reason = reason
+        self._since.new += 1
+        log.warning("quarantined worker %s (%s): %s; its records are skipped from now on", worker_id, reason, detail)
+
+    def is_quarantined(self, worker_id: str) -> bool:
+        """Whether this worker's records are to be skipped.
+
+        Args:
+            worker_id: the key's worker id.
+        """
+        w = self.workers.get(worker_id)
+        return bool(self.enabled and w is not None and w.reason)
+
+    def admit(self, worker_id: str) -> bool:
+        """``not is_quarantined(worker_id)``, counting a skipped record when it is quarantined.
+
+        Args:
+            worker_id: the key's worker id.
+        """
+        if self.is_quarantined(worker_id):
+            self._since.skipped += 1
+            return False
+        return True
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able state for the trainer journal (per worker: a few counts and the quarantine reason)."""
+        return {"v": STATE_VERSION, "threshold": self.threshold,
+                "workers": {k: w.row() for k, w in self.workers.items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Restore what ``state()`` returned; malformed entries are dropped, token counts kept only
+        when the threshold they were counted against is the same.
+
+        Args:
+            state: a journal entry (``{}`` starts empty).
+        """
+        self.workers.clear()
+        same = _num(state.get("threshold")) == self.threshold if isinstance(state, dict) else False
+        rows = state.get("workers", {}) if isinstance(state, dict) else {}
+        for wid, row in (rows.items() if isinstance(rows, dict) else ()):
+            if not (isinstance(wid, str) and isinstance(row, list) and len(row) == 6 and isinstance(row[5], str)):
+                continue
+            nums = [_num(x) for x in row[:5]]
+            if any(x is None or x < 0 for x in nums) or row[5] not in ("", "reject_rate", "disagreement"):
+                continue
+            records, rejected, tokens, over, lag0 = (float(x) for x in nums)  # type: ignore[arg-type]
+            w = _Worker(records, min(rejected, records), tokens if same else 0.0, min(over, tokens) if same else 0.0,
+                        int(lag0), row[5])
+            self.workers[wid] = w
+        while len(self.workers) > self.max_workers:
+            self.workers.popitem(last=False)
+
+    def metrics(self) -> dict[str, float]:
+        """Gauges and counts since the last call: ``quarantine/workers`` (quarantined ids),
+        ``quarantine/new``, ``quarantine/skipped`` (records), ``quarantine/tracked``,
+        ``quarantine/disagreement/<worker>`` (median of this period's lag-0 values, per worker seen)
+        and ``quarantine/disagreement_max``."""
+        s, self._since = self._since, _Since()
+        out = {"quarantine/workers": float(sum(1 for w in self.workers.values() if w.reason and self.enabled)),
+               "quarantine/tracked": float(len(self.workers)), "quarantine/new": float(s.new),
+               "quarantine/skipped": float(s.skipped),
+               "quarantine/disagreement_max": max(s.medians.values(), default=0.0)}
+        out.update({f"quarantine/disagreement/{k}": v for k, v in s.medians.items()})
+        return out
+
+
+def _num(x: Any) -> float | None:
+    """A finite number from JSON, else None."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    return float(x) if math.isfinite(x) else None
