@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from stoa.weights import strict
 from stoa.weights.errors import AnchorError
 from stoa.weights.hashing import HASH_PREFIX, state_hash_from_tensor_hashes, tensor_hash
 from stoa.weights.planes import State, check_plane
@@ -19,6 +22,8 @@ FILE_NAME = "model.safetensors"
 _ST_DTYPES = {np.dtype(np.uint16): "BF16", np.dtype(np.uint32): "U32"}
 _NP_DTYPES = {"BF16": np.dtype("<u2"), "U32": np.dtype("<u4")}
 _MAX_HEADER = 100 * 1024 * 1024
+_MAX_ELEMENTS = 1 << 40
+"""Most elements one tensor may declare (2**40 bf16 values are 2 TiB, far above any model)."""
 
 
 def _file_hash(data: bytes | bytearray | memoryview) -> str:
@@ -98,8 +103,34 @@ def encode_anchor(
     return data, manifest
 
 
+def _anchor_error(reason: str, detail: str) -> AnchorError:
+    return AnchorError(reason, detail)
+
+
+def load_manifest(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Parse manifest JSON and check its shape (:func:`check_manifest`); raises only ``AnchorError``.
+
+    Args:
+        data: the manifest object's bytes.
+    """
+    manifest = strict.load_json(data, _anchor_error, "manifest")
+    check_manifest(manifest)
+    return manifest
+
+
+def _check_tensors(tensors: Any) -> None:
+    tensors = strict.obj(tensors, "manifest tensors")
+    for name, t in tensors.items():
+        strict.check_text(name, "tensor name")
+        t = strict.obj(t, f"tensor {name!r}")
+        if not isinstance(t.get("dtype"), str) or t["dtype"] not in _NP_DTYPES:
+            raise strict.FieldError(f"tensor {name!r}: dtype is not one of {sorted(_NP_DTYPES)}")
+        strict.int_list(t.get("shape"), f"tensor {name!r} shape", hi=_MAX_ELEMENTS)
+        strict.text(t, "hash", max_len=128)
+
+
 def check_manifest(
-    manifest: Mapping[str, Any],
+    manifest: Any,
     *,
     run_id: str | None = None,
     version: int | None = None,
@@ -107,32 +138,29 @@ def check_manifest(
 ) -> None:
     """Validate a manifest's shape and, when given, that it is for this run, version and plane.
 
+    Any value is accepted as input (a list, a number, a manifest with wrong field types); everything
+    that is not a well-formed manifest raises ``AnchorError("bad_format")``.
+
     Args:
-        manifest: the manifest dict (from JSON).
+        manifest: the manifest (parsed JSON).
         run_id: expected run id.
         version: expected version.
         plane: expected plane.
     """
     try:
-        if manifest["schema"] != SCHEMA:
-            raise AnchorError("bad_format", f"manifest schema {manifest['schema']!r}, expected {SCHEMA!r}")
-        for key, typ in (
-            ("run_id", str),
-            ("version", int),
-            ("plane", str),
-            ("state_hash", str),
-            ("size", int),
-        ):
-            if not isinstance(manifest[key], typ):
-                raise AnchorError("bad_format", f"manifest field {key!r} is not {typ.__name__}")
-        tensors = manifest["tensors"]
-        if not isinstance(tensors, dict) or not all(
-            isinstance(t, dict) and t.get("dtype") in _NP_DTYPES and isinstance(t.get("hash"), str)
-            for t in tensors.values()
-        ):
-            raise AnchorError("bad_format", "manifest tensors malformed")
-    except KeyError as e:
-        raise AnchorError("bad_format", f"manifest lacks {e.args[0]!r}") from None
+        manifest = strict.obj(manifest, "manifest")
+        if manifest.get("schema") != SCHEMA:
+            raise strict.FieldError(f"schema is not {SCHEMA!r}")
+        strict.text(manifest, "run_id")
+        strict.integer(manifest, "version")
+        strict.text(manifest, "plane", max_len=32)
+        strict.text(manifest, "state_hash", max_len=128)
+        strict.integer(manifest, "size")
+        if "file_hash" in manifest:
+            strict.text(manifest, "file_hash", max_len=128)
+        _check_tensors(manifest.get("tensors"))
+    except strict.FieldError as e:
+        raise AnchorError("bad_format", f"manifest: {e}") from None
     if run_id is not None and manifest["run_id"] != run_id:
         raise AnchorError("wrong_run", f"anchor is for run {manifest['run_id']!r}, not {run_id!r}")
     if plane is not None and manifest["plane"] != plane:
@@ -143,7 +171,7 @@ def check_manifest(
 
 def decode_anchor(
     data: bytes | bytearray | memoryview,
-    manifest: Mapping[str, Any],
+    manifest: Any,
     *,
     run_id: str | None = None,
     plane: str | None = None,
@@ -152,6 +180,7 @@ def decode_anchor(
     """Parse an anchor and verify it against its manifest: size, file hash, tensors, every hash.
 
     Arrays are zero-copy views when ``data`` is writable (a ``bytearray``), else fresh writable copies.
+    Total over its inputs: anything malformed raises ``AnchorError``.
 
     Args:
         data: the safetensors bytes.
@@ -168,16 +197,47 @@ def decode_anchor(
         raise AnchorError("bad_format", f"{len(mv)} bytes, manifest says {manifest['size']}")
     if "file_hash" in manifest and _file_hash(mv) != manifest["file_hash"]:
         raise AnchorError("hash_mismatch", "file hash differs from the manifest")
+    header, base = _st_header(mv, manifest)
+    entries = _st_entries(header, manifest["tensors"], len(mv) - base)
+    writable = not mv.readonly
+    state: State = {}
+    hashes: dict[str, str] = {}
+    for e in entries:
+        arr = np.frombuffer(mv, dtype=e.dtype, count=e.count, offset=base + e.start).reshape(e.shape)
+        arr = arr.astype(e.dtype.newbyteorder("="), copy=not writable)
+        hashes[e.name] = tensor_hash(arr)
+        if hashes[e.name] != manifest["tensors"][e.name]["hash"]:
+            raise AnchorError("hash_mismatch", f"{e.name}: tensor hash differs from the manifest")
+        state[e.name] = arr
+    state = {name: state[name] for name in sorted(state)}
+    if state_hash_from_tensor_hashes(hashes) != manifest["state_hash"]:
+        raise AnchorError("hash_mismatch", "state hash differs from the manifest")
+    return state
+
+
+@dataclass(frozen=True, order=True)
+class _StEntry:
+    start: int
+    end: int
+    name: str
+    dtype: np.dtype = field(compare=False)
+    shape: tuple[int, ...] = field(compare=False)
+    count: int = field(compare=False)
+
+
+def _st_header(mv: memoryview, manifest: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+    """The safetensors JSON header (metadata checked against the manifest, then removed) and data start."""
     if len(mv) < 8:
         raise AnchorError("truncated", "no safetensors header")
     (hlen,) = struct.unpack_from("<Q", mv, 0)
     if hlen > _MAX_HEADER or 8 + hlen > len(mv):
         raise AnchorError("bad_format", f"safetensors header length {hlen}")
-    try:
-        header = json.loads(bytes(mv[8 : 8 + hlen]))
-    except ValueError as e:
-        raise AnchorError("bad_format", f"safetensors header: {e}") from None
-    meta = header.pop("__metadata__", {}) or {}
+    header = strict.load_json(mv[8 : 8 + hlen], _anchor_error, "safetensors header")
+    if not isinstance(header, dict):
+        raise AnchorError("bad_format", "safetensors header is not an object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise AnchorError("bad_format", "safetensors __metadata__ is not an object")
     for key, want in (
         ("stoa.run_id", manifest["run_id"]),
         ("stoa.version", str(manifest["version"])),
@@ -185,52 +245,44 @@ def decode_anchor(
         ("stoa.state_hash", manifest["state_hash"]),
     ):
         if meta.get(key) != want:
-            raise AnchorError(
-                "bad_format", f"metadata {key}={meta.get(key)!r} disagrees with manifest {want!r}"
-            )
-    tensors = manifest["tensors"]
+            got = meta.get(key)
+            shown = repr(got)[:80] if isinstance(got, str) else type(got).__name__
+            raise AnchorError("bad_format", f"metadata {key}={shown} disagrees with manifest {want!r}")
+    return header, 8 + hlen
+
+
+def _st_entries(header: dict[str, Any], tensors: Mapping[str, Any], data_len: int) -> list[_StEntry]:
+    """Header entries checked against the manifest and tiling the data section exactly, by offset."""
     if set(header) != set(tensors):
         diff = sorted(set(header) ^ set(tensors))[:5]
         raise AnchorError("tensor_mismatch", f"file and manifest tensor sets differ (e.g. {diff})")
-    base = 8 + hlen
     entries = []
     for name, h in header.items():
         m = tensors[name]
         try:
-            dt = _NP_DTYPES[h["dtype"]]
-            shape = tuple(int(s) for s in h["shape"])
-            start, end = (int(x) for x in h["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise AnchorError("bad_format", f"{name}: bad header entry {h!r}") from None
+            h = strict.obj(h, f"tensor {name!r}")
+            dt = _NP_DTYPES.get(h["dtype"]) if isinstance(h.get("dtype"), str) else None
+            if dt is None:
+                raise strict.FieldError(f"{name!r}: unknown dtype")
+            shape = tuple(strict.int_list(h.get("shape"), f"{name!r} shape", hi=_MAX_ELEMENTS))
+            start, end = strict.int_list(h.get("data_offsets"), f"{name!r} data_offsets", max_len=2)
+        except (strict.FieldError, ValueError):
+            raise AnchorError("bad_format", f"{name}: bad safetensors header entry") from None
         if h["dtype"] != m["dtype"] or list(shape) != list(m["shape"]):
             raise AnchorError(
                 "tensor_mismatch", f"{name}: file {h['dtype']}{shape}, manifest {m['dtype']}{m['shape']}"
             )
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         if end != start + count * dt.itemsize:
             raise AnchorError("bad_format", f"{name}: data offsets {start}..{end} do not match its shape")
-        entries.append((start, end, name, dt, shape, count))
+        entries.append(_StEntry(start, end, name, dt, shape, count))
     # Like safetensors itself: tensors tile the data section exactly (no holes, no aliasing).
     entries.sort()
     pos = 0
-    for start, end, name, *_ in entries:
-        if start != pos:
-            raise AnchorError("bad_format", f"{name}: data starts at {start}, expected {pos}")
-        pos = end
-    if base + pos != len(mv):
-        raise AnchorError("bad_format", f"data section is {len(mv) - base} bytes, tensors cover {pos}")
-    writable = not mv.readonly
-    state: State = {}
-    hashes: dict[str, str] = {}
-    for start, _, name, dt, shape, count in entries:
-        m = tensors[name]
-        arr = np.frombuffer(mv, dtype=dt, count=count, offset=base + start).reshape(shape)
-        arr = arr.astype(dt.newbyteorder("="), copy=not writable)
-        hashes[name] = tensor_hash(arr)
-        if hashes[name] != m["hash"]:
-            raise AnchorError("hash_mismatch", f"{name}: tensor hash differs from the manifest")
-        state[name] = arr
-    state = {name: state[name] for name in sorted(state)}
-    if state_hash_from_tensor_hashes(hashes) != manifest["state_hash"]:
-        raise AnchorError("hash_mismatch", "state hash differs from the manifest")
-    return state
+    for e in entries:
+        if e.start != pos:
+            raise AnchorError("bad_format", f"{e.name}: data starts at {e.start}, expected {pos}")
+        pos = e.end
+    if pos != data_len:
+        raise AnchorError("bad_format", f"data section is {data_len} bytes, tensors cover {pos}")
+    return entries

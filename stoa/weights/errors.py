@@ -21,7 +21,8 @@ class PatchError(WeightsError):
     """A PULSE patch cannot be applied; the state it was given is left untouched.
 
     Reasons: ``bad_magic``, ``bad_format``, ``truncated``, ``checksum``, ``wrong_run``, ``wrong_plane``,
-    ``wrong_from_version``, ``base_mismatch``, ``tensor_mismatch``, ``hash_mismatch``.
+    ``wrong_from_version``, ``base_mismatch``, ``tensor_mismatch``, ``hash_mismatch``, ``oversize`` (listed
+    larger than any honest patch for the state; never fetched).
     """
 
 
@@ -29,7 +30,7 @@ class AnchorError(WeightsError):
     """An anchor checkpoint is malformed or does not match its manifest.
 
     Reasons: ``bad_format``, ``truncated``, ``wrong_run``, ``wrong_plane``, ``wrong_version``,
-    ``tensor_mismatch``, ``hash_mismatch``.
+    ``tensor_mismatch``, ``hash_mismatch``, ``oversize`` (a manifest listed above 16 MiB; never fetched).
     """
 
 
@@ -37,5 +38,6 @@ class SyncError(WeightsError):
     """A worker could not reach verified weights for the requested version; retry later.
 
     Reasons: ``no_pointer``, ``bad_pointer``, ``wrong_run``, ``wrong_plane``, ``unavailable``,
-    ``verification_failed``.
+    ``verification_failed``; ``pointer_mismatch`` for one plan whose verified chain ends at another
+    state than the pointer names.
     """

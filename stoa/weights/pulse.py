@@ -15,6 +15,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from stoa.weights import strict
 from stoa.weights.errors import PatchError
 from stoa.weights.hashing import state_hash_from_tensor_hashes, tensor_hash
 from stoa.weights.planes import State, check_plane
@@ -256,6 +257,74 @@ def encode_patch(
     return b"".join((prefix, hbytes, body, h.digest()))
 
 
+_DTYPES = {
+    d.str: d
+    for d in (np.dtype(c).newbyteorder("<") for c in ("b1", "i1", "u1", "i2", "u2", "f2", "i4", "u4", "f4", "i8", "u8", "f8", "c8"))
+}
+"""Patch dtypes by their header string: plain little-endian numbers whose element size a patch can XOR."""
+
+
+def _patch_error(reason: str, detail: str) -> PatchError:
+    return PatchError(reason, detail)
+
+
+def _entry(t: Any, blen: int) -> tuple[_Entry, int]:
+    """One header tensor entry, strictly typed; returns it and its element count."""
+    t = strict.obj(t, "tensor entry")
+    name = strict.text(t, "name")
+    dtype = _DTYPES.get(strict.text(t, "dtype", max_len=8))
+    if dtype is None:
+        raise strict.FieldError(f"{name!r}: unknown dtype")
+    shape = tuple(strict.int_list(t.get("shape"), f"{name!r} shape", hi=_MAX_GAP))
+    size = strict.element_count(list(shape), name, hi=_MAX_GAP)
+    e = _Entry(
+        name,
+        dtype,
+        shape,
+        strict.text(t, "hash", max_len=128),
+        strict.integer(t, "changed", hi=size),
+        strict.integer(t, "offset", hi=blen),
+        strict.integer(t, "length", hi=blen),
+    )
+    if e.offset + e.length > blen or (e.changed == 0) != (e.length == 0):
+        raise strict.FieldError(f"tensor {name!r} frame out of bounds")
+    return e, size
+
+
+def _header(hbytes: memoryview, blen: int, n: int) -> tuple[PatchInfo, list[_Entry]]:
+    """Parse and type-check the JSON header; every malformation is ``PatchError("bad_format")``."""
+    header = strict.load_json(hbytes, _patch_error, "patch header")
+    try:
+        header = strict.obj(header, "patch header")
+        if header.get("schema") != SCHEMA or header.get("codec") != CODEC:
+            raise strict.FieldError(f"unknown schema or codec; this reader knows {SCHEMA} {CODEC}")
+        tensors = header.get("tensors")
+        if not isinstance(tensors, list):
+            raise strict.FieldError("tensors is not a list")
+        entries, elements, changed = [], 0, 0
+        for t in tensors:
+            e, size = _entry(t, blen)
+            entries.append(e)
+            elements += size
+            changed += e.changed
+        info = PatchInfo(
+            run_id=strict.text(header, "run_id"),
+            from_version=strict.integer(header, "from_version"),
+            to_version=strict.integer(header, "to_version"),
+            plane=strict.text(header, "plane", max_len=32),
+            from_state_hash=strict.text(header, "from_state_hash", max_len=128),
+            state_hash=strict.text(header, "state_hash", max_len=128),
+            tensor_hashes={e.name: e.hash for e in entries},
+            changed=changed,
+            elements=elements,
+            nbytes=n,
+            level=strict.integer(header, "level", lo=-(1 << 31), hi=1 << 31),
+        )
+    except strict.FieldError as e:
+        raise PatchError("bad_format", f"header: {e}") from None
+    return info, entries
+
+
 def _parse(patch: bytes | bytearray | memoryview) -> tuple[PatchInfo, list[_Entry], memoryview]:
     mv = memoryview(patch).cast("B")
     n = len(mv)
@@ -279,42 +348,7 @@ def _parse(patch: bytes | bytearray | memoryview) -> tuple[PatchInfo, list[_Entr
     h.update(mv[: total - _DIGEST_LEN])
     if h.digest() != bytes(mv[total - _DIGEST_LEN :]):
         raise PatchError("checksum", "patch digest does not match its bytes")
-    try:
-        header: dict[str, Any] = json.loads(bytes(mv[_PREFIX.size : _PREFIX.size + hlen]))
-        if header["schema"] != SCHEMA or header["codec"] != CODEC:
-            raise ValueError(f"schema {header['schema']!r} codec {header['codec']!r}")
-        entries = []
-        elements = 0
-        changed = 0
-        for t in header["tensors"]:
-            dtype = np.dtype(t["dtype"])
-            shape = tuple(int(s) for s in t["shape"])
-            size = int(np.prod(shape, dtype=np.int64))
-            e = _Entry(
-                t["name"], dtype, shape, t["hash"], int(t["changed"]), int(t["offset"]), int(t["length"])
-            )
-            if dtype.itemsize not in _UINT or not (0 <= e.changed <= size) or e.offset < 0 or e.length < 0:
-                raise ValueError(f"bad tensor entry {t['name']!r}")
-            if e.offset + e.length > blen or (e.changed == 0) != (e.length == 0):
-                raise ValueError(f"tensor {t['name']!r} frame out of bounds")
-            entries.append(e)
-            elements += size
-            changed += e.changed
-        info = PatchInfo(
-            run_id=str(header["run_id"]),
-            from_version=int(header["from_version"]),
-            to_version=int(header["to_version"]),
-            plane=str(header["plane"]),
-            from_state_hash=str(header["from_state_hash"]),
-            state_hash=str(header["state_hash"]),
-            tensor_hashes={e.name: e.hash for e in entries},
-            changed=changed,
-            elements=elements,
-            nbytes=n,
-            level=int(header["level"]),
-        )
-    except (ValueError, KeyError, TypeError) as e:
-        raise PatchError("bad_format", f"header: {e}") from None
+    info, entries = _header(mv[_PREFIX.size : _PREFIX.size + hlen], blen, n)
     if len(info.tensor_hashes) != len(entries):
         raise PatchError("bad_format", "duplicate tensor names")
     if state_hash_from_tensor_hashes(info.tensor_hashes) != info.state_hash:
