@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,6 +25,8 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+from stoa.untrusted import field_float, field_int, field_number_map, field_str, loads_bounded
 
 SCHEMA_VERSION = 1
 """Version of every record type in this module; bump on any incompatible change."""
@@ -55,6 +58,30 @@ def rollout_version_prefix(run_id: str, version: int) -> str:
 def rollout_key(run_id: str, version: int, worker_id: str, seq: int) -> str:
     """Return the key of one rollout record."""
     return f"{rollout_version_prefix(run_id, version)}{worker_id}-{seq:08d}.rec"
+
+
+_ROLLOUT_NAME = re.compile(r"v([0-9]{8})/([A-Za-z0-9][A-Za-z0-9._-]{0,127})-([0-9]{8})\.rec")
+
+
+@dataclass(frozen=True)
+class RolloutKey:
+    """The parts of a well-formed rollout key."""
+
+    version: int
+    worker_id: str
+    seq: int
+
+
+def parse_rollout_key(run_id: str, key: str) -> RolloutKey | None:
+    """Parse ``runs/<run>/rollouts/v<8 digits>/<worker>-<8 digits>.rec``; ``None`` for any other key.
+
+    Args:
+        run_id: the run the key must belong to.
+        key: a listed key (untrusted: any string).
+    """
+    head = f"{run_prefix(run_id)}/rollouts/"
+    m = _ROLLOUT_NAME.fullmatch(key[len(head):]) if key.startswith(head) else None
+    return RolloutKey(int(m.group(1)), m.group(2), int(m.group(3))) if m else None
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -283,51 +310,102 @@ class RolloutRecord:
             raise RecordRejected("digest", "content digest does not match (truncated or corrupted)")
         if schema != SCHEMA_VERSION:
             raise RecordRejected("schema", f"schema version {schema}, expected {SCHEMA_VERSION}")
-        off = _PREFIX.size
+        if hlen > len(body) - _PREFIX.size:
+            raise RecordRejected("malformed", f"header length {hlen} runs past the end")
         try:
-            header = json.loads(body[off : off + hlen])
-            off += hlen
-            plen = _nonneg_int(header["prompt_len"])
-            sample_meta = header["samples"]
-            if not isinstance(sample_meta, list):
-                raise TypeError("samples must be a list")
-            need = plen * 4 + sum(8 * _nonneg_int(m["len"]) for m in sample_meta)
-            if off + need != len(body):
-                raise RecordRejected("length_mismatch", f"declared sizes need {need} payload bytes")
-            prompt = np.frombuffer(body, dtype="<i4", count=plen, offset=off).astype(np.int32)
-            off += plen * 4
-            samples = []
-            for m in sample_meta:
-                n = _nonneg_int(m["len"])
-                toks = np.frombuffer(body, dtype="<i4", count=n, offset=off).astype(np.int32)
-                off += 4 * n
-                lps = np.frombuffer(body, dtype="<f4", count=n, offset=off).astype(np.float32)
-                off += 4 * n
-                samples.append(Sample(toks, lps, float(m["reward"]), str(m["finish"])))
-            return cls(
-                worker_id=str(header["worker_id"]),
-                seq=int(header["seq"]),
-                policy_version=int(header["policy_version"]),
-                contract_fingerprint=str(header["contract_fingerprint"]),
-                task_id=str(header["task_id"]),
-                prompt_id=str(header["prompt_id"]),
-                prompt_tokens=prompt,
-                samples=samples,
-                sampling=dict(header.get("sampling", {})),
-                timings=dict(header.get("timings", {})),
-                created_at=float(header.get("created_at", 0.0)),
-                schema_version=schema,
-            )
-        except RecordRejected:
-            raise
-        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
-            raise RecordRejected("malformed", f"bad header: {e}") from e
+            header = _parse_header(body[_PREFIX.size : _PREFIX.size + hlen])
+        except ValueError as e:  # the only error the bounded parser and field readers raise
+            raise RecordRejected("malformed", f"bad header: {e}") from None
+        off = _PREFIX.size + hlen
+        plen, lens = header.prompt_len, [m.length for m in header.samples]
+        need = plen * 4 + 8 * sum(lens)
+        if off + need != len(body):
+            raise RecordRejected("length_mismatch", f"declared sizes need {need} payload bytes")
+        prompt = np.frombuffer(body, dtype="<i4", count=plen, offset=off).astype(np.int32)
+        off += plen * 4
+        samples = []
+        for m in header.samples:
+            toks = np.frombuffer(body, dtype="<i4", count=m.length, offset=off).astype(np.int32)
+            off += 4 * m.length
+            lps = np.frombuffer(body, dtype="<f4", count=m.length, offset=off).astype(np.float32)
+            off += 4 * m.length
+            samples.append(Sample(toks, lps, m.reward, m.finish))
+        return cls(worker_id=header.worker_id, seq=header.seq, policy_version=header.policy_version,
+                   contract_fingerprint=header.contract_fingerprint, task_id=header.task_id,
+                   prompt_id=header.prompt_id, prompt_tokens=prompt, samples=samples,
+                   sampling=header.sampling, timings=header.timings, created_at=header.created_at,
+                   schema_version=schema)
+
+    def content_id(self) -> str:
+        """Identity of the training content: policy version, prompt tokens, sample tokens and logprobs.
+
+        Byte-identical copies under other keys, and copies relabelled with another worker id, seq or
+        timings, share it, so the reuse cap counts them as one record.
+        """
+        h = xxhash.xxh3_128(struct.pack("<qI", self.policy_version, len(self.samples)))
+        h.update(np.ascontiguousarray(self.prompt_tokens, dtype="<i4").tobytes())
+        for s in self.samples:
+            h.update(struct.pack("<I", int(np.asarray(s.tokens).size)))
+            h.update(np.ascontiguousarray(s.tokens, dtype="<i4").tobytes())
+            h.update(np.ascontiguousarray(s.logprobs, dtype="<f4").tobytes())
+        return h.hexdigest()
 
 
-def _nonneg_int(x: Any) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-        raise ValueError(f"expected a non-negative integer, got {x!r}")
-    return x
+MAX_HEADER_BYTES = 1 << 20
+"""Longest JSON header accepted (a header describes one group: ids, lengths, rewards)."""
+MAX_SAMPLES = 4096
+"""Most samples a record may declare (group sizes are far smaller)."""
+
+
+@dataclass(frozen=True)
+class _SampleMeta:
+    length: int
+    reward: float
+    finish: str
+
+
+@dataclass(frozen=True)
+class _Header:
+    worker_id: str
+    seq: int
+    policy_version: int
+    contract_fingerprint: str
+    task_id: str
+    prompt_id: str
+    prompt_len: int
+    samples: list[_SampleMeta]
+    sampling: dict[str, float]
+    timings: dict[str, float]
+    created_at: float
+
+
+def _parse_header(raw: bytes) -> _Header:
+    """Parse and type-check a record header; raises ``ValueError`` only (bounded JSON, strict types)."""
+    h = loads_bounded(raw, max_bytes=MAX_HEADER_BYTES, max_depth=3)
+    if not isinstance(h, dict):
+        raise ValueError("header must be a JSON object")
+    metas = h.get("samples")
+    if not isinstance(metas, list) or len(metas) > MAX_SAMPLES:
+        raise ValueError(f"samples must be a list of at most {MAX_SAMPLES}")
+    samples = []
+    for m in metas:
+        if not isinstance(m, dict):
+            raise ValueError("each sample must be an object")
+        samples.append(_SampleMeta(field_int(m, "len", hi=MAX_RECORD_BYTES), field_float(m, "reward"),
+                                   field_str(m, "finish", max_len=32)))
+    return _Header(
+        worker_id=field_str(h, "worker_id", max_len=128),
+        seq=field_int(h, "seq"),
+        policy_version=field_int(h, "policy_version", hi=2**31),
+        contract_fingerprint=field_str(h, "contract_fingerprint", max_len=64),
+        task_id=field_str(h, "task_id", max_len=128),
+        prompt_id=field_str(h, "prompt_id", max_len=256),
+        prompt_len=field_int(h, "prompt_len", hi=MAX_RECORD_BYTES),
+        samples=samples,
+        sampling=field_number_map(h, "sampling"),
+        timings=field_number_map(h, "timings"),
+        created_at=field_float(h, "created_at", bound=1e12, default=0.0),
+    )
 
 
 class RecordRejected(ValueError):
@@ -357,6 +435,9 @@ REJECT_REASONS = (
     "finish_reason",
     "version",
     "prompt",
+    "key",
+    "duplicate",
+    "quarantined",
 )
 
 

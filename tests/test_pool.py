@@ -26,18 +26,24 @@ def setup(tmp_path, tiny_dir):
 
 
 def put(bucket, contract, task, codec, *, worker="w", seq=0, version=1, text=("aaa", "xyz"), claimed=None,
-        prompt_id="train:1", raw=None):
+        prompt_id="train:1", raw=None, lp=None):
     prompt = task.get(prompt_id)
     samples = []
+    # Distinct logprobs per (worker, seq) unless given: equal content is one record (a duplicate).
+    lp = -1.0 - seq / 64 - sum(map(ord, worker)) / 4096 if lp is None else lp
     for i, t in enumerate(text):
         toks = np.array(codec.tok.encode(t, add_special_tokens=False), np.int32)
         r = task.reward(prompt, t) if claimed is None else claimed[i]
-        samples.append(Sample(toks, np.full(toks.size, -1.0, np.float32), r, "length"))
+        samples.append(Sample(toks, np.full(toks.size, lp, np.float32), r, "length"))
     rec = RolloutRecord(worker, seq, version, contract.fingerprint(), "toy", prompt_id,
                         np.array(codec.encode_prompt(prompt.messages), np.int32), samples)
     key = rollout_key("r", version, worker, seq)
     bucket.put_create(key, rec.encode() if raw is None else raw)
     return key
+
+
+def entry(pool, key):
+    return next(e for e in pool.entries.values() if e.key == key)
 
 
 def make_pool(bucket, contract, task, codec, **kw):
@@ -78,7 +84,7 @@ def test_rewards_are_recomputed_not_trusted(setup):
     pool = make_pool(*setup)
     key = put(*setup, text=("aaa", "xyz"), claimed=[0.0, 1.0])
     pool.refresh(1)
-    np.testing.assert_allclose(pool.entries[key].rewards, [1.0, 0.0])
+    np.testing.assert_allclose(entry(pool, key).rewards, [1.0, 0.0])
     assert pool.drain_stats().reward_mismatch == 1
 
 
@@ -96,7 +102,7 @@ def test_reuse_cap_and_staleness(setup):
     pool.refresh(3)  # window is now [2, 3]: v1 records are too stale and never listed
     assert pool.available() == 0
     state = pool.state()
-    assert all("/v00000001/" not in k for k in state["uses"])
+    assert state["records"] and all(version >= 2 for version, _ in state["records"].values())
 
 
 def test_keep_filter_drops_groups_without_charging(setup):
@@ -119,3 +125,161 @@ def test_restore_respects_reuse_counts(setup):
     pool2.restore(state)
     pool2.refresh(1)
     assert pool2.available() == 0
+
+
+def test_restart_keeps_use_counts_below_a_cap_of_two(setup):
+    pool = make_pool(*setup, reuse_cap=2)
+    put(*setup, seq=0)
+    pool.refresh(1)
+    assert len(pool.take(1)) == 1
+    pool2 = make_pool(*setup, reuse_cap=2)  # a restarted trainer re-reads the record
+    pool2.restore(pool.state())
+    pool2.refresh(1)
+    again = pool2.take(1)
+    assert len(again) == 1 and again[0].uses == 2
+    assert pool2.take(1) == [] and pool2.available() == 0
+
+
+def test_entries_leave_exactly_when_they_leave_the_window(setup):
+    pool = make_pool(*setup, reuse_cap=2, staleness=1)
+    put(*setup, version=1, seq=0)
+    put(*setup, version=2, seq=1)
+    pool.refresh(2)
+    assert pool.available() == 2
+    pool.refresh(3)  # window [2, 3]: the v1 entry, never used, goes; the v2 entry stays
+    assert [e.record.policy_version for e in pool.entries.values()] == [2]
+    assert pool.drain_stats().dropped_stale == 1
+
+
+class CountingBucket:
+    """Wraps a bucket and records which keys were fetched."""
+
+    def __init__(self, inner):
+        self.inner, self.fetched = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get(self, key):
+        self.fetched.append(key)
+        return self.inner.get(key)
+
+
+def test_foreign_and_nested_keys_are_rejected_once_and_never_read(setup, tmp_path):
+    bucket, contract, task, codec = setup
+    good = put(*setup, seq=0)
+    data = bucket.get(good)
+    bucket.put_create("runs/r/rollouts/v00000001/sub/x.rec", data)  # nested copy of a valid record
+    bucket.put_create("runs/r/rollouts/v00000001/w-1.rec", data)  # seq not 8 digits
+    bucket.put_create("runs/r/rollouts/v00000001/w-00000009.rec.tmp", data)
+    vdir = tmp_path / "b" / "runs" / "r" / "rollouts" / "v00000001"
+    for name in ("w\\x-00000001.rec", "w\nx-00000002.rec", "w x-00000003.rec"):
+        (vdir / name).write_bytes(data)  # names the bucket API would refuse, planted on disk
+    counting = CountingBucket(bucket)
+    pool = make_pool(counting, contract, task, codec)
+    for _ in range(3):
+        pool.refresh(1)
+    stats = pool.drain_stats()
+    assert stats.accepted == 1 and stats.rejected == {"key": 6}
+    assert counting.fetched == [good]
+    assert [e.key for e in pool.take(8)] == [good]
+
+
+def test_oversize_objects_are_judged_by_the_listing_and_never_fetched(setup, monkeypatch):
+    bucket, contract, task, codec = setup
+    import stoa.trainer.pool as pool_mod
+
+    key = put(*setup, seq=0)
+    monkeypatch.setattr(pool_mod, "MAX_RECORD_BYTES", len(bucket.get(key)) - 1)
+    counting = CountingBucket(bucket)
+    pool = make_pool(counting, contract, task, codec)
+    pool.refresh(1)
+    assert pool.drain_stats().rejected == {"oversize": 1}
+    assert counting.fetched == []
+
+
+def test_copies_under_other_keys_count_as_one_record(setup):
+    bucket, contract, task, codec = setup
+    key = put(*setup, seq=0)
+    data = bucket.get(key)
+    for seq in range(1, 6):  # byte-identical copies under fresh, well-formed keys
+        bucket.put_create(rollout_key("r", 1, "w", seq), data)
+    relabelled = RolloutRecord.decode(data)
+    relabelled.worker_id, relabelled.seq = "other", 7
+    bucket.put_create(rollout_key("r", 1, "other", 7), relabelled.encode())
+    pool = make_pool(*setup, reuse_cap=2)
+    pool.refresh(1)
+    trained = pool.take(8) + pool.take(8) + pool.take(8)
+    assert len(trained) == 2  # one content, trained up to the cap
+    assert pool.drain_stats().rejected == {"duplicate": 6}
+
+
+def test_a_copy_after_a_restart_is_still_a_duplicate(setup):
+    bucket, contract, task, codec = setup
+    key = put(*setup, seq=0)
+    pool = make_pool(*setup, reuse_cap=2)
+    pool.refresh(1)
+    pool.take(1), pool.take(1)
+    pool2 = make_pool(*setup, reuse_cap=2)
+    pool2.restore(pool.state())
+    bucket.put_create(rollout_key("r", 1, "w", 5), bucket.get(key))
+    pool2.refresh(1)
+    assert pool2.take(8) == []
+    assert pool2.drain_stats().rejected == {"duplicate": 2}
+
+
+@pytest.mark.parametrize("header_patch", [
+    {"samples": "[" * 5000 + "]" * 5000},  # deep nesting
+    {"reward": "1" + "0" * 400},  # overflows float()
+    {"policy_version": "1" + "0" * 400},
+    {"created_at": "1" + "0" * 400},
+    {"reward": "NaN"},
+    {"reward": "1e999"},
+    {"seq": "true"},
+])
+def test_hostile_headers_are_counted_rejections(setup, header_patch):
+    bucket, contract, task, codec = setup
+    good = RolloutRecord.decode(bucket.get(put(*setup, seq=0)))
+    raw = _with_header(good, header_patch)
+    bucket.put_create(rollout_key("r", 1, "w", 1), raw)
+    pool = make_pool(*setup)
+    assert pool.refresh(1) == 1  # the good one; the hostile one is a counted rejection
+    assert pool.drain_stats().rejected == {"malformed": 1}
+
+
+def _with_header(rec, patch):
+    """Re-encode ``rec`` with raw JSON text spliced into its header (valid framing and digest)."""
+    import json
+    import struct
+
+    import xxhash
+
+    from stoa.records import RECORD_MAGIC
+
+    body = rec.encode()[:-16]
+    hlen = struct.unpack_from("<8sHHI", body)[3]
+    header = json.loads(body[16 : 16 + hlen])
+    placeholders = {}
+    for i, (name, text) in enumerate(patch.items()):
+        target = header["samples"][0] if name in ("reward",) else header
+        target[name] = f"@@{i}@@"
+        placeholders[f'"@@{i}@@"'] = text
+    htext = json.dumps(header, separators=(",", ":"))
+    for ph, text in placeholders.items():
+        htext = htext.replace(ph, text)
+    hbytes = htext.encode()
+    new = struct.pack("<8sHHI", RECORD_MAGIC, 1, 0, len(hbytes)) + hbytes + body[16 + hlen :]
+    return new + xxhash.xxh3_128_digest(new)
+
+
+class FailingListBucket(CountingBucket):
+    def list(self, prefix, start_after=None):
+        from stoa.bucket import BucketUnreachable
+
+        raise BucketUnreachable("endpoint down")
+
+
+def test_a_listing_outage_does_not_stop_the_trainer(setup):
+    bucket, contract, task, codec = setup
+    pool = make_pool(FailingListBucket(bucket), contract, task, codec)
+    assert pool.refresh(1) == 0

@@ -6,12 +6,20 @@ import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from stoa.bucket import Bucket, BucketError
-from stoa.records import RecordRejected, RolloutRecord, RunContract, rollout_version_prefix, validate_record
+from stoa.bucket import Bucket, BucketError, ObjectInfo
+from stoa.records import (
+    MAX_RECORD_BYTES,
+    RecordRejected,
+    RolloutRecord,
+    RunContract,
+    parse_rollout_key,
+    rollout_version_prefix,
+    validate_record,
+)
 from stoa.tasks.base import Task
 from stoa.tokenize import TextCodec
 
@@ -26,6 +34,7 @@ class Entry:
     record: RolloutRecord
     rewards: np.ndarray  # [n] float32, recomputed by the trainer
     uses: int = 0
+    content_id: str = ""  # the reuse cap counts this, not the key (copies share it)
 
 
 @dataclass
@@ -40,8 +49,20 @@ class PoolStats:
     tokens: int = 0
 
 
+class WorkerGate(Protocol):
+    """What the pool asks of worker quarantine (``stoa.trainer.quarantine``)."""
+
+    def observe(self, worker_id: str, accepted: bool) -> None: ...
+
+    def is_quarantined(self, worker_id: str) -> bool: ...
+
+
 class RecordPool:
     """Holds usable groups; everything read from the bucket is untrusted.
+
+    Only keys of the exact record pattern of this run are read (others are rejected as ``key`` once),
+    objects the listing reports as oversize are never fetched, and a record's content id (not its
+    key) is what the reuse cap counts: the same content under another key is a ``duplicate``.
 
     Args:
         bucket: the run's bucket.
@@ -50,83 +71,114 @@ class RecordPool:
         codec: tokenizer, to check prompt tokens and decode completions.
         staleness_bound: max ``current - policy_version`` of a usable record.
         reuse_cap: max optimizer steps a record may feed.
+        gate: worker quarantine; records of a quarantined worker are skipped (``quarantined``).
     """
 
     def __init__(self, bucket: Bucket, contract: RunContract, task: Task, codec: TextCodec, *,
-                 staleness_bound: int, reuse_cap: int):
+                 staleness_bound: int, reuse_cap: int, gate: WorkerGate | None = None):
         self.bucket, self.contract, self.task, self.codec = bucket, contract, task, codec
-        self.staleness_bound, self.reuse_cap = staleness_bound, reuse_cap
-        self.entries: dict[str, Entry] = {}
-        self.uses: dict[str, int] = {}  # every key ever taken (pruned to the window), persisted
-        self.seen: set[str] = set()  # keys already read (accepted or rejected), pruned to the window
+        self.staleness_bound, self.reuse_cap, self.gate = staleness_bound, reuse_cap, gate
+        self.entries: dict[str, Entry] = {}  # by content id
+        self.uses: dict[str, _Use] = {}  # every content id taken, pruned to the window, journaled
+        self.seen: dict[str, int] = {}  # key -> listed version: read once (accepted or rejected)
         self.stats = PoolStats()
 
     def state(self) -> dict[str, Any]:
-        """JSON-able state for the trainer journal (reuse counts of keys inside the window)."""
-        return {"uses": dict(self.uses)}
+        """JSON-able state for the trainer journal: use counts of the content ids inside the window."""
+        return {"records": {cid: [u.version, u.count] for cid, u in self.uses.items()}}
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Restore reuse counts from a journal.
+        """Restore use counts from a journal; malformed entries are ignored.
 
         Args:
             state: what ``state()`` returned.
         """
-        self.uses = {str(k): int(v) for k, v in state.get("uses", {}).items()}
+        records = state.get("records", {}) if isinstance(state, dict) else {}
+        for cid, vc in (records.items() if isinstance(records, dict) else ()):
+            if isinstance(vc, list) and len(vc) == 2 and all(type(x) is int for x in vc):
+                self.uses[str(cid)] = _Use(vc[0], vc[1])
 
     def refresh(self, current_version: int) -> int:
         """List and ingest records of the versions inside the window; return how many were accepted.
+
+        A listing that fails (bucket outage) ends this refresh early; the next one lists again.
 
         Args:
             current_version: the trainer's current policy version.
         """
         low = max(1, current_version - self.staleness_bound)
-        for key in [k for k, e in self.entries.items() if e.record.policy_version < low]:
-            del self.entries[key]
+        for cid in [c for c, e in self.entries.items() if e.record.policy_version < low]:
+            del self.entries[cid]
             self.stats.dropped_stale += 1
-        self.uses = {k: v for k, v in self.uses.items() if _version_of(k) >= low}
-        self.seen = {k for k in self.seen if _version_of(k) >= low}
+        self.uses = {c: u for c, u in self.uses.items() if u.version >= low}
+        self.seen = {k: v for k, v in self.seen.items() if v >= low}
         accepted = 0
         # Keys sort by worker, not arrival, so a start-after cursor would skip late records of
         # early-sorting workers; each version inside the window is listed whole instead (cost grows
         # with the window, never with history).
-        for v in range(low, current_version + 1):
-            prefix = rollout_version_prefix(self.contract.run_id, v)
-            for info in self.bucket.list(prefix):
-                if info.key in self.seen or self.uses.get(info.key, 0) >= self.reuse_cap:
-                    continue
-                self.seen.add(info.key)
-                accepted += self._ingest(info.key, v, current_version)
+        try:
+            for v in range(low, current_version + 1):
+                for info in self.bucket.list(rollout_version_prefix(self.contract.run_id, v)):
+                    if info.key not in self.seen:
+                        self.seen[info.key] = v
+                        accepted += self._ingest(info, v, current_version)
+        except BucketError as e:
+            log.warning("listing records failed, retrying on the next poll: %s", e)
         return accepted
 
-    def _ingest(self, key: str, version: int, current_version: int) -> int:
+    def _reject(self, key: str, worker: str | None, reason: str, detail: Any) -> int:
+        self.stats.rejected[reason] += 1
+        if worker is not None and self.gate is not None and reason != "quarantined":
+            self.gate.observe(worker, accepted=False)
+        log.warning("rejected %r: %s: %s", key, reason, detail)
+        return 0
+
+    def _ingest(self, info: ObjectInfo, version: int, current_version: int) -> int:
+        parsed = parse_rollout_key(self.contract.run_id, info.key)
+        if parsed is None or parsed.version != version:
+            return self._reject(info.key, None, "key", "not a record key of this run")
+        if info.size > MAX_RECORD_BYTES:
+            return self._reject(info.key, parsed.worker_id, "oversize", f"{info.size} bytes listed")
+        if self.gate is not None and self.gate.is_quarantined(parsed.worker_id):
+            return self._reject(info.key, parsed.worker_id, "quarantined", parsed.worker_id)
         try:
-            data = self.bucket.get(key)
+            data = self.bucket.get(info.key)
         except BucketError as e:
-            log.warning("could not read %s: %s", key, e)
-            self.seen.discard(key)  # retry on the next refresh
+            log.warning("could not read %r: %s", info.key, e)
+            del self.seen[info.key]  # retry on the next refresh
             return 0
         try:
-            rec = RolloutRecord.decode(data)
-            validate_record(rec, self.contract, current_version=current_version)
-            if rec.policy_version != version:
-                raise RecordRejected("version", f"stored under v{version} but claims v{rec.policy_version}")
-            prompt = self.task.get(rec.prompt_id)
-            if self.codec.encode_prompt(prompt.messages) != rec.prompt_tokens.tolist():
-                raise RecordRejected("prompt", f"prompt tokens do not render {rec.prompt_id}")
-        except (RecordRejected, KeyError, ValueError) as e:
-            reason = e.reason if isinstance(e, RecordRejected) else "prompt"
-            self.stats.rejected[reason] += 1
-            log.warning("rejected %s: %s", key, e)
-            return 0
-        rewards = np.array([self.task.reward(prompt, self.codec.decode(s.tokens.tolist())) for s in rec.samples],
-                           dtype=np.float32)
+            rec, rewards = self._check(data, version, current_version)
+        except RecordRejected as e:
+            return self._reject(info.key, parsed.worker_id, e.reason, e)
+        cid = rec.content_id()
+        if cid in self.entries or self.uses.get(cid, _Use(0, 0)).count >= self.reuse_cap:
+            return self._reject(info.key, parsed.worker_id, "duplicate", f"content {cid} already taken")
+        if self.gate is not None:
+            self.gate.observe(parsed.worker_id, accepted=True)
         claimed = np.array([s.reward for s in rec.samples], dtype=np.float32)
         if not np.allclose(rewards, claimed, atol=1e-6):
             self.stats.reward_mismatch += 1
-        self.entries[key] = Entry(key, rec, rewards, self.uses.get(key, 0))
+        prior = self.uses.get(cid)
+        self.entries[cid] = Entry(info.key, rec, rewards, prior.count if prior else 0, cid)
         self.stats.accepted += 1
         self.stats.tokens += sum(int(s.tokens.size) for s in rec.samples)
         return 1
+
+    def _check(self, data: bytes, version: int, current_version: int) -> tuple[RolloutRecord, np.ndarray]:
+        """Decode, validate, re-render the prompt and recompute rewards; raises ``RecordRejected`` only."""
+        rec = RolloutRecord.decode(data)
+        validate_record(rec, self.contract, current_version=current_version)
+        if rec.policy_version != version:
+            raise RecordRejected("version", f"stored under v{version} but claims v{rec.policy_version}")
+        try:
+            prompt = self.task.get(rec.prompt_id)
+        except (KeyError, ValueError) as e:
+            raise RecordRejected("prompt", str(e)) from None
+        if self.codec.encode_prompt(prompt.messages) != rec.prompt_tokens.tolist():
+            raise RecordRejected("prompt", f"prompt tokens do not render {rec.prompt_id}")
+        texts = [self.codec.decode(s.tokens.tolist()) for s in rec.samples]
+        return rec, np.array([self.task.reward(prompt, t) for t in texts], dtype=np.float32)
 
     def available(self) -> int:
         """Number of groups that can still be used."""
@@ -147,15 +199,15 @@ class RecordPool:
             if len(pool) == count:
                 break
             if keep is not None and not keep(e.rewards):
-                del self.entries[e.key]
+                del self.entries[e.content_id]
                 self.stats.filtered += 1
                 continue
             pool.append(e)
         for e in pool:
             e.uses += 1
-            self.uses[e.key] = e.uses
+            self.uses[e.content_id] = _Use(e.record.policy_version, e.uses)
             if e.uses >= self.reuse_cap:
-                del self.entries[e.key]
+                del self.entries[e.content_id]
         return pool
 
     def drain_stats(self) -> PoolStats:
@@ -164,6 +216,7 @@ class RecordPool:
         return s
 
 
-def _version_of(key: str) -> int:
-    part = key.rsplit("/", 2)[-2]
-    return int(part[1:]) if part.startswith("v") and part[1:].isdigit() else 0
+@dataclass(frozen=True)
+class _Use:
+    version: int  # the record's policy version: the entry leaves the journal with the window
+    count: int
