@@ -73,8 +73,9 @@ def loads_bounded(data: bytes, *, max_bytes: int, max_depth: int = MAX_DEPTH) ->
     depth = nesting_depth(data)
     if depth > max_depth:
         raise ValueError(f"JSON nested {depth} deep > {max_depth}")
+    text = data.decode("utf-8")  # strict: json.loads would guess UTF-16/32 from the first bytes
     try:
-        return json.loads(data, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        return json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except RecursionError as e:  # unreachable after the depth check; kept so the function stays total
         raise ValueError("JSON nested too deep") from e
 
