@@ -174,6 +174,10 @@ class WorkerConfig:
                             "plane is bf16, else fp32; mlx: bf16 on Metal, else fp32), float32, bfloat16.")
     seed: int = _f(-1, "Sampling seed (-1 = random per process).")
     log_dir: str = _f("", "Directory for worker metrics JSONL (default: inside a local bucket, else ./stoa-logs).")
+    bucket_retry_seconds: float = _f(300.0, "Retry budget of one bucket request (jittered exponential backoff) "
+                                            "before it counts as an outage; overrides STOA_BUCKET_RETRY_TIMEOUT_S.")
+    exit_on_outage: bool = _f(False, "Exit (code 4) when a bucket request exhausts its retry budget; by default "
+                                     "the worker waits and retries until the bucket answers again.")
 
     def validate(self) -> WorkerConfig:
         """Raise ``ConfigError`` naming the first invalid field; return self."""
@@ -198,6 +202,8 @@ class WorkerConfig:
             raise ConfigError("device", f"{self.device!r}: use auto, cpu, cuda or cuda:N")
         if self.dtype not in WORKER_DTYPES:
             raise ConfigError("dtype", f"{self.dtype!r} is not one of {WORKER_DTYPES}")
+        if not self.bucket_retry_seconds > 0:
+            raise ConfigError("bucket_retry_seconds", "must be > 0 (seconds one bucket request may retry)")
         return self
 
 

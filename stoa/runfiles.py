@@ -32,25 +32,58 @@ def upload_model_files(bucket: Bucket, run_id: str, model_dir: Path) -> list[str
     return keys
 
 
-def download_model_files(bucket: Bucket, run_id: str, dest: Path) -> Path:
+def _model_names(bucket: Bucket, prefix: str) -> list[str]:
+    """File names directly under the model prefix (no sub-keys, no dot files)."""
+    names = []
+    for info in bucket.list(prefix):
+        name = info.key[len(prefix):]
+        if name and "/" not in name and not name.startswith("."):
+            names.append(name)
+    return names
+
+
+def model_files_ready(names: list[str]) -> bool:
+    """Whether a model file listing is usable: ``config.json`` and ``tokenizer.json`` (fast tokenizers only).
+
+    Args:
+        names: file names under ``runs/<run>/model/``.
+    """
+    return "config.json" in names and "tokenizer.json" in names
+
+
+def download_model_files(bucket: Bucket, run_id: str, dest: Path, timeout_s: float = 0.0, poll_s: float = 1.0,
+                         echo=print) -> Path:
     """Fetch the run's config and tokenizer files into ``dest`` (used by workers and tools).
+
+    Waits up to ``timeout_s`` for them to appear (``config.json`` and ``tokenizer.json``): a worker may
+    see the contract of a trainer that is still starting, so it waits for the model files like it
+    waits for the contract, with one note line.
 
     Args:
         bucket: the run's bucket.
         run_id: the run.
         dest: local directory to fill.
+        timeout_s: how long to wait for the files (0: look once).
+        poll_s: wait between looks.
+        echo: where the waiting note goes.
+
+    Raises:
+        ObjectNotFound: no usable model files after ``timeout_s``; names the prefix and the fix.
     """
-    dest.mkdir(parents=True, exist_ok=True)
     prefix = f"{run_prefix(run_id)}/model/"
-    found = False
-    for info in bucket.list(prefix):
-        name = info.key[len(prefix):]
-        if "/" in name or not name or name.startswith("."):
-            continue
-        (dest / name).write_bytes(bucket.get(info.key))
-        found = True
-    if not found:
-        raise ObjectNotFound(f"run {run_id!r} has no model files under {prefix}")
+    deadline = time.monotonic() + timeout_s
+    noted = False
+    while not model_files_ready(names := _model_names(bucket, prefix)):
+        if time.monotonic() >= deadline:
+            raise ObjectNotFound(f"run {run_id!r} has no model files (config.json and tokenizer.json) under {prefix} "
+                                 f"after {timeout_s:.0f}s; start the trainer, or pass --model DIR")
+        if not noted:
+            echo(f"[worker] waiting for the model files of run {run_id!r} under {prefix}")
+            noted = True
+        time.sleep(poll_s)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (dest / name).write_bytes(bucket.get(prefix + name))
     return dest
 
 

@@ -17,6 +17,7 @@ from .base import (
     validate_key,
 )
 from .credentials import CredentialsError
+from .outage import PatientBucket, RetryPolicy
 
 __all__ = [
     "AccessDenied",
@@ -27,7 +28,9 @@ __all__ = [
     "ObjectExists",
     "ObjectInfo",
     "ObjectNotFound",
+    "PatientBucket",
     "PreconditionFailed",
+    "RetryPolicy",
     "open_bucket",
     "validate_key",
 ]
@@ -56,6 +59,7 @@ def open_bucket(
     env: Mapping[str, str] | None = None,
     *,
     env_file: str | os.PathLike[str] | None = None,
+    retry_seconds: float | None = None,
 ) -> Bucket:
     """Open a bucket from a URL.
 
@@ -71,6 +75,9 @@ def open_bucket(
         env: Variables to read (default ``os.environ``).
         env_file: A 0600 KEY=VALUE file to read too (default: the path in ``STOA_ENV_FILE``, if any);
             variables in ``env`` win over it.
+        retry_seconds: Retry budget of one S3 operation (time-bounded, jittered exponential backoff);
+            overrides ``STOA_BUCKET_RETRY_TIMEOUT_S``. Workers pass minutes here. A local bucket retries
+            an unusable directory (EIO, ESTALE, full, read-only) within it; without it, it fails at once.
 
     Returns:
         The bucket.
@@ -82,10 +89,11 @@ def open_bucket(
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"empty bucket URL; expected {ACCEPTED_FORMS}")
     url = url.strip()
+    local_retry = RetryPolicy.for_budget(retry_seconds) if retry_seconds is not None else None
     if "://" not in url:
         from .local import LocalBucket
 
-        return LocalBucket(url)
+        return LocalBucket(url, retry=local_retry)
     scheme, rest = url.split("://", 1)
     scheme = scheme.lower()
     if scheme == "file":
@@ -95,7 +103,7 @@ def open_bucket(
             raise ValueError(f"file:// URL without a directory; expected {ACCEPTED_FORMS}")
         from .local import LocalBucket
 
-        return LocalBucket(rest)
+        return LocalBucket(rest, retry=local_retry)
     if scheme not in ("s3", "r2"):
         raise ValueError(f"unsupported bucket URL scheme {scheme + '://'!r}; expected {ACCEPTED_FORMS}")
     if "?" in rest or "#" in rest:
@@ -107,7 +115,7 @@ def open_bucket(
         )
 
     from .credentials import resolve_env, s3_credentials
-    from .s3 import RetryPolicy, S3Bucket
+    from .s3 import S3Bucket
 
     variables = resolve_env(env, env_file)
     creds = s3_credentials(variables, scheme)
@@ -118,7 +126,10 @@ def open_bucket(
     listing = variables.get(LISTING_VAR, "server") or "server"
     if listing not in ("server", "client"):
         raise ValueError(f"{LISTING_VAR} must be 'server' or 'client', got {listing!r}")
-    retry = RetryPolicy(total_timeout_s=_float_var(variables, RETRY_TIMEOUT_VAR, 20.0))
+    if retry_seconds is not None:
+        retry = RetryPolicy.for_budget(retry_seconds)
+    else:
+        retry = RetryPolicy(total_timeout_s=_float_var(variables, RETRY_TIMEOUT_VAR, 20.0))
     return S3Bucket(
         bucket,
         prefix,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from .base import BucketError
 
@@ -18,12 +18,16 @@ __all__ = [
     "redact_url",
     "resolve_env",
     "s3_credentials",
+    "scrub_secrets",
 ]
 
 ENV_FILE_VAR = "STOA_ENV_FILE"
 R2_VARS = ("R2_ACCOUNT_ID", "R2_ACCESS_KEY_ID", "R2_SECRET_ACCESS_KEY")
 AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 _ENV_LINE = re.compile(r"^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*)$")
+MIN_SUBSTRING_SECRET = 8
+"""Secrets at least this long are scrubbed wherever they occur; shorter ones only as whole tokens."""
+REDACTED = "***"
 
 
 class CredentialsError(BucketError, ValueError):
@@ -68,6 +72,31 @@ class S3Credentials:
             The non-empty secret values.
         """
         return tuple(s for s in (self.secret_access_key, self.session_token) if s)
+
+
+def scrub_secrets(text: str, secrets: Iterable[str]) -> str:
+    """Replace secrets in ``text`` with ``***`` without mangling the rest of the message.
+
+    A secret of at least :data:`MIN_SUBSTRING_SECRET` characters is replaced wherever it occurs (such
+    a string inside ordinary text is the secret). A shorter one is replaced only where it stands as a
+    whole token (not inside a run of letters and digits): a secret ``s`` must not turn every "s" of a
+    message into ``***``, yet ``user:s@host`` still loses it. Each secret's percent-encoded form is
+    scrubbed too. Longer secrets go first, so a secret containing another is scrubbed whole.
+
+    Args:
+        text: the message.
+        secrets: secret values; empty ones are ignored.
+
+    Returns:
+        The message with every occurrence replaced.
+    """
+    forms = {f for s in secrets if s for f in (s, quote(s, safe=""))}  # as given and as a URL carries it
+    for secret in sorted(forms, key=len, reverse=True):
+        if len(secret) >= MIN_SUBSTRING_SECRET:
+            text = text.replace(secret, REDACTED)
+        else:
+            text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(secret)}(?![A-Za-z0-9])", REDACTED, text)
+    return text
 
 
 def _mask(value: str) -> str:

@@ -26,6 +26,7 @@ from .base import (
     validate_key,
     validate_prefix,
 )
+from .outage import RetryPolicy, map_os_errors
 
 __all__ = ["LocalBucket"]
 
@@ -38,21 +39,26 @@ _STALE_TMP_S = 24 * 3600.0
 _PLACE_ATTEMPTS = 8
 
 
+@map_os_errors
 class LocalBucket:
     """A bucket rooted at a directory.
 
     Layout: the object for key ``a/b/c`` is the file ``ROOT/a/b/c``. Temp files live in
     ``ROOT/.stoa/tmp`` and lock files in ``ROOT/.stoa/locks``; listing never shows them. The etag of
     an object is the hex xxh3-128 of its content. Because keys are paths, one local bucket cannot
-    hold both ``a`` and ``a/b`` (S3 can); such a write raises BucketError.
+    hold both ``a`` and ``a/b`` (S3 can); such a write raises BucketError. A directory that stops
+    working (unmounted share, EIO, full or read-only) raises BucketUnreachable, retried first under
+    ``retry`` when one is given; a permission error raises AccessDenied.
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, retry: RetryPolicy | None = None) -> None:
         """Open (and create if missing) a local bucket.
 
         Args:
             root: The directory holding the objects.
+            retry: Retry an unusable directory within this policy's budget (default: fail at once).
         """
+        self.retry = retry
         self.root = Path(root).expanduser().resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self._meta = self.root / RESERVED_TOP_SEGMENT

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import random
 import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -42,7 +40,8 @@ from .base import (
     validate_key,
     validate_prefix,
 )
-from .credentials import S3Credentials, redact_url
+from .credentials import S3Credentials, redact_url, scrub_secrets
+from .outage import RetryPolicy
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, RetryConfig, S3Credential
@@ -76,35 +75,6 @@ def _check_fork() -> None:
             "from it; obstore is not fork-safe. Start worker processes with the 'spawn' start method "
             "(multiprocessing.get_context('spawn'))."
         )
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff with jitter for transient failures (network errors, 5xx, 408/409/429).
-
-    Attributes:
-        total_timeout_s: Give up (BucketUnreachable) once this much time has passed since the first try.
-        max_attempts: Give up after this many tries.
-        initial_backoff_s: Backoff before the first retry (before jitter).
-        max_backoff_s: Cap on one backoff.
-    """
-
-    total_timeout_s: float = 20.0
-    max_attempts: int = 10
-    initial_backoff_s: float = 0.2
-    max_backoff_s: float = 4.0
-
-    def delay(self, failures: int) -> float:
-        """Backoff before the next try ("equal jitter": half fixed, half random).
-
-        Args:
-            failures: How many tries have failed so far (>= 1).
-
-        Returns:
-            Seconds to sleep.
-        """
-        base = min(self.max_backoff_s, self.initial_backoff_s * (2 ** (failures - 1)))
-        return base / 2 + random.uniform(0, base / 2)
 
 
 class _Transient(Exception):
@@ -287,9 +257,7 @@ class S3Bucket:
             userinfo = urlsplit(self._creds.endpoint).password
             if userinfo:
                 secrets.append(userinfo)
-        for secret in secrets:
-            text = text.replace(secret, "***")
-        return text
+        return scrub_secrets(text, secrets)
 
     def _short(self, exc: BaseException) -> str:
         first = str(exc).strip().split("\n", 1)[0]
