@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import logging
+import random
 import signal
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from stoa.bucket import open_bucket
+from stoa.bucket import BucketError, ObjectExists, PreconditionFailed, open_bucket
 from stoa.config import TrainerConfig
 from stoa.metrics import MetricsWriter, default_log_dir
-from stoa.runfiles import upload_model_files
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.policy import Policy
-from stoa.trainer.pool import RecordPool
+from stoa.trainer.pool import Entry, PoolStats, RecordPool
+from stoa.trainer.quarantine import Quarantine
 from stoa.trainer.setup import build_contract, ensure_contract, evaluate, reward_stats
 from stoa.trainer.step import train_step
 
 log = logging.getLogger("stoa.trainer")
+_T = TypeVar("_T")
+RETRY_MAX_SLEEP_S = 30.0
+"""Longest wait between two tries of a bucket write during an outage."""
 
 
 class _Stop:
@@ -41,6 +46,31 @@ class _Stop:
         log.warning("stop requested: finishing the current step")
 
 
+def ride_out(fn: Callable[[], _T], what: str, echo=print, max_sleep_s: float = RETRY_MAX_SLEEP_S) -> _T:
+    """Call ``fn`` until it does not raise a transient ``BucketError`` (jittered exponential backoff).
+
+    The trainer's writes (journal, patch, anchor, pointer, checkpoint) are safe to repeat, so a bucket
+    outage delays the run instead of stopping it. Conflicts (``PreconditionFailed``, ``ObjectExists``)
+    are not outages and propagate.
+
+    Args:
+        fn: the write.
+        what: what it writes, for the log line.
+        echo: where the waiting note goes.
+        max_sleep_s: cap of the backoff.
+    """
+    delay = 1.0
+    while True:
+        try:
+            return fn()
+        except (PreconditionFailed, ObjectExists):
+            raise
+        except BucketError as e:
+            echo(f"[trainer] bucket error while writing {what}, retrying in {delay:.0f}s: {e}")
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(max_sleep_s, delay * 2)
+
+
 def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
     """Run the trainer until ``cfg.steps`` steps were taken in this process (or forever).
 
@@ -51,117 +81,168 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
     Returns:
         a summary (versions, evals, step times).
     """
-    from stoa.algorithms import get_algorithm
-    from stoa.models import resolve_model
-    from stoa.tasks import get_task, parse_task_spec
-    from stoa.tokenize import TextCodec
-    from stoa.weights.planes import state_from_f32, state_to_f32
-    from stoa.weights.store import WeightPublisher, WeightSync
-    from stoa.worker.engine_torch import resolve_device
+    return _Trainer(cfg, echo).run()
 
-    stop = _Stop()
-    torch.manual_seed(cfg.seed)
-    bucket = open_bucket(cfg.bucket)
-    name, opts = parse_task_spec(cfg.task)
-    task = get_task(name, **opts)
-    model_dir = resolve_model(cfg.model)
-    codec = TextCodec(model_dir)
-    device = resolve_device(cfg.device)
-    policy = Policy(model_dir, device, temperature=cfg.temperature, gradient_checkpointing=cfg.gradient_checkpointing)
-    contract = ensure_contract(bucket, build_contract(cfg, model_dir, task, codec, policy.vocab_size))
-    upload_model_files(bucket, cfg.run, model_dir)
-    algo = get_algorithm(cfg.algo_config(), "torch")
-    ref = Policy(model_dir, device, temperature=cfg.temperature, trainable=False) if algo.cfg.kl_beta > 0 else None
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    publisher = WeightPublisher(bucket, cfg.run, cfg.plane, anchor_every=cfg.anchor_every)
-    pool = RecordPool(bucket, contract, task, codec, staleness_bound=cfg.staleness_bound, reuse_cap=cfg.reuse_cap)
-    metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / "trainer.jsonl", cfg.run)
 
-    # Resume: continue after the newest published version; restore weights, optimizer and reuse counts.
-    pointer = publisher.resume()
-    restored = ckpt.load_checkpoint(bucket, cfg.run, policy.model, opt)
-    journal = ckpt.read_journal(bucket, cfg.run) or {}
-    pool.restore(journal.get("pool", {}))
-    step = int(journal.get("step", restored.step if restored else 0))
-    summary: dict[str, Any] = {"run": cfg.run, "evals": [], "step_times": []}
-    if pointer is None:
-        version = 1
-        # Evaluate before publishing v1, so workers (which wait for v1) don't compete for the CPU.
-        summary["evals"].append(_eval(policy, codec, task, cfg, version, metrics, echo, "before"))
-        publisher.publish(version, state_from_f32(policy.export_f32(), cfg.plane))
-        echo(f"[trainer] run {cfg.run}: published v1 ({contract.model.architecture}, plane {cfg.plane})")
-    else:
-        version = pointer.version
-        if restored is None:  # crashed before the first checkpoint: keep the published weights
-            _, published = WeightSync(bucket, cfg.run, cfg.plane).sync(pointer)
-            policy.load_f32(state_to_f32(published, cfg.plane))
-        echo(f"[trainer] resumed run {cfg.run} at v{version} (checkpoint v{restored.version if restored else '-'},"
-             f" step {step})")
+class _Trainer:
+    """One trainer process: its model, optimizer, pool, publisher and counters."""
 
-    steps_here, waited_since, last_wait_note = 0, time.monotonic(), 0.0
-    last_step_at = time.monotonic()
-    while not stop.requested and (cfg.steps == 0 or steps_here < cfg.steps):
-        pool.refresh(version)
-        if pool.available() < cfg.groups_per_step:
-            idle = time.monotonic() - waited_since
-            if cfg.max_wait_seconds and idle > cfg.max_wait_seconds:
-                raise TimeoutError(f"no usable records for {idle:.0f}s (have {pool.available()} groups, "
-                                   f"need {cfg.groups_per_step}); are workers running for run {cfg.run!r}?")
-            if idle - last_wait_note > 30:
-                echo(f"[trainer] v{version}: waiting for records ({pool.available()}/{cfg.groups_per_step} groups)")
-                last_wait_note = idle
-            time.sleep(cfg.poll_seconds)
-            continue
-        entries = pool.take(cfg.groups_per_step, keep=lambda r: bool(algo.keep_groups(r[None, :])[0]))
-        if not entries:
-            continue
-        ckpt.write_journal(bucket, cfg.run, {"version": version + 1, "step": step + 1, "pool": pool.state()})
-        m = train_step(policy, ref, opt, algo, entries, current_version=version,
+    def __init__(self, cfg: TrainerConfig, echo) -> None:
+        from stoa.algorithms import get_algorithm
+        from stoa.models import resolve_model
+        from stoa.tasks import get_task, parse_task_spec
+        from stoa.tokenize import TextCodec
+        from stoa.weights.store import WeightPublisher
+        from stoa.worker.engine_torch import resolve_device
+
+        self.cfg, self.echo, self.stop = cfg, echo, _Stop()
+        torch.manual_seed(cfg.seed)
+        self.bucket = open_bucket(cfg.bucket)
+        name, opts = parse_task_spec(cfg.task)
+        self.task = get_task(name, **opts)
+        model_dir = resolve_model(cfg.model)
+        self.codec = TextCodec(model_dir)
+        device = resolve_device(cfg.device)
+        self.policy = Policy(model_dir, device, temperature=cfg.temperature,
+                             gradient_checkpointing=cfg.gradient_checkpointing)
+        contract = build_contract(cfg, model_dir, self.task, self.codec, self.policy.vocab_size)
+        self.contract = ensure_contract(self.bucket, contract, model_dir)
+        self.algo = get_algorithm(cfg.algo_config(), "torch")
+        self.ref = (Policy(model_dir, device, temperature=cfg.temperature, trainable=False)
+                    if self.algo.cfg.kl_beta > 0 else None)
+        self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.publisher = WeightPublisher(self.bucket, cfg.run, cfg.plane, anchor_every=cfg.anchor_every)
+        self.quarantine = Quarantine(enabled=cfg.quarantine, disagreement=cfg.quarantine_disagreement,
+                                     reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
+                                     top_p=cfg.top_p)
+        self.pool = RecordPool(self.bucket, self.contract, self.task, self.codec, staleness_bound=cfg.staleness_bound,
+                               reuse_cap=cfg.reuse_cap, gate=self.quarantine)
+        self.metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / "trainer.jsonl", cfg.run)
+        self.summary: dict[str, Any] = {"run": cfg.run, "evals": [], "step_times": []}
+        self.version = self.step = 0
+
+    def publish(self, version: int) -> Any:
+        from stoa.weights.planes import state_from_f32
+
+        state = state_from_f32(self.policy.export_f32(), self.cfg.plane)
+        return ride_out(lambda: self.publisher.publish(version, state), f"v{version}", self.echo)
+
+    def resume(self) -> None:
+        """Continue after the newest published version: weights, optimizer, reuse counts, quarantine."""
+        cfg = self.cfg
+        pointer = ride_out(self.publisher.resume, "(reading) the published weights", self.echo)
+        restored = ride_out(lambda: ckpt.load_checkpoint(self.bucket, cfg.run, self.policy.model, self.opt),
+                            "(reading) the checkpoint", self.echo)
+        journal = ride_out(lambda: ckpt.read_journal(self.bucket, cfg.run), "(reading) the journal", self.echo) or {}
+        self.pool.restore(journal.get("pool", {}))
+        self.quarantine.restore(journal.get("quarantine", {}))
+        self.step = int(journal.get("step", restored.step if restored else 0))
+        if pointer is None:
+            self.version = 1
+            # Evaluate before publishing v1, so workers (which wait for v1) don't compete for the CPU.
+            self.evaluate("before")
+            self.publish(1)
+            self.echo(f"[trainer] run {cfg.run}: published v1 ({self.contract.model.architecture}, plane {cfg.plane})")
+            return
+        self.version = pointer.version
+        bad = self.publisher.resume_error
+        if bad is not None:
+            self.echo(f"[trainer] the published v{pointer.version} does not verify ({bad}); the next version is "
+                      "published as a fresh anchor so workers recover")
+        if restored is None and bad is None:  # crashed before the first checkpoint: keep the published weights
+            from stoa.weights.planes import state_to_f32
+
+            assert self.publisher.published_state is not None
+            self.policy.load_f32(state_to_f32(self.publisher.published_state, cfg.plane))
+        elif restored is None:
+            self.echo("[trainer] no checkpoint either: continuing from the base model weights")
+        self.echo(f"[trainer] resumed run {cfg.run} at v{self.version} (checkpoint "
+                  f"v{restored.version if restored else '-'}, step {self.step})")
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.resume()
+        steps_here, waited_since, last_note = 0, time.monotonic(), 0.0
+        self.last_step_at = time.monotonic()
+        while not self.stop.requested and (cfg.steps == 0 or steps_here < cfg.steps):
+            self.pool.refresh(self.version)
+            if self.pool.available() < cfg.groups_per_step:
+                idle = time.monotonic() - waited_since
+                if cfg.max_wait_seconds and idle > cfg.max_wait_seconds:
+                    raise TimeoutError(f"no usable records for {idle:.0f}s (have {self.pool.available()} groups, "
+                                       f"need {cfg.groups_per_step}); are workers running for run {cfg.run!r}?")
+                if idle - last_note > 30:
+                    self.echo(f"[trainer] v{self.version}: waiting for records "
+                              f"({self.pool.available()}/{cfg.groups_per_step} groups)")
+                    last_note = idle
+                time.sleep(cfg.poll_seconds)
+                continue
+            entries = self.pool.take(cfg.groups_per_step,
+                                     keep=lambda r: bool(self.algo.keep_groups(r[None, :])[0]))
+            if not entries:
+                continue
+            self.train(entries)
+            steps_here += 1
+            if cfg.eval_every and self.step % cfg.eval_every == 0:
+                self.evaluate(f"step {self.step}")
+            waited_since = time.monotonic()
+        if steps_here and (not cfg.eval_every or self.step % cfg.eval_every):
+            self.evaluate("after")
+        self.metrics.close()
+        self.summary.update(version=self.version, step=self.step)
+        return self.summary
+
+    def train(self, entries: list[Entry]) -> None:
+        """One step: journal the uses, train, publish the new version, checkpoint, log."""
+        cfg = self.cfg
+        journal = {"version": self.version + 1, "step": self.step + 1, "pool": self.pool.state(),
+                   "quarantine": self.quarantine.state()}
+        ride_out(lambda: ckpt.write_journal(self.bucket, cfg.run, journal), "the journal", self.echo)
+        m = train_step(self.policy, self.ref, self.opt, self.algo, entries, current_version=self.version,
                        micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip, shared_prefix=cfg.shared_prefix)
-        version, step, steps_here = version + 1, step + 1, steps_here + 1
+        for worker, values in m.disagreement.items():
+            self.quarantine.observe_disagreement(worker, values)
+        self.version, self.step = self.version + 1, self.step + 1
         t_pub = time.perf_counter()
-        pub = publisher.publish(version, state_from_f32(policy.export_f32(), cfg.plane))
-        publisher.gc(cfg.keep_versions)
-        if step % cfg.checkpoint_every == 0:
-            ckpt.save_checkpoint(bucket, cfg.run, policy.model, opt, version=version, step=step)
+        pub = self.publish(self.version)
+        ride_out(lambda: self.publisher.gc(cfg.keep_versions), "(collecting) old weights", self.echo)
+        if self.step % cfg.checkpoint_every == 0:
+            ride_out(lambda: ckpt.save_checkpoint(self.bucket, cfg.run, self.policy.model, self.opt,
+                                                  version=self.version, step=self.step), "the checkpoint", self.echo)
+        self.log_step(entries, m, self.pool.drain_stats(), time.perf_counter() - t_pub, pub)
+
+    def log_step(self, entries: list[Entry], m: dict[str, float], ps: PoolStats, publish_s: float, pub: Any) -> None:
+        cfg = self.cfg
         rewards = np.stack([e.rewards for e in entries])
-        lags = np.array([version - 1 - e.record.policy_version for e in entries])
-        ps = pool.drain_stats()
-        since, last_step_at = time.monotonic() - last_step_at, time.monotonic()
+        lags = np.array([self.version - 1 - e.record.policy_version for e in entries])
+        since, self.last_step_at = time.monotonic() - self.last_step_at, time.monotonic()
         row: dict[str, Any] = {f"train/{k}": v for k, v in m.items()}
         row.update({f"rollout/{k}": v for k, v in reward_stats(rewards).items()})
-        row.update({"version": version, "train/publish_s": time.perf_counter() - t_pub,
+        row.update({"version": self.version, "train/publish_s": publish_s,
                     "train/patch_bytes": float(getattr(pub, "bytes_patch", 0)),
                     "rollout/accepted": ps.accepted, "rollout/records_per_s": ps.accepted / since,
                     "rollout/sampled_tokens_per_s": ps.tokens / since, "rollout/dropped_stale": ps.dropped_stale,
                     "rollout/reward_mismatch": ps.reward_mismatch, "rollout/lag_mean": float(lags.mean()),
                     "rollout/lag_max": int(lags.max()), "rollout/reuse_mean": float(np.mean([e.uses for e in entries]))})
         row.update({f"rollout/rejected/{k}": v for k, v in ps.rejected.items()})
+        row.update(self.quarantine.metrics())
         row["rollout/filtered"] = ps.filtered
         row["rollout/keys"] = [e.key.rsplit("/", 2)[-2] + "/" + e.key.rsplit("/", 1)[-1] for e in entries]
         for lag in range(cfg.staleness_bound + 1):
             row[f"rollout/staleness/{lag}"] = int((lags == lag).sum())
-        metrics.log(row, step=step)
-        summary["step_times"].append(m["step_time_s"])
-        echo(f"[trainer] step {step} -> v{version} | reward {row['rollout/reward_mean']:.3f} | "
-             f"loss {m['loss']:+.4f} | kl {m.get('kl', 0.0):.2e} | {m['step_time_s']:.1f}s "
-             f"({m['tokens_per_s']:.0f} tok/s) | lag {lags.mean():.1f} | records {ps.accepted / since:.2f}/s, "
-             f"sampled {ps.tokens / since:.0f} tok/s")
-        if cfg.eval_every and step % cfg.eval_every == 0:
-            summary["evals"].append(_eval(policy, codec, task, cfg, version, metrics, echo, f"step {step}"))
-        waited_since = time.monotonic()
-    if steps_here and (not cfg.eval_every or step % cfg.eval_every):
-        summary["evals"].append(_eval(policy, codec, task, cfg, version, metrics, echo, "after"))
-    metrics.close()
-    summary.update(version=version, step=step)
-    return summary
+        self.metrics.log(row, step=self.step)
+        self.summary["step_times"].append(m["step_time_s"])
+        self.echo(f"[trainer] step {self.step} -> v{self.version} | reward {row['rollout/reward_mean']:.3f} | "
+                  f"loss {m['loss']:+.4f} | kl {m.get('kl', 0.0):.2e} | {m['step_time_s']:.1f}s "
+                  f"({m['tokens_per_s']:.0f} tok/s) | lag {lags.mean():.1f} | records {ps.accepted / since:.2f}/s, "
+                  f"sampled {ps.tokens / since:.0f} tok/s")
 
-
-def _eval(policy, codec, task, cfg: TrainerConfig, version: int, metrics: MetricsWriter, echo, label: str) -> dict:
-    if cfg.eval_n == 0:
-        return {}
-    ev = evaluate(policy.model, codec, task, cfg.eval_n, cfg.max_new_tokens)
-    metrics.log({"version": version, **{f"eval/{k}": v for k, v in ev.items()}})
-    echo(f"[trainer] eval ({label}, v{version}): held-out accuracy {ev['accuracy']:.3f} on {int(ev['n'])} "
-         f"prompts ({ev['seconds']:.1f}s)")
-    return {"version": version, "label": label, **ev}
+    def evaluate(self, label: str) -> None:
+        cfg = self.cfg
+        if cfg.eval_n == 0:
+            return
+        ev = evaluate(self.policy.model, self.codec, self.task, cfg.eval_n, cfg.max_new_tokens)
+        self.metrics.log({"version": self.version, **{f"eval/{k}": v for k, v in ev.items()}})
+        self.echo(f"[trainer] eval ({label}, v{self.version}): held-out accuracy {ev['accuracy']:.3f} on "
+                  f"{int(ev['n'])} prompts ({ev['seconds']:.1f}s)")
+        self.summary["evals"].append({"version": self.version, "label": label, **ev})

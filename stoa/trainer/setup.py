@@ -10,6 +10,7 @@ import numpy as np
 from stoa.bucket import Bucket, ObjectExists
 from stoa.config import TrainerConfig
 from stoa.records import ContractMismatch, ModelSpec, RunContract, SamplingSpec, contract_key
+from stoa.runfiles import upload_model_files
 from stoa.tasks.base import Task
 from stoa.tokenize import TextCodec
 
@@ -50,17 +51,23 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
     )
 
 
-def ensure_contract(bucket: Bucket, contract: RunContract) -> RunContract:
+def ensure_contract(bucket: Bucket, contract: RunContract, model_dir: Path | None = None) -> RunContract:
     """Write the contract create-only, or verify the existing one matches (restart).
+
+    A new run gets its model files first and the contract last, so a worker that sees the contract
+    finds the files; a restart checks the contract before touching the model files.
 
     Args:
         bucket: the run's bucket.
         contract: the contract this trainer would write.
+        model_dir: the base model directory whose config and tokenizer files workers download.
 
     Raises:
-        ContractMismatch: the run exists with different settings; names the fields.
+        ContractMismatch: the run exists with different settings (or model files); names the fields.
     """
     key = contract_key(contract.run_id)
+    if not bucket.exists(key) and model_dir is not None:
+        upload_model_files(bucket, contract.run_id, model_dir)
     try:
         bucket.put_create(key, contract.to_json())
         return contract
@@ -70,6 +77,8 @@ def ensure_contract(bucket: Bucket, contract: RunContract) -> RunContract:
         if diff:
             raise ContractMismatch(diff, f"run {contract.run_id!r} already exists with other settings; "
                                          "use a new --run or the original settings") from None
+        if model_dir is not None:
+            upload_model_files(bucket, contract.run_id, model_dir)
         return existing
 
 

@@ -1,0 +1,85 @@
+"""Trainer start-up and restart against a hostile or failing bucket (in-process, tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stoa.bucket import BucketUnreachable, PreconditionFailed, open_bucket
+from stoa.config import TrainerConfig
+from stoa.records import contract_key
+from stoa.trainer.loop import _Trainer, ride_out
+from stoa.weights.store import WeightSync, anchor_prefix, patch_key
+
+
+def make_cfg(bucket: str, **kw) -> TrainerConfig:
+    base = dict(bucket=bucket, run="r", model="tiny", task="toy", n_samples=2, eval_n=0, kl_beta=0.0,
+                anchor_every=100)
+    return TrainerConfig(**{**base, **kw}).validate()
+
+
+def test_restart_over_a_corrupt_newest_patch_publishes_a_fresh_anchor(tmp_path, stoa_cache):
+    from stoa.trainer import checkpoint as ckpt
+
+    url = str(tmp_path / "b")
+    t1 = _Trainer(make_cfg(url), echo=lambda *_: None)
+    t1.resume()  # fresh run: publishes v1 (an anchor)
+    t1.publish(2)  # v2 as a patch
+    ckpt.save_checkpoint(t1.bucket, "r", t1.policy.model, t1.opt, version=2, step=1)
+    bucket = open_bucket(url)
+    patch = bytearray(bucket.get(patch_key("r", 2)))
+    patch[len(patch) // 2] ^= 0xFF
+    bucket.put(patch_key("r", 2), bytes(patch))  # the newest patch no longer verifies
+
+    lines: list[str] = []
+    t2 = _Trainer(make_cfg(url), echo=lines.append)
+    t2.resume()  # must not raise
+    assert t2.version == 2 and t2.publisher.resume_error is not None
+    assert any("does not verify" in line for line in lines)
+    info = t2.publish(3)
+    assert info.bytes_anchor > 0 and bucket.exists(anchor_prefix("r", 3) + "manifest.json")
+    version, _ = WeightSync(bucket, "r", "bf16").sync()  # a fresh worker reaches v3
+    assert version == 3
+
+
+def test_a_new_run_writes_model_files_before_the_contract(tmp_path, stoa_cache):
+    order: list[str] = []
+    inner = open_bucket(str(tmp_path / "b"))
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def put_create(self, key, data):
+            order.append(key)
+            return inner.put_create(key, data)
+
+    from stoa.models import resolve_model
+    from stoa.tasks import get_task
+    from stoa.tokenize import TextCodec
+    from stoa.trainer.setup import build_contract, ensure_contract
+
+    cfg = make_cfg(str(tmp_path / "b"))
+    model_dir = resolve_model("tiny")
+    contract = build_contract(cfg, model_dir, get_task("toy"), TextCodec(model_dir), 512)
+    ensure_contract(Spy(), contract, model_dir)
+    assert order[-1] == contract_key("r") and any("/model/config.json" in k for k in order[:-1])
+    ensure_contract(Spy(), contract, model_dir)  # a restart verifies and re-checks, idempotently
+
+
+def test_ride_out_retries_outages_but_not_conflicts(monkeypatch):
+    monkeypatch.setattr("stoa.trainer.loop.time.sleep", lambda s: None)
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 4:
+            raise BucketUnreachable("endpoint down")
+        return "ok"
+
+    assert ride_out(flaky, "x", echo=lambda *_: None) == "ok" and len(calls) == 4
+
+    def conflict():
+        raise PreconditionFailed("moved")
+
+    with pytest.raises(PreconditionFailed):
+        ride_out(conflict, "x", echo=lambda *_: None)
