@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from stoa.bucket import BucketError, open_bucket
+from stoa.bucket import PatientBucket, open_bucket
 from stoa.config import WorkerConfig
 from stoa.metrics import MetricsWriter, default_log_dir
 from stoa.records import ContractMismatch, RolloutRecord, RunContract, Sample, rollout_key
@@ -98,22 +98,27 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     """
     from stoa.tasks import get_task
     from stoa.tokenize import TextCodec
+    from stoa.weights.follow import WeightFollower
     from stoa.weights.store import WeightSync
 
-    bucket = open_bucket(cfg.bucket)
+    bucket = PatientBucket(open_bucket(cfg.bucket, retry_seconds=cfg.bucket_retry_seconds),
+                           exit_on_outage=cfg.exit_on_outage, note=echo)
     wid = worker_id(cfg.name)
     contract = wait_for_contract(bucket, cfg.run, cfg.wait_seconds, echo=echo)
     check_expectations(cfg, contract)
-    cache = Path(os.environ.get("STOA_CACHE", Path.home() / ".cache" / "stoa")) / "runs" / cfg.run / f"model-{wid}"
-    model_dir = Path(cfg.model) if cfg.model else download_model_files(bucket, cfg.run, cache)
-    check_model(model_dir, contract)
+    if cfg.model:
+        model_dir = Path(cfg.model)
+        check_model(model_dir, contract)
+    else:
+        model_dir = _fetch_model(bucket, cfg, contract, wid, echo)
     engine_name = default_engine() if cfg.engine == "auto" else cfg.engine
     engine = make_engine(engine_name, model_dir, cfg, contract.plane)
     codec = TextCodec(model_dir)
     task = get_task(contract.task_id, **dict(contract.task_spec))
     sync = WeightSync(bucket, cfg.run, contract.plane)
+    follower = WeightFollower(sync, contract.staleness_bound, base_delay_s=cfg.poll_seconds)
     metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / f"worker-{wid}.jsonl", wid)
-    version = _sync(sync, engine, contract, cfg, echo, metrics, current=None)
+    version = _sync(follower, engine, contract, cfg, echo, metrics, current=None)
     adopted_at = _published_at(sync)
     rng = np.random.default_rng(None if cfg.seed < 0 else cfg.seed)
     gen = _torch_generator(engine_name, cfg.seed)
@@ -125,7 +130,7 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     seq, total_tokens, t_start = 0, 0, time.perf_counter()
     versions_seen = {version}
     while cfg.max_groups == 0 or seq < cfg.max_groups:
-        new_version = _sync(sync, engine, contract, cfg, echo, metrics, current=version)
+        new_version = _sync(follower, engine, contract, cfg, echo, metrics, current=version)
         if new_version != version:
             version, adopted_at = new_version, _published_at(sync)
         versions_seen.add(version)
@@ -193,40 +198,85 @@ def _published_at(sync) -> float | None:
     p = getattr(sync, "pointer", None)
     try:
         return datetime.fromisoformat(p.updated_at).timestamp() if p is not None else None
-    except (AttributeError, ValueError):
+    except (AttributeError, TypeError, ValueError):
         return None
 
 
-def _sync(sync, engine, contract: RunContract, cfg: WorkerConfig, echo, metrics: MetricsWriter,
-          current: int | None) -> int:
-    """Adopt the newest verified weights; wait for the first version; keep the old ones on failure."""
-    from stoa.weights.planes import state_to_f32
-
+def _fetch_model(bucket, cfg: WorkerConfig, contract: RunContract, wid: str, echo) -> Path:
+    """Download the run's model files, waiting (up to ``wait_seconds``) while they are missing or still
+    being uploaded (a listing that does not yet match the contract's fingerprints)."""
+    cache = Path(os.environ.get("STOA_CACHE", Path.home() / ".cache" / "stoa")) / "runs" / cfg.run / f"model-{wid}"
     deadline = time.monotonic() + cfg.wait_seconds
     while True:
+        model_dir = download_model_files(bucket, cfg.run, cache, timeout_s=max(0.0, deadline - time.monotonic()),
+                                         poll_s=cfg.poll_seconds, echo=echo)
         try:
-            pointer = sync.poll()
-            if pointer is not None and (current is None or pointer.version > current):
-                version, state = sync.sync(pointer)
-                if hasattr(engine, "load_state"):
-                    engine.load_state(state, contract.plane)
-                else:
-                    engine.load_weights(state_to_f32(state, contract.plane))
-                m = sync.metrics
-                metrics.log({"worker/version": version, "worker/sync_bytes": m["bytes"],
-                             "worker/sync_s": m["seconds"], "worker/sync_path": m["path"],
-                             "worker/sync_versions_applied": m["versions_applied"]})
-                echo(f"[worker] now at v{version} ({m['path']}, {m['bytes'] / 1e6:.2f} MB in {m['seconds']:.2f}s)")
-                return version
-        except (BucketError, ValueError) as e:
-            if current is not None:  # keep sampling with the last verified weights, retry next time
-                echo(f"[worker] weight sync failed, keeping v{current}: {e}")
-                return current
-            if time.monotonic() > deadline:
+            check_model(model_dir, contract)
+            return model_dir
+        except ContractMismatch as e:
+            if time.monotonic() >= deadline:
                 raise
-            echo(f"[worker] weight sync failed, retrying: {e}")
-        if current is not None:
+            echo(f"[worker] model files in the bucket do not match the contract yet ({e}); waiting")
+            time.sleep(cfg.poll_seconds)
+
+
+def _sync(follower, engine, contract: RunContract, cfg: WorkerConfig, echo, metrics: MetricsWriter,
+          current: int | None) -> int:
+    """Adopt the newest verified weights, or keep the held ones while they stay usable.
+
+    Never exits over a refused object or an unusable pointer: the held weights keep sampling while at
+    most the contract's ``staleness_bound`` versions behind; beyond that (or before the first version)
+    this waits, retrying with the follower's jittered backoff, until a sync succeeds. Only a run that
+    publishes no pointer at all within ``wait_seconds`` raises TimeoutError.
+    """
+    deadline = time.monotonic() + cfg.wait_seconds
+    paused_at: float | None = None
+    while True:
+        step = follower.step()
+        _report_sync(step, follower, current, echo, metrics)
+        if step.adopted is not None:
+            version, state = step.adopted
+            _load(engine, state, contract.plane)
+            m = follower.sync.metrics
+            metrics.log({"worker/version": version, "worker/sync_bytes": m["bytes"], "worker/sync_s": m["seconds"],
+                         "worker/sync_path": m["path"], "worker/sync_versions_applied": m["versions_applied"],
+                         "worker/paused": 0})
+            echo(f"[worker] now at v{version} ({m['path']}, {m['bytes'] / 1e6:.2f} MB in {m['seconds']:.2f}s)")
+            return version
+        if step.usable and current is not None:
             return current
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"run {contract.run_id!r} published no weights within {cfg.wait_seconds:.0f}s")
-        time.sleep(cfg.poll_seconds)
+        if step.target is None and step.error is None:  # nothing published yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {contract.run_id!r} published no weights within {cfg.wait_seconds:.0f}s")
+        elif paused_at is None:
+            paused_at = time.monotonic()
+            held = (f"v{current} is {step.target - current} versions behind the pointer (v{step.target})"
+                    if current is not None and step.target is not None else "no verified weights yet")
+            echo(f"[worker] paused: {held}; not sampling until a sync succeeds")
+            metrics.log({"worker/paused": 1, "worker/version": current})
+        time.sleep(step.retry_in or cfg.poll_seconds)
+
+
+def _load(engine, state, plane: str) -> None:
+    """Load verified stored bits into the engine."""
+    from stoa.weights.planes import state_to_f32
+
+    if hasattr(engine, "load_state"):
+        engine.load_state(state, plane)
+    else:
+        engine.load_weights(state_to_f32(state, plane))
+
+
+def _report_sync(step, follower, current: int | None, echo, metrics: MetricsWriter) -> None:
+    """One log line and one metrics row per refused object (``worker/sync_refused`` counts them since start,
+    ``worker/sync_error`` is the reason, ``worker/sync_key`` the object); one line for a failure without one."""
+    keeping = f"keeping v{current}" if current is not None else "no weights yet"
+    before = follower.refused_total - len(step.refusals)
+    for i, r in enumerate(step.refusals, start=1):
+        echo(f"[worker] refused {r.key}: {r.reason} ({r.detail[:200]}) [{r.plan}]; "
+             + ("fell back" if step.adopted is not None else keeping))
+        metrics.log({"worker/sync_refused": before + i, "worker/sync_error": r.reason,
+                     "worker/sync_key": r.key, "worker/version": current})
+    if step.error is not None and not step.refusals:
+        echo(f"[worker] weight sync failed ({step.error}); {keeping}, retrying in {step.retry_in:.0f}s")
+        metrics.log({"worker/sync_error": step.error.reason, "worker/version": current})
