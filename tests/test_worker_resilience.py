@@ -218,3 +218,31 @@ def test_sync_rides_through_an_outage(tmp_path: Path) -> None:
     assert h.sync(None) == 1
     assert flaky.left == 0 and patient.outages >= 1
     assert any("answered again" in n for n in notes)
+
+
+def test_worker_waits_for_the_model_files_of_a_starting_trainer(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import stoa.runfiles as runfiles
+    from stoa.bucket import ObjectNotFound
+
+    bucket = open_bucket(str(tmp_path / "bucket"))
+    src = tmp_path / "model"
+    src.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (src / name).write_text(f'{{"name": "{name}"}}')
+    bucket.put_create(f"runs/{RUN}/model/config.json", (src / "config.json").read_bytes())  # upload under way
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        if len(sleeps) == 2:
+            runfiles.upload_model_files(bucket, RUN, src)
+
+    monkeypatch.setattr(runfiles.time, "sleep", sleep)
+    notes: list[str] = []
+    out = runfiles.download_model_files(bucket, RUN, tmp_path / "dest", timeout_s=60, poll_s=0.01,
+                                        echo=notes.append)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert len(sleeps) == 2 and len(notes) == 1 and "waiting for the model files" in notes[0]
+    with pytest.raises(ObjectNotFound, match="--model"):
+        runfiles.download_model_files(bucket, "other-run", tmp_path / "d2", timeout_s=0.0)
