@@ -112,7 +112,7 @@ def test_disabled_never_quarantines_but_still_reports():
     assert not q.is_quarantined("liar") and not q.is_quarantined("bad")
     assert q.admit("liar") and q.admit("bad")
     m = q.metrics()
-    assert m["quarantine/workers"] == 0 and m["quarantine/skipped"] == 0
+    assert m["quarantine/workers"] == 0 and m["quarantine/skipped"] == 0 and m["quarantine/new"] == 0
     assert m["quarantine/disagreement/liar"] == pytest.approx(10.0)
 
 
@@ -160,11 +160,11 @@ def test_tracked_workers_are_bounded_and_quarantined_ones_kept():
 
 def _entries(policy: Policy, current: int) -> tuple[list[Entry], dict[str, float]]:
     """Groups of three workers: 'hon-est' at lag 0 (records the policy's own logprobs), 'li-ar' at lag 0
-    (logprobs shifted by 0.5), 'old' at lag 1 (shifted by 2.0: must be ignored)."""
+    (logprobs shifted by 0.5; one more group at lag 1), 'old' at lag 1 (shifted by 2.0). Lag 1 must be ignored."""
     rng = np.random.default_rng(0)
     out, shift = [], {"hon-est": 0.0, "li-ar": 0.5, "old": 2.0}
     for g, (worker, version) in enumerate([("hon-est", current), ("li-ar", current), ("old", current - 1),
-                                           ("hon-est", current)]):
+                                           ("hon-est", current), ("li-ar", current - 1)]):
         prompt = rng.integers(3, 500, size=6).astype(np.int32)
         comps = [rng.integers(3, 500, size=int(t)).astype(np.int32) for t in (3, 5)]
         with torch.no_grad():
@@ -189,6 +189,6 @@ def test_train_step_returns_lag0_disagreement_per_worker(tiny_dir, shared_prefix
     d = m.disagreement
     assert set(d) == {"hon-est", "li-ar"}  # the key's worker; the lag-1 worker is left out
     assert d["hon-est"].records == 2 and d["hon-est"].values.size == 16
-    assert d["li-ar"].records == 1 and d["li-ar"].values.size == 8
+    assert d["li-ar"].records == 1 and d["li-ar"].values.size == 8  # its lag-1 group is left out
     assert float(d["hon-est"].values.max()) < 1e-4
     np.testing.assert_allclose(d["li-ar"].values, math.exp(0.5) - 1, rtol=1e-4)
