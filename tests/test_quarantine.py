@@ -192,3 +192,20 @@ def test_train_step_returns_lag0_disagreement_per_worker(tiny_dir, shared_prefix
     assert d["li-ar"].records == 1 and d["li-ar"].values.size == 8  # its lag-1 group is left out
     assert float(d["hon-est"].values.max()) < 1e-4
     np.testing.assert_allclose(d["li-ar"].values, math.exp(0.5) - 1, rtol=1e-4)
+
+
+def test_bench_flags_no_honest_torch_worker_and_catches_random_logprobs(tiny_dir, tmp_path):
+    import argparse
+
+    from stoa.bench.quarantine import add_arguments, main
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "q.jsonl"
+    assert main(p.parse_args(["--model", str(tiny_dir), "--engines", "torch", "--batches", "2", "--groups", "2",
+                              "--samples", "2", "--tokens", "12", "--liars", "random", "--min-records", "2",
+                              "--out", str(out)])) == 0
+    summary = json.loads(out.read_text().splitlines()[-1])["summary"]
+    assert summary["honest_settings"] == 4 and summary["false_positives"] == 0  # 2 dtypes x 2 trainer recomputes
+    assert summary["liar_settings"] == 2 and summary["liars_caught"] == 2
+    assert summary["margin"] > 3

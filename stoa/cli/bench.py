@@ -11,6 +11,7 @@ BENCHES = {
     "pulse": ("stoa.bench.pulse", "PULSE patch size, encode/apply speed, bit-exactness"),
     "local": ("stoa.local.bench", "single-process local mode vs mlxrl"),
     "logprobs": ("stoa.bench.logprobs", "MLX vs torch logprob gap (bf16/int8 report)"),
+    "quarantine": ("stoa.bench.quarantine", "lag-0 logprob disagreement of honest and lying workers vs threshold"),
 }
 
 
