@@ -369,8 +369,13 @@ def read_patch_header(patch: bytes | bytearray | memoryview) -> PatchInfo:
 def _decode_frame(e: _Entry, body: memoryview) -> tuple[np.ndarray, np.ndarray]:
     w = e.dtype.itemsize
     want = e.changed * (4 + w)
+    frame = bytes(body[e.offset : e.offset + e.length])
     try:
-        raw = _decompressor().decompress(bytes(body[e.offset : e.offset + e.length]), max_output_size=want)
+        # The frame header declares its size; check it before decompressing, which would allocate it.
+        declared = zstandard.get_frame_parameters(frame).content_size
+        if declared != want:
+            raise PatchError("bad_format", f"{e.name}: frame declares {declared} bytes, expected {want}")
+        raw = _decompressor().decompress(frame, max_output_size=want)
     except zstandard.ZstdError as err:
         raise PatchError("bad_format", f"{e.name}: {err}") from None
     if len(raw) != want:
