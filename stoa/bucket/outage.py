@@ -204,40 +204,53 @@ class PatientBucket:
             return result
 
     def put_create(self, key: str, data: bytes) -> None:
+        """Create-only put (identical content already there is success), waiting out outages."""
         self._call("put_create", key, lambda: self.inner.put_create(key, data))
 
     def put(self, key: str, data: bytes) -> None:
+        """Unconditional atomic overwrite, waiting out outages."""
         self._call("put", key, lambda: self.inner.put(key, data))
 
     def get(self, key: str) -> bytes:
+        """Whole object, waiting out outages."""
         return self._call("get", key, lambda: self.inner.get(key))
 
     def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        """Whole object and its etag, waiting out outages."""
         return self._call("get", key, lambda: self.inner.get_with_etag(key))
 
     def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
+        """Conditional GET (None when unchanged), waiting out outages."""
         return self._call("get", key, lambda: self.inner.get_if_changed(key, etag))
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)``, waiting out outages."""
         return self._call("get_range", key, lambda: self.inner.get_range(key, start, end))
 
     def cas(self, key: str, data: bytes, expected_etag: str | None) -> str:
+        """Compare-and-swap, passed through unretried (a landed write would lose its precondition)."""
         return self.inner.cas(key, data, expected_etag)
 
     def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """The whole listing, read before it is returned, waiting out outages."""
         return iter(self._call("list", prefix, lambda: list(self.inner.list(prefix, start_after))))
 
     def exists(self, key: str) -> bool:
+        """Whether the key holds an object, waiting out outages."""
         return self._call("exists", key, lambda: self.inner.exists(key))
 
     def delete(self, key: str) -> None:
+        """Delete (a missing key is fine), waiting out outages."""
         self._call("delete", key, lambda: self.inner.delete(key))
 
     def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix``, waiting out outages."""
         return self._call("delete_prefix", prefix, lambda: self.inner.delete_prefix(prefix))
 
     def put_file(self, key: str, path: str | os.PathLike[str], *, create_only: bool = True) -> None:
+        """Upload a local file, waiting out outages."""
         self._call("put_file", key, lambda: self.inner.put_file(key, path, create_only=create_only))
 
     def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        """Download to ``path``, waiting out outages."""
         self._call("get_file", key, lambda: self.inner.get_file(key, path))
