@@ -172,12 +172,15 @@ def test_follower_backs_off_with_jitter_and_does_not_poll_meanwhile(tmp_path: Pa
     f = WeightFollower(WeightSync(h.bucket, RUN, "bf16"), 3, base_delay_s=2.0, max_delay_s=10.0,
                        clock=lambda: now[0], rand=lambda: 1.0)
     waits = []
-    for _ in range(5):
+    for i in range(5):
         step = f.step()
         assert step.error is not None and not step.usable and step.refusals
         waits.append(step.retry_in)
         now[0] += step.retry_in / 2
-        assert f.step().refusals == []  # backing off: no poll, no new refusal
+        h.publish(i + 2)
+        meanwhile = f.step()
+        assert meanwhile.refusals == [] and meanwhile.error is None  # backing off: no sync attempt
+        assert meanwhile.target == i + 2  # but the pointer is followed
         now[0] += step.retry_in / 2
     assert waits == [2.0, 4.0, 8.0, 10.0, 10.0]
     assert f.refused_total == 5

@@ -101,8 +101,13 @@ class WeightFollower:
 
     def step(self) -> FollowStep:
         """Poll the pointer and, when behind and not backing off, sync to it. Never raises over a bad
-        object or an unreachable bucket: both come back as ``error`` (refused objects in ``refusals``)."""
-        if self._clock() < self._next_try:
+        object or an unreachable bucket: both come back as ``error`` (refused objects in ``refusals``).
+        While backing off it only re-reads the pointer, so ``usable`` follows the run."""
+        if self._clock() < self._next_try:  # backing off: only refresh the pointer (a cheap conditional GET)
+            try:
+                self.sync.poll()
+            except (SyncError, BucketError):
+                pass  # reported by the next attempt
             return self._result()
         try:
             pointer = self.sync.poll()
