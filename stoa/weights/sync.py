@@ -296,15 +296,15 @@ class WeightSync:
             target: the pointer (default: read it now).
 
         Raises:
-            SyncError: no anchor at or below the pointer verifies (``verification_failed``), or the
-                bucket failed (``unavailable``).
+            SyncError: no anchor at or below the pointer verifies (``verification_failed``).
+            BucketError: the bucket failed (an outage, not damage: retry).
         """
         pointer = self._check_pointer(target) if target is not None else self._read_pointer()
         try:
             return self.sync(pointer)
         except SyncError as e:
             if isinstance(e.__cause__, BucketError):
-                raise
+                raise e.__cause__ from None
         kept = list(self.refusals)
         try:
             anchors = {v: o for v, o in list_anchors(self.bucket, self.run_id).items() if complete(o)}
@@ -313,8 +313,6 @@ class WeightSync:
                 found = self._longest_chain(a, anchors[a], patches, pointer.version, kept)
                 if found is not None:
                     return found
-        except BucketError as e:
-            raise SyncError("unavailable", f"bucket error while looking for verified weights: {e}") from e
         finally:
             self.refusals = kept
         raise SyncError("verification_failed", f"no anchor at or below v{pointer.version} verifies")

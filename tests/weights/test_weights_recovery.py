@@ -129,6 +129,13 @@ def test_newest_verified_falls_back_to_the_longest_verified_chain(bucket: Spy, s
         WeightSync(bucket, RUN, "bf16").newest_verified()
     assert ei.value.reason == "verification_failed"
 
+    def down() -> None:
+        raise BucketUnreachable("network down")
+
+    bucket.faults[("list", "runs/run-a/weights/anchors/")] = down
+    with pytest.raises(BucketUnreachable):  # an outage is not damage: the caller retries
+        WeightSync(bucket, RUN, "bf16").newest_verified()
+
 
 def test_oversize_objects_are_refused_unread(bucket: Spy, sts: list[State]) -> None:
     pub = WeightPublisher(bucket, RUN, "bf16", anchor_every=100)
