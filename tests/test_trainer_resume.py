@@ -83,3 +83,30 @@ def test_ride_out_retries_outages_but_not_conflicts(monkeypatch):
 
     with pytest.raises(PreconditionFailed):
         ride_out(conflict, "x", echo=lambda *_: None)
+
+
+def test_restart_without_checkpoint_continues_from_the_newest_verified_weights(tmp_path, stoa_cache):
+    import torch
+
+    url = str(tmp_path / "b")
+    t1 = _Trainer(make_cfg(url), echo=lambda *_: None)
+    t1.resume()  # v1 = the base weights
+    v1 = {k: v.detach().clone() for k, v in t1.policy.model.named_parameters()}
+    with torch.no_grad():
+        for p in t1.policy.model.parameters():
+            p.add_(0.05)
+    t1.publish(2)
+    bucket = open_bucket(url)
+    patch = bytearray(bucket.get(patch_key("r", 2)))
+    patch[len(patch) // 2] ^= 0xFF
+    bucket.put(patch_key("r", 2), bytes(patch))
+
+    lines: list[str] = []
+    t2 = _Trainer(make_cfg(url, seed=1), echo=lines.append)
+    with torch.no_grad():  # start t2 away from v1, so loading v1 is observable
+        for p in t2.policy.model.parameters():
+            p.add_(1.0)
+    t2.resume()
+    assert t2.version == 2 and any("newest verified weights, v1" in line for line in lines), lines
+    for k, v in t2.policy.model.named_parameters():  # the bf16 plane of v1, within bf16 rounding
+        torch.testing.assert_close(v.detach(), v1[k], atol=0, rtol=2 ** -8)

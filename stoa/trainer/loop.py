@@ -155,9 +155,25 @@ class _Trainer:
             assert self.publisher.published_state is not None
             self.policy.load_f32(state_to_f32(self.publisher.published_state, cfg.plane))
         elif restored is None:
-            self.echo("[trainer] no checkpoint either: continuing from the base model weights")
+            self.load_newest_verified(pointer)
         self.echo(f"[trainer] resumed run {cfg.run} at v{self.version} (checkpoint "
                   f"v{restored.version if restored else '-'}, step {self.step})")
+
+    def load_newest_verified(self, pointer: Any) -> None:
+        """No checkpoint and unverifiable published weights: continue from the newest state that verifies."""
+        from stoa.weights.errors import SyncError
+        from stoa.weights.planes import state_to_f32
+        from stoa.weights.store import WeightSync
+
+        cfg = self.cfg
+        sync = WeightSync(self.bucket, cfg.run, cfg.plane)
+        try:
+            at, state = ride_out(lambda: sync.newest_verified(pointer), "(reading) older verified weights", self.echo)
+        except SyncError as e:
+            raise SystemExit(f"stoa: run {cfg.run!r} has no trainer checkpoint and no published weights verify "
+                             f"({e}); restore runs/{cfg.run}/trainer/checkpoint.safetensors or start a new run") from None
+        self.policy.load_f32(state_to_f32(state, cfg.plane))
+        self.echo(f"[trainer] no checkpoint: continuing from the newest verified weights, v{at}")
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
