@@ -9,7 +9,7 @@ BENCHES = {
     "rollout": ("stoa.bench.rollout", "new tokens/s of our engines vs mlx-lm and HF generate"),
     "trainer": ("stoa.bench.trainer", "trainer step time and tokens/s"),
     "pulse": ("stoa.bench.pulse", "PULSE patch size, encode/apply speed, bit-exactness"),
-    "local": ("stoa.local.bench", "single-process local mode vs mlxrl"),
+    "local": ("stoa.bench.local", "single-process local mode vs mlxrl"),
     "logprobs": ("stoa.bench.logprobs", "MLX vs torch logprob gap (bf16/int8 report)"),
     "quarantine": ("stoa.bench.quarantine", "lag-0 logprob disagreement of honest and lying workers vs threshold"),
 }

@@ -1,3 +1,104 @@
-"""``stoa local``: the single-process local mode (implemented in ``stoa.local.cli``)."""
+"""``stoa local train|smoke``: the single-process local mode's command line (thin: config, then the loop)."""
 
-from stoa.local.cli import register  # noqa: F401
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stoa.config import add_config_flags, config_to_toml, overrides_from_args
+from stoa.local.config import LocalConfig, load_local_config, resolve_backend
+
+SMOKE_FIELDS = ("backend", "model", "quant_bits", "quant_group_size", "lora_rank", "lora_alpha", "lora_targets",
+                "gradient_checkpointing", "dtype", "device", "threads", "torch_base", "seed")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``local`` command with ``train`` and ``smoke``.
+
+    Args:
+        sub: the top-level subparsers.
+    """
+    p = sub.add_parser("local", help="single-process RL on one machine (QLoRA, MLX or torch)",
+                       description="One process, one 4-bit base + LoRA model: group rollout and training step.")
+    lsub = p.add_subparsers(dest="local_command", metavar="ACTION")
+    lsub.required = True
+    train = lsub.add_parser("train", help="train LoRA adapters with an RL objective",
+                            description="Run a local RL training loop (config file, then flags).")
+    train.add_argument("--config", help="TOML file with local settings (flags override it)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="print the resolved config, algorithm and memory estimate, then exit")
+    train.add_argument("--beta", "--kl-beta", dest="kl_beta", type=float, default=None,
+                       help="KL-to-reference weight (0 skips the reference forward) [default: the algorithm's]")
+    add_config_flags(train, LocalConfig, skip=("kl_beta",))
+    train.set_defaults(func=run_train)
+    smoke = lsub.add_parser("smoke", help="load the model object, print its report, check only adapters train",
+                            description="Build the quantized model with LoRA adapters and report it; exits 1 "
+                                        "when a non-adapter leaf is trainable.")
+    add_config_flags(smoke, LocalConfig, skip=tuple(f for f in LocalConfig.__dataclass_fields__ if f not in SMOKE_FIELDS))
+    smoke.set_defaults(func=run_smoke)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Resolve the config and train (or print it with ``--dry-run``).
+
+    Args:
+        args: parsed arguments.
+    """
+    overrides = overrides_from_args(args, LocalConfig)
+    if args.kl_beta is not None:
+        overrides["kl_beta"] = args.kl_beta
+    cfg = load_local_config(args.config, overrides)
+    if args.dry_run:
+        return _dry_run(cfg)
+    from stoa.local.loop import run_local
+    from stoa.local.smoke import TrainableLeafError
+
+    try:
+        summary = run_local(cfg)
+    except TrainableLeafError as e:
+        print(f"stoa local train: {e}", file=sys.stderr)
+        return 1
+    evals = summary["evals"]
+    acc = " -> ".join(f"{e['eval/accuracy']:.3f}" for e in evals) if evals else "not evaluated"
+    state = "interrupted, saved" if summary["interrupted"] else "done"
+    print(f"[local] {state}: step {summary['step']}/{cfg.steps} in {summary['wall_s']:.0f}s; held-out accuracy "
+          f"{acc}; output in {summary['output_dir']}")
+    return 0
+
+
+def _dry_run(cfg: LocalConfig) -> int:
+    from stoa.local.preflight import check_fit, shape_for
+
+    print(config_to_toml(cfg), end="")
+    print(f"\n# backend: {resolve_backend(cfg.backend)}")
+    print("# resolved algorithm")
+    print("\n".join(f"# {k} = {v!r}" for k, v in sorted(cfg.algo_config().to_dict().items())))
+    shape = shape_for(cfg.model)
+    if shape is None:
+        print(f"# memory: no config.json for {cfg.model!r} without downloading it; estimated at train time")
+    else:
+        print(f"# memory: {check_fit(cfg, shape).message()}")
+    return 0
+
+
+def run_smoke(args: argparse.Namespace) -> int:
+    """Build the model object and print the smoke report; 1 when a non-adapter leaf is trainable.
+
+    Args:
+        args: parsed arguments.
+    """
+    from stoa.local.backend import make_backend
+    from stoa.local.smoke import SMOKE_MESSAGES, TrainableLeafError, smoke_report
+    from stoa.models import resolve_model
+    from stoa.tokenize import TextCodec
+
+    cfg = load_local_config(None, overrides_from_args(args, LocalConfig))
+    model_dir = resolve_model(cfg.model)
+    backend = make_backend(cfg, model_dir)
+    try:
+        smoke_report(backend, TextCodec(model_dir).encode_prompt(SMOKE_MESSAGES))
+    except TrainableLeafError as e:
+        print(f"stoa local smoke: FAILED: {e}", file=sys.stderr)
+        return 1
+    print("smoke: ok")
+    return 0

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from stoa.local.bench import MLXRL_DRIVER, _table, add_arguments
+from stoa.bench.local import MLXRL_DRIVER, _table, add_arguments
 
 
 def test_mlxrl_driver_compiles():
-    compile(MLXRL_DRIVER, "<mlxrl driver>", "exec")  # it runs in another venv: a syntax error shows only there
+    compile(MLXRL_DRIVER.read_text(), str(MLXRL_DRIVER), "exec")  # it runs in another venv: a syntax error shows only there
 
 
 def _target(step_s: float, tok_s: float, blas: str) -> dict:

@@ -14,72 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-MLXRL_DRIVER = r'''
-"""Times mlxrl's own GRPO step (rollout, old/ref logprobs, optimizer step) on a shape given as JSON."""
-import ctypes, json, os, sys, time
-spec = json.loads(sys.argv[1])
-if spec.get("mkl_rt"):  # the same BLAS as the stoa MLX target (loaded before mlx, as stoa does)
-    os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
-    ctypes.CDLL(spec["mkl_rt"], mode=os.RTLD_GLOBAL | os.RTLD_NOW)
-import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
-from mlx_lm import load
-import mlxrl.rollout.naive as naive
-import mlxrl.rollout.optimized as optimized
-from mlxrl.algo.grpo import GRPOAlgorithm
-from mlxrl.policy.logprobs import pad_token_id_from_tokenizer
-from mlxrl.policy.model import LoRAConfig, assert_only_lora_trainable, inject_lora_adapters
-from mlxrl.train.grpo import batch_from_rollouts, optimizer_step
-
-if spec["ignore_eos"]:  # every completion runs to max_tokens, as in the stoa runs
-    naive.eos_token_ids_from_tokenizer = lambda tokenizer: frozenset()
-    if hasattr(optimized, "eos_token_ids_from_tokenizer"):
-        optimized.eos_token_ids_from_tokenizer = naive.eos_token_ids_from_tokenizer
-model, tokenizer = load(spec["model_dir"])
-model.set_dtype(mx.float32)
-gs, bits = spec["group_size_q"], spec["bits"]
-blocks = {id(m) for layer in model.layers for _, m in layer.named_modules()}
-if bits < 16:  # the same base as stoa's: decoder-block linears quantized, embeddings and head in float
-    nn.quantize(model, group_size=gs, bits=bits,
-                class_predicate=lambda p, m: id(m) in blocks and isinstance(m, nn.Linear) and m.weight.shape[1] % gs == 0)
-inject_lora_adapters(model, LoRAConfig(rank=spec["rank"], scale=spec["scale"], dropout=0.0,
-                                       grad_checkpoint=spec["checkpointing"]))
-model.freeze()
-model.unfreeze(keys=["lora_a", "lora_b"])
-assert_only_lora_trainable(model)
-model.eval()
-pad = pad_token_id_from_tokenizer(tokenizer)
-sampling = naive.SamplingConfig(max_tokens=spec["max_tokens"], temperature=1.0, top_p=1.0)
-algorithm = GRPOAlgorithm()
-opt = optim.Adam(learning_rate=spec["lr"])
-rows = []
-for step, (prompt, answer) in enumerate(spec["prompts"]):
-    t0 = time.perf_counter()
-    if spec["rollout"] == "optimized":
-        comps = optimized.generate_prefix_cached_group_rollouts(model, tokenizer, [prompt], spec["G"], sampling,
-                                                                seed=step, use_chat_template=True, batch_groups=True)
-    else:
-        comps = naive.generate_group_rollouts(model, tokenizer, [prompt], spec["G"], sampling, seed=step,
-                                              use_chat_template=True)
-    t1 = time.perf_counter()
-    rewards = [float(answer in c.text) for c in comps]
-    batch = batch_from_rollouts(model=model, completions=comps, rewards=rewards, group_size=spec["G"],
-                                pad_token_id=pad, algorithm=algorithm, use_checkpoint=spec["checkpointing"],
-                                compute_reference=spec["beta"] != 0.0)
-    optimizer_step(model=model, optimizer=opt, batch=batch, beta=spec["beta"], pad_token_id=pad,
-                   algorithm=algorithm, use_checkpoint=spec["checkpointing"], micro_batch_size=0)
-    mx.eval(model.trainable_parameters(), opt.state)
-    t2 = time.perf_counter()
-    new = sum(len(c.completion_tokens) for c in comps)
-    rows.append({"rollout_s": t1 - t0, "tokens": new, "tokens_per_s": new / (t1 - t0), "step_s": t2 - t0,
-                 "prompt_len": len(comps[0].prompt_tokens)})
-import resource
-maps = open("/proc/self/maps").read() if sys.platform == "linux" else ""
-blas = "mkl" if "libmkl_rt" in maps else ("reference" if sys.platform == "linux" else "platform")
-print("RESULT " + json.dumps({"rows": rows, "allocator_peak_mb": mx.get_peak_memory() / 1e6, "blas": blas,
-                             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
-'''
+MLXRL_DRIVER = Path(__file__).with_name("mlxrl_driver.py")
+"""The mlxrl timing driver: a script run by the python of a separate venv with mlxrl installed."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -216,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
                       "gradient_checkpointing": args.gradient_checkpointing, "max_prompt_tokens": 128,
                       "preflight": False, "old_logprobs": args.old_logprobs}
             spec = {"config": config, "ignore_eos": not args.stop_at_eos}
-            cmd = [sys.executable, "-m", "stoa.local.bench", "--child", json.dumps(spec)]
+            cmd = [sys.executable, "-m", "stoa.bench.local", "--child", json.dumps(spec)]
         elif target == "mlxrl":
             if not Path(args.mlxrl_python).exists():
                 raise FileNotFoundError(f"--mlxrl-python {args.mlxrl_python} does not exist; create a separate venv: "
@@ -228,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
                     "checkpointing": args.gradient_checkpointing, "ignore_eos": not args.stop_at_eos,
                     "rollout": args.mlxrl_rollout,
                     "mkl_rt": find_mkl_rt() if args.mlxrl_blas == "same" else None}
-            cmd = [args.mlxrl_python, "-c", MLXRL_DRIVER, json.dumps(spec)]
+            cmd = [args.mlxrl_python, str(MLXRL_DRIVER), json.dumps(spec)]
         else:
             raise ValueError(f"--targets: unknown target {target!r} (torch, mlx, mlxrl)")
         name = f"{target}{args.label}" if target in ("torch", "mlx") else f"mlxrl ({args.mlxrl_rollout} rollout)"
@@ -281,6 +217,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         print("RESULT " + json.dumps(_child_local(json.loads(sys.argv[2]))), flush=True)
         sys.exit(0)
-    p = argparse.ArgumentParser(prog="python -m stoa.local.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m stoa.bench.local", description=__doc__)
     add_arguments(p)
     sys.exit(main(p.parse_args()))
