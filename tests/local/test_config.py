@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from stoa.config import ConfigError
-from stoa.local import cli
+from stoa.cli import local as cli
 from stoa.local.config import LocalConfig, load_local_config, resolve_backend
 from stoa.local.preflight import (
     KNOWN_SHAPES,
@@ -98,12 +98,6 @@ def test_cli_smoke_has_model_flags():
     assert (args.model, args.quant_bits, args.lora_rank) == ("tiny", "8", "4")
     with pytest.raises(SystemExit):
         _parse(["local", "smoke", "--steps", "3"])
-
-
-def test_cli_module_for_the_dispatcher():
-    from stoa.cli import local
-
-    assert local.register is cli.register
 
 
 # ----- memory preflight ------------------------------------------------------------------------------
