@@ -24,6 +24,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -93,16 +94,19 @@ class FaultProxy:
         max_connections: client connections served at once (more wait, then are refused).
         max_body_bytes: larger request bodies get 413.
         idle_timeout_s: an idle client connection is closed after this long.
+        label: optional ``(method, path) -> label``; faults are then also counted as ``<kind>@<label>``.
     """
 
     def __init__(self, upstream: str, rates: FaultRates = NO_FAULTS, *, seed: int = 0, lifetime_s: float = 600.0,
-                 max_connections: int = 64, max_body_bytes: int = 256 << 20, idle_timeout_s: float = 30.0):
+                 max_connections: int = 64, max_body_bytes: int = 256 << 20, idle_timeout_s: float = 30.0,
+                 label: Callable[[str, str], str] | None = None):
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname or not _is_loopback(parts.hostname) or not parts.port:
             raise ValueError(f"upstream must be http://<loopback address>:<port>, got {upstream!r}")
         self.upstream = (parts.hostname, parts.port)
         self.rates = rates
         self.lifetime_s, self.max_body_bytes, self.idle_timeout_s = lifetime_s, max_body_bytes, idle_timeout_s
+        self.label = label
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
@@ -148,16 +152,20 @@ class FaultProxy:
                     return kind, delay
             return None, 0.0
 
-    def count(self, kind: str, method: str) -> None:
+    def count(self, kind: str, method: str, path: str) -> None:
         """Record one injected fault.
 
         Args:
             kind: one of ``FAULT_KINDS``.
             method: the request's HTTP method.
+            path: the request target.
         """
+        label = self.label(method, path) if self.label is not None else None
         with self._lock:
             self._counts[kind] += 1
             self._counts[f"{kind}/{method}"] += 1
+            if label is not None:
+                self._counts[f"{kind}@{label}"] += 1
 
     def start(self) -> FaultProxy:
         """Listen on a free 127.0.0.1 port and serve in a background thread."""
@@ -240,22 +248,22 @@ class _Handler(BaseHTTPRequestHandler):
             status = 503 if delay < proxy.rates.max_latency_s / 2 else 500
             code = b"SlowDown" if status == 503 else b"InternalError"
             self._answer(status, {"Content-Type": "application/xml"}, _ERROR_BODY.replace(b"{code}", code))
-            proxy.count(kind, self.command)
+            proxy.count(kind, self.command, self.path)
             return
         if kind == "latency":
             time.sleep(delay)
-            proxy.count(kind, self.command)
+            proxy.count(kind, self.command, self.path)
         try:
             status, reason, headers, payload = self._forward(body)
         except OSError:
             self._answer(502, {}, b"upstream unreachable")
             return
         if kind == "drop_after_write":
-            proxy.count(kind, self.command)
+            proxy.count(kind, self.command, self.path)
             self._reset()
             return
         if kind == "cut_body" and len(payload) >= 2:
-            proxy.count(kind, self.command)
+            proxy.count(kind, self.command, self.path)
             self._answer(status, headers, payload, reason=reason, cut=len(payload) // 2)
             return
         self._answer(status, headers, payload, reason=reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,23 +21,46 @@ def worker_args(bucket: str, run: str, name: str) -> list[str]:
             "--groups-in-flight", "2", "--poll-seconds", "0.2", "--wait-seconds", "120"]
 
 
+def records_of(rollouts: Path, worker: str) -> set[str]:
+    """Short keys (``v<version>/<id>-<seq>.rec``) of the records a worker labelled ``worker`` uploaded."""
+    return {f"{p.parent.name}/{p.name}" for p in rollouts.glob(f"v*/{worker}-*.rec")}
+
+
+def honest_intake(rows: list[dict]) -> None:
+    """Honest workers: nothing rejected (any reason, quarantine included), no reward disagreement."""
+    rejected = {k: v for r in rows for k, v in r.items() if k.startswith("rollout/rejected/") and v}
+    assert rejected == {}
+    assert sum(r["rollout/reward_mismatch"] for r in rows) == 0
+
+
 @pytest.mark.slow
 def test_reward_rises_and_a_killed_worker_does_not_stop_training(procs, tmp_path):
     bucket = str(tmp_path / "bucket")
     metrics = tmp_path / "bucket" / "runs" / "r1" / "metrics" / "trainer.jsonl"
+    rollouts = tmp_path / "bucket" / "runs" / "r1" / "rollouts"
     trainer = procs.start("trainer", "trainer", "--bucket", bucket, "--run", "r1", "--steps", "20", *TRAIN_ARGS)
     w0 = procs.start("w0", *worker_args(bucket, "r1", "w0"))
     procs.start("w1", *worker_args(bucket, "r1", "w1"))
-    wait_for(lambda: len(train_rows(metrics)) >= 3, 180, "three trainer steps")
+    wait_for(lambda: len(train_rows(metrics)) >= 3 and records_of(rollouts, "w0"), 180, "three steps, w0 uploading")
+    assert w0.poll() is None  # alive and uploading until the kill
     w0.send_signal(signal.SIGKILL)  # a worker dies mid-run: the trainer keeps stepping
+    assert w0.wait(timeout=30) == -signal.SIGKILL
+    w0_records = records_of(rollouts, "w0")
     assert trainer.wait(timeout=300) == 0, procs.log("trainer")
     rows = train_rows(metrics)
     assert [r["version"] for r in rows] == list(range(2, 22))
+    assert records_of(rollouts, "w0") == w0_records  # nothing uploaded after the kill
+    # w1 carried the run: once w0's newest records fell out of the staleness window (3), every step
+    # trained on w1's records only.
+    w0_newest = max(int(k[1:9]) for k in w0_records)
+    after = [r for r in rows if r["version"] - 1 > w0_newest + 3]
+    assert len(after) >= 8 and all(k.split("/")[1].startswith("w1-") for r in after for k in r["rollout/keys"])
     rewards = np.array([r["rollout/reward_mean"] for r in rows])
     assert rewards[-5:].mean() > rewards[:5].mean() + 0.05, rewards
     assert all(r["rollout/lag_max"] <= 3 for r in rows)
     uses = collections.Counter(k for r in rows for k in r["rollout/keys"])
     assert max(uses.values()) <= 2
+    honest_intake(rows)
 
 
 @pytest.mark.slow
@@ -63,13 +87,55 @@ def test_trainer_restart_continues_versions_without_exceeding_reuse_cap(procs, t
     assert len(rows) == len(before) + 3
     uses = collections.Counter(k for r in rows for k in r["rollout/keys"])
     assert max(uses.values()) <= 2, uses.most_common(3)
+    honest_intake(rows)  # records used up before the kill are not rejections after the restart
 
 
-def test_contract_mismatch_stops_the_trainer_naming_the_field(procs, tmp_path):
+def test_no_records_exits_5_naming_the_run_and_a_contract_mismatch_exits_3_naming_the_field(procs, tmp_path):
     bucket = str(tmp_path / "bucket")
     t = procs.start("t1", "trainer", "--bucket", bucket, "--run", "r3", *TRAIN_ARGS, "--steps", "1",
                     "--max-wait-seconds", "1")
-    t.wait(timeout=120)  # exits (timeout waiting for records) after writing the contract
+    assert t.wait(timeout=120) == 5, procs.log("t1")  # no records for --max-wait-seconds, after writing the contract
+    assert "no usable records" in procs.log("t1") and "run 'r3'" in procs.log("t1")
     t2 = procs.start("t2", "trainer", "--bucket", bucket, "--run", "r3", *TRAIN_ARGS, "--n-samples", "6")
     assert t2.wait(timeout=120) == 3
     assert "n_samples" in procs.log("t2")
+
+
+@pytest.mark.slow
+def test_fp32_worker_logprobs_equal_the_trainer_recompute_at_the_published_weights(procs, tmp_path, tiny_dir):
+    """README: ``--dtype float32`` worker logprobs equal the trainer's recompute; lag-0 records of a fleet worker."""
+    import torch
+
+    from stoa.bucket import open_bucket
+    from stoa.records import RolloutRecord, RunContract, contract_key
+    from stoa.trainer.policy import Policy, pack
+    from stoa.weights.planes import state_to_f32
+    from stoa.weights.store import WeightSync
+
+    bucket, run = str(tmp_path / "bucket"), "lp"
+    newest = tmp_path / "bucket" / "runs" / run / "rollouts" / "v00000003"
+    t = procs.start("trainer", "trainer", "--bucket", bucket, "--run", run, *TRAIN_ARGS, "--steps", "2")
+    w = procs.start("w0", *worker_args(bucket, run, "w0"), "--dtype", "float32", "--seed", "3")
+    assert t.wait(timeout=240) == 0, procs.log("trainer")
+    wait_for(lambda: len(list(newest.glob("*.rec"))) >= 4, 120, "records sampled at the final version v3")
+    w.kill()
+    w.wait(timeout=30)
+    b = open_bucket(bucket)
+    contract = RunContract.from_json(b.get(contract_key(run)))
+    version, state = WeightSync(b, run, contract.plane).sync()  # v3 reached through patches from the anchor
+    assert version == 3
+    policy = Policy(tiny_dir, torch.device("cpu"), temperature=contract.sampling.temperature, trainable=False)
+    policy.load_f32(state_to_f32(state, contract.plane))
+    worst, tokens = 0.0, 0
+    for path in sorted(newest.glob("*.rec")):
+        rec = RolloutRecord.decode(path.read_bytes())
+        assert rec.policy_version == 3
+        t_max = max(s.tokens.size for s in rec.samples)
+        batch = pack([rec.prompt_tokens] * len(rec.samples), [s.tokens for s in rec.samples], t_max, policy.device)
+        with torch.no_grad():
+            recomputed = policy.logprobs(batch).numpy()
+        for i, s in enumerate(rec.samples):
+            worst = max(worst, float(np.abs(recomputed[i, : s.tokens.size] - s.logprobs).max()))
+            tokens += s.tokens.size
+    print(f"\nfp32 worker vs trainer recompute at v3: max |d logprob| {worst:.2e} over {tokens} tokens")
+    assert tokens >= 16 and worst <= 1e-5
