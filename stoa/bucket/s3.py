@@ -6,31 +6,25 @@ import mmap
 import os
 import re
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
-from urllib.parse import urlsplit
 
 import obstore as obs
 import xxhash
 from obstore.exceptions import (
     AlreadyExistsError,
     NotModifiedError,
-    PermissionDeniedError,
     PreconditionError,
-    UnauthenticatedError,
 )
 from obstore.exceptions import BaseError as ObstoreError
 from obstore.store import S3Store
 
 from .base import (
-    AccessDenied,
     BucketError,
-    BucketUnreachable,
     ObjectExists,
     ObjectInfo,
     ObjectNotFound,
@@ -40,8 +34,9 @@ from .base import (
     validate_key,
     validate_prefix,
 )
-from .credentials import S3Credentials, redact_url, scrub_secrets
+from .credentials import S3Credentials, redact_url
 from .outage import RetryPolicy
+from .s3_retry import STATUS, Budget, S3Failures, check_fork
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, RetryConfig, S3Credential
@@ -56,38 +51,6 @@ MIB = 1 << 20
 MAX_SINGLE_PUT = 5 * 1024 * MIB
 _DOWNLOAD_CHUNK = 8 * MIB
 _DELETE_BATCH = 1000
-_MESSAGE_LIMIT = 300
-_STATUS = re.compile(r"status code: (\d{3})")
-
-# obstore runs a tokio runtime that does not survive fork(): a forked child of a process that already
-# made an obstore request hangs on its first request. We remember the first process that made one.
-_obstore_pid: int | None = None
-
-
-def _check_fork() -> None:
-    global _obstore_pid
-    pid = os.getpid()
-    if _obstore_pid is None:
-        _obstore_pid = pid
-    elif _obstore_pid != pid:
-        raise BucketError(
-            f"obstore was already used in process {_obstore_pid} and this process ({pid}) was forked "
-            "from it; obstore is not fork-safe. Start worker processes with the 'spawn' start method "
-            "(multiprocessing.get_context('spawn'))."
-        )
-
-
-class _Transient(Exception):
-    """Internal: a failure worth retrying; carries the scrubbed message."""
-
-
-class _Budget:
-    """Internal: failures so far and start time of one retried operation."""
-
-    def __init__(self) -> None:
-        self.failures = 0
-        self.started = time.monotonic()
-
 
 class _StaticCredentials:
     """obstore credential provider returning fixed credentials (so obstore ignores AWS_* in os.environ)."""
@@ -172,6 +135,7 @@ class S3Bucket:
         self.endpoint = (
             redact_url(credentials.endpoint) if credentials.endpoint else f"AWS S3 ({credentials.region})"
         )
+        self._failures = S3Failures(self.url, self.endpoint, bucket, credentials, self._retry)
         self._lock = threading.Lock()
         self._stores: dict[bool, S3Store] = {}
         self._pid = os.getpid()
@@ -193,7 +157,7 @@ class S3Bucket:
     # ------------------------------------------------------------------ store
 
     def _store(self, bulk: bool = False) -> S3Store:
-        _check_fork()
+        check_fork()
         with self._lock:
             if self._pid != os.getpid():
                 self._stores = {}
@@ -250,82 +214,6 @@ class S3Bucket:
 
     def _rel(self, path: str) -> str:
         return path[len(self.prefix) + 1 :] if self.prefix else path
-
-    def _scrub(self, text: str) -> str:
-        secrets = list(self._creds.secrets())
-        if self._creds.endpoint:
-            userinfo = urlsplit(self._creds.endpoint).password
-            if userinfo:
-                secrets.append(userinfo)
-        return scrub_secrets(text, secrets)
-
-    def _short(self, exc: BaseException) -> str:
-        first = str(exc).strip().split("\n", 1)[0]
-        if len(first) > _MESSAGE_LIMIT:
-            first = first[:_MESSAGE_LIMIT] + "…"
-        return self._scrub(f"{type(exc).__name__}: {first}")
-
-    def _translate(self, exc: BaseException, op: str, key: str) -> BaseException:
-        """Map an obstore failure to a BucketError, or to _Transient if it is worth retrying."""
-        where = f"{op} {self.url}" + (f" key {key!r}" if key else "")
-        short = self._short(exc)
-        if not isinstance(exc, (ObstoreError, FileNotFoundError)):
-            return exc
-        if "NoSuchBucket" in str(exc):
-            return BucketError(f"{where}: bucket {self.bucket!r} does not exist at {self.endpoint}")
-        if isinstance(exc, FileNotFoundError):
-            return ObjectNotFound(f"{where}: no such object")
-        if isinstance(exc, AlreadyExistsError):
-            return ObjectExists(f"{where}: an object already exists at the key")
-        if isinstance(exc, PreconditionError):
-            return PreconditionFailed(f"{where}: precondition failed (etag changed)")
-        if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)):
-            return AccessDenied(
-                f"{where}: access denied by {self.endpoint} for credentials from {self._creds.source} ({short})"
-            )
-        m = _STATUS.search(str(exc))
-        status = int(m.group(1)) if m else None
-        if status in (401, 403):
-            return AccessDenied(
-                f"{where}: access denied by {self.endpoint} for credentials from {self._creds.source} ({short})"
-            )
-        if status is None or status >= 500 or status in (408, 409, 429):
-            return _Transient(short)
-        return BucketError(f"{where}: {short}")
-
-    def _recover(self, exc: Exception, op: str, key: str, budget: _Budget) -> None:
-        """Raise ``exc`` translated to a BucketError, or sleep before the next try if it is transient."""
-        err = self._translate(exc, op, key)
-        if err is exc:
-            raise exc
-        if not isinstance(err, _Transient):
-            raise err from None
-        budget.failures += 1
-        policy = self._retry
-        elapsed = time.monotonic() - budget.started
-        delay = policy.delay(budget.failures)
-        if budget.failures >= policy.max_attempts or elapsed + delay > policy.total_timeout_s:
-            raise BucketUnreachable(
-                f"{op} on {self.url} failed: endpoint {self.endpoint} unreachable or failing after "
-                f"{budget.failures} attempt(s) over {elapsed:.1f}s (retry budget "
-                f"{policy.total_timeout_s:g}s); last error: {err}"
-            ) from None
-        time.sleep(delay)
-
-    def _attempts(self, op: str, key: str, fn: Callable[[int], _T]) -> _T:
-        """Run ``fn(failures)`` until it succeeds, retrying transient failures within the budget.
-
-        ``failures`` is 0 on the first try; a retry means an earlier try failed in a way that may or
-        may not have reached the store.
-        """
-        budget = _Budget()
-        while True:
-            try:
-                return fn(budget.failures)
-            except BucketError:
-                raise
-            except Exception as exc:
-                self._recover(exc, op, key, budget)
 
     # ---------------------------------------------------------------- helpers
 
@@ -388,7 +276,7 @@ class S3Bucket:
                 "of other keys ('a' and 'a/b')"
             )
 
-        self._attempts(op, key, attempt)
+        self._failures.attempts(op, key, attempt)
 
     # --------------------------------------------------------------- protocol
 
@@ -438,7 +326,7 @@ class S3Bucket:
             else:
                 obs.put(self._store(), path, data, mode="overwrite", use_multipart=False)
 
-        self._attempts("put", key, attempt)
+        self._failures.attempts("put", key, attempt)
 
     def get(self, key: str) -> bytes:
         """Read a whole object.
@@ -477,7 +365,7 @@ class S3Bucket:
                 raise BucketError(f"get {self.url} key {key!r}: the store returned no ETag")
             return data, etag
 
-        return self._attempts("get", key, attempt)
+        return self._failures.attempts("get", key, attempt)
 
     def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
         """Conditional GET (``If-None-Match: <etag>``).
@@ -509,7 +397,7 @@ class S3Bucket:
                 raise BucketError(f"get {self.url} key {key!r}: the store returned no ETag")
             return bytes(result.bytes()), current
 
-        return self._attempts("get_if_changed", key, attempt)
+        return self._failures.attempts("get_if_changed", key, attempt)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Read bytes ``[start, end)``; like slicing, a range past the end is clipped.
@@ -539,11 +427,11 @@ class S3Bucket:
             try:
                 return bytes(obs.get_range(self._store(), path, start=start, end=end))
             except ObstoreError as exc:
-                if "416" in _STATUS.findall(str(exc)):
+                if "416" in STATUS.findall(str(exc)):
                     return b""  # the range starts at or past the end of the object
                 raise
 
-        return self._attempts("get_range", key, attempt)
+        return self._failures.attempts("get_range", key, attempt)
 
     def cas(self, key: str, data: bytes, expected_etag: str | None) -> str:
         """Compare-and-swap (``If-Match: <etag>``, or ``If-None-Match: *`` when ``expected_etag`` is None).
@@ -588,7 +476,7 @@ class S3Bucket:
                 raise BucketError(f"cas {self.url} key {key!r}: the store returned no ETag")
             return etag
 
-        return self._attempts("cas", key, attempt)
+        return self._failures.attempts("cas", key, attempt)
 
     def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
         """List objects whose key starts with ``prefix`` (plain string prefix), sorted by key.
@@ -627,7 +515,7 @@ class S3Bucket:
             out.sort(key=lambda info: info.key)
             return out
 
-        yield from self._attempts("list", prefix, attempt)
+        yield from self._failures.attempts("list", prefix, attempt)
 
     def _list_server(
         self, list_prefix: str | None, prefix: str, start_after: str | None
@@ -637,7 +525,7 @@ class S3Bucket:
         floor = _floor(prefix)
         if floor is not None and (position is None or floor > position):
             position = floor
-        budget = _Budget()
+        budget = Budget()
         while True:
             last_seen: str | None = None
             # obstore normalises paths (e.g. drops a trailing '/'), so send a valid key that is <= position
@@ -674,7 +562,7 @@ class S3Bucket:
             except BucketError:
                 raise
             except Exception as exc:
-                self._recover(exc, "list", prefix, budget)
+                self._failures.recover(exc, "list", prefix, budget)
 
     def exists(self, key: str) -> bool:
         """Whether an object is stored at ``key`` (HEAD).
@@ -697,7 +585,7 @@ class S3Bucket:
                 return False
             return True
 
-        return self._attempts("exists", key, attempt)
+        return self._failures.attempts("exists", key, attempt)
 
     def delete(self, key: str) -> None:
         """Delete an object; a missing key is fine.
@@ -715,7 +603,7 @@ class S3Bucket:
                 if "NoSuchBucket" in str(exc):
                     raise
 
-        self._attempts("delete", key, attempt)
+        self._failures.attempts("delete", key, attempt)
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object whose key starts with ``prefix`` (bulk DeleteObjects, 1000 per request).
@@ -729,7 +617,7 @@ class S3Bucket:
         keys = [info.key for info in self.list(prefix)]
         for i in range(0, len(keys), _DELETE_BATCH):
             batch: Sequence[str] = [self._full(k) for k in keys[i : i + _DELETE_BATCH]]
-            self._attempts("delete_prefix", prefix, lambda _, b=batch: obs.delete(self._store(), b))
+            self._failures.attempts("delete_prefix", prefix, lambda _, b=batch: obs.delete(self._store(), b))
         return len(keys)
 
     def put_file(self, key: str, path: str | os.PathLike[str], *, create_only: bool = True) -> None:
@@ -776,7 +664,7 @@ class S3Bucket:
                     max_concurrency=self._max_concurrency,
                 )
 
-        self._attempts("put_file", key, attempt)
+        self._failures.attempts("put_file", key, attempt)
 
     def _put_file_create(self, key: str, full: str, src: Path, size: int) -> None:
         digest_cache: list[str] = []
@@ -795,7 +683,7 @@ class S3Bucket:
                 raise ObjectExists(f"put_file {self.url} key {key!r}: a different object exists")
             return True
 
-        if self._attempts("put_file", key, precheck):
+        if self._failures.attempts("put_file", key, precheck):
             return
 
         @contextmanager
@@ -832,7 +720,7 @@ class S3Bucket:
                 for chunk in result.stream(min_chunk_size=_DOWNLOAD_CHUNK):
                     out.write(chunk)
 
-            self._attempts("get_file", key, attempt)
+            self._failures.attempts("get_file", key, attempt)
             out.flush()
             os.fsync(out.fileno())
             out.close()

@@ -149,5 +149,5 @@ def test_long_secrets_are_scrubbed_everywhere_including_url_encoded() -> None:
 def test_s3_error_messages_with_a_one_letter_secret_stay_readable() -> None:
     creds = S3Credentials(access_key_id="AKIDEXAMPLE", secret_access_key="s", endpoint="http://u:p@127.0.0.1:9")
     bucket = S3Bucket("b", "p", credentials=creds)
-    text = bucket._short(RuntimeError("connection refused: status 503, retries s and p exhausted"))
+    text = bucket._failures.short(RuntimeError("connection refused: status 503, retries s and p exhausted"))
     assert text == "RuntimeError: connection refused: status 503, retries *** and *** exhausted"
