@@ -6,11 +6,9 @@ import mmap
 import os
 import re
 import threading
-import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import obstore as obs
@@ -29,11 +27,11 @@ from .base import (
     ObjectNotFound,
     PreconditionFailed,
     content_digest,
-    file_digest,
     validate_key,
 )
 from .credentials import S3Credentials, redact_url
 from .outage import RetryPolicy
+from .s3_files import DOWNLOAD_CHUNK, MAX_SINGLE_PUT, MIB, S3Files
 from .s3_list import S3Listing
 from .s3_retry import STATUS, S3Failures, check_fork
 
@@ -45,10 +43,6 @@ __all__ = ["Listing", "RetryPolicy", "S3Bucket"]
 _T = TypeVar("_T")
 Listing = Literal["server", "client"]
 
-MIB = 1 << 20
-# S3's limit for one PUT; create-only uploads are single PUTs (see put_file).
-MAX_SINGLE_PUT = 5 * 1024 * MIB
-_DOWNLOAD_CHUNK = 8 * MIB
 _DELETE_BATCH = 1000
 
 class _StaticCredentials:
@@ -69,7 +63,7 @@ class _StaticCredentials:
         return "_StaticCredentials(***)"
 
 
-class S3Bucket(S3Listing):
+class S3Bucket(S3Listing, S3Files):
     """A bucket (optionally under a key prefix) on an S3-compatible store.
 
     Conditional writes use ``If-None-Match: *`` (create) and ``If-Match: <etag>`` (CAS). All retrying
@@ -221,7 +215,7 @@ class S3Bucket(S3Listing):
         result = obs.get(self._store(bulk=True), path)
         h = xxhash.xxh3_128()
         size = 0
-        for chunk in result.stream(min_chunk_size=_DOWNLOAD_CHUNK):
+        for chunk in result.stream(min_chunk_size=DOWNLOAD_CHUNK):
             h.update(chunk)
             size += len(chunk)
         return size, h.hexdigest()
@@ -532,116 +526,3 @@ class S3Bucket(S3Listing):
             batch: Sequence[str] = [self._full(k) for k in keys[i : i + _DELETE_BATCH]]
             self._failures.attempts("delete_prefix", prefix, lambda _, b=batch: obs.delete(self._store(), b))
         return len(keys)
-
-    def put_file(self, key: str, path: str | os.PathLike[str], *, create_only: bool = True) -> None:
-        """Upload a local file atomically.
-
-        ``create_only=False`` streams a multipart upload (``part_size`` parts, ``max_concurrency`` in
-        flight; memory stays around part_size x concurrency). ``create_only=True`` needs
-        ``If-None-Match``, which obstore only sends on a single PUT, so the file is memory-mapped and
-        sent as one PUT (page cache, not heap; S3 caps it at 5 GiB). A HEAD first avoids re-uploading
-        a large file that is already there.
-
-        Args:
-            key: Object key.
-            path: Local file.
-            create_only: Fail with ObjectExists if a different object is there (identical is success).
-
-        Raises:
-            ObjectExists: create_only and a different object is stored at ``key``.
-            ValueError: create_only and the file is larger than 5 GiB.
-        """
-        validate_key(key)
-        src = Path(path)
-        size = os.stat(src).st_size
-        full = self._full(key)
-        if create_only:
-            if size > MAX_SINGLE_PUT:
-                raise ValueError(
-                    f"put_file create_only is one PUT and S3 caps a PUT at 5 GiB ({src} is {size} bytes); "
-                    "use create_only=False (multipart) for larger files"
-                )
-            self._put_file_create(key, full, src, size)
-            return
-
-        def attempt(_: int) -> None:
-            if size <= self._part_size:
-                obs.put(self._store(), full, src.read_bytes(), mode="overwrite", use_multipart=False)
-            else:
-                obs.put(
-                    self._store(bulk=True),
-                    full,
-                    src,
-                    use_multipart=True,
-                    chunk_size=self._part_size,
-                    max_concurrency=self._max_concurrency,
-                )
-
-        self._failures.attempts("put_file", key, attempt)
-
-    def _put_file_create(self, key: str, full: str, src: Path, size: int) -> None:
-        digest_cache: list[str] = []
-
-        def digest() -> str:
-            if not digest_cache:
-                digest_cache.append(file_digest(src))
-            return digest_cache[0]
-
-        def precheck(_: int) -> bool:
-            try:
-                same = self._same_content(full, size, digest)
-            except FileNotFoundError:
-                return False
-            if not same:
-                raise ObjectExists(f"put_file {self.url} key {key!r}: a different object exists")
-            return True
-
-        if self._failures.attempts("put_file", key, precheck):
-            return
-
-        @contextmanager
-        def body() -> Iterator[bytes | mmap.mmap]:
-            if size == 0:
-                yield b""
-                return
-            with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                yield m
-
-        self._create("put_file", key, full, body, size, digest)
-
-    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
-        """Stream an object to ``path`` through a temp file next to it, renamed into place.
-
-        Args:
-            key: Object key.
-            path: Destination file; its directory must exist.
-
-        Raises:
-            ObjectNotFound: Nothing is stored at ``key``.
-        """
-        validate_key(key)
-        full = self._full(key)
-        dest = Path(path)
-        part = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.part")
-        out = open(part, "wb")
-        try:
-
-            def attempt(_: int) -> None:
-                out.seek(0)
-                out.truncate()
-                result = obs.get(self._store(bulk=True), full)
-                for chunk in result.stream(min_chunk_size=_DOWNLOAD_CHUNK):
-                    out.write(chunk)
-
-            self._failures.attempts("get_file", key, attempt)
-            out.flush()
-            os.fsync(out.fileno())
-            out.close()
-            os.replace(part, dest)
-        except BaseException:
-            out.close()
-            try:
-                os.unlink(part)
-            except FileNotFoundError:
-                pass
-            raise
