@@ -1,15 +1,13 @@
-"""The bucket contract: every object type the two sides exchange, its schema version and codec.
+"""Rollout records: what a worker writes per prompt group, its binary codec and the trainer's validation.
 
-Who writes and who reads each type:
+A ``RolloutRecord`` lives at ``stoa.layout.rollout_key`` (``rollouts/v<version>/<worker>-<seq>.rec``):
+written create-only by workers, one per prompt group; read by the trainer, which treats it as
+untrusted input (``RolloutRecord.decode`` checks framing and digest, ``validate_record`` checks it
+against the run contract). The contract itself is in ``stoa.contract``; the weight pointer, anchors
+and patches in ``stoa.weights`` (see docs/weights.md).
 
-- ``RunContract`` (``runs/<run>/run.json``): written once, create-only, by the trainer before
-  the first anchor; read and verified by every worker (and by a restarting trainer).
-- ``RolloutRecord`` (``runs/<run>/rollouts/v<version>/<worker>-<seq>.rec``): written
-  create-only by workers, one per prompt group; read by the trainer, which treats it as
-  untrusted input (``validate_record``).
-- The weight pointer, anchors and patches (``runs/<run>/weights/...``) are written by the
-  trainer and read by workers; their byte layout lives in ``stoa.weights`` (see docs/weights.md).
-
+The contract names and the rollout key functions are re-exported here for existing imports until
+the sweep (import them from ``stoa.contract`` and ``stoa.layout``).
 This module imports neither torch nor mlx: both kinds of worker and the trainer use it.
 """
 
@@ -17,19 +15,56 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
+from stoa.contract import (
+    SCHEMA_VERSION,
+    ContractMismatch,
+    ModelSpec,
+    RunContract,
+    SamplingSpec,
+    canonical_json,
+    digest_hex,
+)
+from stoa.layout import (
+    RolloutKey,
+    contract_key,
+    parse_rollout_key,
+    rollout_key,
+    rollout_version_prefix,
+    run_prefix,
+)
 from stoa.untrusted import field_float, field_int, field_number_map, field_str, loads_bounded
 
-SCHEMA_VERSION = 1
-"""Version of every record type in this module; bump on any incompatible change."""
+__all__ = [
+    "FINISH_REASONS",
+    "MAX_HEADER_BYTES",
+    "MAX_RECORD_BYTES",
+    "MAX_SAMPLES",
+    "RECORD_MAGIC",
+    "REJECT_REASONS",
+    "SCHEMA_VERSION",
+    "ContractMismatch",
+    "ModelSpec",
+    "RecordRejected",
+    "RolloutKey",
+    "RolloutRecord",
+    "RunContract",
+    "Sample",
+    "SamplingSpec",
+    "canonical_json",
+    "contract_key",
+    "digest_hex",
+    "parse_rollout_key",
+    "rollout_key",
+    "rollout_version_prefix",
+    "run_prefix",
+    "validate_record",
+]
 
 RECORD_MAGIC = b"STOAREC\x00"
 _PREFIX = struct.Struct("<8sHHI")  # magic, schema version, reserved, header length
@@ -38,195 +73,6 @@ MAX_RECORD_BYTES = 64 * 1024 * 1024
 """Records larger than this are rejected before decoding (``oversize``)."""
 
 FINISH_REASONS = ("stop", "length")
-
-
-def run_prefix(run_id: str) -> str:
-    """Return the key prefix of a run inside the bucket."""
-    return f"runs/{run_id}"
-
-
-def contract_key(run_id: str) -> str:
-    """Return the key of a run's contract."""
-    return f"{run_prefix(run_id)}/run.json"
-
-
-def rollout_version_prefix(run_id: str, version: int) -> str:
-    """Return the key prefix under which records sampled at ``version`` live."""
-    return f"{run_prefix(run_id)}/rollouts/v{version:08d}/"
-
-
-def rollout_key(run_id: str, version: int, worker_id: str, seq: int) -> str:
-    """Return the key of one rollout record."""
-    return f"{rollout_version_prefix(run_id, version)}{worker_id}-{seq:08d}.rec"
-
-
-_ROLLOUT_NAME = re.compile(r"v([0-9]{8})/([A-Za-z0-9][A-Za-z0-9._-]{0,127})-([0-9]{8})\.rec")
-
-
-@dataclass(frozen=True)
-class RolloutKey:
-    """The parts of a well-formed rollout key."""
-
-    version: int
-    worker_id: str
-    seq: int
-
-
-def parse_rollout_key(run_id: str, key: str) -> RolloutKey | None:
-    """Parse ``runs/<run>/rollouts/v<8 digits>/<worker>-<8 digits>.rec``; ``None`` for any other key.
-
-    Args:
-        run_id: the run the key must belong to.
-        key: a listed key (untrusted: any string).
-    """
-    head = f"{run_prefix(run_id)}/rollouts/"
-    m = _ROLLOUT_NAME.fullmatch(key[len(head):]) if key.startswith(head) else None
-    return RolloutKey(int(m.group(1)), m.group(2), int(m.group(3))) if m else None
-
-
-def canonical_json(obj: Any) -> bytes:
-    """Serialise ``obj`` as canonical JSON (sorted keys, no spaces) for hashing."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
-def digest_hex(data: bytes) -> str:
-    """Return the hex xxh3-128 digest used for fingerprints."""
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-class ContractMismatch(RuntimeError):
-    """A worker or trainer found a run contract that disagrees with its own view.
-
-    Args:
-        fields: names of the mismatching fields (dotted paths).
-        detail: a human-readable explanation.
-    """
-
-    def __init__(self, fields: Sequence[str], detail: str = ""):
-        self.fields = list(fields)
-        msg = "run contract mismatch in field(s): " + ", ".join(self.fields)
-        if detail:
-            msg += f" ({detail})"
-        super().__init__(msg)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What both sides must agree on about the model."""
-
-    architecture: str
-    """Model type from config.json (e.g. ``llama``)."""
-    config_hash: str
-    """Hash of the config fields that change what the model computes (rope theta, norms, ties...)."""
-    tokenizer_hash: str
-    """Hash of the tokenizer's vocabulary, merges, special tokens and chat template."""
-    vocab_size: int
-    """Rows of the embedding matrix; every token id in a record must be below it."""
-    base_weights_hash: str | None = None
-    """Hash of the base checkpoint the run started from (informational)."""
-    eos_token_ids: tuple[int, ...] = ()
-    """Token ids that end a completion."""
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """Sampling defaults every worker uses."""
-
-    temperature: float = 1.0
-    """Logits are divided by this before softmax; the trainer uses the same value."""
-    top_p: float = 1.0
-    """Nucleus mass; 1.0 keeps the full distribution (the trainer's ratios are then exact)."""
-    max_new_tokens: int = 64
-    """Completion length cap; longer completions end with finish reason ``length``."""
-
-
-@dataclass(frozen=True)
-class RunContract:
-    """Everything workers and the trainer must agree on. Written once by the trainer."""
-
-    run_id: str
-    """Run name (``DRL_RUN``)."""
-    model: ModelSpec
-    """Model architecture and fingerprints."""
-    n_samples: int
-    """Group size n (``DRL_N_SAMPLES``); records with another n are dropped."""
-    plane: str
-    """Weight plane: ``bf16`` or ``int8g64`` (``DRL_PULSE_PLANE``)."""
-    task_id: str
-    """Task name (``arithmetic``, ``gsm8k``)."""
-    task_spec: Mapping[str, Any]
-    """Task knobs; prompt ids are only meaningful together with them."""
-    reward_version: str
-    """Version of the task's reward function."""
-    sampling: SamplingSpec
-    """Sampling defaults."""
-    staleness_bound: int = 3
-    """Records older than ``current - staleness_bound`` are not used (informational for workers)."""
-    reuse_cap: int = 2
-    """A record is used in at most this many optimizer steps (informational for workers)."""
-    algorithm: Mapping[str, Any] = field(default_factory=dict)
-    """Algorithm name and knobs (informational for workers)."""
-    schema_version: int = SCHEMA_VERSION
-    """Schema version of records and weights."""
-    created_at: float = 0.0
-    """Unix time the trainer wrote the contract."""
-
-    def to_json(self) -> bytes:
-        """Encode as canonical JSON."""
-        return canonical_json(asdict(self))
-
-    @classmethod
-    def from_json(cls, data: bytes) -> RunContract:
-        """Decode and type-check a contract.
-
-        Args:
-            data: the bytes of ``run.json``.
-
-        Raises:
-            ContractMismatch: on a schema version this code does not speak.
-            ValueError: on malformed JSON or missing fields.
-        """
-        try:
-            d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"run.json is not valid JSON: {e}") from e
-        if not isinstance(d, dict):
-            raise ValueError("run.json must hold a JSON object")
-        if d.get("schema_version") != SCHEMA_VERSION:
-            raise ContractMismatch(
-                ["schema_version"], f"run has {d.get('schema_version')!r}, this stoa speaks {SCHEMA_VERSION}"
-            )
-        try:
-            model = dict(d.pop("model"))
-            model["eos_token_ids"] = tuple(model.get("eos_token_ids", ()))
-            sampling = d.pop("sampling")
-            return cls(model=ModelSpec(**model), sampling=SamplingSpec(**sampling), **d)
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"run.json is missing or has unknown fields: {e}") from e
-
-    def fingerprint(self) -> str:
-        """Hash of the fields a record depends on (not timestamps); records carry it."""
-        d = asdict(self)
-        d.pop("created_at", None)
-        return digest_hex(canonical_json(d))[:16]
-
-    def mismatches(self, other: RunContract) -> list[str]:
-        """Return the dotted names of fields that differ from ``other`` (ignoring ``created_at``)."""
-        a, b = asdict(self), asdict(other)
-        a.pop("created_at", None)
-        b.pop("created_at", None)
-        return _diff_fields(a, b, "")
-
-
-def _diff_fields(a: Any, b: Any, path: str) -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out: list[str] = []
-        for k in sorted(set(a) | set(b)):
-            out += _diff_fields(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
-        return out
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return [] if list(a) == list(b) else [path]
-    return [] if a == b else [path]
 
 
 @dataclass

@@ -7,17 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from stoa.records import (
-    ContractMismatch,
-    ModelSpec,
-    RecordRejected,
-    RolloutRecord,
-    RunContract,
-    Sample,
-    SamplingSpec,
-    rollout_key,
-    validate_record,
-)
+from stoa.contract import ContractMismatch, ModelSpec, RunContract, SamplingSpec
+from stoa.records import RecordRejected, RolloutRecord, Sample, validate_record
 
 
 def make_contract(**kw) -> RunContract:
@@ -193,6 +184,3 @@ def test_contract_schema_and_garbage():
     with pytest.raises(ValueError):
         RunContract.from_json(b'{"schema_version": 1}')
 
-
-def test_keys_group_by_version():
-    assert rollout_key("r", 42, "w-1", 7) == "runs/r/rollouts/v00000042/w-1-00000007.rec"

@@ -1,0 +1,287 @@
+"""Every bucket key of a run, in the order of the "Bucket layout" table in docs/architecture.md.
+
+This is the only module that spells a ``runs/`` key. Everything a run stores lives under
+``runs/<run>/``::
+
+    runs/<run>/run.json                                  contract (trainer, create-only, first)
+    runs/<run>/model/<file>                              config + tokenizer files (trainer, create-only)
+    runs/<run>/weights/current.json                      weight pointer (trainer, compare-and-swap, last)
+    runs/<run>/weights/anchors/v<k>/{model.safetensors,manifest.json}   full checkpoint, manifest last
+    runs/<run>/weights/versions/v<k>.patch               PULSE patch v<k-1> -> v<k>
+    runs/<run>/rollouts/v<version>/<worker>-<seq>.rec    one record per group (workers, create-only)
+    runs/<run>/trainer/{checkpoint.safetensors,journal.json}   trainer state (trainer, overwritten)
+    runs/<run>/{metrics,logs}/                           local buckets only: files written beside the run
+
+Versions and sequence numbers are zero-padded to 8 digits so listing order is numeric order.
+Keys of untrusted origin (a listing) go through the parsers here, never through string slicing elsewhere.
+Pure stdlib: both kinds of worker and the trainer import it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ANCHOR_FILE = "model.safetensors"
+"""Object name of an anchor's weights inside its prefix."""
+ANCHOR_MANIFEST = "manifest.json"
+"""Object name of an anchor's manifest inside its prefix (written last: it marks the anchor complete)."""
+CHECKPOINT_NAME = "checkpoint.safetensors"
+"""Object name of the trainer's heavy checkpoint (fp32 master weights + AdamW)."""
+JOURNAL_NAME = "journal.json"
+"""Object name of the trainer's per-step journal."""
+
+_PATCH_NAME = re.compile(r"v(\d{8})\.patch")
+_ANCHOR_DIR = re.compile(r"v(\d{8})")
+_ROLLOUT_NAME = re.compile(r"v([0-9]{8})/([A-Za-z0-9][A-Za-z0-9._-]{0,127})-([0-9]{8})\.rec")
+_ROLLOUT_TAIL = re.compile(r"/rollouts/v\d{8}/(?P<worker>[^/]+)-\d{8}\.rec\Z")
+
+
+def run_prefix(run_id: str) -> str:
+    """Key prefix of a run, ``runs/<run>`` (no trailing slash).
+
+    Args:
+        run_id: the run id.
+    """
+    return f"runs/{run_id}"
+
+
+def contract_key(run_id: str) -> str:
+    """Key of the run contract, ``runs/<run>/run.json``.
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/run.json"
+
+
+def model_prefix(run_id: str) -> str:
+    """Key prefix of the model's config and tokenizer files, ``runs/<run>/model/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/model/"
+
+
+def model_file_key(run_id: str, name: str) -> str:
+    """Key of one model file (e.g. ``config.json``).
+
+    Args:
+        run_id: the run id.
+        name: the file name, no directories.
+    """
+    return model_prefix(run_id) + name
+
+
+def weights_prefix(run_id: str) -> str:
+    """Key prefix of a run's weight plane, ``runs/<run>/weights/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/weights/"
+
+
+def pointer_key(run_id: str) -> str:
+    """Key of the weight pointer, ``runs/<run>/weights/current.json``.
+
+    Args:
+        run_id: the run id.
+    """
+    return weights_prefix(run_id) + "current.json"
+
+
+def anchors_prefix(run_id: str) -> str:
+    """Key prefix under which every anchor lives, ``runs/<run>/weights/anchors/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return weights_prefix(run_id) + "anchors/"
+
+
+def anchor_prefix(run_id: str, version: int) -> str:
+    """Key prefix of the anchor at ``version`` (holds ``ANCHOR_FILE`` and ``ANCHOR_MANIFEST``).
+
+    Args:
+        run_id: the run id.
+        version: the anchor's version.
+    """
+    return anchors_prefix(run_id) + f"v{version:08d}/"
+
+
+@dataclass(frozen=True)
+class AnchorObject:
+    """One listed object of an anchor.
+
+    Args:
+        version: the anchor's version.
+        name: the object name inside the anchor's prefix (may be any string, even empty).
+    """
+
+    version: int
+    name: str
+
+
+def parse_anchor_key(run_id: str, key: str) -> AnchorObject | None:
+    """Parse ``runs/<run>/weights/anchors/v<8 digits>/<name>``; ``None`` for any other key.
+
+    Args:
+        run_id: the run the key must belong to.
+        key: a listed key (untrusted: any string).
+    """
+    head = anchors_prefix(run_id)
+    parts = key[len(head):].split("/") if key.startswith(head) else []
+    if len(parts) == 2 and (m := _ANCHOR_DIR.fullmatch(parts[0])):
+        return AnchorObject(int(m.group(1)), parts[1])
+    return None
+
+
+def patches_prefix(run_id: str) -> str:
+    """Key prefix under which every patch lives, ``runs/<run>/weights/versions/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return weights_prefix(run_id) + "versions/"
+
+
+def patch_key(run_id: str, version: int) -> str:
+    """Key of the patch from ``version - 1`` to ``version``.
+
+    Args:
+        run_id: the run id.
+        version: the version the patch produces.
+    """
+    return patches_prefix(run_id) + f"v{version:08d}.patch"
+
+
+def parse_patch_key(run_id: str, key: str) -> int | None:
+    """The version a patch key produces, ``None`` when ``key`` is not a patch key of the run.
+
+    Args:
+        run_id: the run the key must belong to.
+        key: a listed key (untrusted: any string).
+    """
+    head = patches_prefix(run_id)
+    m = _PATCH_NAME.fullmatch(key[len(head):]) if key.startswith(head) else None
+    return int(m.group(1)) if m else None
+
+
+def rollouts_prefix(run_id: str) -> str:
+    """Key prefix under which every rollout record lives, ``runs/<run>/rollouts/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/rollouts/"
+
+
+def rollout_version_prefix(run_id: str, version: int) -> str:
+    """Key prefix under which records sampled at ``version`` live.
+
+    Args:
+        run_id: the run id.
+        version: the policy version the records were sampled with.
+    """
+    return rollouts_prefix(run_id) + f"v{version:08d}/"
+
+
+def rollout_key(run_id: str, version: int, worker_id: str, seq: int) -> str:
+    """Key of one rollout record, ``runs/<run>/rollouts/v<version>/<worker>-<seq>.rec``.
+
+    Args:
+        run_id: the run id.
+        version: the policy version the group was sampled with.
+        worker_id: the writing worker's id.
+        seq: the worker's sequence number for this record.
+    """
+    return f"{rollout_version_prefix(run_id, version)}{worker_id}-{seq:08d}.rec"
+
+
+@dataclass(frozen=True)
+class RolloutKey:
+    """The parts of a well-formed rollout key."""
+
+    version: int
+    worker_id: str
+    seq: int
+
+
+def parse_rollout_key(run_id: str, key: str) -> RolloutKey | None:
+    """Parse ``runs/<run>/rollouts/v<8 digits>/<worker>-<8 digits>.rec``; ``None`` for any other key.
+
+    Worker ids are 1-128 characters of ``[A-Za-z0-9._-]`` starting with a letter or digit.
+
+    Args:
+        run_id: the run the key must belong to.
+        key: a listed key (untrusted: any string).
+    """
+    head = rollouts_prefix(run_id)
+    m = _ROLLOUT_NAME.fullmatch(key[len(head):]) if key.startswith(head) else None
+    return RolloutKey(int(m.group(1)), m.group(2), int(m.group(3))) if m else None
+
+
+def rollout_worker(key: str) -> str | None:
+    """The worker id of a record key of any run (lenient: for keys already admitted), else ``None``.
+
+    Args:
+        key: e.g. ``runs/r/rollouts/v00000003/host-a1b2c3-00000042.rec`` (the id may contain ``-``).
+    """
+    m = _ROLLOUT_TAIL.search(key)
+    return m.group("worker") if m else None
+
+
+def rollout_label(key: str) -> str:
+    """The ``v<version>/<worker>-<seq>.rec`` tail of a record key, as the ``rollout/keys`` metric logs it.
+
+    Args:
+        key: a record key.
+    """
+    return key.rsplit("/", 2)[-2] + "/" + key.rsplit("/", 1)[-1]
+
+
+def trainer_prefix(run_id: str) -> str:
+    """Key prefix of the trainer's own state, ``runs/<run>/trainer/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/trainer/"
+
+
+def checkpoint_key(run_id: str) -> str:
+    """Key of the trainer's heavy checkpoint, ``runs/<run>/trainer/checkpoint.safetensors``.
+
+    Args:
+        run_id: the run id.
+    """
+    return trainer_prefix(run_id) + CHECKPOINT_NAME
+
+
+def journal_key(run_id: str) -> str:
+    """Key of the trainer's per-step journal, ``runs/<run>/trainer/journal.json``.
+
+    Args:
+        run_id: the run id.
+    """
+    return trainer_prefix(run_id) + JOURNAL_NAME
+
+
+def metrics_prefix(run_id: str) -> str:
+    """Folder of the metrics files inside a local bucket, ``runs/<run>/metrics/`` (written as files, not objects).
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/metrics/"
+
+
+def logs_prefix(run_id: str) -> str:
+    """Folder of process logs inside a local bucket (``stoa quickstart``), ``runs/<run>/logs/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/logs/"
