@@ -18,15 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stoa.bucket import Bucket, ObjectNotFound
-from stoa.records import run_prefix
-
-
-def _ckpt_key(run_id: str) -> str:
-    return f"{run_prefix(run_id)}/trainer/checkpoint.safetensors"
-
-
-def _journal_key(run_id: str) -> str:
-    return f"{run_prefix(run_id)}/trainer/journal.json"
+from stoa.layout import checkpoint_key, journal_key
 
 
 @dataclass
@@ -64,7 +56,7 @@ def save_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
     try:
         save_file(tensors, tmp, metadata=meta)
         size = os.path.getsize(tmp)
-        bucket.put_file(_ckpt_key(run_id), tmp, create_only=False)
+        bucket.put_file(checkpoint_key(run_id), tmp, create_only=False)
     finally:
         os.unlink(tmp)
     return size
@@ -84,7 +76,7 @@ def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module,
     os.close(fd)
     try:
         try:
-            bucket.get_file(_ckpt_key(run_id), tmp)
+            bucket.get_file(checkpoint_key(run_id), tmp)
         except ObjectNotFound:
             return None
         from safetensors import safe_open
@@ -118,7 +110,7 @@ def write_journal(bucket: Bucket, run_id: str, state: dict[str, Any]) -> None:
         run_id: the run.
         state: JSON-able trainer state (version, step, pool reuse counts).
     """
-    bucket.put(_journal_key(run_id), json.dumps(state, sort_keys=True).encode())
+    bucket.put(journal_key(run_id), json.dumps(state, sort_keys=True).encode())
 
 
 def read_journal(bucket: Bucket, run_id: str) -> dict[str, Any] | None:
@@ -129,6 +121,6 @@ def read_journal(bucket: Bucket, run_id: str) -> dict[str, Any] | None:
         run_id: the run.
     """
     try:
-        return json.loads(bucket.get(_journal_key(run_id)))
+        return json.loads(bucket.get(journal_key(run_id)))
     except ObjectNotFound:
         return None

@@ -12,13 +12,15 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from stoa.layout import ANCHOR_FILE
 from stoa.weights import strict
 from stoa.weights.errors import AnchorError
 from stoa.weights.hashing import HASH_PREFIX, state_hash_from_tensor_hashes, tensor_hash
 from stoa.weights.planes import State, check_plane
 
 SCHEMA = "stoa.weights.anchor/1"
-FILE_NAME = "model.safetensors"
+FILE_NAME = ANCHOR_FILE
+"""Object name of the weights file inside an anchor's prefix (``stoa.layout.ANCHOR_FILE``)."""
 _ST_DTYPES = {np.dtype(np.uint16): "BF16", np.dtype(np.uint32): "U32"}
 _NP_DTYPES = {"BF16": np.dtype("<u2"), "U32": np.dtype("<u4")}
 _MAX_HEADER = 100 * 1024 * 1024

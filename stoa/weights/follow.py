@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stoa.bucket import BucketError
+from stoa.layout import pointer_key
 from stoa.weights.errors import SyncError
 from stoa.weights.planes import State
-from stoa.weights.pointer import pointer_key
 from stoa.weights.sync import Refusal, WeightSync
 
 

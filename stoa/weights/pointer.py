@@ -1,58 +1,48 @@
-"""Where a run's weights live in the bucket, and the pointer (``current.json``) that says which is current."""
+"""The pointer (``current.json``) that says which weights are current, and listings of anchors and patches.
+
+The keys themselves come from ``stoa.layout``; ``weights_prefix``, ``pointer_key``, ``patch_key`` and
+``anchor_prefix`` are re-exported here for existing imports until the sweep.
+"""
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 
 from stoa.bucket import Bucket
+from stoa.layout import (
+    ANCHOR_MANIFEST,
+    anchor_prefix,
+    anchors_prefix,
+    parse_anchor_key,
+    parse_patch_key,
+    patch_key,
+    patches_prefix,
+    pointer_key,
+    weights_prefix,
+)
 from stoa.weights import strict
 from stoa.weights.anchor import FILE_NAME
 from stoa.weights.errors import SyncError
 
 POINTER_SCHEMA = "stoa.weights.pointer/1"
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = ANCHOR_MANIFEST
 
-
-def weights_prefix(run_id: str) -> str:
-    """Key prefix of a run's weight plane, ``runs/<run>/weights/``.
-
-    Args:
-        run_id: the run id.
-    """
-    return f"runs/{run_id}/weights/"
-
-
-def pointer_key(run_id: str) -> str:
-    """Key of the pointer object.
-
-    Args:
-        run_id: the run id.
-    """
-    return weights_prefix(run_id) + "current.json"
-
-
-def patch_key(run_id: str, version: int) -> str:
-    """Key of the patch from ``version - 1`` to ``version``.
-
-    Args:
-        run_id: the run id.
-        version: the version the patch produces.
-    """
-    return weights_prefix(run_id) + f"versions/v{version:08d}.patch"
-
-
-def anchor_prefix(run_id: str, version: int) -> str:
-    """Key prefix of the anchor at ``version`` (holds model.safetensors and manifest.json).
-
-    Args:
-        run_id: the run id.
-        version: the anchor's version.
-    """
-    return weights_prefix(run_id) + f"anchors/v{version:08d}/"
+__all__ = [
+    "MANIFEST_NAME",
+    "POINTER_SCHEMA",
+    "Pointer",
+    "anchor_prefix",
+    "complete",
+    "list_anchors",
+    "list_patches",
+    "now_iso",
+    "patch_key",
+    "pointer_key",
+    "weights_prefix",
+]
 
 
 def _pointer_error(reason: str, detail: str) -> SyncError:
@@ -133,14 +123,11 @@ def list_patches(bucket: Bucket, run_id: str, after: int | None = None) -> dict[
         run_id: the run.
         after: only versions above this.
     """
-    prefix = weights_prefix(run_id) + "versions/"
     start = patch_key(run_id, after) if after is not None else None
     out: dict[int, int] = {}
-    for obj in bucket.list(prefix, start_after=start):
-        name = obj.key[len(prefix) :]
-        m = re.fullmatch(r"v(\d{8})\.patch", name)
-        if m:
-            out[int(m.group(1))] = obj.size
+    for obj in bucket.list(patches_prefix(run_id), start_after=start):
+        if (version := parse_patch_key(run_id, obj.key)) is not None:
+            out[version] = obj.size
     return out
 
 
@@ -151,12 +138,10 @@ def list_anchors(bucket: Bucket, run_id: str) -> dict[int, dict[str, int]]:
         bucket: the bucket.
         run_id: the run.
     """
-    prefix = weights_prefix(run_id) + "anchors/"
     out: dict[int, dict[str, int]] = {}
-    for obj in bucket.list(prefix):
-        parts = obj.key[len(prefix) :].split("/")
-        if len(parts) == 2 and (m := re.fullmatch(r"v(\d{8})", parts[0])):
-            out.setdefault(int(m.group(1)), {})[parts[1]] = obj.size
+    for obj in bucket.list(anchors_prefix(run_id)):
+        if (parsed := parse_anchor_key(run_id, obj.key)) is not None:
+            out.setdefault(parsed.version, {})[parsed.name] = obj.size
     return out
 
 

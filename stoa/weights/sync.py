@@ -7,19 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stoa.bucket import Bucket, BucketError, ObjectNotFound
+from stoa.layout import anchor_prefix, patch_key, pointer_key
 from stoa.weights.anchor import FILE_NAME, check_manifest, decode_anchor, load_manifest
 from stoa.weights.errors import AnchorError, PatchError, SyncError, WeightsError
 from stoa.weights.planes import State, check_plane
-from stoa.weights.pointer import (
-    MANIFEST_NAME,
-    Pointer,
-    anchor_prefix,
-    complete,
-    list_anchors,
-    list_patches,
-    patch_key,
-    pointer_key,
-)
+from stoa.weights.pointer import MANIFEST_NAME, Pointer, complete, list_anchors, list_patches
 from stoa.weights.pulse import apply_patch
 
 MAX_MANIFEST_BYTES = 16 << 20

@@ -13,17 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from stoa.records import (
-    ModelSpec,
-    RecordRejected,
-    RolloutRecord,
-    RunContract,
-    Sample,
-    SamplingSpec,
-    contract_key,
-    rollout_key,
-    validate_record,
-)
+from stoa.contract import ModelSpec, RunContract, SamplingSpec
+from stoa.layout import contract_key, rollout_key, rollouts_prefix
+from stoa.records import RecordRejected, RolloutRecord, Sample, validate_record
 
 PREFIX_ROOT = "local-e2e"
 """Records go under ``local-e2e/<random>/`` of the bucket and are deleted at the end."""
@@ -148,7 +140,7 @@ def run_local_e2e(
             bucket.put_create(key, rec.encode())
             sent[key] = rec
 
-        listed = [o for o in bucket.list(prefix + f"runs/{run_id}/rollouts/")]
+        listed = [o for o in bucket.list(prefix + rollouts_prefix(run_id))]
         record_bytes, valid, problems = 0, 0, []
         for info in listed:
             data = bucket.get(info.key)
