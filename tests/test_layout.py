@@ -70,6 +70,7 @@ def test_parsers_invert_the_key_functions():
 
 @pytest.mark.parametrize("key", [
     "runs/r2/rollouts/v00000001/w-00000001.rec",  # another run
+    "runs/x/rollouts/v00000001/w-00000001.rec",  # another run, same id length
     "runs/rr/rollouts/v00000001/w-00000001.rec",  # a run whose id starts with the same letter
     "runs/r/rollouts/v1/w-00000001.rec",  # unpadded version
     "runs/r/rollouts/v00000001/-w-00000001.rec",  # worker id starting with '-'
@@ -82,7 +83,8 @@ def test_parse_rollout_key_refuses_other_keys(key):
 
 
 @pytest.mark.parametrize("key", [
-    "runs/r2/weights/versions/v00000001.patch", "runs/r/weights/versions/v1.patch",
+    "runs/r2/weights/versions/v00000001.patch", "runs/x/weights/versions/v00000001.patch",
+    "runs/r/weights/versions/v1.patch",
     "runs/r/weights/versions/v00000001.patch.part", "runs/r/weights/anchors/v00000001/manifest.json",
 ])
 def test_parse_patch_key_refuses_other_keys(key):
@@ -90,7 +92,8 @@ def test_parse_patch_key_refuses_other_keys(key):
 
 
 @pytest.mark.parametrize("key", [
-    "runs/r2/weights/anchors/v00000001/manifest.json", "runs/r/weights/anchors/v1/manifest.json",
+    "runs/r2/weights/anchors/v00000001/manifest.json", "runs/x/weights/anchors/v00000001/manifest.json",
+    "runs/r/weights/anchors/v1/manifest.json",
     "runs/r/weights/anchors/v00000001/sub/manifest.json", "runs/r/weights/anchors/v00000001",
     "runs/r/weights/versions/v00000001.patch",
 ])
