@@ -58,32 +58,15 @@ def encode_anchor(
     order = sorted(state, key=lambda n: (-state[n].dtype.itemsize, n))
     hashes = {name: tensor_hash(state[name]) for name in order}
     s_hash = state_hash_from_tensor_hashes(hashes)
-    header: dict[str, Any] = {
-        "__metadata__": {
-            "format": "pt",
-            "stoa.schema": SCHEMA,
-            "stoa.run_id": run_id,
-            "stoa.version": str(version),
-            "stoa.plane": plane,
-            "stoa.state_hash": s_hash,
-        }
+    metadata = {
+        "format": "pt",
+        "stoa.schema": SCHEMA,
+        "stoa.run_id": run_id,
+        "stoa.version": str(version),
+        "stoa.plane": plane,
+        "stoa.state_hash": s_hash,
     }
-    offset = 0
-    chunks: list[memoryview] = []
-    for name in order:
-        arr = np.ascontiguousarray(state[name])
-        dt = arr.dtype.newbyteorder("=")
-        le = arr.astype(dt.newbyteorder("<"), copy=False)
-        header[name] = {
-            "dtype": _ST_DTYPES[dt],
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + le.nbytes],
-        }
-        chunks.append(le.reshape(-1).data.cast("B"))
-        offset += le.nbytes
-    hjson = json.dumps(header, separators=(",", ":")).encode()
-    hjson += b" " * (-(8 + len(hjson)) % 8)
-    data = b"".join([struct.pack("<Q", len(hjson)), hjson, *chunks])
+    data = _safetensors_bytes(state, order, metadata)
     manifest: dict[str, Any] = {
         "schema": SCHEMA,
         "run_id": run_id,
@@ -103,6 +86,33 @@ def encode_anchor(
         },
     }
     return data, manifest
+
+
+def _safetensors_bytes(state: Mapping[str, np.ndarray], order: list[str], metadata: dict[str, str]) -> bytes:
+    """Lay tensors out as one safetensors file in ``order``, the JSON header padded to 8 bytes with spaces.
+
+    Args:
+        state: tensor name -> stored bits (uint16 or uint32, any byte order).
+        order: tensor names in file order.
+        metadata: the ``__metadata__`` strings.
+    """
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    chunks: list[memoryview] = []
+    for name in order:
+        arr = np.ascontiguousarray(state[name])
+        dt = arr.dtype.newbyteorder("=")
+        le = arr.astype(dt.newbyteorder("<"), copy=False)
+        header[name] = {
+            "dtype": _ST_DTYPES[dt],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + le.nbytes],
+        }
+        chunks.append(le.reshape(-1).data.cast("B"))
+        offset += le.nbytes
+    hjson = json.dumps(header, separators=(",", ":")).encode()
+    hjson += b" " * (-(8 + len(hjson)) % 8)
+    return b"".join([struct.pack("<Q", len(hjson)), hjson, *chunks])
 
 
 def _anchor_error(reason: str, detail: str) -> AnchorError:

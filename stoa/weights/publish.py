@@ -199,13 +199,7 @@ class WeightPublisher:
             bytes_patch, wrote_patch = len(patch), True
         anchor_version = current.anchor_version if current is not None else None
         if anchor_version is None or not wrote_patch or version % self.anchor_every == 0:
-            data, manifest = encode_anchor(snap, run_id=self.run_id, version=version, plane=self.plane)
-            mbytes = json.dumps(manifest, sort_keys=True, indent=1).encode()
-            prefix = anchor_prefix(self.run_id, version)
-            self._put_unreferenced(prefix + FILE_NAME, data)
-            self._put_unreferenced(prefix + MANIFEST_NAME, mbytes)  # manifest last: marks the anchor complete
-            s_hash = manifest["state_hash"]
-            bytes_anchor = len(data) + len(mbytes)
+            s_hash, bytes_anchor = self._write_anchor(version, snap)
             anchor_version = version
         assert s_hash is not None
         new = Pointer(self.run_id, version, anchor_version, self.plane, s_hash, now_iso())
@@ -219,6 +213,19 @@ class WeightPublisher:
         return PublishInfo(
             version, s_hash, bytes_patch, bytes_anchor, time.perf_counter() - t0, changed, elements
         )
+
+    def _write_anchor(self, version: int, snap: State) -> tuple[str, int]:
+        """Write the anchor of ``version``, file then manifest (the manifest marks it complete).
+
+        Returns:
+            (its state hash, bytes written: file plus manifest).
+        """
+        data, manifest = encode_anchor(snap, run_id=self.run_id, version=version, plane=self.plane)
+        mbytes = json.dumps(manifest, sort_keys=True, indent=1).encode()
+        prefix = anchor_prefix(self.run_id, version)
+        self._put_unreferenced(prefix + FILE_NAME, data)
+        self._put_unreferenced(prefix + MANIFEST_NAME, mbytes)  # manifest last: marks the anchor complete
+        return str(manifest["state_hash"]), len(data) + len(mbytes)
 
     def _put_unreferenced(self, key: str, data: bytes) -> None:
         # Objects for versions above the pointer are referenced by nobody yet; a left-over from a crashed

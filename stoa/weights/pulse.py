@@ -7,6 +7,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -157,43 +158,13 @@ def encode_patch(
         raise ValueError(f"need 0 <= from_version < to_version, got {from_version} -> {to_version}")
     _check_same_layout(prev, new)
     names = sorted(new)
-    nthreads = threads or default_threads()
-
-    def one(name: str) -> tuple[str, str, int, bytes]:
-        a, b = prev[name], new[name]
-        if a.size > _MAX_GAP:
-            raise ValueError(f"{name}: {a.size} elements exceeds the 2**32 - 1 a patch can address")
-        h_old, h_new = tensor_hash(a), tensor_hash(b)
-        p = changed_positions(a, b)
-        if p.size == 0:
-            return h_old, h_new, 0, b""
-        ua, ub = _flat_uint(a), _flat_uint(b)
-        gaps = np.diff(p, prepend=np.int64(-1))
-        gaps -= 1
-        xor = np.bitwise_xor(ua[p], ub[p])
-        le = xor.dtype.newbyteorder("<")
-        payload = _shuffle(gaps.astype("<u4")) + _shuffle(xor.astype(le, copy=False))
-        return h_old, h_new, int(p.size), _compressor(level).compress(payload)
-
-    results = _pmap(one, names, nthreads)
-    entries = []
-    frames = []
-    offset = 0
-    for name, (_, h_new, n, frame) in zip(names, results, strict=True):
-        arr = new[name]
-        entries.append(
-            {
-                "name": name,
-                "dtype": arr.dtype.newbyteorder("<").str if arr.dtype.itemsize > 1 else arr.dtype.str,
-                "shape": list(arr.shape),
-                "hash": h_new,
-                "changed": n,
-                "offset": offset,
-                "length": len(frame),
-            }
-        )
-        frames.append(frame)
-        offset += len(frame)
+    results = _pmap(lambda name: _encode_tensor(name, prev[name], new[name], level), names,
+                    threads or default_threads())
+    entries, frames, offset = [], [], 0
+    for name, r in zip(names, results, strict=True):
+        entries.append(_entry_json(name, new[name], r, offset))
+        frames.append(r.frame)
+        offset += len(r.frame)
     header = {
         "schema": SCHEMA,
         "run_id": run_id,
@@ -202,10 +173,8 @@ def encode_patch(
         "plane": plane,
         "codec": CODEC,
         "level": level,
-        "from_state_hash": state_hash_from_tensor_hashes(
-            {n: r[0] for n, r in zip(names, results, strict=True)}
-        ),
-        "state_hash": state_hash_from_tensor_hashes({n: r[1] for n, r in zip(names, results, strict=True)}),
+        "from_state_hash": state_hash_from_tensor_hashes({n: r.old_hash for n, r in zip(names, results, strict=True)}),
+        "state_hash": state_hash_from_tensor_hashes({n: r.new_hash for n, r in zip(names, results, strict=True)}),
         "tensors": entries,
     }
     hbytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
@@ -215,6 +184,46 @@ def encode_patch(
     h.update(hbytes)
     h.update(body)
     return b"".join((prefix, hbytes, body, h.digest()))
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """One tensor's part of a patch: hashes before and after, changed elements, compressed frame."""
+
+    old_hash: str
+    new_hash: str
+    changed: int
+    frame: bytes
+
+
+def _encode_tensor(name: str, a: np.ndarray, b: np.ndarray, level: int) -> _Encoded:
+    """Hash both versions of one tensor and compress its changed positions (uint32 gaps) and XOR bits."""
+    if a.size > _MAX_GAP:
+        raise ValueError(f"{name}: {a.size} elements exceeds the 2**32 - 1 a patch can address")
+    h_old, h_new = tensor_hash(a), tensor_hash(b)
+    p = changed_positions(a, b)
+    if p.size == 0:
+        return _Encoded(h_old, h_new, 0, b"")
+    ua, ub = _flat_uint(a), _flat_uint(b)
+    gaps = np.diff(p, prepend=np.int64(-1))
+    gaps -= 1
+    xor = np.bitwise_xor(ua[p], ub[p])
+    le = xor.dtype.newbyteorder("<")
+    payload = _shuffle(gaps.astype("<u4")) + _shuffle(xor.astype(le, copy=False))
+    return _Encoded(h_old, h_new, int(p.size), _compressor(level).compress(payload))
+
+
+def _entry_json(name: str, arr: np.ndarray, r: _Encoded, offset: int) -> dict:
+    """The header entry of one tensor (its frame starts at ``offset`` in the body)."""
+    return {
+        "name": name,
+        "dtype": arr.dtype.newbyteorder("<").str if arr.dtype.itemsize > 1 else arr.dtype.str,
+        "shape": list(arr.shape),
+        "hash": r.new_hash,
+        "changed": r.changed,
+        "offset": offset,
+        "length": len(r.frame),
+    }
 
 
 def _decode_frame(e: _Entry, body: memoryview) -> tuple[np.ndarray, np.ndarray]:
@@ -277,21 +286,47 @@ def apply_patch(
         (the new state, the patch's header).
     """
     info, entries, body = _parse(patch)
+    _check_applies(info, entries, state, run_id=run_id, plane=plane, from_version=expected_from_version,
+                   from_hash=expected_from_hash, inplace=inplace)
+    nthreads = threads or default_threads()
+    names = [e.name for e in entries]
+    decoded = dict(
+        zip(
+            names,
+            _pmap(lambda e: _decode_frame(e, body) if e.changed else None, entries, nthreads),
+            strict=True,
+        )
+    )
+    return _scatter_and_verify(state, info, entries, decoded, inplace, nthreads), info
+
+
+def _check_applies(info: PatchInfo, entries: list[_Entry], state: Mapping[str, np.ndarray], *, run_id: str,
+                   plane: str, from_version: int, from_hash: str | None, inplace: bool) -> None:
+    """Refuse a patch for another run, plane, base version or base state, or for other tensors.
+
+    Args:
+        info: the patch header.
+        entries: its tensor entries.
+        state: the state it would apply to.
+        run_id: the run the caller follows.
+        plane: the plane the caller follows.
+        from_version: the version ``state`` is at.
+        from_hash: the known state hash of ``state`` (None: not compared).
+        inplace: whether the caller asked to modify ``state``'s arrays (they must then be writable).
+    """
     if info.run_id != run_id:
         raise PatchError("wrong_run", f"patch is for run {info.run_id!r}, not {run_id!r}")
     if info.plane != plane:
         raise PatchError("wrong_plane", f"patch is for plane {info.plane!r}, not {plane!r}")
-    if info.from_version != expected_from_version:
+    if info.from_version != from_version:
         raise PatchError(
             "wrong_from_version",
-            f"patch goes {info.from_version} -> {info.to_version}, state is at {expected_from_version}",
+            f"patch goes {info.from_version} -> {info.to_version}, state is at {from_version}",
         )
     if info.to_version <= info.from_version:
         raise PatchError("bad_format", f"to_version {info.to_version} <= from_version {info.from_version}")
-    if expected_from_hash is not None and expected_from_hash != info.from_state_hash:
-        raise PatchError(
-            "base_mismatch", f"state hash {expected_from_hash} but patch base {info.from_state_hash}"
-        )
+    if from_hash is not None and from_hash != info.from_state_hash:
+        raise PatchError("base_mismatch", f"state hash {from_hash} but patch base {info.from_state_hash}")
     names = [e.name for e in entries]
     if set(names) != set(state.keys()):
         diff = sorted(set(names) ^ set(state.keys()))[:5]
@@ -304,15 +339,20 @@ def apply_patch(
             )
         if inplace and e.changed and not (arr.flags.writeable and arr.flags.c_contiguous):
             raise ValueError(f"inplace apply needs writable C-contiguous arrays ({e.name})")
-    nthreads = threads or default_threads()
-    decoded = dict(
-        zip(
-            names,
-            _pmap(lambda e: _decode_frame(e, body) if e.changed else None, entries, nthreads),
-            strict=True,
-        )
-    )
 
+
+_Decoded = tuple[np.ndarray, np.ndarray] | None
+"""A tensor's changed positions and XOR bits, or None when the patch leaves it unchanged."""
+
+
+def _scatter_and_verify(state: Mapping[str, np.ndarray], info: PatchInfo, entries: list[_Entry],
+                        decoded: dict[str, _Decoded], inplace: bool, nthreads: int) -> State:
+    """XOR the decoded bits into (copies of) the arrays and compare every hash with the header.
+
+    On any failure with ``inplace``, the XOR is applied again to every tensor it touched (XOR is its own
+    inverse), so ``state`` is exactly as before, and the error propagates.
+    """
+    names = [e.name for e in entries]
     out: State = dict(state) if inplace else {}
     applied: list[str] = []
     lock = threading.Lock()
@@ -347,4 +387,4 @@ def apply_patch(
         raise
     if not inplace:
         out = {name: out[name] for name in state}
-    return out, info
+    return out
