@@ -1,121 +1,13 @@
-"""MLX on a CPU: quantized layers multiply by dequantizing to float32 and calling BLAS instead of MLX's CPU kernel.
+"""Moved to ``stoa.engines.mlx.quantized``; kept for imports until the sweep."""
 
-MLX's CPU ``quantized_matmul`` is a generic loop: 3.2 GFLOP/s on a [440, 576] x [576, 1536] 4-bit product
-here, where dequantizing the weight (0.7 ms) and one MKL float32 matmul take 7.7 ms in all (32x; 2.7x at
-4 rows). Metal's quantized kernels are fast, so only layers on the CPU device are switched. The switch
-is numerically the kernel's own formula: ``code * scale + bias`` in float32 (scales and biases are widened
-first, so a bf16 plane's scales are not rounded again), then a float32 product cast back to the input
-dtype. The backward pass recomputes the dequantized weight instead of keeping it alive between forward
-and backward, so activation memory stays what it was with the kernel. ``STOA_MLX_QMM=kernel`` opts out.
-"""
+from stoa.engines.mlx.quantized import (
+    ENV_QMM,
+    BlasQuantizedEmbedding,
+    BlasQuantizedLinear,
+    dequantized_matmul,
+    use_blas_for_quantized,
+    wants_blas_qmm,
+)
 
-from __future__ import annotations
-
-from stoa.worker.tiers import prepare_mlx_blas
-
-prepare_mlx_blas()  # before the first `import mlx.core` of the process (the BLAS this module relies on)
-
-import os  # noqa: E402
-from functools import cache  # noqa: E402
-from typing import Any  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-
-ENV_QMM = "STOA_MLX_QMM"
-
-
-def _dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
-    return mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
-
-
-@cache
-def _matmul_fn(group_size: int, bits: int) -> Any:
-    """``x @ dequantize(w).T`` in float32 with a backward pass that dequantizes again (one per layout)."""
-
-    @mx.custom_function
-    def matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
-        full = _dequantize(w, scales, biases, group_size, bits)
-        return (x.astype(mx.float32) @ full.T).astype(x.dtype)
-
-    @matmul.vjp
-    def matmul_vjp(primals: Any, cotangent: Any, output: Any) -> Any:
-        x, w, scales, biases = primals
-        g = cotangent[0] if isinstance(cotangent, list | tuple) else cotangent
-        full = _dequantize(w, scales, biases, group_size, bits)
-        gx = (g.astype(mx.float32) @ full).astype(x.dtype)
-        return gx, mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
-
-    return matmul
-
-
-def dequantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-                       bits: int) -> mx.array:
-    """``mx.quantized_matmul(x, w, scales, biases, transpose=True)`` for affine quantization, via BLAS.
-
-    Args:
-        x: [..., in] activations.
-        w: packed uint32 codes [out, in * bits / 32].
-        scales: [out, in / group_size] scales.
-        biases: [out, in / group_size] biases.
-        group_size: quantization group size.
-        bits: bits per code.
-    """
-    return _matmul_fn(group_size, bits)(x, w, scales, biases)
-
-
-class BlasQuantizedLinear(nn.QuantizedLinear):
-    """``nn.QuantizedLinear`` whose product runs as dequantize + BLAS matmul (same parameters, same state)."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        """x @ W^T (+ bias).
-
-        Args:
-            x: [..., in] activations.
-        """
-        y = dequantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-        return y + self["bias"] if "bias" in self else y
-
-
-class BlasQuantizedEmbedding(nn.QuantizedEmbedding):
-    """``nn.QuantizedEmbedding`` whose tied-head product (``as_linear``) runs as dequantize + BLAS matmul."""
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        """x @ E^T, the tied output projection.
-
-        Args:
-            x: [..., dims] hidden states.
-        """
-        return dequantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-
-
-def wants_blas_qmm() -> bool:
-    """True when quantized layers should use :class:`BlasQuantizedLinear`: MLX computes on the CPU and
-    ``STOA_MLX_QMM`` is not ``kernel``."""
-    if os.environ.get(ENV_QMM, "").strip().lower() == "kernel":
-        return False
-    return mx.default_device().type == mx.DeviceType.cpu
-
-
-def use_blas_for_quantized(model: nn.Module) -> int:
-    """Switch the model's affine-quantized linears and embeddings to the BLAS path when on the CPU.
-
-    Args:
-        model: an MLX model after ``nn.quantize``.
-
-    Returns:
-        how many layers were switched (0 on Metal, with ``STOA_MLX_QMM=kernel``, or with nothing quantized).
-    """
-    if not wants_blas_qmm():
-        return 0
-    n = 0
-    for _, m in model.named_modules():
-        if getattr(m, "mode", "affine") != "affine" or "biases" not in m:
-            continue
-        if type(m) is nn.QuantizedLinear:
-            m.__class__ = BlasQuantizedLinear
-            n += 1
-        elif type(m) is nn.QuantizedEmbedding:
-            m.__class__ = BlasQuantizedEmbedding
-            n += 1
-    return n
+__all__ = ["ENV_QMM", "BlasQuantizedEmbedding", "BlasQuantizedLinear", "dequantized_matmul",
+           "use_blas_for_quantized", "wants_blas_qmm"]

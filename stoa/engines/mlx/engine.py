@@ -1,0 +1,363 @@
+"""MLX generation engine: batched group sampling with a shared-prefix KV cache and exact logprobs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from stoa.engines.base import Completion, GenStats, RowLog
+from stoa.engines.mlx.kv import compact, merge_rows
+from stoa.engines.mlx.quantized import use_blas_for_quantized
+from stoa.engines.mlx.sampling import Draw, draw, make_key
+from stoa.engines.mlx_blas import warn_if_slow_blas
+from stoa.weights.planes import BITS, GROUP_SIZE, check_plane
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+PREFILL_CHUNK = 2048
+"""Prompt tokens per prefill forward (bounds the attention scores' memory on long prompts)."""
+_IGNORED_BUFFERS = ("rotary_emb.inv_freq",)
+"""Names a model's ``sanitize`` may drop without the state being wrong (recomputed buffers)."""
+_QUANT_SUFFIXES = (".scales", ".biases")
+
+Sampler = Callable[[mx.array, mx.array | None], Draw]
+"""``draw`` with the call's temperature, top-p and greedy bound: (logits, key) -> Draw."""
+
+
+def default_dtype() -> str:
+    """``bfloat16`` on Metal, ``float32`` elsewhere (MLX's CPU bf16 matmul does not use BLAS)."""
+    return "bfloat16" if mx.metal.is_available() else "float32"
+
+
+def _dtype_name(dtype: str) -> str:
+    """The compute dtype's name for ``dtype`` (``auto``: :func:`default_dtype`); ValueError if unknown."""
+    name = default_dtype() if dtype == "auto" else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+    return name
+
+
+def _check_generate_args(prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float,
+                         top_p: float, vocab_size: int) -> None:
+    """Refuse arguments ``generate`` cannot honour, naming the bad value (ValueError)."""
+    if len(prompts) == 0 or min(len(p) for p in prompts) == 0:
+        raise ValueError("every prompt needs at least one token")
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(f"n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
+    if temperature <= 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {temperature}, {top_p}")
+    bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+
+
+class MLXEngine:
+    """Samples groups of completions from an mlx-lm model; the ``Engine`` protocol, torch-free.
+
+    Args:
+        model_dir: HF directory with config.json (weights optional: ``load_state``/``load_weights`` fill
+            them; safetensors present in the directory are loaded).
+        dtype: ``auto`` (bf16 on Metal, fp32 on CPU), ``float32`` (exact agreement with torch),
+            ``bfloat16`` or ``float16``: the compute dtype of every unquantized weight and activation.
+    """
+
+    def __init__(self, model_dir: str | Path, dtype: str = "auto"):
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        from mlx_lm.utils import load_model
+
+        name = _dtype_name(dtype)
+        model_dir = Path(model_dir)
+        has_weights = any(model_dir.glob("model*.safetensors"))
+        model, config = load_model(model_dir, lazy=True, strict=has_weights)
+        kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
+        if kinds:
+            kind = config.get("model_type")
+            raise ValueError(f"{kind!r} models use {', '.join(kinds)} caches; the MLX engine supports "
+                             "full-attention models (plain KVCache per layer), e.g. llama and qwen2")
+        model.set_dtype(DTYPES[name])
+        model.eval()
+        mx.eval(model.parameters())
+        self._setup(model, config, name)
+        warn_if_slow_blas()
+
+    @classmethod
+    def from_model(cls, model: nn.Module, config: Mapping[str, Any], dtype: str = "auto") -> MLXEngine:
+        """Sample from an mlx-lm model already loaded (local mode's policy): no second copy of the weights.
+
+        Args:
+            model: the model, used as it is (dtype, quantization and adapters kept).
+            config: its config.json as a dict.
+            dtype: the dtype the model computes in (``auto``: the default for this machine), for reports
+                and later loads.
+        """
+        self = cls.__new__(cls)
+        self._setup(model, config, _dtype_name(dtype))
+        return self
+
+    def _setup(self, model: nn.Module, config: Mapping[str, Any], dtype_name: str) -> None:
+        self.model: Any = model
+        self.config: Mapping[str, Any] = config
+        self.vocab_size = int(config["vocab_size"])
+        self.dtype_name = dtype_name
+        self.dtype = DTYPES[dtype_name]
+
+    def make_generator(self, seed: int | None) -> None:
+        """Seed MLX's global random stream and return None, the ``generator`` that draws from it.
+
+        A key passed to ``generate`` restarts with every call (the same seed gives the same completions),
+        so a worker seeds the global stream once instead.
+
+        Args:
+            seed: the seed; None leaves the stream as it is.
+        """
+        if seed is not None:
+            mx.random.seed(seed)
+        return None
+
+    # ----------------------------------------------------------------------------------------- weights
+    def load_state(self, state: Mapping[str, np.ndarray], plane: str) -> None:
+        """Load a published weight state (stored bits) straight into MLX arrays.
+
+        bf16 plane: uint16 bits become ``bfloat16`` arrays (widened to float32 when the engine runs in
+        fp32). int8g64 plane: ``<p>.weight`` (uint32 codes), ``<p>.scales`` and ``<p>.biases`` (bf16 bits)
+        go into quantized layers (``nn.quantize(group_size=64, bits=8)``), the layout of ``mx.quantize``;
+        everything else is bf16 bits as above.
+
+        Args:
+            state: tensor name (torch/HF ``named_parameters`` naming) -> stored bits.
+            plane: ``bf16`` or ``int8g64``.
+
+        Raises:
+            ValueError: on an unknown plane or a missing, unexpected, misshaped or wrongly typed tensor
+                (naming it); nothing is loaded then.
+        """
+        check_plane(plane)
+        arrays: dict[str, mx.array] = {}
+        for name, a in state.items():
+            a = np.asarray(a)
+            if plane == "int8g64" and name.endswith(".weight") and f"{name[:-7]}.scales" in state:
+                if a.dtype != np.uint32:
+                    raise ValueError(f"{name}: int8g64 codes must be uint32, got {a.dtype}")
+                arrays[name] = mx.array(a)
+            elif a.dtype == np.uint16:
+                bits = mx.array(a).view(mx.bfloat16)
+                keep_bf16 = plane == "int8g64" and name.endswith(_QUANT_SUFFIXES)
+                arrays[name] = bits if keep_bf16 else bits.astype(self.dtype)
+            else:
+                raise ValueError(f"{name}: dtype {a.dtype} is not stored bits of plane {plane!r} "
+                                 "(uint16 bf16 bits)")
+        self._install(arrays)
+
+    def load_weights(self, named: Mapping[str, np.ndarray]) -> None:
+        """Copy float32 arrays into the model (names as in torch's ``named_parameters``).
+
+        Args:
+            named: parameter name -> float32 array of the parameter's shape.
+
+        Raises:
+            ValueError: on a missing, unexpected or misshaped tensor (never loads partially).
+        """
+        arrays = {}
+        for name, a in named.items():
+            a = np.asarray(a)
+            if not np.issubdtype(a.dtype, np.floating):
+                raise ValueError(f"{name}: expected float values, got {a.dtype}")
+            arrays[name] = mx.array(a.astype(np.float32, copy=False)).astype(self.dtype)
+        self._install(arrays)
+
+    def _sanitize(self, arrays: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Map torch/HF names onto the model's with its ``sanitize``; a dropped real tensor is an error."""
+        if not hasattr(self.model, "sanitize"):
+            return arrays
+        out = self.model.sanitize(dict(arrays))
+        dropped = sorted(k for k in set(arrays) - set(out) if not k.endswith(_IGNORED_BUFFERS))
+        if dropped and not set(out) - set(arrays):
+            tied = " (the model ties its embeddings)" if "lm_head.weight" in dropped else ""
+            raise ValueError(f"unexpected tensor {dropped[0]!r}{tied}; unexpected: {dropped[:5]}")
+        return out
+
+    def _expected(self, quant: set[str]) -> tuple[dict[str, tuple[tuple[int, ...], str]], set[str]]:
+        """Shape and kind (``uint32`` or ``float``) of every tensor the model takes once the layers named in
+        ``quant`` are quantized, and which layers still have to be quantized."""
+        expected: dict[str, tuple[tuple[int, ...], str]] = {
+            k: (tuple(v.shape), "uint32" if v.dtype == mx.uint32 else "float")
+            for k, v in cast(list[tuple[str, mx.array]], tree_flatten(self.model.parameters()))
+        }
+        to_quantize: set[str] = set()
+        for path, module in self.model.named_modules():
+            is_q = isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
+            if path in quant and not is_q:
+                if not hasattr(module, "to_quantized"):
+                    raise ValueError(f"{path}.scales: layer {path!r} ({type(module).__name__}) cannot be "
+                                     "quantized")
+                rows, cols = module.weight.shape
+                if cols % GROUP_SIZE:
+                    raise ValueError(f"{path}.weight: input dimension {cols} is not a multiple of "
+                                     f"{GROUP_SIZE}")
+                expected[f"{path}.weight"] = ((rows, cols * BITS // 32), "uint32")
+                for suffix in _QUANT_SUFFIXES:
+                    expected[path + suffix] = ((rows, cols // GROUP_SIZE), "float")
+                to_quantize.add(path)
+            elif is_q and path not in quant:
+                raise ValueError(f"{path}.scales: missing; this engine already holds int8g64 layers "
+                                 "(build a new engine to load another plane)")
+        return expected, to_quantize
+
+    def _install(self, arrays: dict[str, mx.array]) -> None:
+        """Check every name, shape and dtype against the model, then load all at once."""
+        arrays = self._sanitize(arrays)
+        quant = {k[: -len(".scales")] for k in arrays if k.endswith(".scales")}
+        expected, to_quantize = self._expected(quant)
+        missing = sorted(set(expected) - set(arrays))
+        extra = sorted(set(arrays) - set(expected))
+        if missing or extra:
+            first = f"missing tensor {missing[0]!r}" if missing else f"unexpected tensor {extra[0]!r}"
+            raise ValueError(f"weights do not match the model: {first}; missing={missing[:5]} "
+                             f"unexpected={extra[:5]}")
+        for name, (shape, kind) in expected.items():
+            a = arrays[name]
+            if tuple(a.shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(a.shape)} != model {shape}")
+            if (a.dtype == mx.uint32) != (kind == "uint32"):
+                raise ValueError(f"{name}: dtype {a.dtype} does not fit the model's layer ({kind})")
+        if to_quantize:
+            nn.quantize(self.model, group_size=GROUP_SIZE, bits=BITS,
+                        class_predicate=lambda p, m: p in to_quantize)
+            use_blas_for_quantized(self.model)
+        self.model.load_weights(list(arrays.items()), strict=True)
+        mx.eval(self.model.parameters())
+
+    # -------------------------------------------------------------------------------------- generation
+    def _prefill(self, prompt: Sequence[int], rows: int) -> tuple[list[Any], mx.array]:
+        """Run one prompt through the model at batch ``rows``; return its per-layer KV caches and logits."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        ids = mx.array(list(prompt), dtype=mx.int32)[None]
+        if rows > 1:
+            ids = mx.repeat(ids, rows, axis=0)
+        # Everything but the last token only fills the cache: the vocabulary projection is never evaluated.
+        for start in range(0, ids.shape[1] - 1, PREFILL_CHUNK):
+            self.model(ids[:, start : min(start + PREFILL_CHUNK, ids.shape[1] - 1)], cache=cache)
+            mx.eval([c.state for c in cache])
+        logits = self.model(ids[:, -1:], cache=cache)[:, -1, :]
+        return cache, logits
+
+    def _prefill_groups(self, prompts: Sequence[Sequence[int]], n: int, share_prefix: bool,
+                        stats: GenStats) -> tuple[list[Any], mx.array]:
+        """Prefill every prompt and merge the caches into one batch of ``len(prompts) * n`` rows.
+
+        Args:
+            prompts: token ids of each prompt.
+            n: rows per prompt.
+            share_prefix: prefill each prompt once and repeat its KV rows (False: prefill n copies).
+            stats: receives ``extra["prompt_tokens"]``, the prompt tokens run through the model.
+
+        Returns:
+            the per-layer ``BatchKVCache`` and the last-position logits of every row.
+        """
+        per_prompt = [self._prefill(p, 1 if share_prefix else n) for p in prompts]
+        mx.eval([lg for _, lg in per_prompt])
+        stats.extra["prompt_tokens"] = float(sum(len(p) for p in prompts) * (1 if share_prefix else n))
+        repeat = n if share_prefix else 1
+        layers = len(per_prompt[0][0])
+        cache = [merge_rows([c[layer] for c, _ in per_prompt], repeat) for layer in range(layers)]
+        logits = mx.concatenate([lg for _, lg in per_prompt], axis=0)
+        if repeat > 1:
+            logits = mx.repeat(logits, repeat, axis=0)
+        return cache, logits
+
+    def _decode(self, cache: list[Any], first: Draw, sample: Sampler, max_new_tokens: int, eos: set[int],
+                stats: GenStats) -> RowLog:
+        """Decode until every row has stopped or reached ``max_new_tokens``, dropping finished rows.
+
+        Each step queues the next forward and draw before reading its own tokens (overlapping Python with
+        compute).
+
+        Args:
+            cache: the batch's per-layer KV cache after the prefill.
+            first: the draw from the prefill logits (one row per completion).
+            sample: the step's draw.
+            max_new_tokens: length cap.
+            eos: tokens that end a row.
+            stats: receives steps and new tokens.
+        """
+        log = RowLog(first.tokens.shape[0])
+        active = list(range(first.tokens.shape[0]))
+        cur = nxt = first
+        for step in range(max_new_tokens):
+            last = step == max_new_tokens - 1
+            if not last:
+                nxt = sample(self.model(cur.tokens[:, None], cache=cache)[:, -1, :], cur.key)
+                mx.async_eval(nxt.tokens, nxt.logprobs)
+            stats.steps += 1
+            keep = log.record(active, cast(list, cur.tokens.tolist()), cast(list, cur.logprobs.tolist()), eos)
+            stats.new_tokens += len(active)
+            if last or not keep:
+                break
+            if len(keep) < len(active):
+                active, nxt = compact(cache, active, keep, nxt)
+            cur = nxt
+        return log
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        eos_ids: Sequence[int] = (),
+        generator: int | mx.array | None = None,
+        greedy: bool = False,
+        share_prefix: bool = True,
+    ) -> tuple[list[list[Completion]], GenStats]:
+        """Sample ``n`` completions for each prompt; each prompt is prefilled once and its KV shared.
+
+        Args:
+            prompts: token ids of each prompt (one group per prompt).
+            n: completions per prompt.
+            max_new_tokens: length cap.
+            temperature: sampling temperature.
+            top_p: nucleus mass.
+            eos_ids: tokens that end a completion (included in the completion).
+            generator: an int seed or an ``mx.random.key`` for reproducible sampling (the key is split
+                once per decode step; the same seed, model, dtype and device give the same completions);
+                None draws from MLX's global random state (``mx.random.seed``, ``make_generator``).
+            greedy: take the argmax instead of sampling (for evaluation); logprobs stay those of
+                the temperature/top-p distribution.
+            share_prefix: prefill each prompt once at batch 1 and repeat its KV rows n times (the
+                ``paged_prefix`` KV mode); False prefills the n copies as a batch (for benchmarks only:
+                same result, n times the prefill work).
+
+        Returns:
+            per prompt, its ``n`` completions; and timing figures (``extra``: prompt tokens prefilled,
+            peak MLX memory in MB).
+        """
+        from mlx_lm.generate import wired_limit
+
+        _check_generate_args(prompts, n, max_new_tokens, temperature, top_p, self.vocab_size)
+        stats = GenStats()
+        key = make_key(generator)
+        sample: Sampler = partial(draw, temperature=temperature, top_p=top_p, greedy=greedy)
+        with wired_limit(self.model):
+            mx.reset_peak_memory()
+            t0 = time.perf_counter()
+            cache, logits = self._prefill_groups(prompts, n, share_prefix, stats)
+            first = sample(logits, key)
+            mx.eval(first.tokens, first.logprobs, [c.state for c in cache])
+            stats.prefill_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            log = self._decode(cache, first, sample, max_new_tokens, {int(t) for t in eos_ids}, stats)
+            stats.decode_s = time.perf_counter() - t1
+            stats.extra["peak_memory_mb"] = mx.get_peak_memory() / 1e6
+        return log.groups(n), stats
+
