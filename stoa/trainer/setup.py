@@ -9,6 +9,7 @@ import numpy as np
 
 from stoa.bucket import Bucket, ObjectExists
 from stoa.config import TrainerConfig
+from stoa.engines import Engine
 from stoa.records import ContractMismatch, ModelSpec, RunContract, SamplingSpec, contract_key
 from stoa.runfiles import upload_model_files
 from stoa.tasks.base import Task
@@ -82,8 +83,9 @@ def ensure_contract(bucket: Bucket, contract: RunContract, model_dir: Path | Non
         return existing
 
 
-def evaluate(model, codec: TextCodec, task: Task, n: int, max_new_tokens: int, batch: int = 32) -> dict[str, float]:
-    """Greedy held-out accuracy of a torch HF model on the task's first ``n`` held-out prompts.
+def evaluate(model, codec: TextCodec, task: Task, n: int, max_new_tokens: int,
+             batch: int = 32) -> dict[str, float]:
+    """Greedy held-out accuracy of the trainer's torch HF model (:func:`greedy_accuracy` on its engine).
 
     Args:
         model: an HF causal LM (left in train mode afterwards if it was).
@@ -93,10 +95,30 @@ def evaluate(model, codec: TextCodec, task: Task, n: int, max_new_tokens: int, b
         max_new_tokens: length cap.
         batch: prompts decoded together.
     """
-    from stoa.worker.engine_torch import TorchEngine
+    from stoa.engines import engine_from_model
 
     was_training = model.training
-    engine = TorchEngine.from_model(model)
+    try:
+        return greedy_accuracy(engine_from_model(model), codec, task, n, max_new_tokens, batch)
+    finally:
+        model.train(was_training)
+
+
+def greedy_accuracy(engine: Engine, codec: TextCodec, task: Task, n: int, max_new_tokens: int,
+                    batch: int = 32) -> dict[str, float]:
+    """Greedy held-out accuracy of any engine on the task's first ``n`` held-out prompts.
+
+    Args:
+        engine: the engine to decode with (one completion per prompt, argmax, the task's EOS).
+        codec: tokenizer.
+        task: the task.
+        n: number of held-out prompts.
+        max_new_tokens: length cap.
+        batch: prompts decoded together.
+
+    Returns:
+        ``accuracy``, ``n`` (prompts), ``seconds`` and ``tokens_per_s``.
+    """
     prompts = task.heldout(n)
     correct, t0, new_tokens = 0, time.perf_counter(), 0
     for i in range(0, len(prompts), batch):
@@ -104,8 +126,8 @@ def evaluate(model, codec: TextCodec, task: Task, n: int, max_new_tokens: int, b
         groups, st = engine.generate([codec.encode_prompt(p.messages) for p in chunk], 1,
                                      max_new_tokens=max_new_tokens, eos_ids=codec.eos_ids, greedy=True)
         new_tokens += st.new_tokens
-        correct += sum(task.is_correct(p, codec.decode(g[0].tokens)) for p, g in zip(chunk, groups, strict=True))
-    model.train(was_training)
+        correct += sum(task.is_correct(p, codec.decode(g[0].tokens))
+                       for p, g in zip(chunk, groups, strict=True))
     dt = time.perf_counter() - t0
     return {"accuracy": correct / max(len(prompts), 1), "n": float(len(prompts)), "seconds": dt,
             "tokens_per_s": new_tokens / dt if dt > 0 else 0.0}
