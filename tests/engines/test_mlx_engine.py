@@ -1,16 +1,17 @@
-"""The MLX engine samples what it records: logprobs agree with a torch recompute, greedy tokens with TorchEngine."""
+"""The MLX engine samples what it records: logprobs agree with a torch recompute, greedy tokens with the
+torch engine."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
-
-mx = pytest.importorskip("mlx.core", reason="needs mlx (mlx[cpu] on Linux)")
 
 pytestmark = pytest.mark.mlx
 
 PROMPTS = [[5, 6, 7, 8, 9, 40, 41], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 300, 301]]
-EOS = tuple(range(3, 20))  # ~3% of the ids per step: some rows stop early, others run to length (rows get dropped)
+# ~3% of the ids per step: some rows stop early, others run to length (rows get dropped)
+EOS = tuple(range(3, 20))
 TOL = 1e-4
 
 
@@ -20,7 +21,7 @@ def _recompute(model, prompt: list[int], completions: list[list[int]], temperatu
     a causal model cannot see), then the sampling distribution."""
     import torch
 
-    from stoa.worker.engine_torch import sampling_logprobs_torch
+    from stoa.engines.torch import sampling_logprobs_torch
 
     width = len(prompt) + max(len(c) for c in completions)
     ids = torch.zeros((len(completions), width), dtype=torch.long)
@@ -30,7 +31,8 @@ def _recompute(model, prompt: list[int], completions: list[list[int]], temperatu
         logits = model(ids).logits.float()
     out = []
     for i, c in enumerate(completions):
-        logp = sampling_logprobs_torch(logits[i, len(prompt) - 1 : len(prompt) - 1 + len(c)], temperature, top_p)
+        rows = logits[i, len(prompt) - 1 : len(prompt) - 1 + len(c)]
+        logp = sampling_logprobs_torch(rows, temperature, top_p)
         out.append(logp.gather(-1, torch.tensor(c)[:, None])[:, 0].numpy())
     return out
 
@@ -128,7 +130,7 @@ def test_vocab_size(mlx_engine, torch_engine) -> None:
 
 
 def test_unknown_dtype(tiny_dir) -> None:
-    from stoa.worker.engine_mlx import MLXEngine
+    from stoa.engines.mlx.engine import MLXEngine
 
     with pytest.raises(ValueError, match="dtype"):
         MLXEngine(tiny_dir, dtype="int8")
@@ -137,7 +139,7 @@ def test_unknown_dtype(tiny_dir) -> None:
 def test_engine_without_weights_builds_from_config(tiny_dir, tmp_path, tiny_weights) -> None:
     import shutil
 
-    from stoa.worker.engine_mlx import MLXEngine
+    from stoa.engines.mlx.engine import MLXEngine
 
     for f in tiny_dir.iterdir():
         if not f.name.endswith(".safetensors"):
@@ -154,10 +156,10 @@ def test_qwen2_with_qkv_biases_matches_torch(tmp_path_factory) -> None:
     pytest.importorskip("torch", reason="the comparison needs torch")
     from safetensors.numpy import load_file
 
+    from stoa.engines.mlx.engine import MLXEngine
+    from stoa.engines.torch import TorchEngine
     from stoa.models import resolve_model
     from stoa.weights.planes import state_from_f32, state_to_f32
-    from stoa.worker.engine_mlx import MLXEngine
-    from stoa.worker.engine_torch import TorchEngine
 
     d = resolve_model("tiny-qwen2", cache_dir=tmp_path_factory.mktemp("stoa-cache"))
     me, te = MLXEngine(d, dtype="float32"), TorchEngine(d, device="cpu")
@@ -176,7 +178,7 @@ def test_models_without_plain_kv_caches_are_refused(tiny_dir, tmp_path) -> None:
     import json
     import shutil
 
-    from stoa.worker.engine_mlx import MLXEngine
+    from stoa.engines.mlx.engine import MLXEngine
 
     for f in tiny_dir.iterdir():
         if not f.name.endswith(".safetensors"):
@@ -186,3 +188,31 @@ def test_models_without_plain_kv_caches_are_refused(tiny_dir, tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="RotatingKVCache"):
         MLXEngine(tmp_path, dtype="float32")
+
+
+def test_mlx_engine_fits_the_protocol_and_seeds_the_global_stream(mlx_engine) -> None:
+    from stoa.engines import Engine
+
+    assert isinstance(mlx_engine, Engine) and mlx_engine.dtype_name == "float32"
+
+    def run(seed):
+        gen = mlx_engine.make_generator(seed)
+        groups, _ = mlx_engine.generate(PROMPTS, 3, max_new_tokens=8, temperature=1.5, generator=gen)
+        return [c.tokens for g in groups for c in g]
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_an_engine_around_a_loaded_model_shares_its_weights(mlx_engine) -> None:
+    from stoa.engines import engine_from_model
+    from stoa.engines.mlx.engine import MLXEngine
+
+    wrapped = engine_from_model(mlx_engine.model, mlx_engine.config, "float32")
+    assert isinstance(wrapped, MLXEngine) and wrapped.model is mlx_engine.model
+    assert wrapped.vocab_size == mlx_engine.vocab_size and wrapped.dtype_name == "float32"
+    a, _ = wrapped.generate(PROMPTS, 2, max_new_tokens=6, greedy=True)
+    b, _ = mlx_engine.generate(PROMPTS, 2, max_new_tokens=6, greedy=True)
+    assert [c.tokens for g in a for c in g] == [c.tokens for g in b for c in g]
+    with pytest.raises(ValueError, match="config"):
+        engine_from_model(mlx_engine.model)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mlx.core", reason="needs mlx (mlx[cpu] on Linux)")
-
-from stoa.worker.engine_mlx import make_key, sampling_logprobs_mlx  # noqa: E402
-from stoa.worker.sampling import sampling_logprobs_np  # noqa: E402
+from stoa.engines.mlx.sampling import make_key, sampling_logprobs_mlx
+from stoa.engines.sampling import sampling_logprobs_np
 
 pytestmark = pytest.mark.mlx
 
@@ -36,7 +35,7 @@ def test_mlx_matches_numpy_reference(temperature: float, top_p: float) -> None:
 @pytest.mark.parametrize("temperature,top_p", CASES)
 def test_mlx_matches_torch(temperature: float, top_p: float) -> None:
     torch = pytest.importorskip("torch", reason="the comparison needs torch")
-    from stoa.worker.engine_torch import sampling_logprobs_torch
+    from stoa.engines.torch import sampling_logprobs_torch
 
     logits = _logits(1, (8, 300))
     got = np.array(sampling_logprobs_mlx(mx.array(logits), temperature, top_p))

@@ -1,4 +1,5 @@
-"""Quantized layers on the MLX CPU device run as dequantize + BLAS: same outputs and gradients as MLX's kernel."""
+"""Quantized layers on the MLX CPU device run as dequantize + BLAS: same outputs and gradients as MLX's
+kernel."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from stoa.worker.mlx_cpu import BlasQuantizedEmbedding, BlasQuantizedLinear, use_blas_for_quantized
+from stoa.engines.mlx.quantized import BlasQuantizedEmbedding, BlasQuantizedLinear, use_blas_for_quantized
 
 
 def _kernel(x, layer):

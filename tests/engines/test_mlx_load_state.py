@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
-mx = pytest.importorskip("mlx.core", reason="needs mlx (mlx[cpu] on Linux)")
-
-import mlx.nn as nn  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
-
-from stoa.weights.planes import state_from_f32, state_to_f32  # noqa: E402
-from stoa.worker.engine_mlx import MLXEngine  # noqa: E402
+from stoa.engines.mlx.engine import MLXEngine
+from stoa.weights.planes import state_from_f32, state_to_f32
 
 pytestmark = pytest.mark.mlx
 
@@ -55,7 +53,7 @@ def test_bf16_plane_in_bf16_engine_keeps_the_bits(tiny_dir, tiny_weights) -> Non
 
 def test_bf16_plane_logprobs_match_torch_on_the_same_bits(tiny_dir, tiny_weights) -> None:
     torch = pytest.importorskip("torch", reason="the comparison needs torch")
-    from stoa.worker.engine_torch import TorchEngine
+    from stoa.engines.torch import TorchEngine
 
     state = state_from_f32(_perturbed(tiny_weights, 2), "bf16")
     eng = MLXEngine(tiny_dir, dtype="float32")

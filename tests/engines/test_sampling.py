@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from stoa.worker.engine_torch import sampling_logprobs_torch
-from stoa.worker.sampling import sampling_logprobs_np
+from stoa.engines.sampling import sampling_logprobs_np
+from stoa.engines.torch import sampling_logprobs_torch
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (1.3, 0.5), (0.5, 0.05)])
