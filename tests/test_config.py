@@ -1,12 +1,23 @@
-"""Config loading: precedence, validation errors that name the field, dry-run rendering."""
+"""Config loading: precedence, validation errors that name the field, dry-run rendering, shared files."""
 
 from __future__ import annotations
 
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from stoa.config import ConfigError, TrainerConfig, WorkerConfig, config_to_toml, load_config
+from stoa.config import (
+    ConfigError,
+    DeprecatedSetting,
+    TrainerConfig,
+    WorkerConfig,
+    config_to_toml,
+    load_config,
+    load_local_config,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_defaults_validate():
@@ -77,3 +88,108 @@ def test_dry_run_rendering_is_valid_toml_and_round_trips(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text(text)
     assert load_config(TrainerConfig, toml_path=str(f), env={}) == cfg
+
+
+# ----- one file for every command, values given twice, unknown keys -------------------------------------
+
+SHARED = """\
+bucket = "s3://b/p"
+run = "shared"
+n_samples = 4
+lr = 3e-6
+
+[algo]
+eps_high = 0.3
+
+[trainer]
+groups_per_step = 2
+
+[worker]
+engine = "torch"
+seed = 7
+
+[local]
+backend = "torch"
+"""
+
+
+def test_one_sectioned_file_for_trainer_worker_and_local(tmp_path):
+    f = tmp_path / "fleet.toml"
+    f.write_text(SHARED)
+    trainer = load_config(TrainerConfig, toml_path=str(f), env={})
+    worker = load_config(WorkerConfig, toml_path=str(f), env={})
+    local = load_local_config(str(f))
+    assert (trainer.bucket, trainer.run, trainer.n_samples) == (worker.bucket, worker.run, worker.n_samples)
+    assert (trainer.lr, trainer.groups_per_step, trainer.algo) == (3e-6, 2, {"eps_high": 0.3})
+    assert (worker.engine, worker.seed) == ("torch", 7)  # the worker skips the trainer's top-level lr/[algo]
+    assert (local.backend, local.lr, local.groups_per_step) == ("torch", 3e-6, 2)  # bucket/run skipped
+
+
+def test_a_flat_file_keeps_refusing_another_commands_key(tmp_path):
+    f = tmp_path / "worker.toml"
+    f.write_text("lr = 1e-5\n")
+    with pytest.raises(ConfigError, match=r"^lr: unknown setting in .*it belongs to \[local\] and \[trainer\]"):
+        load_config(WorkerConfig, toml_path=str(f), env={})
+
+
+@pytest.mark.parametrize(("text", "field", "hint"), [
+    ("n_sample = 4\n", "n_sample", "did you mean 'n_samples'?"),
+    ("[worker]\nengin = 'torch'\n", "engin", "in [worker] of"),
+    ("[wroker]\nengine = 'torch'\n[trainer]\nlr = 1e-5\n", "wroker", "did you mean 'worker'?"),
+    ("[trainer]\nstaleness = 2\n", "staleness", "did you mean 'staleness_bound'?"),
+])
+def test_unknown_keys_suggest_the_closest_name(tmp_path, text, field, hint):
+    f = tmp_path / "t.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(WorkerConfig, toml_path=str(f), env={})  # the worker checks the trainer's section's keys too
+    assert e.value.field == field and hint in str(e.value), str(e.value)
+
+
+def test_a_key_both_shared_and_in_the_section_is_an_error(tmp_path):
+    f = tmp_path / "t.toml"
+    f.write_text("seed = 1\n[worker]\nseed = 2\n")
+    with pytest.raises(ConfigError, match=f"^seed: given twice, as seed in {f} and as \\[worker\\] seed in {f}"):
+        load_config(WorkerConfig, toml_path=str(f), env={})
+    load_config(TrainerConfig, toml_path=str(f), env={})  # the trainer sees seed once
+
+
+@pytest.mark.parametrize(("toml", "argv", "places"), [
+    ("[algo]\nkl_beta = 0.2\n", ["--kl-beta", "0.1"], "as --kl-beta and as [algo] kl_beta in {f}"),
+    ("kl_beta = 0.1\n[algo]\nkl_beta = 0.2\n", [], "as kl_beta in {f} and as [algo] kl_beta in {f}"),
+    ("[trainer]\nkl_beta = 0.1\n[trainer.algo]\nkl_beta = 0.2\n", [],
+     "as [trainer] kl_beta in {f} and as [trainer.algo] kl_beta in {f}"),
+    ("", ["--kl-beta", "0.1", "--algo", "kl_beta=0.2"], "as --kl-beta and as --algo kl_beta=..."),
+])
+def test_trainer_kl_beta_given_twice_names_both_places(tmp_path, capsys, toml, argv, places):
+    from stoa.cli import main
+
+    f = tmp_path / "t.toml"
+    f.write_text(toml)
+    assert main(["trainer", "--dry-run", "--config", str(f), *argv]) == 2
+    assert f"kl_beta: given twice, {places.format(f=f)}; keep one" in capsys.readouterr().err
+
+
+def test_algo_knobs_owned_by_a_setting_are_refused(tmp_path):
+    f = tmp_path / "t.toml"
+    f.write_text("[algo]\ntemperature = 0.5\n")
+    with pytest.raises(ConfigError, match=r"^algo.temperature: \[algo\] temperature in .* 'temperature' setting"):
+        load_config(TrainerConfig, toml_path=str(f), env={})
+    with pytest.raises(ConfigError, match="^algo.max_tokens: --algo max_tokens=... duplicates the 'max_new_tokens' setting"):
+        load_config(TrainerConfig, overrides={"algo": {"max_tokens": 8}}, env={})
+    cfg = TrainerConfig(kl_beta=0.1, algo={"kl_beta": 0.2})  # built directly: algo_config still refuses it
+    with pytest.raises(ConfigError, match=r"^kl_beta: given twice, as kl_beta and as \[algo\] kl_beta"):
+        cfg.algo_config()
+
+
+def test_fleet_example_serves_trainer_and_worker():
+    trainer = load_config(TrainerConfig, toml_path=str(EXAMPLES / "fleet-smollm2-arithmetic.toml"), env={})
+    worker = load_config(WorkerConfig, toml_path=str(EXAMPLES / "fleet-smollm2-arithmetic.toml"), env={})
+    assert (trainer.run, trainer.n_samples, trainer.model) == (worker.run, worker.n_samples, "smollm2-135m")
+    assert worker.model == ""
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-arithmetic.toml", "qwen3-0.6b-arithmetic.toml"])
+def test_local_examples_use_the_current_names(name, recwarn):
+    cfg = load_local_config(str(EXAMPLES / name))
+    assert cfg.n_samples == 8 and not [w for w in recwarn if issubclass(w.category, DeprecatedSetting)]

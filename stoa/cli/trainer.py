@@ -14,7 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         sub: the top-level subparsers.
     """
     p = sub.add_parser("trainer", help="run the trainer", description=__doc__)
-    p.add_argument("--config", help="TOML file with trainer settings (flags override it)")
+    p.add_argument("--config", help="TOML file: flat, or shared with workers (top-level keys plus a [trainer] "
+                                    "section); flags override it")
     p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
     add_config_flags(p, TrainerConfig)
     p.set_defaults(func=run)
@@ -26,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    cfg = load_config(TrainerConfig, toml_path=args.config, overrides=overrides_from_args(args, TrainerConfig))
+    overrides = overrides_from_args(args, TrainerConfig)
+    cfg = load_config(TrainerConfig, toml_path=args.config, overrides=overrides)
     if args.dry_run:
         print(config_to_toml(cfg), end="")
         algo = cfg.algo_config()

@@ -14,7 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         sub: the top-level subparsers.
     """
     p = sub.add_parser("worker", help="run a rollout worker", description=__doc__)
-    p.add_argument("--config", help="TOML file with worker settings (flags override it)")
+    p.add_argument("--config", help="TOML file: flat, or shared with the trainer (top-level keys plus a "
+                                    "[worker] section); flags override it")
     p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
     p.add_argument("--print-tier", action="store_true",
                    help="print this machine's memory tier (decode batch, groups in flight, BLAS) and exit")

@@ -1,0 +1,57 @@
+"""``WorkerConfig``: a rollout worker. Sampling settings and the group size come from the run contract."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from stoa.config.base import DTYPES, ConfigError, FleetConfig, at_least, one_of, setting
+
+ENGINES = ("auto", "torch", "mlx")
+WORKER_DTYPES = DTYPES
+
+
+@dataclass(frozen=True)
+class WorkerConfig(FleetConfig):
+    """Rollout worker settings. Sampling and group size come from the run contract."""
+
+    SECTION: ClassVar[str] = "worker"
+
+    model: str = setting("", "Optional local model dir; checked against the contract (default: from the "
+                             "bucket).")
+    n_samples: int = setting(0, "Group size this worker expects (0 = the contract's).")
+    seed: int = setting(-1, "Sampling seed (-1 = random per process).")
+    plane: str = setting("", "Weight plane this worker expects (empty = the contract's).")
+    name: str = setting("", "Worker label used in record keys (default: host name); a random suffix is "
+                            "added.")
+    engine: str = setting("auto", "Generation engine: auto (mlx on Apple silicon, else torch), torch, mlx.")
+    groups_in_flight: int = setting(0, "Prompt groups decoded together (batch = this x n); 0 = from the "
+                                       "memory tier (see --print-tier; env STOA_GROUPS_IN_FLIGHT).")
+    max_groups: int = setting(0, "Exit after uploading this many groups (0 = run forever).")
+    poll_seconds: float = setting(2.0, "Wait between pointer polls while the run has no weights yet.")
+    wait_seconds: float = setting(600.0, "Give up if the run contract or weights do not appear within this "
+                                         "long.")
+    threads: int = setting(0, "Torch CPU threads (0 = library default).")
+    dtype: str = setting("auto", "Compute dtype: auto (torch: bf16 on CUDA and on CPUs with native bf16 when "
+                                 "the plane is bf16, else fp32; mlx: bf16 on Metal, else fp32), float32, "
+                                 "bfloat16.")
+    bucket_retry_seconds: float = setting(300.0, "Retry budget of one bucket request (jittered exponential "
+                                                 "backoff) before it counts as an outage; overrides "
+                                                 "STOA_BUCKET_RETRY_TIMEOUT_S.")
+    exit_on_outage: bool = setting(False, "Exit (code 4) when a bucket request exhausts its retry budget; by "
+                                          "default the worker waits and retries until the bucket answers "
+                                          "again.")
+
+    def validate(self) -> WorkerConfig:
+        """Raise ``ConfigError`` naming the first invalid field; return self."""
+        super().validate()
+        one_of(self, "engine", ENGINES)
+        at_least(self, 0, ("groups_in_flight", "max_groups", "threads"))
+        if self.poll_seconds <= 0 or self.wait_seconds <= 0:
+            raise ConfigError("poll_seconds" if self.poll_seconds <= 0 else "wait_seconds", "must be > 0")
+        if self.name and not all(c.isalnum() or c in "-_." for c in self.name):
+            raise ConfigError("name", f"{self.name!r}: use letters, digits, '-', '_' or '.'")
+        one_of(self, "dtype", WORKER_DTYPES)
+        if not self.bucket_retry_seconds > 0:
+            raise ConfigError("bucket_retry_seconds", "must be > 0 (seconds one bucket request may retry)")
+        return self
