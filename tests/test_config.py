@@ -31,8 +31,8 @@ def test_defaults_validate():
 def test_precedence_toml_env_flags(tmp_path):
     f = tmp_path / "t.toml"
     f.write_text('run = "fromtoml"\nlr = 2e-5\nn_samples = 4\n[algo]\neps_high = 0.3\n')
-    cfg = load_config(TrainerConfig, toml_path=str(f), env={"DRL_N_SAMPLES": "6", "DRL_PULSE_PLANE": "int8g64"},
-                      overrides={"run": "fromflag", "lr": None})
+    env = {"DRL_N_SAMPLES": "6", "DRL_PULSE_PLANE": "int8g64"}
+    cfg = load_config(TrainerConfig, toml_path=str(f), env=env, overrides={"run": "fromflag", "lr": None})
     assert cfg.run == "fromflag" and cfg.lr == 2e-5 and cfg.n_samples == 6 and cfg.plane == "int8g64"
     assert cfg.algo == {"eps_high": 0.3}
 
@@ -128,7 +128,7 @@ def test_one_sectioned_file_for_trainer_worker_and_local(tmp_path):
 def test_a_flat_file_keeps_refusing_another_commands_key(tmp_path):
     f = tmp_path / "worker.toml"
     f.write_text("lr = 1e-5\n")
-    with pytest.raises(ConfigError, match=r"^lr: unknown setting in .*it belongs to \[local\] and \[trainer\]"):
+    with pytest.raises(ConfigError, match=r"^lr: unknown setting in .*belongs to \[local\] and \[trainer\]"):
         load_config(WorkerConfig, toml_path=str(f), env={})
 
 
@@ -142,14 +142,14 @@ def test_unknown_keys_suggest_the_closest_name(tmp_path, text, field, hint):
     f = tmp_path / "t.toml"
     f.write_text(text)
     with pytest.raises(ConfigError) as e:
-        load_config(WorkerConfig, toml_path=str(f), env={})  # the worker checks the trainer's section's keys too
+        load_config(WorkerConfig, toml_path=str(f), env={})  # the worker checks [trainer]'s keys too
     assert e.value.field == field and hint in str(e.value), str(e.value)
 
 
 def test_a_key_both_shared_and_in_the_section_is_an_error(tmp_path):
     f = tmp_path / "t.toml"
     f.write_text("seed = 1\n[worker]\nseed = 2\n")
-    with pytest.raises(ConfigError, match=f"^seed: given twice, as seed in {f} and as \\[worker\\] seed in {f}"):
+    with pytest.raises(ConfigError, match=f"^seed: given twice, as seed in {f} and as \\[worker\\] seed in"):
         load_config(WorkerConfig, toml_path=str(f), env={})
     load_config(TrainerConfig, toml_path=str(f), env={})  # the trainer sees seed once
 
@@ -173,9 +173,9 @@ def test_trainer_kl_beta_given_twice_names_both_places(tmp_path, capsys, toml, a
 def test_algo_knobs_owned_by_a_setting_are_refused(tmp_path):
     f = tmp_path / "t.toml"
     f.write_text("[algo]\ntemperature = 0.5\n")
-    with pytest.raises(ConfigError, match=r"^algo.temperature: \[algo\] temperature in .* 'temperature' setting"):
+    with pytest.raises(ConfigError, match=r"^algo.temperature: \[algo\] temperature in .* 'temperature' "):
         load_config(TrainerConfig, toml_path=str(f), env={})
-    with pytest.raises(ConfigError, match="^algo.max_tokens: --algo max_tokens=... duplicates the 'max_new_tokens' setting"):
+    with pytest.raises(ConfigError, match="^algo.max_tokens: --algo max_tokens=... duplicates the 'max_new"):
         load_config(TrainerConfig, overrides={"algo": {"max_tokens": 8}}, env={})
     cfg = TrainerConfig(kl_beta=0.1, algo={"kl_beta": 0.2})  # built directly: algo_config still refuses it
     with pytest.raises(ConfigError, match=r"^kl_beta: given twice, as kl_beta and as \[algo\] kl_beta"):

@@ -14,8 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         sub: the top-level subparsers.
     """
     p = sub.add_parser("trainer", help="run the trainer", description=__doc__)
-    p.add_argument("--config", help="TOML file: flat, or shared with workers (top-level keys plus a [trainer] "
-                                    "section); flags override it")
+    p.add_argument("--config", help="TOML file: flat, or shared with workers (top-level keys plus a "
+                                    "[trainer] section); flags override it")
     p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
     add_config_flags(p, TrainerConfig)
     p.set_defaults(func=run)

@@ -63,7 +63,8 @@ def test_invalid_values_name_the_field(overrides, field):
 
 def test_toml_file_then_flags(tmp_path):
     f = tmp_path / "run.toml"
-    f.write_text('model = "tiny"\nn_samples = 6\nlora_targets = ["q_proj", "v_proj"]\n[algo]\neps_high = 0.28\n')
+    f.write_text('model = "tiny"\nn_samples = 6\nlora_targets = ["q_proj", "v_proj"]\n'
+                 '[algo]\neps_high = 0.28\n')
     cfg = load_local_config(str(f), {"n_samples": "3", "seed": "7"})
     assert (cfg.n_samples, cfg.seed, cfg.lora_targets) == (3, 7, "q_proj,v_proj")
     assert cfg.algo_config().eps_high == 0.28
@@ -114,7 +115,8 @@ def test_kl_beta_given_twice_names_both_places(tmp_path, capsys):
     f = tmp_path / "run.toml"
     f.write_text("[algo]\nkl_beta = 0.2\n")
     assert main(["local", "train", "--config", str(f), "--kl-beta", "0.1", "--dry-run"]) == 2
-    assert f"kl_beta: given twice, as --kl-beta and as [algo] kl_beta in {f}; keep one" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"kl_beta: given twice, as --kl-beta and as [algo] kl_beta in {f}; keep one" in err
     f.write_text("kl_beta = 0.1\n[algo]\nkl_beta = 0.2\n")
     with pytest.raises(ConfigError, match=f"as kl_beta in {f} and as \\[algo\\] kl_beta in {f}"):
         load_local_config(str(f))
@@ -143,14 +145,15 @@ def test_auto_backend():
 
 
 def test_cli_overrides_and_dry_run(capsys):
-    args = _parse(["local", "train", "--model", "tiny", "--steps", "5", "--n-samples", "3", "--max-new-tokens", "16",
-                   "--algorithm", "dr_grpo", "--beta", "0", "--seed", "9", "--backend", "torch", "--dry-run",
-                   "--available-memory-gb", "64"])
+    args = _parse(["local", "train", "--model", "tiny", "--steps", "5", "--n-samples", "3",
+                   "--max-new-tokens", "16", "--algorithm", "dr_grpo", "--beta", "0", "--seed", "9",
+                   "--backend", "torch", "--dry-run", "--available-memory-gb", "64"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    for line in ("steps = 5", "n_samples = 3", "max_new_tokens = 16", 'algorithm = "dr_grpo"', "kl_beta = 0.0",
-                 "seed = 9", "# backend: torch", "# resolved algorithm", "# name = 'dr_grpo'", "# kl_beta = 0.0",
-                 "# adv_std_norm = False", "available 64.00 GB (available_memory_gb): fits"):
+    for line in ("steps = 5", "n_samples = 3", "max_new_tokens = 16", 'algorithm = "dr_grpo"',
+                 "kl_beta = 0.0", "seed = 9", "# backend: torch", "# resolved algorithm",
+                 "# name = 'dr_grpo'", "# kl_beta = 0.0", "# adv_std_norm = False",
+                 "available 64.00 GB (available_memory_gb): fits"):
         assert line in out, line
 
 
@@ -168,7 +171,8 @@ QWEN = ModelShape.from_config("Qwen/Qwen3-0.6B", KNOWN_SHAPES["Qwen/Qwen3-0.6B"]
 
 def _cfg(**kw) -> LocalConfig:
     return load_local_config(None, {"backend": "mlx", "model": "Qwen/Qwen3-0.6B", "n_samples": 8,
-                                    "groups_per_step": 2, "max_new_tokens": 512, "max_prompt_tokens": 256, **kw})
+                                    "groups_per_step": 2, "max_new_tokens": 512, "max_prompt_tokens": 256,
+                                    **kw})
 
 
 def test_shape_and_estimate_move_the_right_way():
@@ -200,7 +204,8 @@ def test_refusal_then_micro_batch_then_group_size_then_length():
     report = check_fit(small, QWEN, available_gb=g2 + 0.01, source="test")
     assert report.knob == "group_size" and report.suggested is not None and report.suggested.n_samples >= 2
     tiny_budget = estimate_memory(dataclasses.replace(small, n_samples=2, max_new_tokens=16), QWEN).total_gb
-    report = check_fit(dataclasses.replace(small, n_samples=2), QWEN, available_gb=tiny_budget + 0.001, source="t")
+    report = check_fit(dataclasses.replace(small, n_samples=2), QWEN, available_gb=tiny_budget + 0.001,
+                       source="t")
     assert report.knob == "max_tokens"
 
 
@@ -239,5 +244,6 @@ def test_train_refuses_before_any_model_loads(make_cfg, monkeypatch, capsys):
     fits_with_ckpt = estimate_memory(dataclasses.replace(cfg, gradient_checkpointing=True), shape).total_gb
     assert estimate_memory(cfg, shape).total_gb > fits_with_ckpt + 0.01
     with pytest.raises(MemoryPreflightError) as e:
-        loop.run_local(dataclasses.replace(cfg, available_memory_gb=fits_with_ckpt + 0.001), echo=lambda _s: None)
+        loop.run_local(dataclasses.replace(cfg, available_memory_gb=fits_with_ckpt + 0.001),
+                       echo=lambda _s: None)
     assert e.value.field == "gradient_checkpointing", str(e.value)
