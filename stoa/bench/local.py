@@ -57,7 +57,7 @@ def _child_local(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the stoa local loop in this (child) process and return per-step figures from its metrics."""
     import resource
 
-    from stoa.local.config import load_local_config
+    from stoa.config.local import load_local_config
     from stoa.local.loop import run_local
     from stoa.metrics import read_metrics
 
@@ -145,9 +145,9 @@ def main(args: argparse.Namespace) -> int:
                                            "load_before": os.getloadavg()}, "targets": {}, "failed": {}}
     for target in targets:
         if target in ("torch", "mlx"):
-            config = {"backend": target, "model": args.model, "task": "arithmetic", "group_size": args.group_size,
-                      "prompts_per_step": 1, "max_tokens": args.max_tokens, "steps": total, "eval_n": 0,
-                      "save_every": 0, "kl_beta": args.beta, "quant_bits": args.quant_bits,
+            config = {"backend": target, "model": args.model, "task": "arithmetic", "n_samples": args.group_size,
+                      "groups_per_step": 1, "max_new_tokens": args.max_tokens, "steps": total, "eval_n": 0,
+                      "checkpoint_every": 0, "kl_beta": args.beta, "quant_bits": args.quant_bits,
                       "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha, "threads": args.threads,
                       "gradient_checkpointing": args.gradient_checkpointing, "max_prompt_tokens": 128,
                       "preflight": False, "old_logprobs": args.old_logprobs}

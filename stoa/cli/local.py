@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from stoa.config import add_config_flags, config_to_toml, overrides_from_args
-from stoa.local.config import LocalConfig, load_local_config, resolve_backend
+from stoa.config.local import LocalConfig, load_local_config, resolve_backend
 
 SMOKE_FIELDS = ("backend", "model", "quant_bits", "quant_group_size", "lora_rank", "lora_alpha", "lora_targets",
                 "gradient_checkpointing", "dtype", "device", "threads", "torch_base", "seed")
@@ -45,8 +45,6 @@ def run_train(args: argparse.Namespace) -> int:
         args: parsed arguments.
     """
     overrides = overrides_from_args(args, LocalConfig)
-    if args.kl_beta is not None:
-        overrides["kl_beta"] = args.kl_beta
     cfg = load_local_config(args.config, overrides)
     if args.dry_run:
         return _dry_run(cfg)

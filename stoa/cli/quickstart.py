@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.config import ConfigError, _parse_scalar
+    from stoa.config import ConfigError, parse_scalar
     from stoa.trainer.loop import run_trainer
 
     if args.workers < 1:
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if "=" not in item:
             raise ConfigError("set", f"expected KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
-        overrides[k.strip().replace("-", "_")] = _parse_scalar(v.strip())
+        overrides[k.strip().replace("-", "_")] = parse_scalar(v.strip())
     cfg = load_config(TrainerConfig, overrides=overrides, env={})
     from stoa.models import resolve_model
 

@@ -1,5 +1,5 @@
 """Single-process local mode: one 4-bit base + LoRA model object does group rollout and the training step."""
 
-from stoa.local.config import LocalConfig, load_local_config, resolve_backend
+from stoa.config.local import LocalConfig, load_local_config, resolve_backend
 
 __all__ = ["LocalConfig", "load_local_config", "resolve_backend"]

@@ -9,8 +9,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from stoa.config.local import DENSE_TARGETS, LocalConfig, lora_target_names, resolve_backend
 from stoa.local.batch import Batch
-from stoa.local.config import DENSE_TARGETS, LocalConfig, lora_target_names, resolve_backend
 from stoa.worker.types import Completion, GenStats
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")

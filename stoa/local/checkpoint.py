@@ -14,8 +14,8 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from stoa.config import ConfigError
+from stoa.config.local import LocalConfig
 from stoa.local.backend import Backend
-from stoa.local.config import LocalConfig
 
 STATE_VERSION = 1
 LATEST = "latest.json"

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from stoa.config import config_to_toml
+from stoa.config.local import LocalConfig
 from stoa.local import checkpoint as ckpt
 from stoa.local.backend import Backend, derive_seed, make_backend
 from stoa.local.batch import Trajectory, build_batch, micro_batches
-from stoa.local.config import LocalConfig
 from stoa.local.preflight import preflight, shape_for, shape_from_dir
 from stoa.local.smoke import check_only_adapters
 from stoa.metrics import MetricsWriter, read_metrics
@@ -91,7 +91,7 @@ def collect_groups(backend: Backend, task: Task, codec: Any, prompts: Sequence[t
         seed: the sampling seed of this step.
     """
     t0 = time.perf_counter()
-    groups, stats = backend.rollout([ids for _, ids in prompts], cfg.group_size, max_new_tokens=cfg.max_tokens,
+    groups, stats = backend.rollout([ids for _, ids in prompts], cfg.n_samples, max_new_tokens=cfg.max_new_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p, eos_ids=codec.eos_ids, seed=seed)
     dt = time.perf_counter() - t0
     trajs = [[Trajectory.single_turn(ids, c.tokens, c.logprobs, task.reward(p, codec.decode(c.tokens)), c.finish_reason)
@@ -117,7 +117,7 @@ def train_step(backend: Backend, algo: Any, task: Task, codec: Any, cfg: LocalCo
         the metrics row (``rollout/*`` and ``train/*``).
     """
     t0 = time.perf_counter()
-    prompts = draw_prompts(task, codec, rng, cfg.prompts_per_step, cfg.max_prompt_tokens)
+    prompts = draw_prompts(task, codec, rng, cfg.groups_per_step, cfg.max_prompt_tokens)
     groups, rs = collect_groups(backend, task, codec, prompts, cfg, derive_seed(cfg.seed, step))
     rewards = np.array([[t.reward for t in g] for g in groups])
     lengths = np.array([[len(t.tokens) for t in g] for g in groups])
@@ -166,7 +166,7 @@ def evaluate(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, step: i
     correct, reward = 0, 0.0
     for i in range(0, len(prompts), EVAL_BATCH):
         chunk = prompts[i : i + EVAL_BATCH]
-        groups, _ = backend.rollout([codec.encode_prompt(p.messages) for p in chunk], 1, max_new_tokens=cfg.max_tokens,
+        groups, _ = backend.rollout([codec.encode_prompt(p.messages) for p in chunk], 1, max_new_tokens=cfg.max_new_tokens,
                                     temperature=cfg.temperature, top_p=1.0, eos_ids=codec.eos_ids,
                                     seed=derive_seed(cfg.seed, step, 1), greedy=True)
         for p, g in zip(chunk, groups, strict=True):
@@ -231,7 +231,7 @@ def run_local(cfg: LocalConfig, *, echo: Callable[[str], Any] = print, backend: 
     summary: dict[str, Any] = {"output_dir": str(out), "evals": [], "step_times": [], "start_step": step}
     s = backend.summary
     echo(f"[local] {s.backend}: {cfg.model}, {s.layers} layers, {s.quant_bits}-bit base, "
-         f"{s.trainable_params:,} trainable of {s.total_params:,}; {cfg.algorithm}, G={cfg.group_size}")
+         f"{s.trainable_params:,} trainable of {s.total_params:,}; {cfg.algorithm}, G={cfg.n_samples}")
 
     def do_eval(label: str) -> None:
         if cfg.eval_n == 0:
@@ -254,7 +254,7 @@ def run_local(cfg: LocalConfig, *, echo: Callable[[str], Any] = print, backend: 
             echo(f"[local] step {step}/{cfg.steps} | reward {row['rollout/reward_mean']:.3f} | loss "
                  f"{row.get('train/loss', 0.0):+.4f} | kl {row.get('train/kl', 0.0):.2e} | "
                  f"{row.get('train/step_s', 0.0):.2f}s ({row['rollout/tokens_per_s']:.0f} rollout tok/s)")
-            if cfg.save_every and step % cfg.save_every == 0:
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 ckpt.save_state(out, cfg, backend, step=step, rng=dict(rng.bit_generator.state))
                 last_saved = step
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:

@@ -20,9 +20,9 @@ from mlx.utils import tree_map, tree_unflatten  # noqa: E402
 
 from stoa.algorithms import LossInputs, combine_metrics  # noqa: E402
 from stoa.algorithms.mlx_loss import MlxOps, token_logprobs  # noqa: E402
+from stoa.config.local import LocalConfig  # noqa: E402
 from stoa.local.backend import ADAPTER_LEAVES, ModelSummary, check_same_arrays, choose_targets  # noqa: E402
 from stoa.local.batch import Batch, Packed, group_rows, pack  # noqa: E402
-from stoa.local.config import LocalConfig  # noqa: E402
 from stoa.worker.mlx_cpu import use_blas_for_quantized  # noqa: E402
 from stoa.worker.types import Completion, GenStats  # noqa: E402
 

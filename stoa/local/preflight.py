@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from stoa.config import ConfigError
-from stoa.local.config import DENSE_TARGETS, LocalConfig, lora_target_names, resolve_backend
+from stoa.config.local import DENSE_TARGETS, LocalConfig, lora_target_names, resolve_backend
 
 GB = 1e9
 
@@ -209,8 +209,8 @@ def estimate_memory(cfg: LocalConfig, shape: ModelShape, backend: str | None = N
         weights = TORCH_LOAD_BYTES_PER_PARAM * shape.params()
     lora = shape.layers * sum(cfg.lora_rank * (a + b) for a, b in _adapted(cfg, shape).values())
     adapters = lora * 4 * 5
-    rows = cfg.prompts_per_step * cfg.group_size
-    seq = cfg.max_prompt_tokens + cfg.max_tokens
+    rows = cfg.groups_per_step * cfg.n_samples
+    seq = cfg.max_prompt_tokens + cfg.max_new_tokens
     kv_len = math.ceil(seq / 256) * 256 if be == "mlx" else seq
     kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * kv_len * rows * act_b
     rollout = kv + rows * shape.vocab * 4 * ROLLOUT_LOGITS_COPIES
@@ -220,7 +220,7 @@ def estimate_memory(cfg: LocalConfig, shape: ModelShape, backend: str | None = N
         acts = shape.layers * b * seq * shape.hidden * act_b + per_layer
     else:
         acts = shape.layers * per_layer
-    train = (acts + b * cfg.max_tokens * shape.vocab * 4 * HEAD_COPIES) * BACKEND_ACT_SCALE[be]
+    train = (acts + b * cfg.max_new_tokens * shape.vocab * 4 * HEAD_COPIES) * BACKEND_ACT_SCALE[be]
     dynamic = SLACK * max(rollout, train)
     parts = {"runtime": RUNTIME_GB["mlx" if be == "mlx" else "torch"], "weights": weights / GB,
              "adapters": adapters / GB, "rollout": rollout * SLACK / GB, "train": train * SLACK / GB}
@@ -229,7 +229,7 @@ def estimate_memory(cfg: LocalConfig, shape: ModelShape, backend: str | None = N
 
 
 def _metal() -> bool:
-    from stoa.local.config import is_apple_silicon
+    from stoa.config.local import is_apple_silicon
 
     return is_apple_silicon()
 
@@ -306,7 +306,7 @@ def check_fit(cfg: LocalConfig, shape: ModelShape, available_gb: float | None = 
     ok, est = _fits(cfg, shape, be, available_gb)
     if ok:
         return FitReport(True, est, available_gb, source)
-    rows = cfg.prompts_per_step * cfg.group_size
+    rows = cfg.groups_per_step * cfg.n_samples
     micro = cfg.micro_batch or rows
 
     def options(c: LocalConfig) -> list[tuple[str, list[LocalConfig]]]:
@@ -314,8 +314,8 @@ def check_fit(cfg: LocalConfig, shape: ModelShape, available_gb: float | None = 
             ("gradient_checkpointing", [] if c.gradient_checkpointing else
              [dataclasses.replace(c, gradient_checkpointing=True)]),
             ("micro_batch", [dataclasses.replace(c, micro_batch=m) for m in _halvings(min(c.micro_batch or rows, micro), 1)]),
-            ("group_size", [dataclasses.replace(c, group_size=g) for g in _halvings(c.group_size, 2)]),
-            ("max_tokens", [dataclasses.replace(c, max_tokens=t) for t in _halvings(c.max_tokens, 16)]),
+            ("n_samples", [dataclasses.replace(c, n_samples=g) for g in _halvings(c.n_samples, 2)]),
+            ("max_new_tokens", [dataclasses.replace(c, max_new_tokens=t) for t in _halvings(c.max_new_tokens, 16)]),
         ]
 
     for knob, candidates in options(cfg):
@@ -355,11 +355,11 @@ def preflight(cfg: LocalConfig, shape: ModelShape) -> FitReport:
         shape: the model's shape.
 
     Raises:
-        ConfigError: 'max_tokens' when prompt plus completion exceed the model's positions.
+        ConfigError: 'max_new_tokens' when prompt plus completion exceed the model's positions.
         MemoryPreflightError: when the estimate exceeds the budget; names the suggested knob.
     """
-    if cfg.max_prompt_tokens + cfg.max_tokens > shape.max_positions:
-        raise ConfigError("max_tokens", f"max_prompt_tokens + max_tokens = {cfg.max_prompt_tokens + cfg.max_tokens} "
+    if cfg.max_prompt_tokens + cfg.max_new_tokens > shape.max_positions:
+        raise ConfigError("max_new_tokens", f"max_prompt_tokens + max_new_tokens = {cfg.max_prompt_tokens + cfg.max_new_tokens} "
                                         f"exceeds the model's {shape.max_positions} positions")
     report = check_fit(cfg, shape)
     if not report.fits and cfg.preflight:

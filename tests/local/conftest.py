@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stoa.local.config import LocalConfig, load_local_config
+from stoa.config.local import LocalConfig, load_local_config
 
 
 @pytest.fixture
@@ -18,8 +18,8 @@ def make_cfg(tiny_dir: Path, tmp_path: Path) -> Callable[..., LocalConfig]:
 
     def make(**kw: Any) -> LocalConfig:
         base = {"model": str(tiny_dir), "task": "toy", "backend": "torch", "threads": 1, "eval_n": 0,
-                "group_size": 4, "prompts_per_step": 2, "max_tokens": 8, "max_prompt_tokens": 64,
-                "output_dir": str(tmp_path / "run"), "save_every": 0}
+                "n_samples": 4, "groups_per_step": 2, "max_new_tokens": 8, "max_prompt_tokens": 64,
+                "output_dir": str(tmp_path / "run"), "checkpoint_every": 0}
         return load_local_config(None, {**base, **kw})
 
     return make

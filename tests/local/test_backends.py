@@ -55,8 +55,8 @@ def test_a_trainable_base_leaf_fails_the_smoke_check(backend, make_cfg, tiny_dir
 def test_smoke_command_exits_1_on_a_trainable_base_leaf(tiny_dir, monkeypatch, capsys):
     import argparse
 
+    from stoa.cli import local as cli
     from stoa.local import backend as backend_mod
-    from stoa.local import cli
 
     real = backend_mod.make_backend
 

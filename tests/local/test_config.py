@@ -202,11 +202,11 @@ def test_refusal_then_micro_batch_then_group_size_then_length():
     small = _cfg(gradient_checkpointing=True, micro_batch=1)
     g2 = estimate_memory(dataclasses.replace(small, n_samples=2), QWEN).total_gb
     report = check_fit(small, QWEN, available_gb=g2 + 0.01, source="test")
-    assert report.knob == "group_size" and report.suggested is not None and report.suggested.n_samples >= 2
+    assert report.knob == "n_samples" and report.suggested is not None and report.suggested.n_samples >= 2
     tiny_budget = estimate_memory(dataclasses.replace(small, n_samples=2, max_new_tokens=16), QWEN).total_gb
     report = check_fit(dataclasses.replace(small, n_samples=2), QWEN, available_gb=tiny_budget + 0.001,
                        source="t")
-    assert report.knob == "max_tokens"
+    assert report.knob == "max_new_tokens"
 
 
 def test_nothing_fits_names_the_model():
@@ -217,9 +217,9 @@ def test_nothing_fits_names_the_model():
 def test_preflight_raises_with_the_knob_and_checks_positions():
     with pytest.raises(MemoryPreflightError) as e:
         preflight(_cfg(available_memory_gb=1.2), QWEN)
-    assert e.value.field in ("gradient_checkpointing", "micro_batch", "group_size", "max_tokens", "model")
+    assert e.value.field in ("gradient_checkpointing", "micro_batch", "n_samples", "max_new_tokens", "model")
     assert "does not fit" in str(e.value)
-    with pytest.raises(ConfigError, match="max_tokens: .* exceeds the model's 40960 positions"):
+    with pytest.raises(ConfigError, match="max_new_tokens: .* exceeds the model's 40960 positions"):
         preflight(_cfg(max_new_tokens=40900, available_memory_gb=1000), QWEN)
     assert preflight(_cfg(available_memory_gb=1.2, preflight=False), QWEN).fits is False
 

@@ -28,7 +28,7 @@ def test_toy_reward_rises(backend, make_cfg, tmp_path):
     if backend == "mlx":
         pytest.importorskip("mlx.core", reason="needs mlx (mlx[cpu] on Linux)")
     out = tmp_path / backend
-    cfg = make_cfg(backend=backend, steps=16, group_size=8, prompts_per_step=4, lr=3e-2, kl_beta=0.0,
+    cfg = make_cfg(backend=backend, steps=16, n_samples=8, groups_per_step=4, lr=3e-2, kl_beta=0.0,
                    temperature=0.3, eval_n=16, output_dir=str(out))
     summary = run_local(cfg, echo=lambda _s: None)
     r = _rewards(out)
@@ -47,7 +47,7 @@ def test_toy_reward_rises(backend, make_cfg, tmp_path):
 
 def test_resume_continues_exactly(make_cfg, tmp_path):
     """4 steps in one go == 2 steps, stop, resume to 4: adapters, optimizer state and metrics rows."""
-    common = {"steps": 4, "save_every": 2, "lr": 2e-2, "kl_beta": 0.01}
+    common = {"steps": 4, "checkpoint_every": 2, "lr": 2e-2, "kl_beta": 0.01}
     whole = tmp_path / "whole"
     run_local(make_cfg(output_dir=str(whole), **common), echo=lambda _s: None)
     split = tmp_path / "split"
@@ -82,7 +82,7 @@ def test_resume_refuses_another_shape_and_resume_false(make_cfg, tmp_path):
 
 def test_interrupt_saves_and_a_rerun_finishes(make_cfg, tmp_path):
     out = tmp_path / "int"
-    cfg = make_cfg(output_dir=str(out), steps=6, save_every=0)
+    cfg = make_cfg(output_dir=str(out), steps=6, checkpoint_every=0)
 
     def echo(line: str) -> None:
         if line.startswith("[local] step 2/"):
@@ -104,14 +104,14 @@ def test_interrupt_saves_and_a_rerun_finishes(make_cfg, tmp_path):
 def test_cli_train_end_to_end(tiny_dir, tmp_path, capsys):
     import argparse
 
-    from stoa.local import cli
+    from stoa.cli import local as cli
 
     f = tmp_path / "run.toml"
-    f.write_text(f'model = "{tiny_dir}"\ntask = "toy"\nbackend = "torch"\nthreads = 1\nmax_tokens = 6\n'
-                 f'prompts_per_step = 1\neval_n = 4\noutput_dir = "{tmp_path / "cli"}"\n')
+    f.write_text(f'model = "{tiny_dir}"\ntask = "toy"\nbackend = "torch"\nthreads = 1\nmax_new_tokens = 6\n'
+                 f'groups_per_step = 1\neval_n = 4\noutput_dir = "{tmp_path / "cli"}"\n')
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers())
-    args = parser.parse_args(["local", "train", "--config", str(f), "--steps", "2", "--group-size", "3",
+    args = parser.parse_args(["local", "train", "--config", str(f), "--steps", "2", "--n-samples", "3",
                               "--beta", "0.01", "--available-memory-gb", "8", "--old-logprobs", "reuse"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
@@ -121,4 +121,4 @@ def test_cli_train_end_to_end(tiny_dir, tmp_path, capsys):
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
     assert all(r["train/ratio_mean"] == 1.0 and r["train/old_logp_s"] < 1e-3 for r in rows if "train/loss" in r)
     assert all(r["rollout/new_tokens"] <= 3 * 6 for r in rows if "train/loss" in r)
-    assert "group_size = 3" in (tmp_path / "cli" / "config.toml").read_text()
+    assert "n_samples = 3" in (tmp_path / "cli" / "config.toml").read_text()
