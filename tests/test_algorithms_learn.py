@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
+from stoa.engines.torch import TorchEngine
 from stoa.records import RolloutRecord, Sample
 from stoa.tasks import get_task
 from stoa.tokenize import TextCodec
 from stoa.trainer.policy import Policy
 from stoa.trainer.pool import Entry
 from stoa.trainer.step import train_step
-from stoa.worker.engine_torch import TorchEngine
 
 
 def run(tiny_dir, name: str, steps: int = 14, lr: float = 3e-2) -> list[float]:

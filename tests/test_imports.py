@@ -30,7 +30,7 @@ def test_contract_modules_import_neither_torch_nor_mlx(module):
     assert "torch" not in mods and "mlx" not in mods, module
 
 
-@pytest.mark.parametrize("module", ["stoa.worker.loop", "stoa.worker.engine_torch"])
+@pytest.mark.parametrize("module", ["stoa.worker.loop", "stoa.engines.torch"])
 def test_worker_never_imports_trainer(module):
     mods = loaded_after(module)
     assert not any(m.startswith("stoa.trainer") for m in mods)
@@ -114,8 +114,6 @@ def imported_modules(source: str) -> set[str]:
     return out
 
 
-@pytest.mark.xfail(reason="until issue 11 item 1 moves the engines to stoa.engines; then remove this mark",
-                   strict=True)
 @pytest.mark.parametrize("package", ["trainer", "local", "bench"])
 def test_engines_come_from_stoa_engines(package):
     bad = {}

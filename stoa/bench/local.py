@@ -89,7 +89,7 @@ def _child_local(spec: dict[str, Any]) -> dict[str, Any]:
 def _child_blas(backend: str) -> str:
     """The BLAS this child's matmuls used: MLX's (mkl/reference on Linux) or torch's."""
     if backend == "mlx":
-        from stoa.worker.tiers import blas_status
+        from stoa.engines.mlx_blas import blas_status
 
         return blas_status().split(" (")[0]
     import torch
@@ -134,8 +134,8 @@ def main(args: argparse.Namespace) -> int:
     Args:
         args: parsed ``add_arguments`` flags.
     """
+    from stoa.engines.mlx_blas import blas_status, find_mkl_rt
     from stoa.models import resolve_model
-    from stoa.worker.tiers import blas_status, find_mkl_rt
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     model_dir = resolve_model(args.model)

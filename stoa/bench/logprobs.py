@@ -68,13 +68,13 @@ def run_logprob_report(
     state = state_from_f32(master, plane)
     eng: Any
     if engine == "mlx":
-        from stoa.worker.engine_mlx import MLXEngine
+        from stoa.engines.mlx.engine import MLXEngine
 
         eng = MLXEngine(model_dir, dtype=dtype)
         eng.load_state(state, plane)
         generator: Any = seed
     elif engine == "torch":
-        from stoa.worker.engine_torch import TorchEngine
+        from stoa.engines.torch import TorchEngine
 
         eng = TorchEngine(model_dir, device="cpu", dtype=dtype)
         params = {name for name, _ in eng.model.named_parameters()}

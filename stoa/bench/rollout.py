@@ -96,7 +96,7 @@ def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, toke
         torch.set_num_threads(threads)
     rows = [p for p in prompts for _ in range(n)]
     if engine == "mlx":
-        from stoa.worker.engine_mlx import MLXEngine
+        from stoa.engines.mlx.engine import MLXEngine
 
         eng = MLXEngine(model_dir)
 
@@ -109,7 +109,7 @@ def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, toke
     if engine in ("torch", "torch-fp32"):
         import torch
 
-        from stoa.worker.engine_torch import TorchEngine
+        from stoa.engines.torch import TorchEngine
 
         teng = TorchEngine(model_dir, device="auto", dtype="float32" if engine == "torch-fp32" else "auto")
         gen = torch.Generator(device=teng.device).manual_seed(0)
@@ -124,7 +124,7 @@ def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, toke
 
         return run_torch
     if engine == "mlx-lm":
-        from stoa.worker.tiers import prepare_mlx_blas
+        from stoa.engines.mlx_blas import prepare_mlx_blas
 
         prepare_mlx_blas()
         import mlx.core as mx
@@ -132,7 +132,7 @@ def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, toke
         from mlx_lm.sample_utils import make_sampler
         from mlx_lm.utils import load_model
 
-        from stoa.worker.engine_mlx import default_dtype
+        from stoa.engines.mlx.engine import default_dtype
 
         model, _ = load_model(model_dir)
         model.set_dtype(mx.bfloat16 if default_dtype() == "bfloat16" else mx.float32)
@@ -151,7 +151,7 @@ def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, toke
         import torch
         from transformers import AutoModelForCausalLM
 
-        from stoa.worker.engine_torch import resolve_device
+        from stoa.engines.torch import resolve_device
 
         dev = resolve_device("auto")
         hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -209,7 +209,7 @@ class EngineSession:
         info: dict[str, Any] = {"engine": self.engine, "batch": len(self.prompts) * self.n,
                                 "prompts": len(self.prompts), "samples": self.n, "load_s": self.load_s}
         if self.engine in ("mlx", "mlx-lm"):
-            from stoa.worker.tiers import blas_status
+            from stoa.engines.mlx_blas import blas_status
 
             info["blas"] = blas_status()
         else:
@@ -302,7 +302,7 @@ def _summarise(info: dict[str, Any], runs: list[dict[str, Any]], prefill: dict[b
 
 
 def _environment() -> dict[str, Any]:
-    from stoa.worker.tiers import blas_status
+    from stoa.engines.mlx_blas import blas_status
 
     return {"machine": platform.machine(), "system": platform.system(), "processor": platform.processor(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "blas_mlx": blas_status()}
@@ -436,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.serve:
         if a.serve in ("mlx", "mlx-lm"):
-            from stoa.worker.tiers import prepare_mlx_blas
+            from stoa.engines.mlx_blas import prepare_mlx_blas
 
             prepare_mlx_blas()  # before anything imports mlx
         _serve(a.serve, Path(a.model_dir), a.batch, a.samples, a.tokens, a.prompt_len, a.threads)

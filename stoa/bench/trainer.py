@@ -56,10 +56,10 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from stoa.algorithms import AlgoConfig, get_algorithm
+    from stoa.engines.torch import resolve_device
     from stoa.models import resolve_model
     from stoa.trainer.policy import Policy
     from stoa.trainer.step import train_step
-    from stoa.worker.engine_torch import resolve_device
 
     device = resolve_device(args.device)
     model_dir = resolve_model(args.model)

@@ -10,8 +10,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from stoa.config.local import DENSE_TARGETS, LocalConfig, lora_target_names, resolve_backend
+from stoa.engines import Completion, GenStats
 from stoa.local.batch import Batch
-from stoa.worker.types import Completion, GenStats
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 """The only parameter names (last path component) that may be trainable."""
@@ -182,6 +182,9 @@ def make_backend(cfg: LocalConfig, model_dir: Path) -> Backend:
     """
     name = resolve_backend(cfg.backend)
     if name == "mlx":
+        from stoa.engines.mlx_blas import prepare_mlx_blas
+
+        prepare_mlx_blas()  # before stoa.local.mlx_backend imports mlx.core (Linux: MKL, see stoa.engines.mlx_blas)
         from stoa.local.mlx_backend import MLXBackend
 
         return MLXBackend(cfg, model_dir)

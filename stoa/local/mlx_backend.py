@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-from stoa.worker.tiers import prepare_mlx_blas
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
-prepare_mlx_blas()  # before the first `import mlx.core` of the process (Linux BLAS, see stoa/worker/tiers.py)
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten as _tree_flatten
+from mlx.utils import tree_map, tree_unflatten
 
-import contextlib  # noqa: E402
-from collections.abc import Iterator, Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-import mlx.optimizers as optim  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten as _tree_flatten  # noqa: E402
-from mlx.utils import tree_map, tree_unflatten  # noqa: E402
-
-from stoa.algorithms import LossInputs, combine_metrics  # noqa: E402
-from stoa.algorithms.mlx_loss import MlxOps, token_logprobs  # noqa: E402
-from stoa.config.local import LocalConfig  # noqa: E402
-from stoa.local.backend import ADAPTER_LEAVES, ModelSummary, check_same_arrays, choose_targets  # noqa: E402
-from stoa.local.batch import Batch, Packed, group_rows, pack  # noqa: E402
-from stoa.worker.mlx_cpu import use_blas_for_quantized  # noqa: E402
-from stoa.worker.types import Completion, GenStats  # noqa: E402
+from stoa.algorithms import LossInputs, combine_metrics
+from stoa.algorithms.mlx_loss import MlxOps, token_logprobs
+from stoa.config.local import LocalConfig
+from stoa.engines import Completion, GenStats, engine_from_model
+from stoa.engines.mlx.quantized import use_blas_for_quantized
+from stoa.local.backend import ADAPTER_LEAVES, ModelSummary, check_same_arrays, choose_targets
+from stoa.local.batch import Batch, Packed, group_rows, pack
 
 _SPLIT_HEAD_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 """Model classes whose ``__call__`` is exactly ``head(self.model(x))``: the head can run on the gathered positions."""
@@ -83,20 +79,6 @@ class _DeferredDiagnostics(MlxOps):
         return [0.0] * len(xs)
 
 
-def _engine_for(model: nn.Module, config: dict[str, Any], dtype_name: str) -> Any:
-    """An ``MLXEngine`` sampling from this model object (no second copy of the weights)."""
-    from stoa.worker.engine_mlx import DTYPES, MLXEngine
-
-    factory = getattr(MLXEngine, "from_model", None)
-    if factory is not None:
-        return factory(model, config)
-    engine = MLXEngine.__new__(MLXEngine)
-    engine.model, engine.config = model, config
-    engine.vocab_size = int(config["vocab_size"])
-    engine.dtype_name, engine.dtype = dtype_name, DTYPES[dtype_name]
-    return engine
-
-
 class MLXBackend:
     """One mlx-lm model: quantized decoder linears (``nn.quantize``), LoRA via mlx-lm, adapters the only trainables.
 
@@ -144,7 +126,7 @@ class MLXBackend:
         self.temperature = cfg.temperature
         self.opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay, bias_correction=True)
         self.opt.init(model.trainable_parameters())
-        self.engine = _engine_for(model, config, dtype_name)
+        self.engine = engine_from_model(model, config, dtype_name)
         self._grads: Any = None
         self.summary = self._summary(str(model_dir), dtype_name)
 

@@ -242,7 +242,7 @@ def available_memory_gb(cfg: LocalConfig) -> tuple[float, str]:
     """
     if cfg.available_memory_gb > 0:
         return cfg.available_memory_gb, "available_memory_gb"
-    from stoa.worker.tiers import system_memory
+    from stoa.machine import system_memory
 
     return system_memory()
 

@@ -15,11 +15,11 @@ from torch import nn
 from stoa.algorithms import LossInputs, combine_metrics
 from stoa.algorithms.torch_loss import token_logprobs
 from stoa.config.local import LocalConfig
+from stoa.engines import Completion, GenStats
+from stoa.engines.torch import TorchEngine, resolve_device
 from stoa.local.backend import ModelSummary, check_same_arrays
 from stoa.local.batch import Batch, Packed, group_rows, pack
 from stoa.local.torch_lora import LoRALinear, QuantLinear, decoder_layers, quantize_and_add_lora
-from stoa.worker.engine_torch import TorchEngine, resolve_device
-from stoa.worker.types import Completion, GenStats
 
 
 class TorchBackend:

@@ -89,11 +89,11 @@ class _Trainer:
 
     def __init__(self, cfg: TrainerConfig, echo) -> None:
         from stoa.algorithms import get_algorithm
+        from stoa.engines.torch import resolve_device
         from stoa.models import resolve_model
         from stoa.tasks import get_task, parse_task_spec
         from stoa.tokenize import TextCodec
         from stoa.weights.store import WeightPublisher
-        from stoa.worker.engine_torch import resolve_device
 
         self.cfg, self.echo, self.stop = cfg, echo, _Stop()
         torch.manual_seed(cfg.seed)

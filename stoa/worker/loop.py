@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import secrets
 import socket
 import time
@@ -14,14 +13,11 @@ import numpy as np
 
 from stoa.bucket import PatientBucket, open_bucket
 from stoa.config import WorkerConfig
+from stoa.engines import Engine, default_engine
+from stoa.engines import make_engine as build_engine
 from stoa.metrics import MetricsWriter, default_log_dir
 from stoa.records import ContractMismatch, RolloutRecord, RunContract, Sample, rollout_key
 from stoa.runfiles import download_model_files, wait_for_contract
-
-
-def default_engine() -> str:
-    """``mlx`` on Apple silicon, ``torch`` elsewhere."""
-    return "mlx" if platform.system() == "Darwin" and platform.machine() == "arm64" else "torch"
 
 
 def worker_id(label: str) -> str:
@@ -68,7 +64,7 @@ def check_expectations(cfg: WorkerConfig, contract: RunContract) -> None:
         raise ContractMismatch(bad, detail)
 
 
-def make_engine(name: str, model_dir: Path, cfg: WorkerConfig, plane: str = "bf16") -> Any:
+def make_engine(name: str, model_dir: Path, cfg: WorkerConfig, plane: str = "bf16") -> Engine:
     """Build the generation engine.
 
     Args:
@@ -77,13 +73,7 @@ def make_engine(name: str, model_dir: Path, cfg: WorkerConfig, plane: str = "bf1
         cfg: worker config (device, threads, dtype).
         plane: the run's weight plane (``dtype="auto"`` uses it on the torch engine).
     """
-    if name == "mlx":
-        from stoa.worker.engine_mlx import MLXEngine
-
-        return MLXEngine(model_dir, dtype=cfg.dtype)
-    from stoa.worker.engine_torch import TorchEngine
-
-    return TorchEngine(model_dir, device=cfg.device, threads=cfg.threads, dtype=cfg.dtype, plane=plane)
+    return build_engine(name, model_dir, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads, plane=plane)
 
 
 def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
@@ -121,11 +111,11 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     version = _sync(follower, engine, contract, cfg, echo, metrics, current=None)
     adopted_at = _published_at(sync)
     rng = np.random.default_rng(None if cfg.seed < 0 else cfg.seed)
-    gen = _torch_generator(engine_name, cfg.seed)
+    gen = engine.make_generator(None if cfg.seed < 0 else cfg.seed)
     sp = contract.sampling
     fingerprint = contract.fingerprint()
     in_flight = cfg.groups_in_flight or _tier_groups(contract.n_samples)
-    echo(f"[worker {wid}] engine {engine_name} ({_dtype_name(engine)}), run {cfg.run}, v{version}, n={contract.n_samples}, "
+    echo(f"[worker {wid}] engine {engine_name} ({engine.dtype_name}), run {cfg.run}, v{version}, n={contract.n_samples}, "
          f"{in_flight} groups in flight")
     seq, total_tokens, t_start = 0, 0, time.perf_counter()
     versions_seen = {version}
@@ -165,30 +155,11 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
             "versions": sorted(versions_seen)}
 
 
-def _dtype_name(engine: Any) -> str:
-    """The engine's compute dtype as a short name (``float32``, ``bfloat16``)."""
-    return str(getattr(engine, "dtype_name", None) or engine.dtype).removeprefix("torch.")
-
-
 def _tier_groups(n_samples: int) -> int:
     """Groups in flight from the machine's memory tier (env overrides apply)."""
     from stoa.worker.tiers import choose_tier
 
     return choose_tier(n_samples=n_samples).groups_in_flight
-
-
-def _torch_generator(engine_name: str, seed: int):
-    if engine_name != "torch":
-        if engine_name == "mlx" and seed >= 0:  # seed MLX's global stream once (engine_mlx set up BLAS first)
-            import mlx.core as mx
-
-            mx.random.seed(seed)
-        return None
-    import torch
-
-    g = torch.Generator()
-    g.manual_seed(seed if seed >= 0 else secrets.randbits(62))
-    return g
 
 
 def _published_at(sync) -> float | None:
@@ -259,12 +230,7 @@ def _sync(follower, engine, contract: RunContract, cfg: WorkerConfig, echo, metr
 
 def _load(engine, state, plane: str) -> None:
     """Load verified stored bits into the engine."""
-    from stoa.weights.planes import state_to_f32
-
-    if hasattr(engine, "load_state"):
-        engine.load_state(state, plane)
-    else:
-        engine.load_weights(state_to_f32(state, plane))
+    engine.load_state(state, plane)
 
 
 def _report_sync(step, follower, current: int | None, echo, metrics: MetricsWriter) -> None:

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import glob
 import os
-import platform
-import subprocess
-import sys
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
+
+from stoa.engines.mlx_blas import blas_status
+from stoa.machine import ENV_MEMORY_GB, system_memory
 
 ENV_DECODE_BATCH = "STOA_DECODE_BATCH"
 ENV_GROUPS_IN_FLIGHT = "STOA_GROUPS_IN_FLIGHT"
-ENV_MEMORY_GB = "STOA_MEMORY_GB"
-ENV_MLX_BLAS = "STOA_MLX_BLAS"
-ENV_MKL_RT = "STOA_MKL_RT"
 
 TIERS: tuple[tuple[float, int], ...] = (
     (8, 8),
@@ -39,9 +31,6 @@ the tier. Machines below 8 GB get G = 4. KV memory is capped separately (``kv_by
 
 KV_MEMORY_FRACTION = 0.25
 """At most this fraction of memory goes to the decode batch's KV cache."""
-
-_BLAS_WARNED = False
-_BLAS_STATUS: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,57 +64,6 @@ def _env_number(name: str, kind: type) -> float | int | None:
     if value <= 0:
         raise ValueError(f"{name}={raw!r} must be > 0")
     return value
-
-
-def _cgroup_limit_bytes() -> int | None:
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            raw = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if raw.isdigit() and int(raw) < 1 << 60:
-            return int(raw)
-    return None
-
-
-def system_memory() -> tuple[float, str]:
-    """Total memory usable by this process in GB (1e9 bytes) and where the figure came from.
-
-    Order: ``STOA_MEMORY_GB``; MLX's Metal device info when MLX is already loaded on a Mac; ``sysctl
-    hw.memsize`` on macOS; ``/proc/meminfo`` on Linux, lowered to a cgroup memory limit when one is set.
-
-    Raises:
-        ValueError: when ``STOA_MEMORY_GB`` is not a positive number.
-        RuntimeError: when no source could be read.
-    """
-    env = _env_number(ENV_MEMORY_GB, float)
-    if env is not None:
-        return float(env), ENV_MEMORY_GB
-    if sys.platform == "darwin":
-        mx = sys.modules.get("mlx.core")
-        if mx is not None:
-            try:
-                size = mx.device_info().get("memory_size")
-                if size:
-                    return int(size) / 1e9, "mx.device_info()"
-            except (AttributeError, RuntimeError):
-                pass
-        try:
-            out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True, timeout=5)
-            return int(out.stdout.strip()) / 1e9, "sysctl hw.memsize"
-        except (OSError, ValueError, subprocess.SubprocessError) as e:
-            raise RuntimeError(f"cannot read hw.memsize ({e}); set {ENV_MEMORY_GB}") from e
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                total = int(line.split()[1]) * 1024
-                limit = _cgroup_limit_bytes()
-                if limit is not None and limit < total:
-                    return limit / 1e9, "cgroup memory limit"
-                return total / 1e9, "/proc/meminfo"
-    except (OSError, ValueError, IndexError):
-        pass
-    raise RuntimeError(f"cannot read this machine's memory size; set {ENV_MEMORY_GB}")
 
 
 def tier_decode_batch(memory_gb: float) -> tuple[float, int]:
@@ -225,100 +163,3 @@ def describe_tier(n_samples: int = 8, choice: TierChoice | None = None) -> str:
     ]
     return "\n".join(lines)
 
-
-def find_mkl_rt() -> str | None:
-    """Path of Intel MKL's ``libmkl_rt`` (``STOA_MKL_RT``, the environment's ``lib/``, the loader path), or None."""
-    explicit = os.environ.get(ENV_MKL_RT, "").strip()
-    if explicit:
-        return explicit
-    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix, os.path.expanduser("~/.local"))):
-        hits = sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*")))
-        if hits:
-            return hits[-1]
-    return ctypes.util.find_library("mkl_rt")
-
-
-def _mapped_libraries() -> str:
-    try:
-        return Path("/proc/self/maps").read_text()
-    except OSError:
-        return ""
-
-
-def prepare_mlx_blas() -> str:
-    """Give MLX a fast CPU BLAS on Linux; call before the first ``import mlx.core`` of the process.
-
-    The Linux ``mlx[cpu]`` wheel links the reference (netlib) BLAS: about 5-8 GFLOP/s fp32 matmul on one
-    core. When Intel MKL is installed (``pip install mkl``; found in the environment's ``lib/`` or at
-    ``STOA_MKL_RT``), its ``libmkl_rt`` is loaded with ``RTLD_GLOBAL`` so MLX's ``cblas_*`` calls bind to it
-    (sequential threading unless ``MKL_THREADING_LAYER`` is set). ``STOA_MLX_BLAS=reference`` opts out.
-    Does nothing on macOS (Metal and Accelerate) or once MLX is loaded.
-
-    Returns:
-        the status string :func:`blas_status` reports.
-    """
-    global _BLAS_STATUS
-    if _BLAS_STATUS is not None:
-        return _BLAS_STATUS
-    if platform.system() != "Linux":
-        _BLAS_STATUS = "platform (Metal/Accelerate)" if sys.platform == "darwin" else "platform"
-        return _BLAS_STATUS
-    if "libmkl_rt" in _mapped_libraries():
-        _BLAS_STATUS = "mkl (already loaded)"
-        return _BLAS_STATUS
-    if "mlx.core" in sys.modules or os.environ.get(ENV_MLX_BLAS, "").strip().lower() == "reference":
-        _BLAS_STATUS = _status_from_maps()
-        return _BLAS_STATUS
-    path = find_mkl_rt()
-    if path:
-        os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
-        try:
-            ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
-            _BLAS_STATUS = f"mkl ({path}, threading {os.environ['MKL_THREADING_LAYER'].lower()})"
-            return _BLAS_STATUS
-        except OSError as e:
-            _BLAS_STATUS = f"reference (loading {path} failed: {e})"
-            return _BLAS_STATUS
-    _BLAS_STATUS = "reference"
-    return _BLAS_STATUS
-
-
-def _status_from_maps() -> str:
-    maps = _mapped_libraries()
-    if "libmkl_rt" in maps:
-        return "mkl (already loaded)"
-    if "libopenblas" in maps.replace("scipy_openblas", ""):
-        return "openblas"
-    return "reference"
-
-
-def blas_status() -> str:
-    """Which CPU BLAS MLX uses (or will use) in this process: ``mkl (...)``, ``reference``, ``openblas``, ...
-
-    On Linux before MLX is loaded this is what :func:`prepare_mlx_blas` would do.
-    """
-    if _BLAS_STATUS is not None:
-        return _BLAS_STATUS
-    if platform.system() != "Linux":
-        return "platform (Metal/Accelerate)" if sys.platform == "darwin" else "platform"
-    if "mlx.core" in sys.modules:
-        return _status_from_maps()
-    path = find_mkl_rt()
-    return f"mkl available at {path} (loaded when the MLX engine starts)" if path else "reference"
-
-
-def warn_if_slow_blas() -> None:
-    """Warn once per process when MLX runs on Linux's reference BLAS, with the fix."""
-    global _BLAS_WARNED
-    if _BLAS_WARNED or platform.system() != "Linux":
-        return
-    if blas_status().startswith("reference"):
-        _BLAS_WARNED = True
-        warnings.warn(
-            "MLX on Linux is using the reference BLAS of the mlx[cpu] wheel (~5-8 GFLOP/s fp32 matmul); "
-            "generation runs 4-16x slower than with Intel MKL. Fix: `pip install mkl` in this environment "
-            f"(stoa loads it before MLX; or point {ENV_MKL_RT} at libmkl_rt.so). Linux workers normally use "
-            "the torch engine. See docs/mlx.md.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
