@@ -23,7 +23,8 @@ def make_q(**kw) -> Quarantine:
     return Quarantine(**args)
 
 
-def feed(q: Quarantine, worker: str, value: float, *, steps: int = 4, tokens: int = 20, records: int = 2) -> None:
+def feed(q: Quarantine, worker: str, value: float, *, steps: int = 4, tokens: int = 20,
+         records: int = 2) -> None:
     for _ in range(steps):
         q.observe_disagreement(worker, Disagreement(np.full(tokens, value), records))
 
@@ -78,11 +79,16 @@ def test_window_catches_a_worker_that_turns_dishonest_late():
     assert q.is_quarantined("w")
 
 
-def test_top_p_widens_the_threshold():
+def test_top_p_and_temperature_scale_the_threshold():
     q = make_q(top_p=0.9)
     assert q.threshold == pytest.approx(1.05 / 0.9 - 1)
     feed(q, "w", 0.15)  # over 0.05 but under (1.05 / 0.9 - 1) = 0.1667: nucleus renormalisation
     assert not q.is_quarantined("w")
+    cold = make_q(temperature=0.5)  # rounding errors of the logits are doubled at T = 0.5
+    assert cold.threshold == pytest.approx(1.05**2 - 1)
+    feed(cold, "w", 0.1)
+    assert not cold.is_quarantined("w")
+    assert make_q(temperature=2.0, top_p=0.9).threshold == pytest.approx(1.05**0.5 / 0.9 - 1)
 
 
 def test_rejection_rate_after_min_records():
@@ -138,9 +144,10 @@ def test_state_restore_round_trip_through_json():
 
 def test_restore_drops_malformed_entries_without_raising():
     q = make_q()
-    q.restore({"threshold": 0.05, "workers": {"ok": [8, 8, 0, 0, 0, "reject_rate"], "neg": [-1, 0, 0, 0, 0, ""],
-                                              "short": [1, 2], "reason": [1, 0, 0, 0, 0, "x"],
-                                              "huge": [1e400, 0, 0, 0, 0, ""], "nan": [float("nan"), 0, 0, 0, 0, ""]}})
+    rows = {"ok": [8, 8, 0, 0, 0, "reject_rate"], "neg": [-1, 0, 0, 0, 0, ""], "short": [1, 2],
+            "reason": [1, 0, 0, 0, 0, "x"], "huge": [1e400, 0, 0, 0, 0, ""],
+            "nan": [float("nan"), 0, 0, 0, 0, ""]}
+    q.restore({"threshold": 0.05, "workers": rows})
     assert list(q.workers) == ["ok"] and q.is_quarantined("ok")
     for junk in ({}, {"workers": []}, {"workers": {"a": "b"}}, {"threshold": "x"}):
         q.restore(junk)
@@ -160,7 +167,8 @@ def test_tracked_workers_are_bounded_and_quarantined_ones_kept():
 
 def _entries(policy: Policy, current: int) -> tuple[list[Entry], dict[str, float]]:
     """Groups of three workers: 'hon-est' at lag 0 (records the policy's own logprobs), 'li-ar' at lag 0
-    (logprobs shifted by 0.5; one more group at lag 1), 'old' at lag 1 (shifted by 2.0). Lag 1 must be ignored."""
+    (logprobs shifted by 0.5; one more group at lag 1), 'old' at lag 1 (shifted by 2.0).
+    Lag 1 must be ignored."""
     rng = np.random.default_rng(0)
     out, shift = [], {"hon-est": 0.0, "li-ar": 0.5, "old": 2.0}
     for g, (worker, version) in enumerate([("hon-est", current), ("li-ar", current), ("old", current - 1),
@@ -202,10 +210,11 @@ def test_bench_flags_no_honest_torch_worker_and_catches_random_logprobs(tiny_dir
     p = argparse.ArgumentParser()
     add_arguments(p)
     out = tmp_path / "q.jsonl"
-    assert main(p.parse_args(["--model", str(tiny_dir), "--engines", "torch", "--batches", "2", "--groups", "2",
-                              "--samples", "2", "--tokens", "12", "--liars", "random", "--min-records", "2",
-                              "--out", str(out)])) == 0
+    flags = ["--model", str(tiny_dir), "--engines", "torch", "--batches", "2", "--groups", "2",
+             "--samples", "2", "--tokens", "12", "--liars", "random", "--min-records", "2", "--out", str(out)]
+    assert main(p.parse_args(flags)) == 0
     summary = json.loads(out.read_text().splitlines()[-1])["summary"]
-    assert summary["honest_settings"] == 4 and summary["false_positives"] == 0  # 2 dtypes x 2 trainer recomputes
+    # 2 dtypes x 2 trainer recomputes
+    assert summary["honest_settings"] == 4 and summary["false_positives"] == 0
     assert summary["liar_settings"] == 2 and summary["liars_caught"] == 2
     assert summary["margin"] > 3

@@ -1,4 +1,4 @@
-"""`stoa bench quarantine`: calibrate the lag-0 disagreement threshold on honest workers and show it catches liars.
+"""`stoa bench quarantine`: calibrate the lag-0 disagreement threshold on honest workers, then catch liars.
 
 At lag 0 the trainer recomputes a record's logprobs with its float32 master weights, while the worker
 sampled with the published plane of those weights (bf16: the master rounded; int8g64: quantised) in
@@ -41,11 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default="torch,mlx", help="comma list of torch,mlx [default: both]")
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma list of engine dtypes [default: both]")
     p.add_argument("--planes", default="bf16", help="comma list of bf16,int8g64 [default: bf16]")
-    p.add_argument("--batches", type=int, default=4, help="batches (trainer steps) per engine/dtype [default: 4]")
+    p.add_argument("--batches", type=int, default=4,
+                   help="batches (trainer steps) per engine/dtype [default: 4]")
     p.add_argument("--groups", type=int, default=4, help="groups per batch [default: 4]")
     p.add_argument("--samples", type=int, default=4, help="completions per group [default: 4]")
     p.add_argument("--tokens", type=int, default=32, help="max new tokens [default: 32]")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="the run's temperature [default: 1.0]")
+    p.add_argument("--temperature", type=float, default=d.temperature,
+                   help=f"the run's temperature [default: {d.temperature}]")
     p.add_argument("--top-p", type=float, default=d.top_p, help="the run's nucleus mass [default: 1.0]")
     p.add_argument("--threshold", type=float, default=d.quarantine_disagreement,
                    help=f"disagreement threshold to judge against [default: {d.quarantine_disagreement}]")
@@ -53,7 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"lag-0 records before judging [default: {d.quarantine_min_records}]")
     p.add_argument("--liars", default=",".join(LIARS), help=f"comma list of {','.join(LIARS)} ('' for none)")
     p.add_argument("--liar-engine", default="torch:bfloat16", help="engine:dtype the liars run on")
-    p.add_argument("--on-grid", action="store_true", help="keep the master on the bf16 grid (plane == master)")
+    p.add_argument("--liar-temperature", type=float, default=0.7,
+                   help="the temperature liar samples at this times the run's [default: 0.7]")
+    p.add_argument("--liar-noise", type=float, default=0.3,
+                   help="the noise liar adds N(0, this) to its logprobs [default: 0.3]")
+    p.add_argument("--liar-perturb", type=float, default=0.05,
+                   help="the perturbed liar samples with weights + N(0, this x each tensor's std) "
+                        "[default: 0.05]")
+    p.add_argument("--on-grid", action="store_true",
+                   help="keep the master on the bf16 grid (plane == master)")
     p.add_argument("--seed", type=int, default=0, help="prompt, jitter and sampling seed [default: 0]")
     p.add_argument("--out", default="", help="append JSONL rows to this file")
 
@@ -101,51 +111,36 @@ def offgrid(named: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str,
 
 
 def build_worker(engine: str, dtype: str, model_dir: Path, state: dict[str, np.ndarray], plane: str) -> Any:
-    """A worker engine holding a published state, loaded the way ``stoa.worker.loop`` loads it.
+    """A worker engine holding a published state, built and loaded the way ``stoa.worker.loop`` does.
 
     Args:
         engine: ``torch`` or ``mlx``.
         dtype: engine compute dtype.
         model_dir: model directory.
-        state: the published plane state.
+        state: the published plane state (stored bits).
         plane: its plane.
     """
-    from stoa.config import WorkerConfig
-    from stoa.weights.planes import state_to_f32
-    from stoa.worker.loop import make_engine
+    from stoa.engines import make_engine
 
-    eng = make_engine(engine, model_dir, WorkerConfig(engine=engine, dtype=dtype, device="cpu"), plane)
-    if hasattr(eng, "load_state"):
-        eng.load_state(state, plane)
-    else:
-        eng.load_weights(state_to_f32(state, plane))
+    eng = make_engine(engine, model_dir, dtype=dtype, device="cpu", plane=plane)
+    eng.load_state(state, plane)
     return eng
 
 
-def sample(eng: Any, engine: str, prompts: list[list[int]], args: argparse.Namespace, eos: list[int], seed: int,
+def sample(eng: Any, prompts: list[list[int]], args: argparse.Namespace, eos: list[int], seed: int,
            temperature: float) -> Batch:
     """Sample one batch of groups with a worker engine.
 
     Args:
         eng: the engine.
-        engine: its kind (for the generator).
         prompts: prompt token ids.
         args: flags (samples, tokens, top_p).
         eos: end-of-sequence ids.
         seed: sampling seed.
         temperature: sampling temperature.
     """
-    import torch
-
-    if engine == "mlx":
-        import mlx.core as mx
-
-        mx.random.seed(seed)
-        gen: Any = None
-    else:
-        gen = torch.Generator().manual_seed(seed)
     groups, _ = eng.generate(prompts, args.samples, max_new_tokens=args.tokens, temperature=temperature,
-                             top_p=args.top_p, eos_ids=eos, generator=gen)
+                             top_p=args.top_p, eos_ids=eos, generator=eng.make_generator(seed))
     return Batch(prompts, [[np.asarray(c.tokens, np.int32) for c in g] for g in groups],
                  [[np.asarray(c.logprobs, np.float32) for c in g] for g in groups])
 
@@ -165,12 +160,14 @@ def recompute(policy: Any, batch: Batch) -> list[list[np.ndarray]]:
     for prompt, comps in zip(batch.prompts, batch.tokens, strict=True):
         t_max = max(len(c) for c in comps)
         with torch.no_grad():
-            lp = policy.logprobs(pack([np.asarray(prompt)] * len(comps), comps, t_max, policy.device)).cpu().numpy()
+            packed = pack([np.asarray(prompt)] * len(comps), comps, t_max, policy.device)
+            lp = policy.logprobs(packed).cpu().numpy()
         out.append([lp[i, : len(c)] for i, c in enumerate(comps)])
     return out
 
 
-def judge(setting: str, trainer: str, values: list[np.ndarray], args: argparse.Namespace, seconds: float) -> Row:
+def judge(setting: str, trainer: str, values: list[np.ndarray], args: argparse.Namespace,
+          seconds: float) -> Row:
     """Summarise one setting's per-batch values and run them through a ``Quarantine`` as trainer steps.
 
     Args:
@@ -183,7 +180,7 @@ def judge(setting: str, trainer: str, values: list[np.ndarray], args: argparse.N
     from stoa.trainer.quarantine import Disagreement, Quarantine
 
     q = Quarantine(enabled=True, disagreement=args.threshold, reject_rate=0.5, min_records=args.min_records,
-                   top_p=args.top_p)
+                   temperature=args.temperature, top_p=args.top_p)
     for v in values:
         q.observe_disagreement("w", Disagreement(v, args.groups))
     allv = np.concatenate(values)
@@ -215,7 +212,8 @@ class Bench:
 
         self.args = args
         self.model_dir = Path(resolve_model(args.model))
-        self.policy = Policy(self.model_dir, torch.device("cpu"), temperature=args.temperature, trainable=False)
+        self.policy = Policy(self.model_dir, torch.device("cpu"), temperature=args.temperature,
+                             trainable=False)
         rng = np.random.default_rng(args.seed)
         master = self.policy.export_f32()
         self.master = {k: v.copy() for k, v in master.items()} if args.on_grid else offgrid(master, rng)
@@ -223,8 +221,9 @@ class Bench:
         codec = TextCodec(self.model_dir)
         task = get_task("arithmetic")
         self.eos = list(codec.eos_ids)
-        self.prompts = [[codec.encode_prompt(task.sample_train(np.random.default_rng(args.seed + 1000 * b + g)).messages)
-                         for g in range(args.groups)] for b in range(args.batches)]
+        rngs = [[np.random.default_rng(args.seed + 1000 * b + g) for g in range(args.groups)]
+                for b in range(args.batches)]
+        self.prompts = [[codec.encode_prompt(task.sample_train(r).messages) for r in rs] for rs in rngs]
 
     def rows(self, setting: str, batches: list[Batch], seconds: float,
              lie: Callable[[Batch], list[list[np.ndarray]]] | None = None) -> list[Row]:
@@ -259,7 +258,7 @@ class Bench:
         t0 = time.perf_counter()
         eng = build_worker(engine, dtype, self.model_dir, state, plane)
         temp = self.args.temperature if temperature is None else temperature
-        batches = [sample(eng, engine, p, self.args, self.eos, self.args.seed + b, temp)
+        batches = [sample(eng, p, self.args, self.eos, self.args.seed + b, temp)
                    for b, p in enumerate(self.prompts)]
         return batches, time.perf_counter() - t0
 
@@ -300,19 +299,23 @@ def liar_rows(bench: Bench, echo: Callable[[str], Any]) -> list[Row]:
     honest: list[Batch] | None = None
     for liar in _split(a.liars):
         if liar == "temperature":
-            batches, secs = bench.run_engine(engine, dtype, state, "bf16", temperature=a.temperature * 0.8)
-            rows += bench.rows(f"liar: samples at T x0.8 ({engine} {dtype})", batches, secs)
+            temp = a.temperature * a.liar_temperature
+            batches, secs = bench.run_engine(engine, dtype, state, "bf16", temperature=temp)
+            rows += bench.rows(f"liar: samples at T x{a.liar_temperature} ({engine} {dtype})", batches, secs)
         elif liar == "perturbed":
-            noisy = {k: v + rng.normal(0, 0.02 * float(v.std()), v.shape).astype(np.float32)
+            noisy = {k: v + rng.normal(0, a.liar_perturb * float(v.std()), v.shape).astype(np.float32)
                      for k, v in bench.master.items()}
             batches, secs = bench.run_engine(engine, dtype, state_from_f32(noisy, "bf16"), "bf16")
-            rows += bench.rows(f"liar: weights + 2% noise ({engine} {dtype})", batches, secs)
+            label = f"liar: weights + {a.liar_perturb:.0%} noise ({engine} {dtype})"
+            rows += bench.rows(label, batches, secs)
         elif liar in ("noise", "random"):
             if honest is None:
                 honest, _ = bench.run_engine(engine, dtype, state, "bf16")
             if liar == "noise":
-                lie = lambda b: [[np.minimum(x + rng.normal(0, 0.1, x.shape), 0) for x in g] for g in b.logprobs]  # noqa: E731
-                rows += bench.rows(f"liar: logprobs + N(0, 0.1) ({engine} {dtype})", honest, 0.0, lie)
+                lie = lambda b: [[np.minimum(x + rng.normal(0, a.liar_noise, x.shape), 0)  # noqa: E731
+                                  for x in g] for g in b.logprobs]
+                label = f"liar: logprobs + N(0, {a.liar_noise}) ({engine} {dtype})"
+                rows += bench.rows(label, honest, 0.0, lie)
             else:
                 lie = lambda b: [[rng.uniform(-5, 0, x.shape) for x in g] for g in b.logprobs]  # noqa: E731
                 rows += bench.rows(f"liar: logprobs ~ U(-5, 0) ({engine} {dtype})", honest, 0.0, lie)
@@ -330,7 +333,9 @@ def report(rows: list[Row], args: argparse.Namespace, echo: Callable[[str], Any]
         args: flags.
         echo: where lines go.
     """
-    thr = (1 + args.threshold) / args.top_p - 1
+    from stoa.trainer.quarantine import effective_threshold
+
+    thr = effective_threshold(args.threshold, args.temperature, args.top_p)
     echo(f"\n{'setting':44} {'trainer':13} {'tokens':>6} {'batch median min/med/max':>28} {'max/thr':>7} "
          f"{'tok p90':>8} quarantined")
     for r in rows:
@@ -341,13 +346,16 @@ def report(rows: list[Row], args: argparse.Namespace, echo: Callable[[str], Any]
     liars = [r for r in rows if r.setting.startswith("liar")]
     worst = max((max(r.batch_medians) for r in honest), default=0.0)
     least = min((min(r.batch_medians) for r in liars), default=float("nan"))
-    summary = {"threshold": thr, "honest_max_batch_median": worst, "margin": thr / worst if worst else float("inf"),
+    summary = {"threshold": thr, "honest_max_batch_median": worst,
+               "margin": thr / worst if worst else float("inf"),
                "false_positives": sum(r.quarantined for r in honest), "honest_settings": len(honest),
                "liars_caught": sum(r.quarantined for r in liars), "liar_settings": len(liars),
                "liar_min_batch_median": least}
-    echo(f"\nthreshold {thr:.4g} (top_p {args.top_p}): honest max batch median {worst:.5f} (margin {summary['margin']:.1f}x), "
-         f"false positives {summary['false_positives']} of {len(honest)}; liars caught {summary['liars_caught']} of "
-         f"{len(liars)} (least liar batch median {least:.4f})")
+    echo(f"\nthreshold {thr:.4g} ({args.threshold} at T={args.temperature}, top_p={args.top_p}): honest max "
+         f"batch median {worst:.5f} (margin {summary['margin']:.1f}x), false positives "
+         f"{summary['false_positives']} of {len(honest)}; liars caught {summary['liars_caught']} of "
+         f"{len(liars)} "
+         f"(least liar batch median {least:.4f})")
     return summary
 
 
@@ -357,11 +365,15 @@ def main(args: argparse.Namespace) -> int:
     Args:
         args: parsed flags (see ``add_arguments``).
     """
+    import logging
+
     import torch
 
+    logging.getLogger("stoa.trainer.quarantine").setLevel(logging.ERROR)  # the table says who is quarantined
     t0 = time.perf_counter()
     bench = Bench(args)
-    print(f"model {bench.model_dir.name}: {args.batches} batches x {args.groups} groups x {args.samples} samples, "
+    print(f"model {bench.model_dir.name}: {args.batches} batches x {args.groups} groups x {args.samples} "
+          "samples, "
           f"<= {args.tokens} tokens, T={args.temperature}, top_p={args.top_p}, master "
           f"{'on' if args.on_grid else 'off'} the bf16 grid, torch threads {torch.get_num_threads()}")
     rows = honest_rows(bench, print) + liar_rows(bench, print)

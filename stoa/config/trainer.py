@@ -27,9 +27,11 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                            "(0 = wait forever).")
     quarantine: bool = setting(True, "Skip the records of a worker whose rejection rate or logprob "
                                      "disagreement (at lag 0) is over threshold; false turns quarantine off.")
-    quarantine_disagreement: float = setting(0.05, "Quarantine a worker whose median exp|recorded - "
+    quarantine_disagreement: float = setting(0.15, "Quarantine a worker whose median exp|recorded - "
                                                    "recomputed logprob| - 1 over its lag-0 tokens exceeds "
-                                                   "this.")
+                                                   "this (set for temperature 1 and top_p 1, scaled to the "
+                                                   "run's; honest bf16/fp32 torch and MLX workers measured "
+                                                   "<= 0.054: `stoa bench quarantine`).")
     quarantine_reject_rate: float = setting(0.5, "Quarantine a worker once more than this fraction of its "
                                                  "records is rejected.")
     quarantine_min_records: int = setting(8, "Records a worker must have sent before its rates are judged.")

@@ -1,4 +1,4 @@
-"""Worker quarantine: skip the records of a worker id whose rejection rate or lag-0 logprob disagreement is too high.
+"""Worker quarantine: skip the records of a worker whose rejection rate or lag-0 logprob disagreement is high.
 
 Two signals per worker id (the ``<worker>`` of ``runs/<run>/rollouts/v<version>/<worker>-<seq>.rec``):
 
@@ -13,9 +13,11 @@ Two signals per worker id (the ``<worker>`` of ``runs/<run>/rollouts/v<version>/
 Both are kept over a bounded recent window (counts halve when the window fills), so memory and the
 journal entry per worker are a handful of numbers. "Median above the threshold" is decided exactly
 from two counts: more than half of the tokens are above it. Quarantine is sticky for the worker id.
-With ``top_p < 1`` the worker's logprobs are renormalised over the nucleus, which the trainer does
-not recompute: ``exp|d|`` grows by at most ``1 / top_p``, so the threshold becomes
-``(1 + disagreement) / top_p - 1``.
+
+The threshold is set for temperature 1 and full nucleus (``effective_threshold``): rounding errors of
+the logits are divided by the temperature, so ``|d|`` allowed scales by ``1 / temperature``; with
+``top_p < 1`` the worker's logprobs are renormalised over the nucleus, which the trainer does not
+recompute, and ``exp|d|`` grows by at most ``1 / top_p``.
 
 A worker id is chosen by the worker, so quarantine stops a broken or naive worker, not one that
 changes its id: that is what record validation and the reuse cap are for.
@@ -46,6 +48,17 @@ def worker_of_key(key: str) -> str | None:
     """
     m = _KEY.search(key)
     return m.group("worker") if m else None
+
+
+def effective_threshold(disagreement: float, temperature: float = 1.0, top_p: float = 1.0) -> float:
+    """The threshold on ``exp|d| - 1`` for a run: ``exp(log(1 + disagreement) / temperature) / top_p - 1``.
+
+    Args:
+        disagreement: the configured threshold (temperature 1, top_p 1).
+        temperature: the run's sampling temperature.
+        top_p: the run's nucleus mass.
+    """
+    return math.exp(math.log1p(disagreement) / temperature) / top_p - 1.0
 
 
 def disagreement_values(recorded: np.ndarray, recomputed: np.ndarray) -> np.ndarray:
@@ -104,10 +117,11 @@ class Quarantine:
 
     Args:
         enabled: False tracks and reports but never quarantines.
-        disagreement: threshold on the median of ``exp|recorded - recomputed| - 1`` (at ``top_p = 1``).
+        disagreement: threshold on the median of ``exp|recorded - recomputed| - 1`` at temperature 1, top_p 1.
         reject_rate: quarantine once more than this fraction of a worker's records is rejected.
         min_records: records (lag-0 records for the disagreement) before a worker is judged.
-        top_p: the run's nucleus mass; below 1 the threshold is widened (see the module docstring).
+        temperature: the run's sampling temperature (scales the threshold, see ``effective_threshold``).
+        top_p: the run's nucleus mass (widens the threshold below 1).
         max_workers: worker ids tracked at most; the least recently seen are forgotten first,
             quarantined ones last.
     """
@@ -116,9 +130,9 @@ class Quarantine:
     TOKEN_WINDOW = 16384
 
     def __init__(self, *, enabled: bool, disagreement: float, reject_rate: float, min_records: int,
-                 top_p: float = 1.0, max_workers: int = 1024):
+                 temperature: float = 1.0, top_p: float = 1.0, max_workers: int = 1024):
         self.enabled = enabled
-        self.threshold = (1.0 + disagreement) / top_p - 1.0
+        self.threshold = effective_threshold(disagreement, temperature, top_p)
         self.reject_rate = reject_rate
         self.min_records = max(1, int(min_records))
         self.max_workers = max_workers
@@ -148,8 +162,8 @@ class Quarantine:
         if w.records >= self.RECORD_WINDOW:
             w.records, w.rejected = w.records / 2, w.rejected / 2
         if w.records >= self.min_records and w.rejected > self.reject_rate * w.records:
-            self._quarantine(worker_id, w, "reject_rate", f"{w.rejected / w.records:.2f} of its records rejected "
-                                                           f"(> {self.reject_rate})")
+            self._quarantine(worker_id, w, "reject_rate",
+                             f"{w.rejected / w.records:.2f} of its records rejected (> {self.reject_rate})")
 
     def observe_disagreement(self, worker_id: str, stats: Disagreement) -> None:
         """Add one step's lag-0 tokens of a worker.
@@ -171,7 +185,8 @@ class Quarantine:
         self._since.medians[worker_id] = float(np.median(values))
         if w.lag0_records >= self.min_records and w.over > w.tokens / 2:
             self._quarantine(worker_id, w, "disagreement",
-                             f"median exp|recorded - recomputed logprob| - 1 over its lag-0 tokens > {self.threshold:.4g} "
+                             "median exp|recorded - recomputed logprob| - 1 over its lag-0 tokens > "
+                             f"{self.threshold:.4g} "
                              f"({w.over / w.tokens:.2f} of {w.tokens:.0f} tokens above; this step's median "
                              f"{self._since.medians[worker_id]:.4g})")
 
@@ -180,7 +195,8 @@ class Quarantine:
             return
         w.reason = reason
         self._since.new += 1
-        log.warning("quarantined worker %s (%s): %s; its records are skipped from now on", worker_id, reason, detail)
+        log.warning("quarantined worker %s (%s): %s; its records are skipped from now on",
+                    worker_id, reason, detail)
 
     def is_quarantined(self, worker_id: str) -> bool:
         """Whether this worker's records are to be skipped.
@@ -218,14 +234,16 @@ class Quarantine:
         same = _num(state.get("threshold")) == self.threshold if isinstance(state, dict) else False
         rows = state.get("workers", {}) if isinstance(state, dict) else {}
         for wid, row in (rows.items() if isinstance(rows, dict) else ()):
-            if not (isinstance(wid, str) and isinstance(row, list) and len(row) == 6 and isinstance(row[5], str)):
+            if not (isinstance(wid, str) and isinstance(row, list) and len(row) == 6
+                    and isinstance(row[5], str)):
                 continue
             nums = [_num(x) for x in row[:5]]
             if any(x is None or x < 0 for x in nums) or row[5] not in ("", "reject_rate", "disagreement"):
                 continue
             records, rejected, tokens, over, lag0 = (float(x) for x in nums)  # type: ignore[arg-type]
-            w = _Worker(records, min(rejected, records), tokens if same else 0.0, min(over, tokens) if same else 0.0,
-                        int(lag0), row[5])
+            if not same:  # counted against another threshold
+                tokens = over = 0.0
+            w = _Worker(records, min(rejected, records), tokens, min(over, tokens), int(lag0), row[5])
             self.workers[wid] = w
         while len(self.workers) > self.max_workers:
             self.workers.popitem(last=False)
@@ -236,7 +254,8 @@ class Quarantine:
         ``quarantine/disagreement/<worker>`` (median of this period's lag-0 values, per worker seen)
         and ``quarantine/disagreement_max``."""
         s, self._since = self._since, _Since()
-        out = {"quarantine/workers": float(sum(1 for w in self.workers.values() if w.reason and self.enabled)),
+        quarantined = sum(1 for w in self.workers.values() if w.reason) if self.enabled else 0
+        out = {"quarantine/workers": float(quarantined),
                "quarantine/tracked": float(len(self.workers)), "quarantine/new": float(s.new),
                "quarantine/skipped": float(s.skipped),
                "quarantine/disagreement_max": max(s.medians.values(), default=0.0)}

@@ -160,7 +160,8 @@ def _rows(entries: Sequence[Entry], adv: np.ndarray, current_version: int) -> li
     return rows
 
 
-def _collect_lag0(chunk: list[_Row], logp: torch.Tensor, beh: np.ndarray, out: dict[str, list[np.ndarray]]) -> None:
+def _collect_lag0(chunk: list[_Row], logp: torch.Tensor, beh: np.ndarray,
+                  out: dict[str, list[np.ndarray]]) -> None:
     """Append ``exp|recorded - recomputed| - 1`` of each lag-0 row's tokens to ``out[worker]``."""
     rows = [j for j, r in enumerate(chunk) if r.lag == 0]
     if not rows:
