@@ -14,7 +14,7 @@ from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.records import RolloutRecord, Sample, rollout_key
 from stoa.trainer.policy import Policy, pack
 from stoa.trainer.pool import Entry
-from stoa.trainer.quarantine import Disagreement, Quarantine, disagreement_values, worker_of_key
+from stoa.trainer.quarantine import Disagreement, Quarantine, disagreement_values
 from stoa.trainer.step import train_step
 
 
@@ -27,14 +27,6 @@ def feed(q: Quarantine, worker: str, value: float, *, steps: int = 4, tokens: in
          records: int = 2) -> None:
     for _ in range(steps):
         q.observe_disagreement(worker, Disagreement(np.full(tokens, value), records))
-
-
-def test_worker_of_key_takes_the_id_with_dashes_and_refuses_other_keys():
-    assert worker_of_key(rollout_key("r", 3, "my-host-a1b2c3", 42)) == "my-host-a1b2c3"
-    assert worker_of_key("runs/r/rollouts/v00000003/w-00000001.rec") == "w"
-    for bad in ("runs/r/rollouts/v00000003/sub/w-00000001.rec", "runs/r/rollouts/v00000003/w-1.rec",
-                "runs/r/rollouts/v3/w-00000001.rec", "runs/r/rollouts/v00000003/-00000001.rec", "k0"):
-        assert worker_of_key(bad) is None, bad
 
 
 def test_statistic_by_hand():

@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,18 +35,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_KEY = re.compile(r"/rollouts/v\d{8}/(?P<worker>[^/]+)-\d{8}\.rec\Z")
 STATE_VERSION = 1
-
-
-def worker_of_key(key: str) -> str | None:
-    """The worker id in a record key, or ``None`` when the key is not a record key.
-
-    Args:
-        key: e.g. ``runs/r/rollouts/v00000003/host-a1b2c3-00000042.rec`` (the id may contain ``-``).
-    """
-    m = _KEY.search(key)
-    return m.group("worker") if m else None
 
 
 def effective_threshold(disagreement: float, temperature: float = 1.0, top_p: float = 1.0) -> float:

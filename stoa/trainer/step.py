@@ -9,9 +9,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from stoa.layout import rollout_worker
 from stoa.trainer.policy import Policy, pack
 from stoa.trainer.pool import Entry
-from stoa.trainer.quarantine import Disagreement, worker_of_key
+from stoa.trainer.quarantine import Disagreement
 
 
 class _Row(NamedTuple):
@@ -42,7 +43,7 @@ def entry_worker(e: Entry) -> str:
     Args:
         e: a pool entry.
     """
-    return worker_of_key(e.key) or e.record.worker_id
+    return rollout_worker(e.key) or e.record.worker_id
 
 
 def train_step(
