@@ -41,9 +41,8 @@ def test_worker_over_the_disagreement_threshold_is_quarantined_one_under_is_not(
     feed(q, "liar", 0.06)  # 8 lag-0 records, every token just over 0.05
     feed(q, "honest", 0.04)
     assert q.is_quarantined("liar") and not q.is_quarantined("honest")
-    assert not q.admit("liar") and q.admit("honest")
     m = q.metrics()
-    assert m["quarantine/workers"] == 1 and m["quarantine/new"] == 1 and m["quarantine/skipped"] == 1
+    assert m["quarantine/workers"] == 1 and m["quarantine/new"] == 1 and m["quarantine/tracked"] == 2
     assert m["quarantine/disagreement/liar"] == pytest.approx(0.06)
     assert m["quarantine/disagreement/honest"] == pytest.approx(0.04)
     assert q.metrics()["quarantine/new"] == 0  # counts are per period
@@ -108,9 +107,8 @@ def test_disabled_never_quarantines_but_still_reports():
     for _ in range(50):
         q.observe("bad", accepted=False)
     assert not q.is_quarantined("liar") and not q.is_quarantined("bad")
-    assert q.admit("liar") and q.admit("bad")
     m = q.metrics()
-    assert m["quarantine/workers"] == 0 and m["quarantine/skipped"] == 0 and m["quarantine/new"] == 0
+    assert m["quarantine/workers"] == 0 and m["quarantine/new"] == 0
     assert m["quarantine/disagreement/liar"] == pytest.approx(10.0)
 
 

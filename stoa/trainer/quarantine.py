@@ -95,7 +95,6 @@ class _Worker:
 class _Since:
     """What happened since the last ``metrics()`` call."""
 
-    skipped: int = 0
     new: int = 0
     medians: dict[str, float] = field(default_factory=dict)
 
@@ -195,17 +194,6 @@ class Quarantine:
         w = self.workers.get(worker_id)
         return bool(self.enabled and w is not None and w.reason)
 
-    def admit(self, worker_id: str) -> bool:
-        """``not is_quarantined(worker_id)``, counting a skipped record when it is quarantined.
-
-        Args:
-            worker_id: the key's worker id.
-        """
-        if self.is_quarantined(worker_id):
-            self._since.skipped += 1
-            return False
-        return True
-
     def state(self) -> dict[str, Any]:
         """JSON-able state for the trainer journal (per worker: a few counts and the quarantine reason)."""
         return {"v": STATE_VERSION, "threshold": self.threshold,
@@ -238,14 +226,13 @@ class Quarantine:
 
     def metrics(self) -> dict[str, float]:
         """Gauges and counts since the last call: ``quarantine/workers`` (quarantined ids),
-        ``quarantine/new``, ``quarantine/skipped`` (records), ``quarantine/tracked``,
-        ``quarantine/disagreement/<worker>`` (median of this period's lag-0 values, per worker seen)
-        and ``quarantine/disagreement_max``."""
+        ``quarantine/new``, ``quarantine/tracked``, ``quarantine/disagreement/<worker>`` (median of this
+        period's lag-0 values, per worker seen) and ``quarantine/disagreement_max``. Skipped records are
+        the pool's to count (``rollout/rejected/quarantined``)."""
         s, self._since = self._since, _Since()
         quarantined = sum(1 for w in self.workers.values() if w.reason) if self.enabled else 0
         out = {"quarantine/workers": float(quarantined),
                "quarantine/tracked": float(len(self.workers)), "quarantine/new": float(s.new),
-               "quarantine/skipped": float(s.skipped),
                "quarantine/disagreement_max": max(s.medians.values(), default=0.0)}
         out.update({f"quarantine/disagreement/{k}": v for k, v in s.medians.items()})
         return out
