@@ -86,5 +86,7 @@ def default_log_dir(bucket_url: str, run_id: str, explicit: str = "") -> Path:
         return Path(explicit)
     if "://" not in bucket_url or bucket_url.startswith("file://"):
         root = bucket_url[len("file://"):] if bucket_url.startswith("file://") else bucket_url
-        return Path(root) / "runs" / run_id / "metrics"
+        from stoa.layout import metrics_prefix
+
+        return Path(root) / metrics_prefix(run_id)
     return Path("stoa-logs") / run_id

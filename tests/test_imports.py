@@ -58,9 +58,8 @@ def test_trainer_never_imports_mlx():
 
 
 _RUNS_BEFORE_VALUE = re.compile(r"(?:\A|[^\w/])runs/\Z")
-RUNS_KEY_PENDING = {"trainer/loop.py": "its checkpoint error message spells runs/<run>/trainer/...; "
-                                       "use stoa.layout.checkpoint_key (issue 11 sweep)"}
-"""Files that still spell a key until the sweep rewrites them; strict xfail, so drop an entry once fixed."""
+RUNS_KEY_PENDING: dict[str, str] = {}
+"""Files that still spell a key until a sweep rewrites them; strict xfail, so drop an entry once fixed."""
 
 
 def runs_key_literals(source: str) -> list[int]:

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from stoa.bucket import open_bucket
-from stoa.records import ModelSpec, RolloutRecord, RunContract, Sample, SamplingSpec, rollout_key
+from stoa.contract import ModelSpec, RunContract, SamplingSpec
+from stoa.layout import rollout_key
+from stoa.records import RolloutRecord, Sample
 from stoa.tasks import get_task
 from stoa.tokenize import TextCodec
 from stoa.trainer.pool import RecordPool

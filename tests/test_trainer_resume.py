@@ -6,9 +6,9 @@ import pytest
 
 from stoa.bucket import BucketUnreachable, PreconditionFailed, open_bucket
 from stoa.config import TrainerConfig
-from stoa.records import contract_key
+from stoa.layout import anchor_prefix, contract_key, patch_key
 from stoa.trainer.loop import _Trainer, ride_out
-from stoa.weights.store import WeightSync, anchor_prefix, patch_key
+from stoa.weights.sync import WeightSync
 
 
 def make_cfg(bucket: str, **kw) -> TrainerConfig:

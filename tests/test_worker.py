@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from stoa.config import WorkerConfig, load_config
-from stoa.records import ContractMismatch, ModelSpec, RunContract, SamplingSpec
+from stoa.contract import ContractMismatch, ModelSpec, RunContract, SamplingSpec
 from stoa.worker.loop import check_expectations, check_model, worker_id
 
 

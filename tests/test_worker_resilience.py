@@ -13,12 +13,14 @@ import pytest
 import stoa.worker.loop as loop
 from stoa.bucket import Bucket, BucketUnreachable, ObjectInfo, PatientBucket, open_bucket
 from stoa.config import WorkerConfig, load_config
+from stoa.contract import ModelSpec, RunContract, SamplingSpec
+from stoa.layout import anchor_prefix, patch_key, pointer_key
 from stoa.metrics import MetricsWriter, read_metrics
-from stoa.records import ModelSpec, RunContract, SamplingSpec
 from stoa.weights.follow import WeightFollower
 from stoa.weights.hashing import state_hash
 from stoa.weights.planes import State, state_from_f32
-from stoa.weights.store import WeightPublisher, WeightSync, anchor_prefix, patch_key, pointer_key
+from stoa.weights.publish import WeightPublisher
+from stoa.weights.sync import WeightSync
 
 RUN = "run-a"
 
@@ -225,7 +227,7 @@ def test_sync_rides_through_an_outage(tmp_path: Path) -> None:
 
 def test_worker_waits_for_the_model_files_of_a_starting_trainer(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import stoa.runfiles as runfiles
+    import stoa.contract as runfiles
     from stoa.bucket import ObjectNotFound
 
     bucket = open_bucket(str(tmp_path / "bucket"))

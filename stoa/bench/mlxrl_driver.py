@@ -1,3 +1,4 @@
+# pyright: reportMissingImports=false
 """Times mlxrl's own GRPO step (rollout, old/ref logprobs, optimizer step) on a shape given as JSON.
 
 Not imported by stoa: ``stoa bench local`` runs this file with the python of a separate venv that has
@@ -37,7 +38,8 @@ def build_model(spec: dict[str, Any]) -> tuple[Any, Any]:
         naive.eos_token_ids_from_tokenizer = lambda tokenizer: frozenset()
         if hasattr(optimized, "eos_token_ids_from_tokenizer"):
             optimized.eos_token_ids_from_tokenizer = naive.eos_token_ids_from_tokenizer
-    model, tokenizer = load(spec["model_dir"])
+    loaded: Any = load(spec["model_dir"])
+    model, tokenizer = loaded[0], loaded[1]
     model.set_dtype(mx.float32)
     gs, bits = spec["group_size_q"], spec["bits"]
     blocks = {id(m) for layer in model.layers for _, m in layer.named_modules()}

@@ -18,10 +18,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from stoa.bucket import Bucket, open_bucket
+from stoa.layout import patch_key
 from stoa.weights.hashing import state_hash
 from stoa.weights.planes import PLANES, State, bf16_bits_to_f32, f32_to_bf16_bits, state_from_f32
+from stoa.weights.publish import WeightPublisher
 from stoa.weights.pulse import apply_patch, default_threads, encode_patch, read_patch_header
-from stoa.weights.store import WeightPublisher, WeightSync, patch_key
+from stoa.weights.sync import WeightSync
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     from stoa.bucket import BucketError
     from stoa.config import ConfigError
-    from stoa.records import ContractMismatch
+    from stoa.contract import ContractMismatch
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from stoa.config import TrainerConfig, load_config
+from stoa.layout import logs_prefix, metrics_prefix, run_prefix
 
 # Defaults sized so the whole run finishes within ~20 minutes on a 2-core CPU with SmolLM2-135M.
 DEFAULTS = {"model": "smollm2-135m", "task": "arithmetic", "steps": 12, "workers": 2}
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"[quickstart] run {run_id} in {Path(args.dir).resolve()} with {args.workers} workers, "
           f"model {args.model}, task {args.task}, {args.steps} steps")
     resolve_model(cfg.model)  # fetch/convert once, before workers start
-    log_dir = Path(args.dir) / "runs" / run_id / "logs"
+    log_dir = Path(args.dir) / logs_prefix(run_id)
     log_dir.mkdir(parents=True, exist_ok=True)
     # Single-threaded processes share small machines without OpenMP spin-waiting on each other.
     cores = os.cpu_count() or 2
@@ -104,12 +105,12 @@ def run(args: argparse.Namespace) -> int:
 def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
     from stoa.metrics import read_metrics
 
-    rows = read_metrics(root / "runs" / run_id / "metrics" / "trainer.jsonl")
+    rows = read_metrics(root / metrics_prefix(run_id) / "trainer.jsonl")
     steps = [r for r in rows if "train/loss" in r]
     records = sum(r.get("rollout/accepted", 0) for r in steps)
     evals = summary.get("evals", [])
     print("\n[quickstart] summary")
-    print(f"  run            {run_id}  ({root.resolve() / 'runs' / run_id})")
+    print(f"  run            {run_id}  ({root.resolve() / run_prefix(run_id)})")
     print(f"  steps          {summary.get('step')} (now at v{summary.get('version')})")
     print(f"  wall time      {wall / 60:.1f} min")
     print(f"  records/s      {records / wall:.3f} groups/s")

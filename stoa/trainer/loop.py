@@ -14,6 +14,7 @@ import torch
 
 from stoa.bucket import BucketError, ObjectExists, PreconditionFailed, open_bucket
 from stoa.config import TrainerConfig
+from stoa.layout import checkpoint_key, rollout_label
 from stoa.metrics import MetricsWriter, default_log_dir
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.policy import Policy
@@ -93,7 +94,7 @@ class _Trainer:
         from stoa.models import resolve_model
         from stoa.tasks import get_task, parse_task_spec
         from stoa.tokenize import TextCodec
-        from stoa.weights.store import WeightPublisher
+        from stoa.weights.publish import WeightPublisher
 
         self.cfg, self.echo, self.stop = cfg, echo, _Stop()
         torch.manual_seed(cfg.seed)
@@ -163,7 +164,7 @@ class _Trainer:
         """No checkpoint and unverifiable published weights: continue from the newest state that verifies."""
         from stoa.weights.errors import SyncError
         from stoa.weights.planes import state_to_f32
-        from stoa.weights.store import WeightSync
+        from stoa.weights.sync import WeightSync
 
         cfg = self.cfg
         sync = WeightSync(self.bucket, cfg.run, cfg.plane)
@@ -171,7 +172,7 @@ class _Trainer:
             at, state = ride_out(lambda: sync.newest_verified(pointer), "(reading) older verified weights", self.echo)
         except SyncError as e:
             raise SystemExit(f"stoa: run {cfg.run!r} has no trainer checkpoint and no published weights verify "
-                             f"({e}); restore runs/{cfg.run}/trainer/checkpoint.safetensors or start a new run") from None
+                             f"({e}); restore {checkpoint_key(cfg.run)} or start a new run") from None
         self.policy.load_f32(state_to_f32(state, cfg.plane))
         self.echo(f"[trainer] no checkpoint: continuing from the newest verified weights, v{at}")
 
@@ -243,7 +244,7 @@ class _Trainer:
         row.update({f"rollout/rejected/{k}": v for k, v in ps.rejected.items()})
         row.update(self.quarantine.metrics())
         row["rollout/filtered"] = ps.filtered
-        row["rollout/keys"] = [e.key.rsplit("/", 2)[-2] + "/" + e.key.rsplit("/", 1)[-1] for e in entries]
+        row["rollout/keys"] = [rollout_label(e.key) for e in entries]
         for lag in range(cfg.staleness_bound + 1):
             row[f"rollout/staleness/{lag}"] = int((lags == lag).sum())
         self.metrics.log(row, step=self.step)

@@ -11,15 +11,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from stoa.bucket import Bucket, BucketError, ObjectInfo
-from stoa.records import (
-    MAX_RECORD_BYTES,
-    RecordRejected,
-    RolloutRecord,
-    RunContract,
-    parse_rollout_key,
-    rollout_version_prefix,
-    validate_record,
-)
+from stoa.contract import RunContract
+from stoa.layout import parse_rollout_key, rollout_version_prefix
+from stoa.records import MAX_RECORD_BYTES, RecordRejected, RolloutRecord, validate_record
 from stoa.tasks.base import Task
 from stoa.tokenize import TextCodec
 

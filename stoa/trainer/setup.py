@@ -9,9 +9,9 @@ import numpy as np
 
 from stoa.bucket import Bucket, ObjectExists
 from stoa.config import TrainerConfig
+from stoa.contract import ContractMismatch, ModelSpec, RunContract, SamplingSpec, upload_model_files
 from stoa.engines import Engine
-from stoa.records import ContractMismatch, ModelSpec, RunContract, SamplingSpec, contract_key
-from stoa.runfiles import upload_model_files
+from stoa.layout import contract_key
 from stoa.tasks.base import Task
 from stoa.tokenize import TextCodec
 

@@ -13,11 +13,12 @@ import numpy as np
 
 from stoa.bucket import PatientBucket, open_bucket
 from stoa.config import WorkerConfig
+from stoa.contract import ContractMismatch, RunContract, download_model_files, wait_for_contract
 from stoa.engines import Engine, default_engine
 from stoa.engines import make_engine as build_engine
+from stoa.layout import rollout_key
 from stoa.metrics import MetricsWriter, default_log_dir
-from stoa.records import ContractMismatch, RolloutRecord, RunContract, Sample, rollout_key
-from stoa.runfiles import download_model_files, wait_for_contract
+from stoa.records import RolloutRecord, Sample
 
 
 def worker_id(label: str) -> str:
@@ -89,7 +90,7 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     from stoa.tasks import get_task
     from stoa.tokenize import TextCodec
     from stoa.weights.follow import WeightFollower
-    from stoa.weights.store import WeightSync
+    from stoa.weights.sync import WeightSync
 
     bucket = PatientBucket(open_bucket(cfg.bucket, retry_seconds=cfg.bucket_retry_seconds),
                            exit_on_outage=cfg.exit_on_outage, note=echo)

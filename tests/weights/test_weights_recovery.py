@@ -10,10 +10,12 @@ import pytest
 from test_weights_store import Spy, _corrupt, _masters, _same
 
 from stoa.bucket import BucketUnreachable, open_bucket
+from stoa.layout import anchor_prefix, patch_key, pointer_key
 from stoa.weights.errors import SyncError
 from stoa.weights.planes import State, state_from_f32
+from stoa.weights.publish import WeightPublisher
 from stoa.weights.pulse import encode_patch
-from stoa.weights.store import WeightPublisher, WeightSync, anchor_prefix, patch_key, pointer_key
+from stoa.weights.sync import WeightSync
 
 RUN = "run-a"
 

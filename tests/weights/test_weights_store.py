@@ -11,18 +11,13 @@ import numpy as np
 import pytest
 
 from stoa.bucket import Bucket, BucketUnreachable, ObjectInfo, ObjectNotFound, open_bucket
+from stoa.layout import anchor_prefix, patch_key, pointer_key, weights_prefix
 from stoa.weights.errors import SyncError, WeightsError
 from stoa.weights.hashing import state_hash
 from stoa.weights.planes import State, state_from_f32
-from stoa.weights.store import (
-    Pointer,
-    WeightPublisher,
-    WeightSync,
-    anchor_prefix,
-    patch_key,
-    pointer_key,
-    weights_prefix,
-)
+from stoa.weights.pointer import Pointer
+from stoa.weights.publish import WeightPublisher
+from stoa.weights.sync import WeightSync
 
 RUN = "run-a"
 
