@@ -14,29 +14,30 @@ from pathlib import Path
 from typing import Any
 
 from stoa.bucket import Bucket, BucketError
-from stoa.metrics import read_metrics
-from stoa.records import (
-    RecordRejected,
-    RolloutRecord,
-    RunContract,
+from stoa.contract import RunContract
+from stoa.layout import (
+    ANCHOR_FILE,
+    ANCHOR_MANIFEST,
+    anchor_prefix,
+    anchors_prefix,
     contract_key,
+    parse_anchor_key,
+    parse_patch_key,
+    patch_key,
+    patches_prefix,
+    pointer_key,
     rollout_key,
-    run_prefix,
-    validate_record,
+    rollout_label,
+    rollouts_prefix,
 )
-from stoa.weights.anchor import FILE_NAME, check_manifest, decode_anchor
+from stoa.metrics import read_metrics
+from stoa.records import RecordRejected, RolloutRecord, validate_record
+from stoa.weights.anchor import check_manifest, decode_anchor
 from stoa.weights.errors import WeightsError
 from stoa.weights.hashing import state_hash
+from stoa.weights.pointer import Pointer
 from stoa.weights.pulse import apply_patch
-from stoa.weights.store import (
-    MANIFEST_NAME,
-    Pointer,
-    WeightSync,
-    anchor_prefix,
-    patch_key,
-    pointer_key,
-    weights_prefix,
-)
+from stoa.weights.sync import WeightSync
 
 
 def short_key(key: str) -> str:
@@ -45,7 +46,7 @@ def short_key(key: str) -> str:
     Args:
         key: the full bucket key.
     """
-    return "/".join(key.rsplit("/", 2)[-2:])
+    return rollout_label(key)
 
 
 def acknowledged_keys(log_dir: Path, run: str) -> dict[str, list[str]]:
@@ -87,7 +88,7 @@ def audit_records(bucket: Bucket, run: str) -> RecordAudit:
     """
     contract = RunContract.from_json(bucket.get(contract_key(run)))
     audit = RecordAudit()
-    for info in bucket.list(f"{run_prefix(run)}/rollouts/"):
+    for info in bucket.list(rollouts_prefix(run)):
         audit.keys.append(info.key)
         try:
             rec = RolloutRecord.decode(bucket.get(info.key))
@@ -150,18 +151,25 @@ class ChainAudit:
     problems: list[str] = field(default_factory=list)
 
 
-def _versions_under(bucket: Bucket, prefix: str, suffix: str) -> list[int]:
-    out = set()
-    for info in bucket.list(prefix):
-        name = info.key[len(prefix):]
-        head = name.split("/", 1)[0].removesuffix(suffix)
-        if head.startswith("v") and head[1:].isdigit() and name.endswith(suffix):
-            out.add(int(head[1:]))
-    return sorted(out)
+def _weight_versions(bucket: Bucket, run: str) -> tuple[list[int], set[int]]:
+    """(complete anchors, patches) by version, from the listing."""
+    anchors = {o.version for info in bucket.list(anchors_prefix(run))
+               if (o := parse_anchor_key(run, info.key)) is not None and o.name == ANCHOR_MANIFEST}
+    patches = {v for info in bucket.list(patches_prefix(run)) if (v := parse_patch_key(run, info.key)) is not None}
+    return sorted(anchors), patches
+
+
+def _load_anchor(bucket: Bucket, run: str, plane: str, version: int) -> dict:
+    manifest = json.loads(bucket.get(anchor_prefix(run, version) + ANCHOR_MANIFEST))
+    check_manifest(manifest, run_id=run, version=version, plane=plane)
+    return decode_anchor(bytearray(bucket.get(anchor_prefix(run, version) + ANCHOR_FILE)), manifest)
 
 
 def rebuild_chain(bucket: Bucket, run: str, plane: str) -> ChainAudit:
-    """Decode the oldest complete anchor, apply every later patch in order, compare with every anchor.
+    """Decode the oldest complete anchor and apply every later patch in order; compare with every anchor.
+
+    A version without a patch may be an anchor (a trainer that could not verify the published state
+    restarts the chain with one); a version with neither is a gap.
 
     Args:
         bucket: the run's bucket.
@@ -169,37 +177,34 @@ def rebuild_chain(bucket: Bucket, run: str, plane: str) -> ChainAudit:
         plane: the run's weight plane.
     """
     audit = ChainAudit()
-    anchors = _versions_under(bucket, weights_prefix(run) + "anchors/", "/" + MANIFEST_NAME)
-    patches = _versions_under(bucket, weights_prefix(run) + "versions/", ".patch")
+    anchors, patches = _weight_versions(bucket, run)
     if not anchors:
         audit.problems.append("no complete anchor")
         return audit
     for a in anchors:
-        audit.anchors[a] = str(json.loads(bucket.get(anchor_prefix(run, a) + MANIFEST_NAME))["state_hash"])
-    start = anchors[0]
+        audit.anchors[a] = str(json.loads(bucket.get(anchor_prefix(run, a) + ANCHOR_MANIFEST))["state_hash"])
+    version = anchors[0]
     try:
-        manifest = json.loads(bucket.get(anchor_prefix(run, start) + MANIFEST_NAME))
-        check_manifest(manifest, run_id=run, version=start, plane=plane)
-        state = decode_anchor(bytearray(bucket.get(anchor_prefix(run, start) + FILE_NAME)), manifest)
-    except (WeightsError, ValueError) as e:
-        audit.problems.append(f"anchor v{start}: {e}")
-        return audit
-    version, s_hash = start, state_hash(state)
-    audit.hashes[version] = s_hash
-    for v in [p for p in patches if p > start]:
-        if v != version + 1:
-            audit.problems.append(f"gap: no patch v{version + 1} (next is v{v})")
-            break
-        try:
-            state, info = apply_patch(state, bucket.get(patch_key(run, v)), run_id=run,
-                                      expected_from_version=version, plane=plane, expected_from_hash=s_hash)
-        except (WeightsError, ValueError) as e:
-            audit.problems.append(f"patch v{v}: {e}")
-            break
-        version, s_hash = v, state_hash(state)
-        if s_hash != info.state_hash:
-            audit.problems.append(f"patch v{v}: applied state hash {s_hash} != header {info.state_hash}")
+        state = _load_anchor(bucket, run, plane, version)
+        s_hash = state_hash(state)
         audit.hashes[version] = s_hash
+        for v in range(version + 1, max([*patches, *anchors]) + 1):
+            if v in patches:
+                state, info = apply_patch(state, bucket.get(patch_key(run, v)), run_id=run,
+                                          expected_from_version=version, plane=plane, expected_from_hash=s_hash)
+                s_hash = state_hash(state)
+                if s_hash != info.state_hash:
+                    audit.problems.append(f"patch v{v}: applied state hash {s_hash} != header {info.state_hash}")
+            elif v in audit.anchors:
+                state = _load_anchor(bucket, run, plane, v)
+                s_hash = state_hash(state)
+            else:
+                audit.problems.append(f"gap: neither a patch nor an anchor at v{v}")
+                break
+            version = v
+            audit.hashes[version] = s_hash
+    except (WeightsError, ValueError) as e:
+        audit.problems.append(f"after v{version}: {type(e).__name__}: {e}")
     for a, h in audit.anchors.items():
         if a in audit.hashes and audit.hashes[a] != h:
             audit.problems.append(f"anchor v{a} declares {h}, the chain reaches {audit.hashes[a]}")

@@ -30,6 +30,15 @@ SEED = 1729
 REUSE_CAP = 2
 # Three trainer kills and three worker kills, in a seeded order, each at a seeded moment.
 VICTIMS = ["trainer", "trainer", "trainer", "worker", "worker", "worker"]
+# While a trainer restarts, the workers are paused (SIGSTOP) and stay paused for this long after it resumed, so
+# the new trainer must reuse what the dead one left in the window: the journaled use counts are what keep it
+# within the cap (unpaused, hundreds of fresh records pile up during a restart and nothing needs reuse).
+STARVE_S = 3.0
+# A small learning rate keeps the tiny policy from collapsing onto one token: honest workers then never sample
+# identical groups, which the content identity would count as duplicates.
+LR = "1e-3"
+# A wide window keeps the dead trainer's records usable while the new one starves, so it takes each to the cap.
+STALENESS = "8"
 
 
 class Chaos:
@@ -37,7 +46,8 @@ class Chaos:
 
     def __init__(self, procs: Procs, bucket: str, run: str, watch: PointerWatch, rng: random.Random):
         self.procs, self.bucket, self.run, self.watch, self.rng = procs, bucket, run, watch, rng
-        self.trainer_args = ["trainer", "--bucket", bucket, "--run", run, *TRAIN_ARGS, "--steps", "0",
+        self.trainer_args = ["trainer", "--bucket", bucket, "--run", run, *TRAIN_ARGS, "--steps", "0", "--lr", LR,
+                             "--staleness-bound", STALENESS,
                              "--reuse-cap", str(REUSE_CAP), "--keep-versions", "1000"]
         self.starts = {"trainer": 0, "w0": 0, "w1": 0}
         self.live: dict[str, subprocess.Popen] = {}
@@ -62,7 +72,20 @@ class Chaos:
         p.send_signal(signal.SIGKILL)
         assert p.wait(timeout=30) == -signal.SIGKILL
         self.kills.append(f"{victim}@v{self.version()}")
-        self.start(victim)
+        if victim != "trainer":
+            self.start(victim)
+            return
+        workers = [self.live["w0"], self.live["w1"]]
+        for w in workers:
+            w.send_signal(signal.SIGSTOP)
+        try:
+            self.start("trainer")
+            log = f"trainer-{self.starts['trainer'] - 1}"
+            wait_for(lambda: "resumed run" in self.procs.log(log), 120, f"{log} to resume")
+            time.sleep(STARVE_S)
+        finally:
+            for w in workers:
+                w.send_signal(signal.SIGCONT)
 
 
 @pytest.mark.slow

@@ -107,10 +107,12 @@ def test_fp32_worker_logprobs_equal_the_trainer_recompute_at_the_published_weigh
     import torch
 
     from stoa.bucket import open_bucket
-    from stoa.records import RolloutRecord, RunContract, contract_key
+    from stoa.contract import RunContract
+    from stoa.layout import contract_key
+    from stoa.records import RolloutRecord
     from stoa.trainer.policy import Policy, pack
     from stoa.weights.planes import state_to_f32
-    from stoa.weights.store import WeightSync
+    from stoa.weights.sync import WeightSync
 
     bucket, run = str(tmp_path / "bucket"), "lp"
     newest = tmp_path / "bucket" / "runs" / run / "rollouts" / "v00000003"
