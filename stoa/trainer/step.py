@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from stoa.algorithms import Algorithm, LossInputs, combine_metrics
+from stoa.algorithms.batch import Batch, Packed, Trajectory, build_batch, group_indices, micro_batches, pack
 from stoa.layout import rollout_worker
-from stoa.trainer.policy import Policy, pack
+from stoa.trainer.policy import Packed as TorchPacked
+from stoa.trainer.policy import Policy
 from stoa.trainer.pool import Entry
-from stoa.trainer.quarantine import Disagreement
-
-
-class _Row(NamedTuple):
-    """One completion of the batch."""
-
-    prompt: np.ndarray
-    completion: np.ndarray
-    behaviour: np.ndarray  # the worker's recorded logprobs
-    advantage: float
-    lag: int  # current_version - the record's policy version
-    worker: str
+from stoa.trainer.quarantine import Disagreement, disagreement_values
 
 
 class StepMetrics(dict):
@@ -46,11 +37,28 @@ def entry_worker(e: Entry) -> str:
     return rollout_worker(e.key) or e.record.worker_id
 
 
+def entries_batch(entries: Sequence[Entry], algo: Algorithm, current_version: int) -> Batch:
+    """The step's batch: one group per entry with the pool's rewards, each record's version lag and worker,
+    and the workers' recorded logprobs as the old policy of the ratio.
+
+    Args:
+        entries: the groups of this step (through the algorithm's group filter at intake).
+        algo: the algorithm.
+        current_version: the policy version being trained.
+    """
+    groups = [[Trajectory.single_turn(e.record.prompt_tokens, s.tokens, s.logprobs, float(r), s.finish_reason)
+               for s, r in zip(e.record.samples, e.rewards, strict=True)] for e in entries]
+    lags = [current_version - e.record.policy_version for e in entries]
+    batch = build_batch(groups, algo, version_lag=lags, sources=[entry_worker(e) for e in entries])
+    batch.old_logp = batch.rollout_logp
+    return batch
+
+
 def train_step(
     policy: Policy,
     ref: Policy | None,
     opt: torch.optim.Optimizer,
-    algo: Any,
+    algo: Algorithm,
     entries: Sequence[Entry],
     *,
     current_version: int,
@@ -67,7 +75,7 @@ def train_step(
         policy: the trainable policy.
         ref: frozen reference policy, or ``None`` when the KL coefficient is 0.
         opt: the optimizer.
-        algo: an ``Algorithm`` (torch backend).
+        algo: the algorithm (torch backend).
         entries: the groups of this step.
         current_version: the policy version being trained (lag 0 means sampled with these weights).
         micro_batch: sequences per forward/backward (packed mode).
@@ -78,120 +86,102 @@ def train_step(
     Returns:
         flat metrics without the ``train/`` prefix; ``.disagreement`` holds the lag-0 values per worker.
     """
-    from stoa.algorithms import LossInputs, combine_metrics
-
     shared_prefix = shared_prefix and not policy.gradient_checkpointing
-
     t0 = time.perf_counter()
-    rewards = np.stack([e.rewards for e in entries]).astype(np.float32)  # [G, n]
-    lengths = np.array([[len(s.tokens) for s in e.record.samples] for e in entries], dtype=np.int64)
-    adv = np.asarray(algo.advantages(rewards, lengths), dtype=np.float32)
-    rows = _rows(entries, adv, current_version)
-    t_max = int(lengths.max())
-    mask_all = np.zeros((len(rows), t_max), dtype=np.float32)
-    for i, r in enumerate(rows):
-        mask_all[i, : len(r.completion)] = 1.0
-    normalizer = float(algo.normalizer(mask_all))
-    dev = policy.device
+    batch = entries_batch(entries, algo, current_version)
+    if shared_prefix:
+        micro = group_indices(batch)
+    else:
+        micro = micro_batches(len(batch), micro_batch, lengths=batch.seq_lengths)
     parts: list[dict[str, float]] = []
     lag0: dict[str, list[np.ndarray]] = {}
     loss_total = 0.0
-    n_tokens = int(mask_all.sum())
-    for idx in _micro_batches(rows, entries, micro_batch, shared_prefix):
-        chunk = [rows[i] for i in idx]
-        beh = np.zeros((len(chunk), t_max), dtype=np.float32)
-        for j, r in enumerate(chunk):
-            beh[j, : len(r.behaviour)] = r.behaviour
-        logp, mask, ref_lp = _forward(policy, ref, chunk, mask_all[idx], t_max, shared_prefix)
-        _collect_lag0(chunk, logp, beh, lag0)
-        inp = LossInputs(
-            logp=logp,
-            behaviour_logp=torch.from_numpy(beh).to(dev),
-            ref_logp=ref_lp,
-            advantages=torch.tensor([r.advantage for r in chunk], dtype=torch.float32, device=dev),
-            mask=mask,
-            normalizer=normalizer,
-            version_lag=np.array([r.lag for r in chunk], dtype=np.int64),
-        )
-        loss, diag = algo.loss(inp)
+    for idx in micro:
+        logp, ref_lp = _forward(policy, ref, batch, idx, shared_prefix)
+        _collect_lag0(batch, idx, logp, lag0)
+        loss, diag = algo.loss(_loss_inputs(batch, idx, logp, ref_lp, policy.device))
         loss.backward()
         loss_total += float(loss.detach())
         parts.append(diag)
-    params = [p for p in policy.model.parameters() if p.grad is not None]
-    gn = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    dt = time.perf_counter() - t0
+    grad_norm = _apply_update(policy, opt, grad_clip)
     out = combine_metrics(parts)
-    out.update(
-        loss=loss_total,
-        grad_norm=float(gn),
-        step_time_s=dt,
-        tokens=float(n_tokens),
-        tokens_per_s=n_tokens / dt if dt > 0 else 0.0,
-        sequences=float(len(rows)),
-        groups=float(len(entries)),
-        adv_abs_mean=float(np.abs(adv).mean()),
-    )
-    return StepMetrics(out, _disagreement(entries, lag0, current_version))
+    out.update(_step_figures(batch, loss_total, grad_norm, time.perf_counter() - t0))
+    return StepMetrics(out, _disagreement(batch, lag0))
 
 
-def _forward(policy: Policy, ref: Policy | None, chunk: list[_Row], mask: np.ndarray, t_max: int,
-             shared_prefix: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Logprobs of a micro-batch (with gradient), its token mask, and the reference's logprobs (or None)."""
-    dev = policy.device
+def _forward(policy: Policy, ref: Policy | None, batch: Batch, idx: np.ndarray, shared_prefix: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs [b, T] of a micro-batch's rows (with gradient) and the reference's (or None)."""
     if shared_prefix:  # one group: its prompt runs once
-        prompt, comps = chunk[0].prompt, [r.completion for r in chunk]
-        logp, mask_t = policy.group_logprobs(prompt, comps, t_max), torch.from_numpy(mask).to(dev)
+        prompt, comps = batch.rows[int(idx[0])].prompt, [batch.rows[int(i)].tokens for i in idx]
+        logp = policy.group_logprobs(prompt, comps, batch.width)
         with torch.no_grad():
-            return logp, mask_t, ref.group_logprobs(prompt, comps, t_max) if ref is not None else None
-    packed = pack([r.prompt for r in chunk], [r.completion for r in chunk], t_max, dev)
+            return logp, ref.group_logprobs(prompt, comps, batch.width) if ref is not None else None
+    packed = _on_device(pack(batch, idx), policy.device)
     with torch.no_grad():
         ref_lp = ref.logprobs(packed) if ref is not None else None
-    return policy.logprobs(packed), packed.mask, ref_lp
+    return policy.logprobs(packed), ref_lp
 
 
-def _rows(entries: Sequence[Entry], adv: np.ndarray, current_version: int) -> list[_Row]:
-    """One row per completion, in entry order."""
-    rows = []
-    for gi, e in enumerate(entries):
-        lag, worker = current_version - e.record.policy_version, entry_worker(e)
-        for si, s in enumerate(e.record.samples):
-            rows.append(_Row(e.record.prompt_tokens, s.tokens, s.logprobs, float(adv[gi, si]), lag, worker))
-    return rows
+def _on_device(pk: Packed, device: torch.device) -> TorchPacked:
+    """The policy's tensors of a packed micro-batch."""
+    def long(a: np.ndarray) -> torch.Tensor:
+        return _tensor(a, device).long()
+
+    return TorchPacked(long(pk.input_ids), long(pk.attention_mask), long(pk.pos), long(pk.targets),
+                       _tensor(pk.mask, device))
 
 
-def _collect_lag0(chunk: list[_Row], logp: torch.Tensor, beh: np.ndarray,
-                  out: dict[str, list[np.ndarray]]) -> None:
-    """Append ``exp|recorded - recomputed| - 1`` of each lag-0 row's tokens to ``out[worker]``."""
-    rows = [j for j, r in enumerate(chunk) if r.lag == 0]
-    if not rows:
+def _loss_inputs(batch: Batch, idx: np.ndarray, logp: torch.Tensor, ref_lp: torch.Tensor | None,
+                 device: torch.device) -> LossInputs[torch.Tensor]:
+    """The algorithm's inputs for the rows ``idx``: their old-policy logprobs, advantages, mask and lags."""
+    assert batch.old_logp is not None  # entries_batch sets the workers' logprobs
+    return LossInputs(logp=logp, behaviour_logp=_tensor(batch.old_logp[idx], device), ref_logp=ref_lp,
+                      advantages=_tensor(batch.advantages[idx], device),
+                      mask=_tensor(batch.mask[idx], device), normalizer=batch.normalizer,
+                      version_lag=batch.version_lag[idx])
+
+
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A numpy array as a tensor on ``device``."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def _apply_update(policy: Policy, opt: torch.optim.Optimizer, grad_clip: float) -> float:
+    """Clip the accumulated gradients (0: no clip), step, clear; returns the pre-clip global norm."""
+    params = [p for p in policy.model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def _step_figures(batch: Batch, loss: float, grad_norm: float, seconds: float) -> dict[str, float]:
+    """The step's own figures next to the algorithm's diagnostics."""
+    n_tokens = int(batch.mask.sum())
+    return {"loss": loss, "grad_norm": grad_norm, "step_time_s": seconds, "tokens": float(n_tokens),
+            "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0, "sequences": float(len(batch)),
+            "groups": float(len(batch.rewards)), "adv_abs_mean": float(np.abs(batch.advantages).mean())}
+
+
+def _collect_lag0(batch: Batch, idx: np.ndarray, logp: torch.Tensor, out: dict[str, list[np.ndarray]]
+                  ) -> None:
+    """Append ``exp|recorded - recomputed| - 1`` of each lag-0 row's tokens to ``out[its worker]``."""
+    sel = [j for j, i in enumerate(idx) if batch.version_lag[i] == 0]
+    if not sel:
         return
     with torch.no_grad():
-        recomputed = logp.detach()[rows].float().cpu().numpy().astype(np.float64)
-    vals = np.expm1(np.abs(recomputed - beh[rows].astype(np.float64)))
-    for i, j in enumerate(rows):
-        out.setdefault(chunk[j].worker, []).append(vals[i, : len(chunk[j].completion)])
+        recomputed = logp.detach()[sel].float().cpu().numpy()
+    rows = idx[sel]
+    for i, vals in zip(rows, disagreement_values(batch.rollout_logp[rows], recomputed), strict=True):
+        out.setdefault(batch.sources[i], []).append(vals[batch.mask[i] > 0])
 
 
-def _disagreement(entries: Sequence[Entry], lag0: dict[str, list[np.ndarray]], current_version: int
-                  ) -> dict[str, Disagreement]:
-    """Per worker: its lag-0 values of this step and how many lag-0 records they came from."""
+def _disagreement(batch: Batch, lag0: dict[str, list[np.ndarray]]) -> dict[str, Disagreement]:
+    """Per worker: its lag-0 values of this step and how many lag-0 records (groups) they came from."""
     records: dict[str, int] = {}
-    for e in entries:
-        if e.record.policy_version == current_version:
-            records[entry_worker(e)] = records.get(entry_worker(e), 0) + 1
+    for idx in group_indices(batch):
+        first = int(idx[0])
+        if batch.version_lag[first] == 0:
+            records[batch.sources[first]] = records.get(batch.sources[first], 0) + 1
     return {w: Disagreement(np.concatenate(v), records.get(w, 0)) for w, v in lag0.items()}
-
-
-def _micro_batches(rows: list[_Row], entries: Sequence[Entry], micro_batch: int, shared_prefix: bool
-                   ) -> list[list[int]]:
-    """Row indices per micro-batch: one group each with a shared prefix, else length-sorted chunks."""
-    if shared_prefix:
-        out, start = [], 0
-        for e in entries:
-            out.append(list(range(start, start + len(e.record.samples))))
-            start += len(e.record.samples)
-        return out
-    order = sorted(range(len(rows)), key=lambda i: -(len(rows[i].prompt) + len(rows[i].completion)))
-    return [order[i : i + micro_batch] for i in range(0, len(order), micro_batch)]

@@ -1,0 +1,265 @@
+"""The training batch of one optimizer step, shared by the trainer and local mode (numpy only).
+
+A step trains on groups of trajectories (one prompt, n samples each). ``build_batch`` turns them into a
+``Batch`` once: per-row advantages, the padded action mask, the algorithm's whole-batch normaliser, the
+sampler's logprobs, and where each group came from. ``micro_batches`` and ``group_indices`` split it into
+micro-batches (length-sorted or consecutive chunks; one group each for a shared-prefix forward), and
+``pack`` right-pads a micro-batch into the arrays of one forward. Backends (torch in the trainer, torch or
+MLX in local mode) only turn these arrays into tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from stoa.algorithms.base import Algorithm
+
+
+@dataclass
+class Trajectory:
+    """One sampled trajectory: a prompt, then every token after it.
+
+    Single-turn, ``tokens`` is the completion and ``action_mask`` is all ones. Multi-turn, ``tokens`` holds
+    the policy's turns and the environment's observations in order, and ``action_mask`` is 1 only on the
+    tokens the policy sampled: the loss, the normaliser and the logprob ratios see only those, through the
+    ``mask`` of ``LossInputs``, with no per-algorithm branch.
+
+    Attributes:
+        prompt: prompt token ids (the shared prefix of its group).
+        tokens: token ids after the prompt.
+        action_mask: float32, 1 where the policy sampled the token (trained on), 0 elsewhere.
+        reward: the trajectory's reward.
+        finish_reason: 'stop' or 'length' (the last turn's).
+        rollout_logprobs: the sampler's logprobs per token (0 off the action mask). The trainer's old
+            policy (a worker's recorded logprobs); in local mode diagnostics only, its loss uses
+            full-forward logprobs (see docs/local.md).
+    """
+
+    prompt: np.ndarray
+    tokens: np.ndarray
+    action_mask: np.ndarray
+    reward: float
+    finish_reason: str
+    rollout_logprobs: np.ndarray
+
+    @classmethod
+    def single_turn(cls, prompt: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                    logprobs: Sequence[float] | np.ndarray, reward: float, finish_reason: str) -> Trajectory:
+        """A completion of one turn: every token is an action.
+
+        Args:
+            prompt: prompt token ids.
+            tokens: completion token ids (non-empty).
+            logprobs: the sampler's logprobs of ``tokens``.
+            reward: the task's reward.
+            finish_reason: 'stop' or 'length'.
+        """
+        toks = np.asarray(tokens, dtype=np.int64)
+        return cls(np.asarray(prompt, dtype=np.int64), toks, np.ones(len(toks), np.float32), float(reward),
+                   finish_reason, np.asarray(logprobs, dtype=np.float32))
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) == 0:
+            raise ValueError("tokens: a trajectory needs at least one token after the prompt")
+        if len(self.prompt) == 0:
+            raise ValueError("prompt: a trajectory needs at least one prompt token")
+        if self.action_mask.shape != self.tokens.shape:
+            raise ValueError(f"action_mask: shape {self.action_mask.shape} != tokens {self.tokens.shape}")
+
+
+@dataclass
+class Batch:
+    """The rows of one optimizer step (groups contiguous, equal sizes) with everything the loss needs.
+
+    B is the number of rows, G of groups, n rows per group, T the longest row's tokens after its prompt.
+
+    Attributes:
+        rows: the trajectories, group by group.
+        group_ids: [B] int64 index of each row's group.
+        advantages: [B] float32 per-row advantages.
+        version_lag: [B] int64 trainer version minus the version that sampled the row (0 in local mode).
+        sources: [B] who sampled each row: the worker id in the trainer, '' in local mode.
+        mask: [B, T] float32 action mask, 0-padded.
+        rollout_logp: [B, T] float32 the sampler's logprobs (``Trajectory.rollout_logprobs``), 0-padded.
+        normalizer: the algorithm's whole-batch loss denominator (identical for every micro-batch).
+        rewards: [G, n] float32 rewards of the groups.
+        old_logp: [B, T] the old policy of the ratio, or None: the trainer sets ``rollout_logp``; local mode
+            a full forward, or None to take it from the update's own forward.
+        ref_logp: [B, T] reference logprobs, or None when kl_beta is 0.
+    """
+
+    rows: list[Trajectory]
+    group_ids: np.ndarray
+    advantages: np.ndarray
+    version_lag: np.ndarray
+    sources: list[str]
+    mask: np.ndarray
+    rollout_logp: np.ndarray
+    normalizer: float
+    rewards: np.ndarray
+    old_logp: np.ndarray | None = None
+    ref_logp: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def width(self) -> int:
+        """T: the padded length of the token axis."""
+        return int(self.mask.shape[1])
+
+    @property
+    def seq_lengths(self) -> np.ndarray:
+        """[B] int64 prompt + tokens of each row (what a packed forward runs)."""
+        return np.array([len(r.prompt) + len(r.tokens) for r in self.rows], dtype=np.int64)
+
+
+@dataclass
+class Packed:
+    """A micro-batch as right-padded (prompt + tokens) rows and gather indices, all numpy.
+
+    ``pos[b, t]`` is the position whose output predicts token ``t`` after the prompt of row ``b``.
+    Right padding needs no attention mask (causal attention never looks forward); ``attention_mask`` is
+    there for forwards that take one anyway.
+    """
+
+    input_ids: np.ndarray  # [b, L] int32
+    attention_mask: np.ndarray  # [b, L] int32, 1 on prompt and tokens
+    pos: np.ndarray  # [b, T] int32
+    targets: np.ndarray  # [b, T] int32
+    mask: np.ndarray  # [b, T] float32 (action mask)
+    advantages: np.ndarray  # [b] float32
+    old_logp: np.ndarray | None  # [b, T] float32
+    ref_logp: np.ndarray | None  # [b, T] float32
+
+
+class GroupRows(NamedTuple):
+    """One group of a batch for a shared-prefix forward."""
+
+    idx: np.ndarray  # [n] row indices
+    prompt: np.ndarray  # the group's shared prompt
+    tokens: np.ndarray  # [n, T] int32 the rows' tokens, right-padded to the batch width
+
+
+def build_batch(groups: Sequence[Sequence[Trajectory]], algo: Algorithm, *,
+                version_lag: Sequence[int] | None = None, sources: Sequence[str] | None = None) -> Batch:
+    """Advantages, the padded mask and sampler logprobs, and the whole-batch normaliser of every group given.
+
+    Args:
+        groups: one list of trajectories per prompt (equal sizes), already through the algorithm's group
+            filter (see ``filter_and_build``).
+        algo: the algorithm (any backend: only its numpy side is used).
+        version_lag: per group, the trainer version minus the version that sampled it (default 0).
+        sources: per group, who sampled it (default '').
+    """
+    if not groups or len({len(g) for g in groups}) != 1:
+        raise ValueError("groups: need at least one group, all of the same size")
+    n_groups, n = len(groups), len(groups[0])
+    rewards = np.array([[t.reward for t in g] for g in groups], dtype=np.float64)
+    lengths = np.array([[int(t.action_mask.sum()) for t in g] for g in groups], dtype=np.int64)
+    adv = np.asarray(algo.advantages(rewards, lengths), dtype=np.float32)
+    rows = [t for g in groups for t in g]
+    width = max(len(t.tokens) for t in rows)
+    mask = np.zeros((len(rows), width), dtype=np.float32)
+    rollout_logp = np.zeros((len(rows), width), dtype=np.float32)
+    for i, t in enumerate(rows):
+        mask[i, : len(t.tokens)] = t.action_mask
+        rollout_logp[i, : len(t.tokens)] = t.rollout_logprobs
+    lag = np.zeros(n_groups, np.int64) if version_lag is None else np.asarray(version_lag, np.int64)
+    src = [""] * n_groups if sources is None else list(sources)
+    if len(lag) != n_groups or len(src) != n_groups:
+        raise ValueError(f"version_lag, sources: need one per group ({n_groups})")
+    return Batch(rows, np.repeat(np.arange(n_groups, dtype=np.int64), n), adv.reshape(-1), np.repeat(lag, n),
+                 [s for s in src for _ in range(n)], mask, rollout_logp, float(algo.normalizer(mask)),
+                 rewards.astype(np.float32))
+
+
+def filter_and_build(groups: Sequence[Sequence[Trajectory]], algo: Algorithm
+                     ) -> tuple[Batch | None, np.ndarray]:
+    """The algorithm's group filter (DAPO drops zero-variance groups), then ``build_batch`` on what it keeps.
+
+    Local mode filters here; the trainer filters at intake (``RecordPool.take``) and calls ``build_batch``.
+
+    Args:
+        groups: one list of trajectories per prompt (equal sizes).
+        algo: the algorithm.
+
+    Returns:
+        (the batch, or None when the filter dropped every group; bool [G] of kept groups).
+    """
+    if not groups or len({len(g) for g in groups}) != 1:
+        raise ValueError("groups: need at least one group, all of the same size")
+    rewards = np.array([[t.reward for t in g] for g in groups], dtype=np.float64)
+    keep = np.asarray(algo.keep_groups(rewards), dtype=bool)
+    if not keep.any():
+        return None, keep
+    return build_batch([g for g, k in zip(groups, keep, strict=True) if k], algo), keep
+
+
+def micro_batches(n_rows: int, micro_batch: int, *, lengths: np.ndarray | None = None) -> list[np.ndarray]:
+    """Row indices of each micro-batch: chunks of ``micro_batch`` rows (0 = one chunk).
+
+    Args:
+        n_rows: rows in the batch.
+        micro_batch: rows per chunk, 0 for all at once.
+        lengths: [n_rows] sequence lengths (``Batch.seq_lengths``): rows go longest first (ties in row order)
+            so each chunk pads little; None keeps row order.
+    """
+    order = np.arange(n_rows) if lengths is None else np.argsort(-np.asarray(lengths), kind="stable")
+    size = n_rows if micro_batch <= 0 else micro_batch
+    return [order[i : i + size] for i in range(0, n_rows, size)]
+
+
+def group_indices(batch: Batch) -> list[np.ndarray]:
+    """Row indices of each group, in group order (one micro-batch each for a shared-prefix forward).
+
+    Args:
+        batch: the step's batch.
+    """
+    return [np.flatnonzero(batch.group_ids == g) for g in np.unique(batch.group_ids)]
+
+
+def group_rows(batch: Batch) -> list[GroupRows]:
+    """Per group: its row indices, the shared prompt, and the rows' tokens right-padded to ``batch.width``.
+
+    Args:
+        batch: the step's batch (a group's rows share their prompt).
+    """
+    out = []
+    for idx in group_indices(batch):
+        tokens = np.zeros((len(idx), batch.width), dtype=np.int32)
+        for j, i in enumerate(idx):
+            tokens[j, : len(batch.rows[int(i)].tokens)] = batch.rows[int(i)].tokens
+        out.append(GroupRows(idx, batch.rows[int(idx[0])].prompt, tokens))
+    return out
+
+
+def pack(batch: Batch, idx: np.ndarray) -> Packed:
+    """Right-pad the rows ``idx`` of a batch into arrays for one forward.
+
+    Args:
+        batch: the step's batch.
+        idx: row indices of the micro-batch.
+    """
+    rows = [batch.rows[int(i)] for i in idx]
+    width_t = batch.width
+    length = max(len(r.prompt) + len(r.tokens) for r in rows)
+    ids = np.zeros((len(rows), length), dtype=np.int32)
+    attn = np.zeros((len(rows), length), dtype=np.int32)
+    pos = np.zeros((len(rows), width_t), dtype=np.int32)
+    tgt = np.zeros((len(rows), width_t), dtype=np.int32)
+    for j, r in enumerate(rows):
+        lp, lt = len(r.prompt), len(r.tokens)
+        ids[j, :lp] = r.prompt
+        ids[j, lp : lp + lt] = r.tokens
+        attn[j, : lp + lt] = 1
+        pos[j, :lt] = np.arange(lp - 1, lp + lt - 1)
+        pos[j, lt:] = lp - 1  # padding: any valid position will do, the mask drops it
+        tgt[j, :lt] = r.tokens
+    old = None if batch.old_logp is None else batch.old_logp[idx]
+    ref = None if batch.ref_logp is None else batch.ref_logp[idx]
+    return Packed(ids, attn, pos, tgt, batch.mask[idx], batch.advantages[idx], old, ref)
