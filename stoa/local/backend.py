@@ -9,9 +9,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from stoa.algorithms import Algorithm
+from stoa.algorithms.batch import Batch
 from stoa.config.local import DENSE_TARGETS, LocalConfig, lora_target_names, resolve_backend
 from stoa.engines import Completion, GenStats
-from stoa.local.batch import Batch
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 """The only parameter names (last path component) that may be trainable."""
@@ -57,7 +58,7 @@ class Backend(Protocol):
         """[B, T] logprobs with the adapters disabled (the reference policy), no gradient."""
         ...
 
-    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
         """Forward/backward every micro-batch, summing gradients; returns combined loss diagnostics."""
         ...
 
@@ -73,7 +74,7 @@ class Backend(Protocol):
         """Drop accumulated gradients without stepping."""
         ...
 
-    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
         """``accumulate`` then ``apply_update``; diagnostics plus ``grad_norm``."""
         ...
 

@@ -1,55 +1,30 @@
-"""The backend-agnostic local loop: sample groups, score them, one optimizer step; metrics, evals, save and resume."""
+"""The backend-agnostic local loop: sample groups, score them, one optimizer step; metrics, evals, save and
+resume."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from stoa.algorithms import Algorithm
+from stoa.algorithms.batch import Trajectory, filter_and_build, micro_batches
 from stoa.config import config_to_toml
 from stoa.config.local import LocalConfig
 from stoa.local import checkpoint as ckpt
 from stoa.local.backend import Backend, derive_seed, make_backend
-from stoa.local.batch import Trajectory, build_batch, micro_batches
 from stoa.local.preflight import preflight, shape_for, shape_from_dir
 from stoa.local.smoke import check_only_adapters
 from stoa.metrics import MetricsWriter, read_metrics
+from stoa.stopflag import StopFlag
 from stoa.tasks import Prompt, Task, load_task
 
 EVAL_BATCH = 32
 """Held-out prompts decoded together."""
-
-
-class StopFlag:
-    """Set by SIGINT/SIGTERM while installed: the loop finishes its step, saves and returns."""
-
-    requested = False
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[StopFlag]:
-        """Install the handlers (main thread only) and restore the previous ones afterwards."""
-        previous: dict[int, Any] = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        try:
-            yield self
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _handle(self, *_: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
 
 
 def draw_prompts(task: Task, codec: Any, rng: np.random.Generator, count: int,
@@ -91,22 +66,23 @@ def collect_groups(backend: Backend, task: Task, codec: Any, prompts: Sequence[t
         seed: the sampling seed of this step.
     """
     t0 = time.perf_counter()
-    groups, stats = backend.rollout([ids for _, ids in prompts], cfg.n_samples, max_new_tokens=cfg.max_new_tokens,
-                                    temperature=cfg.temperature, top_p=cfg.top_p, eos_ids=codec.eos_ids, seed=seed)
+    groups, stats = backend.rollout([ids for _, ids in prompts], cfg.n_samples,
+                                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                    top_p=cfg.top_p, eos_ids=codec.eos_ids, seed=seed)
     dt = time.perf_counter() - t0
-    trajs = [[Trajectory.single_turn(ids, c.tokens, c.logprobs, task.reward(p, codec.decode(c.tokens)), c.finish_reason)
+    trajs = [[Trajectory.single_turn(ids, c.tokens, c.logprobs, task.reward(p, codec.decode(c.tokens)),
+                                     c.finish_reason)
               for c in group] for (p, ids), group in zip(prompts, groups, strict=True)]
     return trajs, {"rollout_s": dt, "new_tokens": float(stats.new_tokens),
                    "tokens_per_s": stats.new_tokens / dt if dt > 0 else 0.0, "prefill_s": stats.prefill_s}
 
 
-def train_step(backend: Backend, algo: Any, task: Task, codec: Any, cfg: LocalConfig, rng: np.random.Generator,
-               step: int) -> dict[str, Any]:
-    """One step: rollout, batch, old (and reference) logprobs by full forward, micro-batched update.
+def rollout(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, rng: np.random.Generator,
+            step: int) -> tuple[list[list[Trajectory]], dict[str, Any]]:
+    """Draw ``groups_per_step`` prompts, sample ``n_samples`` completions each, score them.
 
     Args:
         backend: the model.
-        algo: the ``Algorithm`` on the backend.
         task: the task.
         codec: the tokenizer.
         cfg: the run's config.
@@ -114,9 +90,8 @@ def train_step(backend: Backend, algo: Any, task: Task, codec: Any, cfg: LocalCo
         step: the index of this step (seeds its sampling).
 
     Returns:
-        the metrics row (``rollout/*`` and ``train/*``).
+        (the groups, the ``rollout/*`` metrics).
     """
-    t0 = time.perf_counter()
     prompts = draw_prompts(task, codec, rng, cfg.groups_per_step, cfg.max_prompt_tokens)
     groups, rs = collect_groups(backend, task, codec, prompts, cfg, derive_seed(cfg.seed, step))
     rewards = np.array([[t.reward for t in g] for g in groups])
@@ -126,8 +101,26 @@ def train_step(backend: Backend, algo: Any, task: Task, codec: Any, cfg: LocalCo
                 "rollout/zero_variance_groups": float((rewards.std(axis=1) == 0).mean()),
                 "rollout/completion_len": float(lengths.mean()),
                 "rollout/stop_frac": float(np.mean([t.finish_reason == "stop" for g in groups for t in g]))})
-    batch, keep = build_batch(groups, algo)
-    row["rollout/filtered_groups"] = int((~keep).sum())
+    return groups, row
+
+
+def train_step(backend: Backend, algo: Algorithm, groups: Sequence[Sequence[Trajectory]], cfg: LocalConfig,
+               started: float) -> dict[str, Any]:
+    """The group filter and the batch, old (and reference) logprobs by full forward, the micro-batched update.
+
+    Args:
+        backend: the model.
+        algo: the algorithm on the backend.
+        groups: this step's groups.
+        cfg: the run's config.
+        started: ``time.perf_counter()`` when the step's rollout began (``train/step_s`` counts from it).
+
+    Returns:
+        the ``train/*`` metrics (``train/skipped`` when the filter dropped every group) and
+        ``rollout/filtered_groups``.
+    """
+    batch, keep = filter_and_build(groups, algo)
+    row: dict[str, Any] = {"rollout/filtered_groups": int((~keep).sum())}
     if batch is None:
         row["train/skipped"] = 1
         return row
@@ -141,13 +134,12 @@ def train_step(backend: Backend, algo: Any, task: Task, codec: Any, cfg: LocalCo
     t3 = time.perf_counter()
     m = backend.step(batch, micro, algo)
     t4 = time.perf_counter()
-    assert batch.old_logp is not None
-    gap = [np.abs(r.rollout_logprobs - batch.old_logp[i, : len(r.tokens)])[r.action_mask > 0]
-           for i, r in enumerate(batch.rows)]
+    assert batch.old_logp is not None  # the update fills it when it was not computed before
+    gap = np.abs(batch.rollout_logp - batch.old_logp)[batch.mask > 0]
     row.update({f"train/{k}": v for k, v in m.items()})
     row.update({"train/old_logp_s": t2 - t1, "train/ref_logp_s": t3 - t2, "train/update_s": t4 - t3,
-                "train/step_s": t4 - t0, "train/peak_memory_mb": backend.peak_memory_mb(),
-                "rollout/decode_vs_forward_logp_max": float(np.concatenate(gap).max())})
+                "train/step_s": t4 - started, "train/peak_memory_mb": backend.peak_memory_mb(),
+                "rollout/decode_vs_forward_logp_max": float(gap.max())})
     return row
 
 
@@ -166,9 +158,9 @@ def evaluate(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, step: i
     correct, reward = 0, 0.0
     for i in range(0, len(prompts), EVAL_BATCH):
         chunk = prompts[i : i + EVAL_BATCH]
-        groups, _ = backend.rollout([codec.encode_prompt(p.messages) for p in chunk], 1, max_new_tokens=cfg.max_new_tokens,
-                                    temperature=cfg.temperature, top_p=1.0, eos_ids=codec.eos_ids,
-                                    seed=derive_seed(cfg.seed, step, 1), greedy=True)
+        groups, _ = backend.rollout([codec.encode_prompt(p.messages) for p in chunk], 1,
+                                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=1.0,
+                                    eos_ids=codec.eos_ids, seed=derive_seed(cfg.seed, step, 1), greedy=True)
         for p, g in zip(chunk, groups, strict=True):
             text = codec.decode(g[0].tokens)
             correct += bool(task.is_correct(p, text))
@@ -185,11 +177,14 @@ def _truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= step))
 
 
-def run_local(cfg: LocalConfig, *, echo: Callable[[str], Any] = print, backend: Backend | None = None) -> dict[str, Any]:
+
+def run_local(cfg: LocalConfig, *, echo: Callable[[str], Any] = print,
+              backend: Backend | None = None) -> dict[str, Any]:
     """Train ``cfg.steps`` steps (resuming from ``output_dir`` when it holds a saved state).
 
     Order: config checks, the output directory's saved state, the memory preflight (from config.json, before
-    any weight loads), then the model. SIGINT/SIGTERM finish the current step, save and return.
+    any weight loads), then the model. SIGINT/SIGTERM finish the current step, save and return; a second one
+    interrupts.
 
     Args:
         cfg: validated config.
@@ -199,72 +194,112 @@ def run_local(cfg: LocalConfig, *, echo: Callable[[str], Any] = print, backend: 
     Returns:
         summary: steps, evals, wall time, the output directory.
     """
-    from stoa.algorithms import get_algorithm
-    from stoa.models import resolve_model
-    from stoa.tokenize import TextCodec
+    return _LocalRun(cfg, echo, backend).run()
 
-    t_start = time.perf_counter()
-    out = Path(cfg.output_dir)
-    task = load_task(cfg.task)
-    saved = ckpt.find_latest(out)
-    ckpt.check_resumable(cfg, saved)
-    shape = shape_for(cfg.model)
-    if shape is not None:
-        echo(f"[local] preflight: {preflight(cfg, shape).message()}")
-    model_dir = resolve_model(cfg.model)
-    if shape is None:
-        echo(f"[local] preflight: {preflight(cfg, shape_from_dir(model_dir, cfg.model)).message()}")
-    codec = TextCodec(model_dir)
-    backend = backend or make_backend(cfg, model_dir)
-    check_only_adapters(backend.summary)
-    algo = get_algorithm(cfg.algo_config(), backend.name)
-    rng, step = np.random.default_rng(cfg.seed), 0
-    out.mkdir(parents=True, exist_ok=True)
-    if saved is not None:
-        ckpt.restore(saved, backend)
-        rng.bit_generator.state = saved.rng
-        step = saved.step
-        _truncate_metrics(out / "metrics.jsonl", step)
-        echo(f"[local] resumed {out} at step {step}")
-    (out / "config.toml").write_text(config_to_toml(cfg))
-    metrics = MetricsWriter(out / "metrics.jsonl", run_name=out.name)
-    summary: dict[str, Any] = {"output_dir": str(out), "evals": [], "step_times": [], "start_step": step}
-    s = backend.summary
-    echo(f"[local] {s.backend}: {cfg.model}, {s.layers} layers, {s.quant_bits}-bit base, "
-         f"{s.trainable_params:,} trainable of {s.total_params:,}; {cfg.algorithm}, G={cfg.n_samples}")
 
-    def do_eval(label: str) -> None:
-        if cfg.eval_n == 0:
+class _LocalRun:
+    """One local run: its task, model, algorithm, output directory, metrics and counters."""
+
+    def __init__(self, cfg: LocalConfig, echo: Callable[[str], Any], backend: Backend | None) -> None:
+        from stoa.algorithms import get_algorithm
+        from stoa.tokenize import TextCodec
+
+        self.cfg, self.echo, self.stop = cfg, echo, StopFlag()
+        self.t_start = time.perf_counter()
+        self.out = Path(cfg.output_dir)
+        self.task = load_task(cfg.task)
+        self.saved = ckpt.find_latest(self.out)
+        ckpt.check_resumable(cfg, self.saved)
+        model_dir = self.preflight()
+        self.codec = TextCodec(model_dir)
+        self.backend = backend or make_backend(cfg, model_dir)
+        check_only_adapters(self.backend.summary)
+        self.algo = get_algorithm(cfg.algo_config(), self.backend.name)
+        self.rng, self.step = np.random.default_rng(cfg.seed), 0
+        self.metrics: MetricsWriter
+        self.summary: dict[str, Any] = {"output_dir": str(self.out), "evals": [], "step_times": []}
+
+    def preflight(self) -> Path:
+        """The memory preflight (from config.json when the model is known, before any weight loads);
+        returns the model directory."""
+        from stoa.models import resolve_model
+
+        cfg = self.cfg
+        shape = shape_for(cfg.model)
+        if shape is not None:
+            self.echo(f"[local] preflight: {preflight(cfg, shape).message()}")
+        model_dir = resolve_model(cfg.model)
+        if shape is None:
+            self.echo(f"[local] preflight: {preflight(cfg, shape_from_dir(model_dir, cfg.model)).message()}")
+        return model_dir
+
+    def resume(self) -> None:
+        """Continue from the output directory's saved state: adapters, optimizer, step, prompt sampler."""
+        cfg, out = self.cfg, self.out
+        out.mkdir(parents=True, exist_ok=True)
+        if self.saved is not None:
+            ckpt.restore(self.saved, self.backend)
+            self.rng.bit_generator.state = self.saved.rng
+            self.step = self.saved.step
+            _truncate_metrics(out / "metrics.jsonl", self.step)
+            self.echo(f"[local] resumed {out} at step {self.step}")
+        (out / "config.toml").write_text(config_to_toml(cfg))
+        self.metrics = MetricsWriter(out / "metrics.jsonl", run_name=out.name)
+        self.summary["start_step"] = self.step
+        s = self.backend.summary
+        self.echo(f"[local] {s.backend}: {cfg.model}, {s.layers} layers, {s.quant_bits}-bit base, "
+                  f"{s.trainable_params:,} trainable of {s.total_params:,}; {cfg.algorithm}, "
+                  f"G={cfg.n_samples}")
+
+    def run(self) -> dict[str, Any]:
+        """Set up, resume, then a loop of rollout -> step -> log -> save (and the periodic evaluations)."""
+        cfg = self.cfg
+        self.resume()
+        last_saved = self.step
+        with self.stop.installed():
+            if self.step == 0:
+                self.evaluate("before")
+            while self.step < cfg.steps and not self.stop.requested:
+                started = time.perf_counter()
+                groups, row = rollout(self.backend, self.task, self.codec, cfg, self.rng, self.step)
+                row.update(train_step(self.backend, self.algo, groups, cfg, started))
+                self.step += 1
+                self.log_step(row)
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    last_saved = self.save()
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                    self.evaluate(f"step {self.step}")
+            if self.step != last_saved:
+                self.save()
+            if self.step >= cfg.steps and self.step > self.summary["start_step"]:
+                self.evaluate("after")
+                ckpt.write_adapters(self.out / "adapters", cfg, self.backend)
+        self.metrics.close()
+        self.summary.update(step=self.step, interrupted=self.stop.requested and self.step < cfg.steps,
+                            wall_s=time.perf_counter() - self.t_start)
+        return self.summary
+
+    def log_step(self, row: dict[str, Any]) -> None:
+        """Write the step's metrics row and its progress line."""
+        self.metrics.log(row, step=self.step)
+        self.summary["step_times"].append(row.get("train/step_s", row["rollout/rollout_s"]))
+        self.echo(f"[local] step {self.step}/{self.cfg.steps} | reward {row['rollout/reward_mean']:.3f} | "
+                  f"loss {row.get('train/loss', 0.0):+.4f} | kl {row.get('train/kl', 0.0):.2e} | "
+                  f"{row.get('train/step_s', 0.0):.2f}s ({row['rollout/tokens_per_s']:.0f} rollout tok/s)")
+
+    def save(self) -> int:
+        """Save the state (adapters, optimizer, step, prompt sampler); returns the step saved."""
+        rng = dict(self.rng.bit_generator.state)
+        ckpt.save_state(self.out, self.cfg, self.backend, step=self.step, rng=rng)
+        return self.step
+
+    def evaluate(self, label: str) -> None:
+        """Greedy held-out evaluation (skipped when ``eval_n`` is 0), logged at the current step."""
+        if self.cfg.eval_n == 0:
             return
-        ev = evaluate(backend, task, codec, cfg, step)
-        metrics.log(ev, step=step)
-        summary["evals"].append({"step": step, "label": label, **ev})
-        echo(f"[local] eval ({label}, step {step}): accuracy {ev['eval/accuracy']:.3f}, reward "
-             f"{ev['eval/reward_mean']:.3f} on {int(ev['eval/n'])} held-out prompts ({ev['eval/seconds']:.1f}s)")
-
-    stop, last_saved = StopFlag(), step
-    with stop.installed():
-        if step == 0:
-            do_eval("before")
-        while step < cfg.steps and not stop.requested:
-            row = train_step(backend, algo, task, codec, cfg, rng, step)
-            step += 1
-            metrics.log(row, step=step)
-            summary["step_times"].append(row.get("train/step_s", row["rollout/rollout_s"]))
-            echo(f"[local] step {step}/{cfg.steps} | reward {row['rollout/reward_mean']:.3f} | loss "
-                 f"{row.get('train/loss', 0.0):+.4f} | kl {row.get('train/kl', 0.0):.2e} | "
-                 f"{row.get('train/step_s', 0.0):.2f}s ({row['rollout/tokens_per_s']:.0f} rollout tok/s)")
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                ckpt.save_state(out, cfg, backend, step=step, rng=dict(rng.bit_generator.state))
-                last_saved = step
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                do_eval(f"step {step}")
-        if step != last_saved:
-            ckpt.save_state(out, cfg, backend, step=step, rng=dict(rng.bit_generator.state))
-        if step >= cfg.steps and step > summary["start_step"]:
-            do_eval("after")
-            ckpt.write_adapters(out / "adapters", cfg, backend)
-    metrics.close()
-    summary.update(step=step, interrupted=stop.requested and step < cfg.steps,
-                   wall_s=time.perf_counter() - t_start)
-    return summary
+        ev = evaluate(self.backend, self.task, self.codec, self.cfg, self.step)
+        self.metrics.log(ev, step=self.step)
+        self.summary["evals"].append({"step": self.step, "label": label, **ev})
+        self.echo(f"[local] eval ({label}, step {self.step}): accuracy {ev['eval/accuracy']:.3f}, reward "
+                  f"{ev['eval/reward_mean']:.3f} on {int(ev['eval/n'])} held-out prompts "
+                  f"({ev['eval/seconds']:.1f}s)")

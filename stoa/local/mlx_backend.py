@@ -14,13 +14,13 @@ import numpy as np
 from mlx.utils import tree_flatten as _tree_flatten
 from mlx.utils import tree_map, tree_unflatten
 
-from stoa.algorithms import LossInputs, combine_metrics
+from stoa.algorithms import Algorithm, LossInputs, combine_metrics
+from stoa.algorithms.batch import Batch, Packed, group_rows, pack
 from stoa.algorithms.mlx_loss import MlxOps, token_logprobs
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats, engine_from_model
 from stoa.engines.mlx.quantized import use_blas_for_quantized
 from stoa.local.backend import ADAPTER_LEAVES, ModelSummary, check_same_arrays, choose_targets
-from stoa.local.batch import Batch, Packed, group_rows, pack
 
 _SPLIT_HEAD_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 """Model classes whose ``__call__`` is exactly ``head(self.model(x))``: the head can run on the gathered positions."""
@@ -197,7 +197,7 @@ class MLXBackend:
         return LossInputs(logp=logp, behaviour_logp=old, ref_logp=None if pk.ref_logp is None else mx.array(pk.ref_logp),
                           advantages=mx.array(pk.advantages), mask=mx.array(pk.mask), normalizer=normalizer)
 
-    def _loss(self, pk: Packed, normalizer: float, algo: Any) -> tuple[mx.array, mx.array]:
+    def _loss(self, pk: Packed, normalizer: float, algo: Algorithm) -> tuple[mx.array, mx.array]:
         """(loss, logprobs) of one micro-batch; ``algo`` runs on deferred-diagnostics ops (no eval here)."""
         logp = self._logp(mx.array(pk.input_ids), mx.array(pk.pos), mx.array(pk.targets))
         loss, _ = algo.loss(self._inputs(pk, logp, normalizer))
@@ -256,7 +256,7 @@ class MLXBackend:
                 out[idx] = np.array(lp) * batch.mask[idx]
         return out
 
-    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
         """Forward/backward each micro-batch under the whole-batch normaliser; gradients add up.
 
         Args:
@@ -266,7 +266,8 @@ class MLXBackend:
             algo: an MLX ``Algorithm``.
         """
         value_and_grad = nn.value_and_grad(self.model, self._loss)
-        lazy = type(algo)(algo.cfg, _DeferredDiagnostics())
+        concrete: Any = type(algo)  # every algorithm class is built from (cfg, ops)
+        lazy: Algorithm = concrete(algo.cfg, _DeferredDiagnostics())
         reuse = batch.old_logp is None
         filled = np.zeros(batch.mask.shape, np.float32)
         parts, total = [], 0.0
@@ -312,7 +313,7 @@ class MLXBackend:
         """Drop accumulated gradients without stepping."""
         self._grads = None
 
-    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
         """``accumulate`` then ``apply_update``.
 
         Args:

@@ -12,13 +12,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from stoa.algorithms import LossInputs, combine_metrics
+from stoa.algorithms import Algorithm, LossInputs, combine_metrics
+from stoa.algorithms.batch import Batch, Packed, group_rows, pack
 from stoa.algorithms.torch_loss import token_logprobs
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats
 from stoa.engines.torch import TorchEngine, resolve_device
 from stoa.local.backend import ModelSummary, check_same_arrays
-from stoa.local.batch import Batch, Packed, group_rows, pack
 from stoa.local.torch_lora import LoRALinear, QuantLinear, decoder_layers, quantize_and_add_lora
 
 
@@ -178,7 +178,7 @@ class TorchBackend:
                 out[idx] = self._group_logp(prompt, tokens).float().cpu().numpy() * batch.mask[idx]
         return out
 
-    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
         """Forward/backward each micro-batch under the whole-batch normaliser; gradients add up.
 
         Args:
@@ -228,7 +228,7 @@ class TorchBackend:
         """Drop accumulated gradients without stepping."""
         self.opt.zero_grad(set_to_none=True)
 
-    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Any) -> dict[str, float]:
+    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
         """``accumulate`` then ``apply_update``.
 
         Args:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import logging
 import random
-import signal
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -16,6 +14,7 @@ from stoa.bucket import BucketError, ObjectExists, PreconditionFailed, open_buck
 from stoa.config import TrainerConfig
 from stoa.layout import checkpoint_key, rollout_label
 from stoa.metrics import MetricsWriter, default_log_dir
+from stoa.stopflag import StopFlag
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.policy import Policy
 from stoa.trainer.pool import Entry, PoolStats, RecordPool
@@ -23,28 +22,9 @@ from stoa.trainer.quarantine import Quarantine
 from stoa.trainer.setup import build_contract, ensure_contract, evaluate, reward_stats
 from stoa.trainer.step import train_step
 
-log = logging.getLogger("stoa.trainer")
 _T = TypeVar("_T")
 RETRY_MAX_SLEEP_S = 30.0
 """Longest wait between two tries of a bucket write during an outage."""
-
-
-class _Stop:
-    """Turns SIGTERM/SIGINT into a graceful stop after the current step."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                signal.signal(sig, self._handle)
-            except ValueError:  # not in the main thread
-                pass
-
-    def _handle(self, *_: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("stop requested: finishing the current step")
 
 
 def ride_out(fn: Callable[[], _T], what: str, echo=print, max_sleep_s: float = RETRY_MAX_SLEEP_S) -> _T:
@@ -75,6 +55,8 @@ def ride_out(fn: Callable[[], _T], what: str, echo=print, max_sleep_s: float = R
 def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
     """Run the trainer until ``cfg.steps`` steps were taken in this process (or forever).
 
+    SIGINT/SIGTERM finish the current step (journal, publish, checkpoint) and return; a second one interrupts.
+
     Args:
         cfg: validated trainer config.
         echo: where progress lines go.
@@ -82,13 +64,15 @@ def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
     Returns:
         a summary (versions, evals, step times).
     """
-    return _Trainer(cfg, echo).run()
+    stop = StopFlag()
+    with stop.installed():
+        return _Trainer(cfg, echo, stop).run()
 
 
 class _Trainer:
     """One trainer process: its model, optimizer, pool, publisher and counters."""
 
-    def __init__(self, cfg: TrainerConfig, echo) -> None:
+    def __init__(self, cfg: TrainerConfig, echo, stop: StopFlag | None = None) -> None:
         from stoa.algorithms import get_algorithm
         from stoa.engines.torch import resolve_device
         from stoa.models import resolve_model
@@ -96,7 +80,7 @@ class _Trainer:
         from stoa.tokenize import TextCodec
         from stoa.weights.publish import WeightPublisher
 
-        self.cfg, self.echo, self.stop = cfg, echo, _Stop()
+        self.cfg, self.echo, self.stop = cfg, echo, stop or StopFlag()
         torch.manual_seed(cfg.seed)
         self.bucket = open_bucket(cfg.bucket)
         name, opts = parse_task_spec(cfg.task)
