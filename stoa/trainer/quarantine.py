@@ -213,10 +213,10 @@ class Quarantine:
             if not (isinstance(wid, str) and isinstance(row, list) and len(row) == 6
                     and isinstance(row[5], str)):
                 continue
-            nums = [_num(x) for x in row[:5]]
-            if any(x is None or x < 0 for x in nums) or row[5] not in ("", "reject_rate", "disagreement"):
+            nums = [v for v in (_num(x) for x in row[:5]) if v is not None and v >= 0]
+            if len(nums) != 5 or row[5] not in ("", "reject_rate", "disagreement"):
                 continue
-            records, rejected, tokens, over, lag0 = (float(x) for x in nums)  # type: ignore[arg-type]
+            records, rejected, tokens, over, lag0 = nums
             if not same:  # counted against another threshold
                 tokens = over = 0.0
             w = _Worker(records, min(rejected, records), tokens, min(over, tokens), int(lag0), row[5])
