@@ -18,10 +18,25 @@ def _bucket(endpoint: str, prefix: str, budget_s: float):
     return open_bucket(f"s3://{TEST_BUCKET}/{prefix}", {**moto_env(endpoint), "STOA_BUCKET_RETRY_TIMEOUT_S": str(budget_s)})
 
 
+def _op(method: str, path: str) -> str:
+    """create (PUT of a blob), cas (PUT of the pointer), read (GET/HEAD of an object), list."""
+    if "list-type=" in path:
+        return "list"
+    if method == "PUT":
+        return "cas" if path.endswith("/ptr") else "create"
+    return "read"
+
+
+# Per fault kind, the operations it must have hit at least once (the seed is fixed and the client is
+# single-threaded, so the draws are the same on every run).
+MUST_HIT = {"error_5xx": ("create", "cas", "read"), "latency": ("create", "read"), "cut_body": ("read", "list"),
+            "drop_after_write": ("create", "cas")}
+
+
 @pytest.mark.parametrize("kind", FAULT_KINDS)
-def test_every_operation_survives_half_its_requests_faulting(moto_endpoint, kind):
+def test_every_operation_survives_a_third_of_its_requests_faulting(moto_endpoint, kind):
     """At a 30% rate of one fault kind, create-only puts, CAS, reads and listings still return exact results."""
-    with FaultProxy(moto_endpoint, FaultRates(**{kind: 0.3}, max_latency_s=0.05), seed=7) as proxy:
+    with FaultProxy(moto_endpoint, FaultRates(**{kind: 0.3}, max_latency_s=0.05), seed=7, label=_op) as proxy:
         prefix = f"survive-{kind}"
         b = _bucket(proxy.url, prefix, budget_s=30)
         direct = _bucket(moto_endpoint, prefix, budget_s=5)
@@ -30,15 +45,16 @@ def test_every_operation_survives_half_its_requests_faulting(moto_endpoint, kind
             b.put_create(k, v)
             b.put_create(k, v)  # idempotent: the same bytes again are a success
         etag = None
-        for i in range(3):
-            etag = b.cas("ptr", f"v{i}".encode(), etag)
-        assert [i.key for i in b.list("")] == sorted([*blobs, "ptr"])
+        for i in range(6):
+            etag = b.cas("ptr", f"v{i}".encode(), etag)  # a lost answer to a CAS that landed is a success
+        for _ in range(3):
+            assert [i.key for i in b.list("")] == sorted([*blobs, "ptr"])
         assert {k: b.get(k) for k in blobs} == blobs
-        assert b.get_with_etag("ptr") == (b"v2", etag)
+        assert b.get_with_etag("ptr") == (b"v5", etag)
         assert {k: direct.get(k) for k in blobs} == blobs  # what the store really holds
         counts = proxy.counts()
-    assert counts.get(kind, 0) >= 2, counts
-    assert set(counts) <= {"requests", kind, *(f"{kind}/{m}" for m in ("GET", "PUT", "POST", "DELETE", "HEAD"))}
+    assert all(counts.get(f"{kind}@{op}", 0) >= 1 for op in MUST_HIT[kind]), counts
+    assert {k.split("/")[0].split("@")[0] for k in counts} <= {"requests", kind}
 
 
 def test_a_write_whose_answer_is_dropped_lands_and_the_client_sees_an_outage(moto_endpoint):
