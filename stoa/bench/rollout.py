@@ -89,87 +89,118 @@ class _NoEOS:
 
 def _runner(engine: str, model_dir: Path, prompts: list[list[int]], n: int, tokens: int,
             threads: int = 0) -> Callable[..., dict]:
-    """Build the engine and return ``run(share=True) -> {"new_tokens", "prefill_s"?, ...}``."""
+    """Build the engine and return ``run(share=True, max_new=tokens) -> {"new_tokens", "prefill_s"?, ...}``.
+
+    Args:
+        engine: one of :data:`ENGINES`.
+        model_dir: model directory with weights.
+        prompts: one prompt per group.
+        n: rows per prompt (baselines get each prompt repeated n times).
+        tokens: default new tokens per row.
+        threads: torch CPU threads for ``torch``/``hf`` (0: torch's default).
+    """
     if threads and engine.startswith(("torch", "hf")):
         import torch
 
         torch.set_num_threads(threads)
     rows = [p for p in prompts for _ in range(n)]
     if engine == "mlx":
-        from stoa.engines.mlx.engine import MLXEngine
-
-        eng = MLXEngine(model_dir)
-
-        def run_mlx(share: bool = True, max_new: int = tokens) -> dict:
-            _, st = eng.generate(prompts, n, max_new_tokens=max_new, generator=0, share_prefix=share)
-            return {"new_tokens": st.new_tokens, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
-                    "mlx_peak_mb": st.extra["peak_memory_mb"], "dtype": eng.dtype_name}
-
-        return run_mlx
+        return _mlx_runner(model_dir, prompts, n, tokens)
     if engine in ("torch", "torch-fp32"):
-        import torch
-
-        from stoa.engines.torch import TorchEngine
-
-        teng = TorchEngine(model_dir, device="auto", dtype="float32" if engine == "torch-fp32" else "auto")
-        gen = torch.Generator(device=teng.device).manual_seed(0)
-
-        def run_torch(share: bool = True, max_new: int = tokens) -> dict:
-            if share:
-                _, st = teng.generate(prompts, n, max_new_tokens=max_new, generator=gen)
-            else:  # every row its own prompt: the same batched prefill, n times the rows
-                _, st = teng.generate(rows, 1, max_new_tokens=max_new, generator=gen)
-            return {"new_tokens": st.new_tokens, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
-                    "dtype": str(teng.dtype).removeprefix("torch.")}
-
-        return run_torch
+        return _torch_runner(model_dir, prompts, rows, n, tokens, fp32=engine == "torch-fp32")
     if engine == "mlx-lm":
-        from stoa.engines.mlx_blas import prepare_mlx_blas
-
-        prepare_mlx_blas()
-        import mlx.core as mx
-        from mlx_lm import batch_generate
-        from mlx_lm.sample_utils import make_sampler
-        from mlx_lm.utils import load_model
-
-        from stoa.engines.mlx.engine import default_dtype
-
-        model, _ = load_model(model_dir)
-        model.set_dtype(mx.bfloat16 if default_dtype() == "bfloat16" else mx.float32)
-        sampler = make_sampler(temp=1.0)
-
-        def run_mlx_lm(share: bool = True, max_new: int = tokens) -> dict:
-            mx.reset_peak_memory()
-            out = batch_generate(model, _NoEOS(), rows, max_tokens=max_new, sampler=sampler, return_token_ids=True,
-                                 completion_batch_size=len(rows), prefill_batch_size=len(rows))
-            return {"new_tokens": sum(len(t) for t in out.token_ids or []),
-                    "prefill_s": out.stats.prompt_time, "decode_s": out.stats.generation_time,
-                    "mlx_peak_mb": mx.get_peak_memory() / 1e6, "dtype": default_dtype()}
-
-        return run_mlx_lm
+        return _mlx_lm_runner(model_dir, rows, tokens)
     if engine in ("hf", "hf-bf16"):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from stoa.engines.torch import resolve_device
-
-        dev = resolve_device("auto")
-        hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        bf16 = dev.type == "cuda" or engine == "hf-bf16"
-        hf = hf.to(dev, torch.bfloat16 if bf16 else torch.float32).eval()
-        ids = torch.tensor(rows, dtype=torch.long, device=dev)
-        mask = torch.ones_like(ids)
-        torch.manual_seed(0)
-
-        def run_hf(share: bool = True, max_new: int = tokens) -> dict:
-            with torch.inference_mode():
-                out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                                  top_k=0, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
-            return {"new_tokens": int((out.shape[1] - ids.shape[1]) * out.shape[0]),
-                    "dtype": str(hf.dtype).removeprefix("torch.")}
-
-        return run_hf
+        return _hf_runner(model_dir, rows, tokens, bf16=engine == "hf-bf16")
     raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+
+
+def _mlx_runner(model_dir: Path, prompts: list[list[int]], n: int, tokens: int) -> Callable[..., dict]:
+    """stoa's MLX engine: n rows per prompt, the prompt's prefill shared or not."""
+    from stoa.engines.mlx.engine import MLXEngine
+
+    eng = MLXEngine(model_dir)
+
+    def run_mlx(share: bool = True, max_new: int = tokens) -> dict:
+        _, st = eng.generate(prompts, n, max_new_tokens=max_new, generator=0, share_prefix=share)
+        return {"new_tokens": st.new_tokens, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
+                "mlx_peak_mb": st.extra["peak_memory_mb"], "dtype": eng.dtype_name}
+
+    return run_mlx
+
+
+def _torch_runner(model_dir: Path, prompts: list[list[int]], rows: list[list[int]], n: int, tokens: int,
+                  fp32: bool) -> Callable[..., dict]:
+    """stoa's torch engine (``dtype=auto``, or float32): n rows per prompt, or every row its own prompt."""
+    import torch
+
+    from stoa.engines.torch import TorchEngine
+
+    teng = TorchEngine(model_dir, device="auto", dtype="float32" if fp32 else "auto")
+    gen = torch.Generator(device=teng.device).manual_seed(0)
+
+    def run_torch(share: bool = True, max_new: int = tokens) -> dict:
+        if share:
+            _, st = teng.generate(prompts, n, max_new_tokens=max_new, generator=gen)
+        else:  # every row its own prompt: the same batched prefill, n times the rows
+            _, st = teng.generate(rows, 1, max_new_tokens=max_new, generator=gen)
+        return {"new_tokens": st.new_tokens, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
+                "dtype": str(teng.dtype).removeprefix("torch.")}
+
+    return run_torch
+
+
+def _mlx_lm_runner(model_dir: Path, rows: list[list[int]], tokens: int) -> Callable[..., dict]:
+    """``mlx_lm.batch_generate`` on every row, in the dtype stoa's MLX engine would use."""
+    from stoa.engines.mlx_blas import prepare_mlx_blas
+
+    prepare_mlx_blas()
+    import mlx.core as mx
+    from mlx_lm import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import load_model
+
+    from stoa.engines.mlx.engine import default_dtype
+
+    model, _ = load_model(model_dir)
+    model.set_dtype(mx.bfloat16 if default_dtype() == "bfloat16" else mx.float32)
+    sampler = make_sampler(temp=1.0)
+
+    def run_mlx_lm(share: bool = True, max_new: int = tokens) -> dict:
+        mx.reset_peak_memory()
+        out = batch_generate(model, _NoEOS(), rows, max_tokens=max_new, sampler=sampler,
+                             return_token_ids=True, completion_batch_size=len(rows),
+                             prefill_batch_size=len(rows))
+        return {"new_tokens": sum(len(t) for t in out.token_ids or []),
+                "prefill_s": out.stats.prompt_time, "decode_s": out.stats.generation_time,
+                "mlx_peak_mb": mx.get_peak_memory() / 1e6, "dtype": default_dtype()}
+
+    return run_mlx_lm
+
+
+def _hf_runner(model_dir: Path, rows: list[list[int]], tokens: int, bf16: bool) -> Callable[..., dict]:
+    """transformers ``generate`` on every row: float32 (bf16 on CUDA), or bf16 weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stoa.engines.torch import resolve_device
+
+    dev = resolve_device("auto")
+    hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    bf16 = dev.type == "cuda" or bf16
+    hf = hf.to(dev, torch.bfloat16 if bf16 else torch.float32).eval()
+    ids = torch.tensor(rows, dtype=torch.long, device=dev)
+    mask = torch.ones_like(ids)
+    torch.manual_seed(0)
+
+    def run_hf(share: bool = True, max_new: int = tokens) -> dict:
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+                              top_k=0, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
+        return {"new_tokens": int((out.shape[1] - ids.shape[1]) * out.shape[0]),
+                "dtype": str(hf.dtype).removeprefix("torch.")}
+
+    return run_hf
 
 
 def _sync_device(engine: str) -> None:
@@ -242,8 +273,8 @@ class _Child:
                "--batch", str(batch), "--samples", str(samples), "--tokens", str(tokens),
                "--prompt-len", str(prompt_len), "--threads", str(threads)]
         self.engine = engine
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, bufsize=1)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1)
         self.info = self._read()
 
     def _read(self) -> dict[str, Any]:
@@ -314,22 +345,24 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     Args:
         rows: one summary per engine, as :func:`run_rollout_bench` returns them.
     """
-    head = (f"{'engine':<10} {'dtype':<8} {'G':>4} {'tok/s median (min-max)':>26} {'decode tok/s':>13} {'prefill s':>10} "
-            f"{'shared/unshared prefill s':>26} {'peak RSS MB':>12} {'MLX peak MB':>12} {'load':>5}")
+    head = (f"{'engine':<10} {'dtype':<8} {'G':>4} {'tok/s median (min-max)':>26} {'decode tok/s':>13} "
+            f"{'prefill s':>10} {'shared/unshared prefill s':>26} {'peak RSS MB':>12} {'MLX peak MB':>12} "
+            f"{'load':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         rng = f"{r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f})"
         dec = f"{r['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in r else "-"
         pre = f"{r['prefill_s']:.3f}" if "prefill_s" in r else "-"
-        share = (f"{r['prefill_shared_s']:.3f} / {r['prefill_unshared_s']:.3f}" if "prefill_shared_s" in r else "-")
+        share = (f"{r['prefill_shared_s']:.3f} / {r['prefill_unshared_s']:.3f}"
+                 if "prefill_shared_s" in r else "-")
         mlx_peak = f"{r['mlx_peak_mb']:.0f}" if "mlx_peak_mb" in r else "-"
-        lines.append(f"{r['engine']:<10} {r.get('dtype', '?'):<8} {r['batch']:>4} {rng:>26} {dec:>13} {pre:>10} {share:>26} "
-                     f"{r['peak_rss_mb']:>12.0f} {mlx_peak:>12} {r['load_avg']:>5.1f}")
+        lines.append(f"{r['engine']:<10} {r.get('dtype', '?'):<8} {r['batch']:>4} {rng:>26} {dec:>13} "
+                     f"{pre:>10} {share:>26} {r['peak_rss_mb']:>12.0f} {mlx_peak:>12} {r['load_avg']:>5.1f}")
     by_name = {r["engine"]: r for r in rows}
     for ours, theirs in RATIOS:
         if ours in by_name and theirs in by_name:
-            lines.append(f"{ours} / {theirs}: {by_name[ours]['tokens_per_s'] / by_name[theirs]['tokens_per_s']:.2f}x "
-                         "(medians)")
+            ratio = by_name[ours]["tokens_per_s"] / by_name[theirs]["tokens_per_s"]
+            lines.append(f"{ours} / {theirs}: {ratio:.2f}x (medians)")
     return "\n".join(lines)
 
 
@@ -374,45 +407,74 @@ def run_rollout_bench(
     """
     from stoa.models import resolve_model
 
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown:
-        raise ValueError(f"unknown engine(s) {unknown}; known: {', '.join(ENGINES)}")
-    if batch < 1 or tokens < 1 or repeats < 1 or samples < 1 or prompt_len < 1:
-        raise ValueError("batch, tokens, repeats, samples and prompt_len must be >= 1")
+    _check(engines, batch, tokens, repeats, samples, prompt_len)
     model_dir = Path(resolve_model(model))
     env = _environment()
     sessions: list[Any] = []
+    make = _Child if isolate else EngineSession
     try:
         for engine in engines:
             echo(f"[bench] starting {engine} (G={batch}, {tokens} new tokens) ...")
-            make = _Child if isolate else EngineSession
             sessions.append(make(engine, model_dir, batch, samples, tokens, prompt_len, threads))
         infos = [s.info if isinstance(s, _Child) else s.ready() for s in sessions]
-        runs: list[list[dict[str, Any]]] = [[] for _ in sessions]
-        prefill: list[dict[bool, list[float]]] = [{True: [], False: []} for _ in sessions]
-        for rep in range(repeats):  # round robin, so load changes on the machine hit every engine alike
-            for i, s in enumerate(sessions):
-                runs[i].append(s.call())
-                echo(f"[bench] run {rep + 1}/{repeats} {engines[i]}: "
-                     f"{runs[i][-1]['new_tokens'] / runs[i][-1]['wall_s']:.1f} tok/s")
-            for i, s in enumerate(sessions):  # prefill only (one new token), with and without sharing
-                if engines[i] in ("mlx", "torch", "torch-fp32") and infos[i]["samples"] > 1:
-                    for share in (True, False):
-                        prefill[i][share].append(s.call(share=share, max_new=1)["prefill_s"])
+        runs, prefill = _measure(sessions, list(engines), infos, repeats, echo)
     finally:
         for s in sessions:
             if isinstance(s, _Child):
                 s.close()
     rows = []
     for info, rs, pf in zip(infos, runs, prefill, strict=True):
-        rows.append(_summarise(info, rs, pf, model_dir, tokens, prompt_len) | {"env": env, "time": time.time()})
+        row = _summarise(info, rs, pf, model_dir, tokens, prompt_len)
+        rows.append(row | {"env": env, "time": time.time()})
     echo(format_table(rows))
     if out is not None:
-        with open(out, "a", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        echo(f"[bench] wrote {len(rows)} lines to {out}")
+        _append_jsonl(out, rows, echo)
     return rows
+
+
+def _check(engines: Sequence[str], *sizes: int) -> None:
+    """Refuse unknown engines and sizes below 1 (batch, tokens, repeats, samples, prompt_len)."""
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        raise ValueError(f"unknown engine(s) {unknown}; known: {', '.join(ENGINES)}")
+    if min(sizes) < 1:
+        raise ValueError("batch, tokens, repeats, samples and prompt_len must be >= 1")
+
+
+def _append_jsonl(out: str | Path, rows: Sequence[dict[str, Any]], echo: Callable[[str], Any]) -> None:
+    """Append one JSON line per row to ``out`` and say so."""
+    with open(out, "a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    echo(f"[bench] wrote {len(rows)} lines to {out}")
+
+
+def _measure(sessions: Sequence[Any], engines: Sequence[str], infos: Sequence[dict[str, Any]], repeats: int,
+             echo: Callable[[str], Any]) -> tuple[list[list[dict[str, Any]]], list[dict[bool, list[float]]]]:
+    """Timed runs, round robin so load changes on the machine hit every engine alike; then, per round, our
+    engines' prefill alone (one new token) with and without sharing each prompt's KV.
+
+    Returns the runs per session and the prefill seconds per session (keyed by ``share``).
+
+    Args:
+        sessions: started sessions (in-process or children), one per engine.
+        engines: their engine names.
+        infos: what each session reported when ready.
+        repeats: timed runs per engine.
+        echo: progress output.
+    """
+    runs: list[list[dict[str, Any]]] = [[] for _ in sessions]
+    prefill: list[dict[bool, list[float]]] = [{True: [], False: []} for _ in sessions]
+    for rep in range(repeats):
+        for i, s in enumerate(sessions):
+            runs[i].append(s.call())
+            echo(f"[bench] run {rep + 1}/{repeats} {engines[i]}: "
+                 f"{runs[i][-1]['new_tokens'] / runs[i][-1]['wall_s']:.1f} tok/s")
+        for i, s in enumerate(sessions):
+            if engines[i] in ("mlx", "torch", "torch-fp32") and infos[i]["samples"] > 1:
+                for share in (True, False):
+                    prefill[i][share].append(s.call(share=share, max_new=1)["prefill_s"])
+    return runs, prefill
 
 
 def main(argv: Sequence[str] | None = None) -> int:
