@@ -78,8 +78,9 @@ class RecordPool:
         self.stats = PoolStats()
 
     def state(self) -> dict[str, Any]:
-        """JSON-able state for the trainer journal: use counts of the content ids inside the window."""
-        return {"records": {cid: [u.version, u.count] for cid, u in self.uses.items()}}
+        """JSON-able state for the trainer journal: per content id inside the window, its version, use
+        count and the key it was taken under."""
+        return {"records": {cid: [u.version, u.count, u.key] for cid, u in self.uses.items()}}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Restore use counts from a journal; malformed entries are ignored.
@@ -88,9 +89,10 @@ class RecordPool:
             state: what ``state()`` returned.
         """
         records = state.get("records", {}) if isinstance(state, dict) else {}
-        for cid, vc in (records.items() if isinstance(records, dict) else ()):
-            if isinstance(vc, list) and len(vc) == 2 and all(type(x) is int for x in vc):
-                self.uses[str(cid)] = _Use(vc[0], vc[1])
+        for cid, row in (records.items() if isinstance(records, dict) else ()):
+            if (isinstance(row, list) and len(row) == 3 and type(row[0]) is int and type(row[1]) is int
+                    and isinstance(row[2], str)):
+                self.uses[str(cid)] = _Use(row[0], row[1], row[2])
 
     def refresh(self, current_version: int) -> int:
         """List and ingest records of the versions inside the window; return how many were accepted.
@@ -145,15 +147,16 @@ class RecordPool:
             rec, rewards = self._check(data, version, current_version)
         except RecordRejected as e:
             return self._reject(info.key, parsed.worker_id, e.reason, e)
-        cid = rec.content_id()
-        if cid in self.entries or self.uses.get(cid, _Use(0, 0)).count >= self.reuse_cap:
+        cid, prior = rec.content_id(), self.uses.get(rec.content_id())
+        if prior is not None and prior.key == info.key and prior.count >= self.reuse_cap:
+            return 0  # a used-up record read again after a restart: not a rejection
+        if cid in self.entries or (prior is not None and prior.key != info.key):
             return self._reject(info.key, parsed.worker_id, "duplicate", f"content {cid} already taken")
         if self.gate is not None:
             self.gate.observe(parsed.worker_id, accepted=True)
         claimed = np.array([s.reward for s in rec.samples], dtype=np.float32)
         if not np.allclose(rewards, claimed, atol=1e-6):
             self.stats.reward_mismatch += 1
-        prior = self.uses.get(cid)
         self.entries[cid] = Entry(info.key, rec, rewards, prior.count if prior else 0, cid)
         self.stats.accepted += 1
         self.stats.tokens += sum(int(s.tokens.size) for s in rec.samples)
@@ -199,7 +202,7 @@ class RecordPool:
             pool.append(e)
         for e in pool:
             e.uses += 1
-            self.uses[e.content_id] = _Use(e.record.policy_version, e.uses)
+            self.uses[e.content_id] = _Use(e.record.policy_version, e.uses, e.key)
             if e.uses >= self.reuse_cap:
                 del self.entries[e.content_id]
         return pool
@@ -214,3 +217,4 @@ class RecordPool:
 class _Use:
     version: int  # the record's policy version: the entry leaves the journal with the window
     count: int
+    key: str  # the key it was taken under: the same content under another key is a duplicate
