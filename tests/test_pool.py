@@ -229,7 +229,8 @@ def test_a_copy_after_a_restart_is_still_a_duplicate(setup):
     assert pool2.take(8) == []
     # The copy is a duplicate; the used-up original, read again by the restarted trainer, is no rejection
     # (an honest worker must not look like a rejecting one after a restart).
-    assert pool2.drain_stats().rejected == {"duplicate": 1}
+    stats = pool2.drain_stats()
+    assert stats.rejected == {"duplicate": 1} and stats.accepted == 0 and not pool2.entries
 
 
 @pytest.mark.parametrize("header_patch", [
