@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
-from stoa.records import RolloutRecord, Sample
+from stoa.records import RolloutRecord, Sample, rollout_key
 from stoa.trainer.policy import Policy, pack
 from stoa.trainer.pool import Entry
-from stoa.trainer.step import train_step
+from stoa.trainer.step import entries_batch, train_step
 
 
 def make_entries(seed: int = 0, groups: int = 3, n: int = 4) -> list[Entry]:
@@ -58,3 +58,40 @@ def test_group_logprobs_equal_packed_logprobs(tiny_dir):
     a = pol.group_logprobs(e.record.prompt_tokens, comps, 6)
     b = pol.logprobs(pack([e.record.prompt_tokens] * len(comps), comps, 6, torch.device("cpu")))
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_entries_batch_carries_pool_rewards_lags_workers_and_recorded_logprobs():
+    entries = make_entries(groups=2, n=3)  # records of version 1; keys that are not record keys
+    e = entries[1]
+    entries[1] = Entry(rollout_key("r", 1, "w-b", 7), e.record, e.rewards + 1.0)  # the pool's rewards differ
+    algo = get_algorithm(AlgoConfig.from_dict({"name": "grpo", "kl_beta": 0.0}), "torch")
+    b = entries_batch(entries, algo, current_version=3)
+    assert b.version_lag.tolist() == [2] * 6
+    # the key's worker, else (not a record key) the record's worker_id
+    assert b.sources == ["w"] * 3 + ["w-b"] * 3
+    np.testing.assert_array_equal(b.rewards, np.stack([entries[0].rewards, entries[1].rewards]))
+    assert b.old_logp is b.rollout_logp
+    for i, s in enumerate(s for en in entries for s in en.record.samples):
+        np.testing.assert_array_equal(b.old_logp[i, : len(s.tokens)], s.logprobs)
+        assert not b.old_logp[i, len(s.tokens) :].any()
+
+
+@pytest.mark.parametrize(("shared_prefix", "micro_batch", "forwards"),
+                         [(False, 5, 3), (False, 100, 1), (True, 5, 3)])
+def test_micro_batches_are_the_forwards(tiny_dir, monkeypatch, shared_prefix, micro_batch, forwards):
+    """12 rows: packed chunks of ``micro_batch`` rows, longest first; shared-prefix: one forward per group."""
+    pol = Policy(tiny_dir, torch.device("cpu"))
+    sizes: list[int] = []
+    real = pol.group_logprobs if shared_prefix else pol.logprobs
+
+    def counted(*args):
+        out = real(*args)
+        sizes.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(pol, "group_logprobs" if shared_prefix else "logprobs", counted)
+    algo = get_algorithm(AlgoConfig.from_dict({"name": "grpo", "kl_beta": 0.0}), "torch")
+    opt = torch.optim.SGD(pol.model.parameters(), lr=0.1)
+    train_step(pol, None, opt, algo, make_entries(), current_version=1, micro_batch=micro_batch,
+               grad_clip=0.0, shared_prefix=shared_prefix)
+    assert len(sizes) == forwards and sum(sizes) == 12
