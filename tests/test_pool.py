@@ -288,3 +288,26 @@ def test_a_listing_outage_does_not_stop_the_trainer(setup):
     bucket, contract, task, codec = setup
     pool = make_pool(FailingListBucket(bucket), contract, task, codec)
     assert pool.refresh(1) == 0
+
+
+class GateSpy:
+    def __init__(self):
+        self.seen = []
+
+    def observe(self, worker_id, accepted):
+        self.seen.append((worker_id, accepted))
+
+    def is_quarantined(self, worker_id):
+        return False
+
+
+def test_duplicates_are_not_held_against_a_worker_but_bad_records_are(setup):
+    bucket, contract, task, codec = setup
+    key = put(*setup, seq=0)
+    bucket.put_create(rollout_key("r", 1, "w", 1), bucket.get(key))  # a copy under the worker's id
+    bucket.put_create(rollout_key("r", 1, "w", 2), b"garbage")
+    gate = GateSpy()
+    pool = RecordPool(bucket, contract, task, codec, staleness_bound=3, reuse_cap=2, gate=gate)
+    pool.refresh(1)
+    assert pool.drain_stats().rejected == {"duplicate": 1, "malformed": 1}
+    assert sorted(gate.seen) == [("w", False), ("w", True)]

@@ -110,3 +110,25 @@ def test_restart_without_checkpoint_continues_from_the_newest_verified_weights(t
     assert t2.version == 2 and any("newest verified weights, v1" in line for line in lines), lines
     for k, v in t2.policy.model.named_parameters():  # the bf16 plane of v1, within bf16 rounding
         torch.testing.assert_close(v.detach(), v1[k], atol=0, rtol=2 ** -8)
+
+
+def test_restart_with_a_checkpoint_behind_the_pointer_continues_from_the_published_weights(tmp_path, stoa_cache):
+    import torch
+
+    from stoa.trainer import checkpoint as ckpt
+    from stoa.weights.hashing import state_hash
+    from stoa.weights.planes import state_from_f32
+
+    url = str(tmp_path / "b")
+    t1 = _Trainer(make_cfg(url), echo=lambda *_: None)
+    t1.resume()
+    ckpt.save_checkpoint(t1.bucket, "r", t1.policy.model, t1.opt, version=1, step=0)
+    with torch.no_grad():
+        for p in t1.policy.model.parameters():
+            p.add_(0.05)
+    t1.publish(2)  # killed before its checkpoint: checkpoint v1, pointer v2
+    t2 = _Trainer(make_cfg(url), echo=lambda *_: None)
+    t2.resume()
+    _, published = WeightSync(open_bucket(url), "r", "bf16").sync()
+    assert t2.version == 2
+    assert state_hash(state_from_f32(t2.policy.export_f32(), "bf16")) == state_hash(published)

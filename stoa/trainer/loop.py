@@ -134,11 +134,15 @@ class _Trainer:
         if bad is not None:
             self.echo(f"[trainer] the published v{pointer.version} does not verify ({bad}); the next version is "
                       "published as a fresh anchor so workers recover")
-        if restored is None and bad is None:  # crashed before the first checkpoint: keep the published weights
+        behind = restored is not None and restored.version < pointer.version
+        if bad is None and (restored is None or behind):  # no checkpoint, or killed between publish and it
             from stoa.weights.planes import state_to_f32
 
             assert self.publisher.published_state is not None
             self.policy.load_f32(state_to_f32(self.publisher.published_state, cfg.plane))
+            if restored is not None:
+                self.echo(f"[trainer] checkpoint v{restored.version} is behind the published v{pointer.version}: "
+                          "continuing from the published weights (optimizer state from the checkpoint)")
         elif restored is None:
             self.load_newest_verified(pointer)
         self.echo(f"[trainer] resumed run {cfg.run} at v{self.version} (checkpoint "

@@ -124,7 +124,9 @@ class RecordPool:
 
     def _reject(self, key: str, worker: str | None, reason: str, detail: Any) -> int:
         self.stats.rejected[reason] += 1
-        if worker is not None and self.gate is not None and reason != "quarantined":
+        # Duplicates are not held against a worker: a collapsed policy makes honest identical groups, and
+        # anyone can copy a worker's records under its id.
+        if worker is not None and self.gate is not None and reason not in ("quarantined", "duplicate"):
             self.gate.observe(worker, accepted=False)
         log.warning("rejected %r: %s: %s", key, reason, detail)
         return 0
