@@ -62,3 +62,28 @@ def test_unreachable_bucket_is_a_clear_error(stoa_cache, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "unreachable" in err and "s3://b/p" in err and "nothing was written" in err
     assert "very-secret-value-123" not in err
+
+
+def _subcommand_paths(parser, prefix=()):
+    """Every (sub)command path of an argparse parser, e.g. ('local', 'train')."""
+    import argparse
+
+    yield prefix
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _subcommand_paths(sub, (*prefix, name))
+
+
+def test_every_subcommand_help_exits_0(capsys):
+    from stoa.cli import build_parser
+
+    from stoa.cli.bench import BENCHES
+
+    paths = list(_subcommand_paths(build_parser())) + [("bench", name) for name in BENCHES]
+    assert ("trainer",) in paths and ("local", "train") in paths and ("model", "pull") in paths
+    for path in paths:
+        with pytest.raises(SystemExit) as e:
+            main([*path, "--help"])
+        assert e.value.code == 0, path
+        assert "usage: stoa" in capsys.readouterr().out, path

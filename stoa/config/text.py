@@ -31,6 +31,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[BaseConfig],
             help_text += f" (env {cls.ENV_VARS[f.name]})"
         if f.default is not dataclasses.MISSING:
             help_text += f" [default: {f.default!r}]"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
         if t is dict:
             parser.add_argument(flag, dest=f.name, action="append", metavar="KEY=VALUE", default=None,
                                 help=help_text.replace("TOML table", "repeatable; TOML table"))
