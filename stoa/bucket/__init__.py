@@ -18,11 +18,14 @@ from .base import (
 )
 from .credentials import CredentialsError
 from .outage import PatientBucket, RetryPolicy
+from .url import ACCEPTED_FORMS, BucketURL, parse_bucket_url
 
 __all__ = [
+    "ACCEPTED_FORMS",
     "AccessDenied",
     "Bucket",
     "BucketError",
+    "BucketURL",
     "BucketUnreachable",
     "CredentialsError",
     "ObjectExists",
@@ -32,16 +35,17 @@ __all__ = [
     "PreconditionFailed",
     "RetryPolicy",
     "open_bucket",
+    "parse_bucket_url",
     "validate_key",
 ]
 
-ACCEPTED_FORMS = "a directory path, file://DIR, s3://BUCKET[/PREFIX] or r2://BUCKET[/PREFIX]"
 LISTING_VAR = "STOA_S3_LISTING"
 RETRY_TIMEOUT_VAR = "STOA_BUCKET_RETRY_TIMEOUT_S"
 CONNECT_TIMEOUT_VAR = "STOA_BUCKET_CONNECT_TIMEOUT_S"
 
 
 def _float_var(env: Mapping[str, str], name: str, default: float) -> float:
+    """A positive number of seconds from variable ``name`` (``default`` when unset or empty)."""
     raw = env.get(name)
     if not raw:
         return default
@@ -86,37 +90,29 @@ def open_bucket(
         ValueError: Unknown URL form or invalid prefix; the message names the accepted forms.
         CredentialsError: S3/R2 credentials missing or env file unsafe; names the variables needed.
     """
-    if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"empty bucket URL; expected {ACCEPTED_FORMS}")
-    url = url.strip()
-    local_retry = RetryPolicy.for_budget(retry_seconds) if retry_seconds is not None else None
-    if "://" not in url:
+    where = parse_bucket_url(url)
+    budget = RetryPolicy.for_budget(retry_seconds) if retry_seconds is not None else None
+    if where.scheme == "file":
         from .local import LocalBucket
 
-        return LocalBucket(url, retry=local_retry)
-    scheme, rest = url.split("://", 1)
-    scheme = scheme.lower()
-    if scheme == "file":
-        if rest.startswith("localhost/"):
-            rest = rest[len("localhost") :]
-        if not rest:
-            raise ValueError(f"file:// URL without a directory; expected {ACCEPTED_FORMS}")
-        from .local import LocalBucket
+        return LocalBucket(where.location, retry=budget)
+    return _s3_bucket(where, env, env_file, budget)
 
-        return LocalBucket(rest, retry=local_retry)
-    if scheme not in ("s3", "r2"):
-        raise ValueError(f"unsupported bucket URL scheme {scheme + '://'!r}; expected {ACCEPTED_FORMS}")
-    if "?" in rest or "#" in rest:
-        raise ValueError(f"bucket URLs take no query or fragment; expected {ACCEPTED_FORMS}")
-    bucket, _, prefix = rest.partition("/")
-    if "@" in bucket:
-        raise ValueError(
-            "credentials in bucket URLs are not accepted; use environment variables or an env file"
-        )
 
+def _s3_bucket(where: BucketURL, env: Mapping[str, str] | None, env_file: str | os.PathLike[str] | None,
+               budget: RetryPolicy | None) -> Bucket:
+    """Build the S3Bucket of a parsed ``s3://``/``r2://`` URL from credentials and tuning variables.
+
+    Args:
+        where: the parsed URL (an empty bucket name means R2_BUCKET or AWS_BUCKET).
+        env: variables to read (default ``os.environ``).
+        env_file: a 0600 KEY=VALUE file to read too.
+        budget: the retry policy of ``open_bucket(retry_seconds=...)``; None: ``STOA_BUCKET_RETRY_TIMEOUT_S``.
+    """
     from .credentials import resolve_env, s3_credentials
     from .s3 import S3Bucket
 
+    scheme, bucket = where.scheme, where.location
     variables = resolve_env(env, env_file)
     creds = s3_credentials(variables, scheme)
     if not bucket:
@@ -126,13 +122,11 @@ def open_bucket(
     listing = variables.get(LISTING_VAR, "server") or "server"
     if listing not in ("server", "client"):
         raise ValueError(f"{LISTING_VAR} must be 'server' or 'client', got {listing!r}")
-    if retry_seconds is not None:
-        retry = RetryPolicy.for_budget(retry_seconds)
-    else:
-        retry = RetryPolicy(total_timeout_s=_float_var(variables, RETRY_TIMEOUT_VAR, 20.0))
+    retry = budget if budget is not None else RetryPolicy(
+        total_timeout_s=_float_var(variables, RETRY_TIMEOUT_VAR, 20.0))
     return S3Bucket(
         bucket,
-        prefix,
+        where.prefix,
         credentials=creds,
         scheme=scheme,
         retry=retry,
