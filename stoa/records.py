@@ -6,8 +6,6 @@ untrusted input (``RolloutRecord.decode`` checks framing and digest, ``validate_
 against the run contract). The contract itself is in ``stoa.contract``; the weight pointer, anchors
 and patches in ``stoa.weights`` (see docs/weights.md).
 
-The contract names and the rollout key functions are re-exported here for existing imports until
-the sweep (import them from ``stoa.contract`` and ``stoa.layout``).
 This module imports neither torch nor mlx: both kinds of worker and the trainer use it.
 """
 
@@ -21,23 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from stoa.contract import (
-    SCHEMA_VERSION,
-    ContractMismatch,
-    ModelSpec,
-    RunContract,
-    SamplingSpec,
-    canonical_json,
-    digest_hex,
-)
-from stoa.layout import (
-    RolloutKey,
-    contract_key,
-    parse_rollout_key,
-    rollout_key,
-    rollout_version_prefix,
-    run_prefix,
-)
+from stoa.contract import SCHEMA_VERSION, RunContract
 from stoa.untrusted import field_float, field_int, field_number_map, field_str, loads_bounded
 
 __all__ = [
@@ -47,22 +29,9 @@ __all__ = [
     "MAX_SAMPLES",
     "RECORD_MAGIC",
     "REJECT_REASONS",
-    "SCHEMA_VERSION",
-    "ContractMismatch",
-    "ModelSpec",
     "RecordRejected",
-    "RolloutKey",
     "RolloutRecord",
-    "RunContract",
     "Sample",
-    "SamplingSpec",
-    "canonical_json",
-    "contract_key",
-    "digest_hex",
-    "parse_rollout_key",
-    "rollout_key",
-    "rollout_version_prefix",
-    "run_prefix",
     "validate_record",
 ]
 

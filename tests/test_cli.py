@@ -77,7 +77,6 @@ def _subcommand_paths(parser, prefix=()):
 
 def test_every_subcommand_help_exits_0(capsys):
     from stoa.cli import build_parser
-
     from stoa.cli.bench import BENCHES
 
     paths = list(_subcommand_paths(build_parser())) + [("bench", name) for name in BENCHES]

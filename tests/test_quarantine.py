@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
-from stoa.records import RolloutRecord, Sample, rollout_key
+from stoa.layout import rollout_key
+from stoa.records import RolloutRecord, Sample
 from stoa.trainer.policy import Policy, pack
 from stoa.trainer.pool import Entry
 from stoa.trainer.quarantine import Disagreement, Quarantine, disagreement_values

@@ -227,7 +227,7 @@ def test_sync_rides_through_an_outage(tmp_path: Path) -> None:
 
 def test_worker_waits_for_the_model_files_of_a_starting_trainer(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import stoa.contract as runfiles
+    import stoa.contract as contract
     from stoa.bucket import ObjectNotFound
 
     bucket = open_bucket(str(tmp_path / "bucket"))
@@ -241,13 +241,13 @@ def test_worker_waits_for_the_model_files_of_a_starting_trainer(tmp_path: Path,
     def sleep(s: float) -> None:
         sleeps.append(s)
         if len(sleeps) == 2:
-            runfiles.upload_model_files(bucket, RUN, src)
+            contract.upload_model_files(bucket, RUN, src)
 
-    monkeypatch.setattr(runfiles.time, "sleep", sleep)
+    monkeypatch.setattr(contract.time, "sleep", sleep)
     notes: list[str] = []
-    out = runfiles.download_model_files(bucket, RUN, tmp_path / "dest", timeout_s=60, poll_s=0.01,
+    out = contract.download_model_files(bucket, RUN, tmp_path / "dest", timeout_s=60, poll_s=0.01,
                                         echo=notes.append)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
     assert len(sleeps) == 2 and len(notes) == 1 and "waiting for the model files" in notes[0]
     with pytest.raises(ObjectNotFound, match="--model"):
-        runfiles.download_model_files(bucket, "other-run", tmp_path / "d2", timeout_s=0.0)
+        contract.download_model_files(bucket, "other-run", tmp_path / "d2", timeout_s=0.0)

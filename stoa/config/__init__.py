@@ -28,7 +28,6 @@ from stoa.config.worker import ENGINES, WORKER_DTYPES, WorkerConfig
 ENV_VARS = dict(FleetConfig.ENV_VARS)
 """Environment names kept for operators used to the original tool (field -> variable)."""
 
-_parse_scalar = parse_scalar  # the name stoa/cli/quickstart.py imports, until the sweep
 
 __all__ = [
     "ALGO_TWINS", "DTYPES", "ENGINES", "ENV_VARS", "PLANES", "SECTIONS", "WORKER_DTYPES", "BaseConfig",

@@ -1,7 +1,6 @@
 """The pointer (``current.json``) that says which weights are current, and listings of anchors and patches.
 
-The keys themselves come from ``stoa.layout``; ``weights_prefix``, ``pointer_key``, ``patch_key`` and
-``anchor_prefix`` are re-exported here for existing imports until the sweep.
+The keys themselves come from ``stoa.layout``.
 """
 
 from __future__ import annotations

@@ -20,19 +20,9 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stoa.records import (
-    RECORD_MAGIC,
-    REJECT_REASONS,
-    ModelSpec,
-    RecordRejected,
-    RolloutRecord,
-    RunContract,
-    Sample,
-    SamplingSpec,
-    parse_rollout_key,
-    rollout_key,
-    validate_record,
-)
+from stoa.contract import ModelSpec, RunContract, SamplingSpec
+from stoa.layout import parse_rollout_key, rollout_key
+from stoa.records import RECORD_MAGIC, REJECT_REASONS, RecordRejected, RolloutRecord, Sample, validate_record
 
 CONTRACT = RunContract(run_id="r1", model=ModelSpec("llama", "c" * 32, "t" * 32, vocab_size=100, eos_token_ids=(2,)),
                        n_samples=3, plane="bf16", task_id="arithmetic", task_spec={"digits": 2},
