@@ -24,7 +24,7 @@ def loaded_after(module: str) -> set[str]:
 @pytest.mark.parametrize("module", ["stoa.records", "stoa.contract", "stoa.layout", "stoa.config",
                                     "stoa.tasks", "stoa.weights.publish",
                                     "stoa.weights.sync", "stoa.bucket",
-                                    "stoa.algorithms", "stoa.cli"])
+                                    "stoa.algorithms", "stoa.algorithms.batch", "stoa.stopflag", "stoa.cli"])
 def test_contract_modules_import_neither_torch_nor_mlx(module):
     mods = loaded_after(module)
     assert "torch" not in mods and "mlx" not in mods, module

@@ -31,7 +31,7 @@ def sample_batch(backend: Any, algo: Any, *, env_tokens: bool = False, seed: int
     With ``env_tokens`` every row gets three extra tokens in the middle that the policy did not sample
     (action mask 0), the shape of a multi-turn trajectory.
     """
-    from stoa.local.batch import Trajectory, build_batch
+    from stoa.algorithms.batch import Trajectory, filter_and_build
 
     prompts = [[1, 5, 9, 13], [2, 7, 11]]
     groups, _ = backend.rollout(prompts, 4, max_new_tokens=6, temperature=1.0, top_p=1.0, eos_ids=[], seed=seed)
@@ -50,7 +50,7 @@ def sample_batch(backend: Any, algo: Any, *, env_tokens: bool = False, seed: int
                                                t.rollout_logprobs[half:]]))
             row.append(t)
         trajs.append(row)
-    batch, _ = build_batch(trajs, algo)
+    batch, _ = filter_and_build(trajs, algo)
     assert batch is not None
     return batch
 

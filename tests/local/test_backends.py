@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from stoa.algorithms import get_algorithm
+from stoa.algorithms.batch import micro_batches
 from stoa.local.backend import make_backend
-from stoa.local.batch import micro_batches
 from stoa.local.smoke import TrainableLeafError, check_only_adapters, smoke_report
 from tests.local.conftest import sample_batch
 
