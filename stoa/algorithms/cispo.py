@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stoa.algorithms.policy import TokenPolicyAlgorithm
+from stoa.algorithms.bases import TokenPolicyAlgorithm
 
 
 class CISPO(TokenPolicyAlgorithm):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from stoa.algorithms.advantages import nonzero_variance
-from stoa.algorithms.policy import TokenPolicyAlgorithm
+from stoa.algorithms.bases import TokenPolicyAlgorithm
 
 
 class DAPO(TokenPolicyAlgorithm):

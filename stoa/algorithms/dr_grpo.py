@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from stoa.algorithms.policy import TokenPolicyAlgorithm
+from stoa.algorithms.bases import TokenPolicyAlgorithm
 
 
 class DrGRPO(TokenPolicyAlgorithm):

@@ -11,7 +11,7 @@ from typing import Any
 
 from stoa.algorithms import core
 from stoa.algorithms.base import LossInputs
-from stoa.algorithms.policy import BaseAlgorithm
+from stoa.algorithms.bases import BaseAlgorithm
 
 
 class GSPO(BaseAlgorithm):

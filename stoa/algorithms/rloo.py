@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from stoa.algorithms.advantages import leave_one_out_advantages
-from stoa.algorithms.policy import TokenPolicyAlgorithm
+from stoa.algorithms.bases import TokenPolicyAlgorithm
 
 
 class RLOO(TokenPolicyAlgorithm):

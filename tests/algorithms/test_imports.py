@@ -30,7 +30,7 @@ def test_base_imports_neither_torch_nor_mlx() -> None:
 def test_shared_math_and_algorithms_are_backend_free() -> None:
     _run(
         "import sys\n"
-        "import stoa.algorithms.core, stoa.algorithms.policy, stoa.algorithms.advantages\n"
+        "import stoa.algorithms.core, stoa.algorithms.bases, stoa.algorithms.advantages\n"
         "import stoa.algorithms.grpo, stoa.algorithms.dr_grpo, stoa.algorithms.dapo\n"
         "import stoa.algorithms.gspo, stoa.algorithms.rloo, stoa.algorithms.cispo\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'mlx')]\n"
