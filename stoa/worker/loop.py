@@ -6,15 +6,17 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from stoa.bucket import PatientBucket, open_bucket
 from stoa.config import WorkerConfig
 from stoa.contract import ContractMismatch, RunContract, download_model_files, wait_for_contract
-from stoa.engines import Engine, default_engine
+from stoa.engines import Completion, Engine, GenStats, default_engine
 from stoa.engines import make_engine as build_engine
 from stoa.layout import rollout_key
 from stoa.metrics import MetricsWriter, default_log_dir
@@ -77,8 +79,11 @@ def make_engine(name: str, model_dir: Path, cfg: WorkerConfig, plane: str = "bf1
     return build_engine(name, model_dir, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads, plane=plane)
 
 
-def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
+def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[str, Any]:
     """Sample and upload groups until ``cfg.max_groups`` (or forever). Safe to kill at any moment.
+
+    Set up (contract, model, engine), sync the first weights, then loop: follow the pointer, sample a
+    batch of groups, upload one record per group, log the batch.
 
     Args:
         cfg: validated worker config.
@@ -86,6 +91,79 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
 
     Returns:
         a summary (groups, tokens, tokens/s, versions seen).
+    """
+    w = _set_up(cfg, echo)
+    version = _sync(w.follower, w.engine, w.contract, cfg, echo, w.metrics, current=None)
+    seed = None if cfg.seed < 0 else cfg.seed
+    p = _Progress(version=version, adopted_at=_published_at(w.sync), rng=np.random.default_rng(seed),
+                  generator=w.engine.make_generator(seed),
+                  in_flight=cfg.groups_in_flight or _tier_groups(w.contract.n_samples))
+    echo(f"[worker {w.wid}] engine {w.engine_name} ({w.engine.dtype_name}), run {cfg.run}, v{version}, "
+         f"n={w.contract.n_samples}, {p.in_flight} groups in flight")
+    t_start = time.perf_counter()
+    p.versions_seen.add(version)
+    while cfg.max_groups == 0 or p.seq < cfg.max_groups:
+        _follow(w, p, echo)
+        k = p.in_flight if cfg.max_groups == 0 else min(p.in_flight, cfg.max_groups - p.seq)
+        batch = _sample(w, p, k)
+        _upload(w, p, batch)
+        _log_batch(w, p, batch)
+    w.metrics.close()
+    dt = time.perf_counter() - t_start
+    return {"worker_id": w.wid, "groups": p.seq, "tokens": p.total_tokens,
+            "tokens_per_s": p.total_tokens / dt if dt else 0.0, "versions": sorted(p.versions_seen)}
+
+
+@dataclass
+class _Worker:
+    """A set-up worker: id, bucket, the run's contract, engine, codec, task, weight follower and metrics."""
+
+    cfg: WorkerConfig
+    wid: str
+    bucket: PatientBucket
+    contract: RunContract
+    fingerprint: str
+    engine_name: str
+    engine: Engine
+    codec: Any
+    task: Any
+    sync: Any
+    """The ``WeightSync`` the follower drives (its pointer dates each adoption)."""
+    follower: Any
+    metrics: MetricsWriter
+
+
+@dataclass
+class _Progress:
+    """Where the sampling loop stands: the version sampled from, its generators, groups and tokens so far."""
+
+    version: int
+    adopted_at: float | None
+    """When the trainer published ``version``, until the first record at it is uploaded."""
+    rng: np.random.Generator
+    generator: Any
+    in_flight: int
+    seq: int = 0
+    total_tokens: int = 0
+    versions_seen: set[int] = field(default_factory=set)
+
+
+class _Batch(NamedTuple):
+    """One ``generate`` call: the prompts, their token ids, completions per group, engine figures, seconds."""
+
+    prompts: list[Any]
+    prompt_ids: list[list[int]]
+    groups: list[list[Completion]]
+    stats: GenStats
+    seconds: float
+
+
+def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
+    """Open the bucket, wait for the run's contract, check it, get the model and build the engine.
+
+    Args:
+        cfg: validated worker config.
+        echo: where progress lines go.
     """
     from stoa.tasks import get_task
     from stoa.tokenize import TextCodec
@@ -109,51 +187,86 @@ def run_worker(cfg: WorkerConfig, echo=print) -> dict[str, Any]:
     sync = WeightSync(bucket, cfg.run, contract.plane)
     follower = WeightFollower(sync, contract.staleness_bound, base_delay_s=cfg.poll_seconds)
     metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / f"worker-{wid}.jsonl", wid)
-    version = _sync(follower, engine, contract, cfg, echo, metrics, current=None)
-    adopted_at = _published_at(sync)
-    rng = np.random.default_rng(None if cfg.seed < 0 else cfg.seed)
-    gen = engine.make_generator(None if cfg.seed < 0 else cfg.seed)
-    sp = contract.sampling
-    fingerprint = contract.fingerprint()
-    in_flight = cfg.groups_in_flight or _tier_groups(contract.n_samples)
-    echo(f"[worker {wid}] engine {engine_name} ({engine.dtype_name}), run {cfg.run}, v{version}, n={contract.n_samples}, "
-         f"{in_flight} groups in flight")
-    seq, total_tokens, t_start = 0, 0, time.perf_counter()
-    versions_seen = {version}
-    while cfg.max_groups == 0 or seq < cfg.max_groups:
-        new_version = _sync(follower, engine, contract, cfg, echo, metrics, current=version)
-        if new_version != version:
-            version, adopted_at = new_version, _published_at(sync)
-        versions_seen.add(version)
-        k = in_flight if cfg.max_groups == 0 else min(in_flight, cfg.max_groups - seq)
-        prompts = [task.sample_train(rng) for _ in range(k)]
-        prompt_ids = [codec.encode_prompt(p.messages) for p in prompts]
-        t0 = time.perf_counter()
-        groups, st = engine.generate(prompt_ids, contract.n_samples, max_new_tokens=sp.max_new_tokens,
-                                     temperature=sp.temperature, top_p=sp.top_p, eos_ids=contract.model.eos_token_ids,
-                                     generator=gen)
-        gen_s = time.perf_counter() - t0
-        for prompt, ids, comps in zip(prompts, prompt_ids, groups, strict=True):
-            samples = [Sample(np.array(c.tokens, np.int32), np.array(c.logprobs, np.float32),
-                              task.reward(prompt, codec.decode(c.tokens)), c.finish_reason) for c in comps]
-            rec = RolloutRecord(worker_id=wid, seq=seq, policy_version=version, contract_fingerprint=fingerprint,
-                                task_id=task.id, prompt_id=prompt.id, prompt_tokens=np.array(ids, np.int32),
-                                samples=samples, sampling={"temperature": sp.temperature, "top_p": sp.top_p},
-                                timings={"generate_s": gen_s / k}, created_at=time.time())
-            bucket.put_create(rollout_key(cfg.run, version, wid, seq), rec.encode())
-            seq += 1
-            if adopted_at is not None:  # pointer advance -> first record at the new version
-                metrics.log({"worker/adoption_latency_s": time.time() - adopted_at, "worker/version": version})
-                adopted_at = None
-            metrics.log({"worker/version": version, "worker/reward_mean": float(np.mean([s.reward for s in samples])),
-                         "worker/tokens": sum(len(c.tokens) for c in comps)}, step=seq)
-        total_tokens += st.new_tokens
-        metrics.log({"worker/tokens_per_s": st.new_tokens / gen_s if gen_s else 0.0, "worker/prefill_s": st.prefill_s,
-                     "worker/decode_s": st.decode_s, "worker/version": version})
-    metrics.close()
-    dt = time.perf_counter() - t_start
-    return {"worker_id": wid, "groups": seq, "tokens": total_tokens, "tokens_per_s": total_tokens / dt if dt else 0.0,
-            "versions": sorted(versions_seen)}
+    return _Worker(cfg, wid, bucket, contract, contract.fingerprint(), engine_name, engine, codec, task, sync,
+                   follower, metrics)
+
+
+def _follow(w: _Worker, p: _Progress, echo: Callable[[str], Any]) -> None:
+    """Adopt newer verified weights if there are any (or pause while the held ones are too old).
+
+    Args:
+        w: the worker.
+        p: the loop's progress (its version and adoption time move on an adoption).
+        echo: where progress lines go.
+    """
+    new_version = _sync(w.follower, w.engine, w.contract, w.cfg, echo, w.metrics, current=p.version)
+    if new_version != p.version:
+        p.version, p.adopted_at = new_version, _published_at(w.sync)
+    p.versions_seen.add(p.version)
+
+
+def _sample(w: _Worker, p: _Progress, k: int) -> _Batch:
+    """Draw ``k`` training prompts and sample the contract's ``n_samples`` completions of each.
+
+    Args:
+        w: the worker.
+        p: the loop's progress (prompt rng and sampling generator).
+        k: groups to sample.
+    """
+    sp = w.contract.sampling
+    prompts = [w.task.sample_train(p.rng) for _ in range(k)]
+    prompt_ids = [w.codec.encode_prompt(q.messages) for q in prompts]
+    t0 = time.perf_counter()
+    groups, st = w.engine.generate(prompt_ids, w.contract.n_samples, max_new_tokens=sp.max_new_tokens,
+                                   temperature=sp.temperature, top_p=sp.top_p,
+                                   eos_ids=w.contract.model.eos_token_ids, generator=p.generator)
+    return _Batch(prompts, prompt_ids, groups, st, time.perf_counter() - t0)
+
+
+def _upload(w: _Worker, p: _Progress, batch: _Batch) -> None:
+    """Score each group and upload it as one create-only record; log one metrics row per record.
+
+    The first record at a newly adopted version also logs the adoption latency (publish to first record).
+
+    Args:
+        w: the worker.
+        p: the loop's progress (``seq`` counts the records uploaded).
+        batch: the sampled groups.
+    """
+    sp, task = w.contract.sampling, w.task
+    for prompt, ids, comps in zip(batch.prompts, batch.prompt_ids, batch.groups, strict=True):
+        samples = [Sample(np.array(c.tokens, np.int32), np.array(c.logprobs, np.float32),
+                          task.reward(prompt, w.codec.decode(c.tokens)), c.finish_reason) for c in comps]
+        rec = RolloutRecord(worker_id=w.wid, seq=p.seq, policy_version=p.version,
+                            contract_fingerprint=w.fingerprint, task_id=task.id, prompt_id=prompt.id,
+                            prompt_tokens=np.array(ids, np.int32), samples=samples,
+                            sampling={"temperature": sp.temperature, "top_p": sp.top_p},
+                            timings={"generate_s": batch.seconds / len(batch.prompts)},
+                            created_at=time.time())
+        w.bucket.put_create(rollout_key(w.cfg.run, p.version, w.wid, p.seq), rec.encode())
+        p.seq += 1
+        if p.adopted_at is not None:  # pointer advance -> first record at the new version
+            w.metrics.log({"worker/adoption_latency_s": time.time() - p.adopted_at,
+                           "worker/version": p.version})
+            p.adopted_at = None
+        w.metrics.log({"worker/version": p.version,
+                       "worker/reward_mean": float(np.mean([s.reward for s in samples])),
+                       "worker/tokens": sum(len(c.tokens) for c in comps)}, step=p.seq)
+
+
+def _log_batch(w: _Worker, p: _Progress, batch: _Batch) -> None:
+    """Count the batch's tokens and log its throughput, prefill and decode times.
+
+    Args:
+        w: the worker.
+        p: the loop's progress.
+        batch: the sampled groups.
+    """
+    st = batch.stats
+    p.total_tokens += st.new_tokens
+    w.metrics.log({"worker/tokens_per_s": st.new_tokens / batch.seconds if batch.seconds else 0.0,
+                   "worker/prefill_s": st.prefill_s, "worker/decode_s": st.decode_s,
+                   "worker/version": p.version})
 
 
 def _tier_groups(n_samples: int) -> int:
@@ -177,10 +290,12 @@ def _published_at(sync) -> float | None:
 def _fetch_model(bucket, cfg: WorkerConfig, contract: RunContract, wid: str, echo) -> Path:
     """Download the run's model files, waiting (up to ``wait_seconds``) while they are missing or still
     being uploaded (a listing that does not yet match the contract's fingerprints)."""
-    cache = Path(os.environ.get("STOA_CACHE", Path.home() / ".cache" / "stoa")) / "runs" / cfg.run / f"model-{wid}"
+    root = Path(os.environ.get("STOA_CACHE", Path.home() / ".cache" / "stoa"))
+    cache = root / "runs" / cfg.run / f"model-{wid}"
     deadline = time.monotonic() + cfg.wait_seconds
     while True:
-        model_dir = download_model_files(bucket, cfg.run, cache, timeout_s=max(0.0, deadline - time.monotonic()),
+        model_dir = download_model_files(bucket, cfg.run, cache,
+                                         timeout_s=max(0.0, deadline - time.monotonic()),
                                          poll_s=cfg.poll_seconds, echo=echo)
         try:
             check_model(model_dir, contract)
@@ -210,16 +325,18 @@ def _sync(follower, engine, contract: RunContract, cfg: WorkerConfig, echo, metr
             version, state = step.adopted
             _load(engine, state, contract.plane)
             m = follower.sync.metrics
-            metrics.log({"worker/version": version, "worker/sync_bytes": m["bytes"], "worker/sync_s": m["seconds"],
-                         "worker/sync_path": m["path"], "worker/sync_versions_applied": m["versions_applied"],
-                         "worker/paused": 0})
-            echo(f"[worker] now at v{version} ({m['path']}, {m['bytes'] / 1e6:.2f} MB in {m['seconds']:.2f}s)")
+            metrics.log({"worker/version": version, "worker/sync_bytes": m["bytes"],
+                         "worker/sync_s": m["seconds"], "worker/sync_path": m["path"],
+                         "worker/sync_versions_applied": m["versions_applied"], "worker/paused": 0})
+            echo(f"[worker] now at v{version} ({m['path']}, {m['bytes'] / 1e6:.2f} MB in "
+                 f"{m['seconds']:.2f}s)")
             return version
         if step.usable and current is not None:
             return current
         if step.target is None and step.error is None:  # nothing published yet
             if time.monotonic() > deadline:
-                raise TimeoutError(f"run {contract.run_id!r} published no weights within {cfg.wait_seconds:.0f}s")
+                raise TimeoutError(f"run {contract.run_id!r} published no weights within "
+                                   f"{cfg.wait_seconds:.0f}s")
         elif paused_at is None:
             paused_at = time.monotonic()
             held = (f"v{current} is {step.target - current} versions behind the pointer (v{step.target})"
@@ -235,8 +352,11 @@ def _load(engine, state, plane: str) -> None:
 
 
 def _report_sync(step, follower, current: int | None, echo, metrics: MetricsWriter) -> None:
-    """One log line and one metrics row per refused object (``worker/sync_refused`` counts them since start,
-    ``worker/sync_error`` is the reason, ``worker/sync_key`` the object); one line for a failure without one."""
+    """One log line and one metrics row per refused object; one line for a failure without one.
+
+    ``worker/sync_refused`` counts refusals since start, ``worker/sync_error`` is the reason and
+    ``worker/sync_key`` the object.
+    """
     keeping = f"keeping v{current}" if current is not None else "no weights yet"
     before = follower.refused_total - len(step.refusals)
     for i, r in enumerate(step.refusals, start=1):
