@@ -53,6 +53,7 @@ def test_disagreement_is_the_median_and_waits_for_min_records():
     q = make_q()
     q.observe_disagreement("w", Disagreement(np.array([0.01, 0.2, 0.3]), 7))
     assert not q.is_quarantined("w")  # 7 lag-0 records < min_records
+    assert q.metrics()["quarantine/disagreement/w"] == pytest.approx(0.2)  # the step's median, not its mean
     q.observe_disagreement("w", Disagreement(np.array([0.01, 0.2, 0.3]), 1))
     assert q.is_quarantined("w")  # 4 of 6 tokens over: median over
     q2 = make_q()
