@@ -227,8 +227,9 @@ class Quarantine:
     def metrics(self) -> dict[str, float]:
         """Gauges and counts since the last call: ``quarantine/workers`` (quarantined ids),
         ``quarantine/new``, ``quarantine/tracked``, ``quarantine/disagreement/<worker>`` (median of the
-        worker's lag-0 values in its latest step, per worker seen since the last call) and ``quarantine/disagreement_max``. Skipped records are
-        the pool's to count (``rollout/rejected/quarantined``)."""
+        worker's lag-0 values in its latest step, per worker seen since the last call) and
+        ``quarantine/disagreement_max``. Skipped records are the pool's to count
+        (``rollout/rejected/quarantined``)."""
         s, self._since = self._since, _Since()
         quarantined = sum(1 for w in self.workers.values() if w.reason) if self.enabled else 0
         out = {"quarantine/workers": float(quarantined),
