@@ -70,7 +70,8 @@ def main(args: argparse.Namespace) -> int:
                                                "max_tokens": args.tokens}), "torch")
     tokens_per_step = args.groups * args.n * args.tokens
     print(f"model {args.model} on {device}, {args.groups} groups x {args.n} samples, prompt {args.prompt_tokens} "
-          f"+ completion {args.tokens} tokens ({tokens_per_step} trained tokens/step), threads {torch.get_num_threads()}")
+          f"+ completion {args.tokens} tokens ({tokens_per_step} trained tokens/step), "
+          f"threads {torch.get_num_threads()}")
     rows = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         times = []

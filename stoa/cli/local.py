@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     smoke = lsub.add_parser("smoke", help="load the model object, print its report, check only adapters train",
                             description="Build the quantized model with LoRA adapters and report it; exits 1 "
                                         "when a non-adapter leaf is trainable.")
-    add_config_flags(smoke, LocalConfig, skip=tuple(f for f in LocalConfig.__dataclass_fields__ if f not in SMOKE_FIELDS))
+    not_smoke = tuple(f for f in LocalConfig.__dataclass_fields__ if f not in SMOKE_FIELDS)
+    add_config_flags(smoke, LocalConfig, skip=not_smoke)
     smoke.set_defaults(func=run_smoke)
 
 

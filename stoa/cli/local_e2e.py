@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("samples", nargs="?", type=int, default=4, help="completions per group [default: 4]")
     p.add_argument("tokens", nargs="?", type=int, default=256, help="max new tokens [default: 256]")
     p.add_argument("--engine", default="auto", choices=["auto", "torch", "mlx"], help="generation engine")
-    p.add_argument("--model", default=os.environ.get("MODEL", ""), help="model name or dir [default: env MODEL or tiny]")
+    p.add_argument("--model", default=os.environ.get("MODEL", ""),
+                   help="model name or dir [default: env MODEL or tiny]")
     p.add_argument("--bucket", default="", help="bucket URL [default: a temporary local directory]")
     p.add_argument("--task", default="arithmetic", help="task spec [default: arithmetic]")
     p.add_argument("--seed", type=int, default=0, help="seed [default: 0]")

@@ -115,6 +115,7 @@ def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
     print(f"  wall time      {wall / 60:.1f} min")
     print(f"  records/s      {records / wall:.3f} groups/s")
     if steps:
-        print(f"  reward mean    first {steps[0]['rollout/reward_mean']:.3f} -> last {steps[-1]['rollout/reward_mean']:.3f}")
+        first, last = steps[0]["rollout/reward_mean"], steps[-1]["rollout/reward_mean"]
+        print(f"  reward mean    first {first:.3f} -> last {last:.3f}")
     if evals:
         print(f"  held-out acc   before {evals[0]['accuracy']:.3f} -> after {evals[-1]['accuracy']:.3f}")

@@ -119,7 +119,8 @@ def find_latest(out_dir: Path) -> SavedState | None:
         if meta.get("version") != STATE_VERSION:
             raise ValueError(f"state version {meta.get('version')} (this code reads {STATE_VERSION})")
         return SavedState(where, int(meta["step"]), int(meta["optimizer_step"]), meta["rng"], meta["identity"],
-                          load_file(str(where / "adapters.safetensors")), load_file(str(where / "optimizer.safetensors")))
+                          load_file(str(where / "adapters.safetensors")),
+                          load_file(str(where / "optimizer.safetensors")))
     except (OSError, KeyError, ValueError) as e:
         raise ValueError(f"cannot read the saved state in {out_dir}: {e}") from e
 

@@ -194,7 +194,8 @@ class MLXBackend:
     @staticmethod
     def _inputs(pk: Packed, logp: mx.array, normalizer: float) -> LossInputs[Any]:
         old = mx.stop_gradient(logp) if pk.old_logp is None else mx.array(pk.old_logp)
-        return LossInputs(logp=logp, behaviour_logp=old, ref_logp=None if pk.ref_logp is None else mx.array(pk.ref_logp),
+        ref = None if pk.ref_logp is None else mx.array(pk.ref_logp)
+        return LossInputs(logp=logp, behaviour_logp=old, ref_logp=ref,
                           advantages=mx.array(pk.advantages), mask=mx.array(pk.mask), normalizer=normalizer)
 
     def _loss(self, pk: Packed, normalizer: float, algo: Algorithm) -> tuple[mx.array, mx.array]:

@@ -313,7 +313,8 @@ def check_fit(cfg: LocalConfig, shape: ModelShape, available_gb: float | None = 
         return [
             ("gradient_checkpointing", [] if c.gradient_checkpointing else
              [dataclasses.replace(c, gradient_checkpointing=True)]),
-            ("micro_batch", [dataclasses.replace(c, micro_batch=m) for m in _halvings(min(c.micro_batch or rows, micro), 1)]),
+            ("micro_batch", [dataclasses.replace(c, micro_batch=m)
+                             for m in _halvings(min(c.micro_batch or rows, micro), 1)]),
             ("n_samples", [dataclasses.replace(c, n_samples=g) for g in _halvings(c.n_samples, 2)]),
             ("max_new_tokens", [dataclasses.replace(c, max_new_tokens=t) for t in _halvings(c.max_new_tokens, 16)]),
         ]
@@ -359,7 +360,8 @@ def preflight(cfg: LocalConfig, shape: ModelShape) -> FitReport:
         MemoryPreflightError: when the estimate exceeds the budget; names the suggested knob.
     """
     if cfg.max_prompt_tokens + cfg.max_new_tokens > shape.max_positions:
-        raise ConfigError("max_new_tokens", f"max_prompt_tokens + max_new_tokens = {cfg.max_prompt_tokens + cfg.max_new_tokens} "
+        total = cfg.max_prompt_tokens + cfg.max_new_tokens
+        raise ConfigError("max_new_tokens", f"max_prompt_tokens + max_new_tokens = {total} "
                                         f"exceeds the model's {shape.max_positions} positions")
     report = check_fit(cfg, shape)
     if not report.fits and cfg.preflight:

@@ -29,7 +29,8 @@ _REWARD_REV = 1
 _PROMPT_VERSION = 1
 _DEFAULT_HF = "openai/gsm8k"
 _INSTRUCTIONS = {
-    "hashes": 'Solve the problem step by step. Then write the final answer as a number on its own line, as "#### <number>".',
+    "hashes": "Solve the problem step by step. Then write the final answer as a number on its own line, "
+              'as "#### <number>".',
     "boxed": "Solve the problem step by step. Then put the final answer, a number, in \\boxed{}.",
 }
 
@@ -118,7 +119,8 @@ def load_hf(dataset: str, config: str, split: str) -> list[Problem]:
         RuntimeError: `datasets` is not installed or the load failed (e.g. no network); the message
             says how to use a local jsonl file instead.
     """
-    hint = "or use a local copy with the task spec 'gsm8k:path=/path/to/train.jsonl' (test.jsonl beside it becomes the test split)"
+    hint = ("or use a local copy with the task spec 'gsm8k:path=/path/to/train.jsonl' "
+            "(test.jsonl beside it becomes the test split)")
     try:
         datasets = importlib.import_module("datasets")
     except ImportError:
@@ -337,4 +339,5 @@ class GSM8KTask:
         return 1.0 if self.is_correct(prompt, completion) else 0.0
 
     def __repr__(self) -> str:
-        return f"GSM8KTask(train={self.train_source!r}, test={self.test_source!r}, answer_format={self.answer_format!r})"
+        return (f"GSM8KTask(train={self.train_source!r}, test={self.test_source!r}, "
+                f"answer_format={self.answer_format!r})")

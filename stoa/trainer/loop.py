@@ -228,7 +228,8 @@ class _Trainer:
                     "rollout/accepted": ps.accepted, "rollout/records_per_s": ps.accepted / since,
                     "rollout/sampled_tokens_per_s": ps.tokens / since, "rollout/dropped_stale": ps.dropped_stale,
                     "rollout/reward_mismatch": ps.reward_mismatch, "rollout/lag_mean": float(lags.mean()),
-                    "rollout/lag_max": int(lags.max()), "rollout/reuse_mean": float(np.mean([e.uses for e in entries]))})
+                    "rollout/lag_max": int(lags.max()),
+                    "rollout/reuse_mean": float(np.mean([e.uses for e in entries]))})
         row.update({f"rollout/rejected/{k}": v for k, v in ps.rejected.items()})
         row.update(self.quarantine.metrics())
         row["rollout/filtered"] = ps.filtered

@@ -71,7 +71,8 @@ class _Entry:
 
 _DTYPES = {
     d.str: d
-    for d in (np.dtype(c).newbyteorder("<") for c in ("b1", "i1", "u1", "i2", "u2", "f2", "i4", "u4", "f4", "i8", "u8", "f8", "c8"))
+    for d in (np.dtype(c).newbyteorder("<")
+              for c in ("b1", "i1", "u1", "i2", "u2", "f2", "i4", "u4", "f4", "i8", "u8", "f8", "c8"))
 }
 """Patch dtypes by their header string: plain little-endian numbers whose element size a patch can XOR."""
 

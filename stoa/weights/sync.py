@@ -173,7 +173,8 @@ class WeightSync:
             check_manifest(manifest, run_id=self.run_id, version=version, plane=self.plane)
             key = prefix + FILE_NAME
             if FILE_NAME in listed and listed[FILE_NAME] != manifest["size"]:
-                raise AnchorError("bad_format", f"listed at {listed[FILE_NAME]} bytes, manifest says {manifest['size']}")
+                raise AnchorError("bad_format",
+                                  f"listed at {listed[FILE_NAME]} bytes, manifest says {manifest['size']}")
             return decode_anchor(self._fetch(key, counter), manifest), str(manifest["state_hash"])
         except WeightsError as e:
             raise _Refused(key, e) from None

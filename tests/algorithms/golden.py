@@ -94,7 +94,8 @@ def grpo_clip() -> Case:
     b[1, 2] = NAN
     # row 0 (A>0): free, clipped at 1.2, free (low side open for A>0); row 1 (A<0): clipped at 0.8,
     # free, padding; row 2 (A<0): all free.
-    loss_tok = np.array([[-1.1 * a0, -1.2 * a0, -0.7 * a0], [-0.8 * a1, -1.1 * a1, 0], [-1.3 * a2, -0.9 * a2, -0.85 * a2]])
+    loss_tok = np.array([[-1.1 * a0, -1.2 * a0, -0.7 * a0], [-0.8 * a1, -1.1 * a1, 0],
+                         [-1.3 * a2, -0.9 * a2, -0.85 * a2]])
     g_tok = np.array([[-1.1 * a0, 0, -0.7 * a0], [0, -1.1 * a1, 0], [-1.3 * a2, -0.9 * a2, -0.85 * a2]])
     loss = (loss_tok[0].sum() / 3 + loss_tok[1].sum() / 2 + loss_tok[2].sum() / 3) / 3
     w = np.array([[1 / 9] * 3, [1 / 6, 1 / 6, 0], [1 / 9] * 3])
@@ -111,7 +112,8 @@ DUAL_R = np.array([[4.0, 1.0, 0.9], [4.0, 2.5, 0.5], [3.5, 1.0, 0.75]])
 def grpo_dual_clip() -> Case:
     # A>0 with r=4: plain upper clip (-1.2 A); A<0 with r=4 and 3.5: loss capped at 3|A| (dual clip);
     # A<0 with r=2.5 < c: free; A<0 with r < 0.8: lower clip.
-    loss_tok = np.array([[-1.2 * a0, -1.0 * a0, -0.9 * a0], [-3 * a1, -2.5 * a1, -0.8 * a1], [-3 * a2, -1.0 * a2, -0.8 * a2]])
+    loss_tok = np.array([[-1.2 * a0, -1.0 * a0, -0.9 * a0], [-3 * a1, -2.5 * a1, -0.8 * a1],
+                         [-3 * a2, -1.0 * a2, -0.8 * a2]])
     g_tok = np.array([[0, -1.0 * a0, -0.9 * a0], [0, -2.5 * a1, 0], [0, -1.0 * a2, 0]])
     return Case("grpo_dual_clip", {"name": "grpo", "gate": "none", "kl_beta": 0.0}, from_ratio(DUAL_R), A_100,
                 loss_tok.sum() / 9, g_tok / 9, R100, LEN3,
@@ -120,7 +122,8 @@ def grpo_dual_clip() -> Case:
 
 def grpo_no_dual() -> Case:
     # Same data without the dual clip: the A<0 tokens at r=4 and 3.5 are free (loss r|A|).
-    loss_tok = np.array([[-1.2 * a0, -1.0 * a0, -0.9 * a0], [-4 * a1, -2.5 * a1, -0.8 * a1], [-3.5 * a2, -1.0 * a2, -0.8 * a2]])
+    loss_tok = np.array([[-1.2 * a0, -1.0 * a0, -0.9 * a0], [-4 * a1, -2.5 * a1, -0.8 * a1],
+                         [-3.5 * a2, -1.0 * a2, -0.8 * a2]])
     g_tok = np.array([[0, -1.0 * a0, -0.9 * a0], [-4 * a1, -2.5 * a1, 0], [-3.5 * a2, -1.0 * a2, 0]])
     return Case("grpo_no_dual", {"name": "grpo", "gate": "none", "kl_beta": 0.0, "dual_clip_c": None},
                 from_ratio(DUAL_R), A_100, loss_tok.sum() / 9, g_tok / 9, R100, LEN3,
@@ -232,7 +235,8 @@ def tis() -> Case:
     r = np.array([[1.1, 1.6, 0.9], [2.0, 1.2, 0.5], [1.0, 1.0, 1.0]])
     # cap 1.5, no dual clip: (1,0) A<0 r=2 free -> weight truncated to 1.5; (0,1) clipped at 1.2 and
     # r>cap -> value scaled by 1.5/1.6, no gradient; everything below the cap is untouched.
-    loss_tok = np.array([[-1.1 * a0, -1.2 * a0 * 1.5 / 1.6, -0.9 * a0], [-1.5 * a1, -1.2 * a1, -0.8 * a1], [-a2, -a2, -a2]])
+    loss_tok = np.array([[-1.1 * a0, -1.2 * a0 * 1.5 / 1.6, -0.9 * a0], [-1.5 * a1, -1.2 * a1, -0.8 * a1],
+                         [-a2, -a2, -a2]])
     g_tok = np.array([[-1.1 * a0, 0, -0.9 * a0], [-1.5 * a1, -1.2 * a1, 0], [-a2, -a2, -a2]])
     return Case("tis", {"name": "grpo", "gate": "none", "kl_beta": 0.0, "dual_clip_c": None, "tis_cap": 1.5},
                 from_ratio(r), A_100, loss_tok.sum() / 9, g_tok / 9, R100, LEN3, metrics={"tis_frac": 2 / 9})

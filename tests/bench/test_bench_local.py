@@ -8,7 +8,8 @@ from stoa.bench.local import MLXRL_DRIVER, _table, add_arguments
 
 
 def test_mlxrl_driver_compiles():
-    compile(MLXRL_DRIVER.read_text(), str(MLXRL_DRIVER), "exec")  # it runs in another venv: a syntax error shows only there
+    # It runs in another venv: a syntax error would show only there.
+    compile(MLXRL_DRIVER.read_text(), str(MLXRL_DRIVER), "exec")
 
 
 def _target(step_s: float, tok_s: float, blas: str) -> dict:

@@ -1,4 +1,4 @@
-"""Fixtures of the fault tier: the moto S3 server of the bucket suite and the process runner of the integration suite."""
+"""Fixtures of the fault tier: the bucket suite's moto S3 server and the integration suite's process runner."""
 
 from __future__ import annotations
 

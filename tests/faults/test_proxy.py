@@ -15,7 +15,8 @@ from tests.faults.proxy import FAULT_KINDS, FaultProxy, FaultRates
 
 
 def _bucket(endpoint: str, prefix: str, budget_s: float):
-    return open_bucket(f"s3://{TEST_BUCKET}/{prefix}", {**moto_env(endpoint), "STOA_BUCKET_RETRY_TIMEOUT_S": str(budget_s)})
+    env = {**moto_env(endpoint), "STOA_BUCKET_RETRY_TIMEOUT_S": str(budget_s)}
+    return open_bucket(f"s3://{TEST_BUCKET}/{prefix}", env)
 
 
 def _op(method: str, path: str) -> str:

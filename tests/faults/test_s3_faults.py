@@ -57,7 +57,8 @@ def test_run_through_a_faulty_s3_proxy_loses_nothing_and_trains_nothing_twice(pr
 
     direct = open_bucket(url, moto_env(moto_endpoint))  # the store as it is, no faults
     acked = acknowledged_keys(logs, run)
-    assert sorted(len(keys) for keys in acked.values()) == [GROUPS_PER_WORKER] * 2, {w: len(k) for w, k in acked.items()}
+    counts = {w: len(k) for w, k in acked.items()}
+    assert sorted(counts.values()) == [GROUPS_PER_WORKER] * 2, counts
     records = audit_records(direct, run)
     assert records.bad == {}
     acked_all = {k for keys in acked.values() for k in keys}

@@ -17,7 +17,8 @@ from stoa.metrics import read_metrics
 
 
 def _rewards(out: Path) -> np.ndarray:
-    return np.array([r["rollout/reward_mean"] for r in read_metrics(out / "metrics.jsonl") if "rollout/reward_mean" in r])
+    rows = read_metrics(out / "metrics.jsonl")
+    return np.array([r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r])
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=pytest.mark.mlx)])

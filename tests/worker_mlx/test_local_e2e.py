@@ -69,7 +69,8 @@ def test_unreachable_bucket_fails_clearly_before_generating(tiny_dir: Path, monk
                                           ({"tokens": 0}, "tokens"), ({"engine": "jax"}, "engine"),
                                           ({"task": "nope"}, "unknown task")])
 def test_bad_arguments(kwargs: dict[str, Any], match: str, tmp_path: Path) -> None:
-    sizes = {"groups": 1, "samples": 2, "tokens": 4} | {k: v for k, v in kwargs.items() if k in ("groups", "samples", "tokens")}
+    given = {k: v for k, v in kwargs.items() if k in ("groups", "samples", "tokens")}
+    sizes = {"groups": 1, "samples": 2, "tokens": 4} | given
     opts = {k: v for k, v in kwargs.items() if k not in sizes}
     with pytest.raises(ValueError, match=match):
         run_local_e2e(sizes["groups"], sizes["samples"], sizes["tokens"], bucket_url=str(tmp_path),
