@@ -10,6 +10,8 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
     runs/<run>/weights/versions/v<k>.patch               PULSE patch v<k-1> -> v<k>
     runs/<run>/rollouts/v<version>/<worker>-<seq>.rec    one record per group (workers, create-only)
     runs/<run>/trainer/{checkpoint.safetensors,journal.json}   trainer state (trainer, overwritten)
+    runs/<run>/status.json                               run status, heartbeat, wanted groups (trainer, overwritten)
+    runs/<run>/metrics/<source>-<start>-<seq>.jsonl      metrics chunks (trainer, create-only)
     runs/<run>/{metrics,logs}/                           local buckets only: files written beside the run
 
 Versions and sequence numbers are zero-padded to 8 digits so listing order is numeric order.
@@ -34,6 +36,8 @@ JOURNAL_NAME = "journal.json"
 _PATCH_NAME = re.compile(r"v(\d{8})\.patch")
 _ANCHOR_DIR = re.compile(r"v(\d{8})")
 _ROLLOUT_NAME = re.compile(r"v([0-9]{8})/([A-Za-z0-9][A-Za-z0-9._-]{0,127})-([0-9]{8})\.rec")
+_METRICS_CHUNK = re.compile(
+    r"(?P<source>[A-Za-z0-9][A-Za-z0-9._-]{0,127})-(?P<start>[0-9]{10})-(?P<seq>[0-9]{8})\.jsonl")
 _ROLLOUT_TAIL = re.compile(r"/rollouts/v\d{8}/(?P<worker>[^/]+)-\d{8}\.rec\Z")
 
 
@@ -270,7 +274,8 @@ def journal_key(run_id: str) -> str:
 
 
 def metrics_prefix(run_id: str) -> str:
-    """Folder of the metrics files inside a local bucket, ``runs/<run>/metrics/`` (written as files, not objects).
+    """Prefix of a run's metrics, ``runs/<run>/metrics/``: the trainer's create-only chunk objects (every
+    bucket) and, inside a local bucket, the processes' JSONL files beside them.
 
     Args:
         run_id: the run id.
@@ -285,3 +290,45 @@ def logs_prefix(run_id: str) -> str:
         run_id: the run id.
     """
     return f"{run_prefix(run_id)}/logs/"
+
+
+def status_key(run_id: str) -> str:
+    """Key of the run's status, ``runs/<run>/status.json`` (state, version, trainer heartbeat, wanted groups).
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/status.json"
+
+
+def metrics_chunk_key(run_id: str, source: str, start: int, seq: int) -> str:
+    """Key of one create-only metrics chunk, ``runs/<run>/metrics/<source>-<start>-<seq>.jsonl``.
+
+    Args:
+        run_id: the run id.
+        source: who wrote it (``trainer``), letters, digits, ``.``, ``_``, ``-``.
+        start: the writing process's start, unix seconds (10 digits).
+        seq: the chunk's number within that process (8 digits).
+    """
+    return metrics_prefix(run_id) + f"{source}-{start:010d}-{seq:08d}.jsonl"
+
+
+@dataclass(frozen=True)
+class MetricsChunk:
+    """The parts of a well-formed metrics chunk key."""
+
+    source: str
+    start: int
+    seq: int
+
+
+def parse_metrics_chunk_key(run_id: str, key: str) -> MetricsChunk | None:
+    """Parse ``runs/<run>/metrics/<source>-<10 digits>-<8 digits>.jsonl``; ``None`` for any other key.
+
+    Args:
+        run_id: the run the key must belong to.
+        key: a listed key (untrusted: any string).
+    """
+    head = metrics_prefix(run_id)
+    m = _METRICS_CHUNK.fullmatch(key[len(head):]) if key.startswith(head) else None
+    return MetricsChunk(m.group("source"), int(m.group("start")), int(m.group("seq"))) if m else None

@@ -30,6 +30,8 @@ def test_every_key_of_a_run_as_documented():
         layout.journal_key(r),
         layout.metrics_prefix(r),
         layout.logs_prefix(r),
+        layout.status_key(r),
+        layout.metrics_chunk_key(r, "trainer", 1764552000, 3),
     ] == [
         "runs/r1",
         "runs/r1/run.json",
@@ -50,6 +52,8 @@ def test_every_key_of_a_run_as_documented():
         "runs/r1/trainer/journal.json",
         "runs/r1/metrics/",
         "runs/r1/logs/",
+        "runs/r1/status.json",
+        "runs/r1/metrics/trainer-1764552000-00000003.jsonl",
     ]
 
 
@@ -106,3 +110,12 @@ def test_rollout_worker_and_label():
     assert layout.rollout_worker(key) == "my-host-a1b2c3"
     assert layout.rollout_worker("runs/r/weights/current.json") is None
     assert layout.rollout_label(key) == "v00000003/my-host-a1b2c3-00000042.rec"
+
+
+def test_metrics_chunk_keys_parse_back_and_other_keys_do_not():
+    key = layout.metrics_chunk_key("r", "w-a.1", 1764552000, 12)
+    assert layout.parse_metrics_chunk_key("r", key) == layout.MetricsChunk("w-a.1", 1764552000, 12)
+    for bad in ("runs/r/metrics/trainer.jsonl", "runs/r/metrics/trainer-1-00000001.jsonl",
+                layout.metrics_chunk_key("other", "trainer", 1, 1), key + ".tmp",
+                "runs/r/metrics/-0000000001-00000001.jsonl"):
+        assert layout.parse_metrics_chunk_key("r", bad) is None, bad
