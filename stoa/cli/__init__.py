@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-COMMANDS = ("trainer", "worker", "quickstart", "model", "bench", "local-e2e", "local")
+COMMANDS = ("trainer", "worker", "quickstart", "model", "bench", "local-e2e", "local", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:
