@@ -10,6 +10,7 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
     runs/<run>/weights/versions/v<k>.patch               PULSE patch v<k-1> -> v<k>
     runs/<run>/rollouts/v<version>/<worker>-<seq>.rec    one record per group (workers, create-only)
     runs/<run>/trainer/{checkpoint.safetensors,journal.json}   trainer state (trainer, overwritten)
+    runs/<run>/trainer/lease.json                        the holding trainer (trainer, compare-and-swap)
     runs/<run>/status.json                               run status, heartbeat, wanted groups (trainer, overwritten)
     runs/<run>/metrics/<source>-<start>-<seq>.jsonl      metrics chunks (trainer, create-only)
     runs/<run>/{metrics,logs}/                           local buckets only: files written beside the run
@@ -32,6 +33,8 @@ CHECKPOINT_NAME = "checkpoint.safetensors"
 """Object name of the trainer's heavy checkpoint (fp32 master weights + AdamW)."""
 JOURNAL_NAME = "journal.json"
 """Object name of the trainer's per-step journal."""
+LEASE_NAME = "lease.json"
+"""Object name of the trainer's lease (one trainer per run)."""
 
 _PATCH_NAME = re.compile(r"v(\d{8})\.patch")
 _ANCHOR_DIR = re.compile(r"v(\d{8})")
@@ -271,6 +274,15 @@ def journal_key(run_id: str) -> str:
         run_id: the run id.
     """
     return trainer_prefix(run_id) + JOURNAL_NAME
+
+
+def lease_key(run_id: str) -> str:
+    """Key of the trainer's lease, ``runs/<run>/trainer/lease.json`` (holder, heartbeat, epoch; CAS only).
+
+    Args:
+        run_id: the run id.
+    """
+    return trainer_prefix(run_id) + LEASE_NAME
 
 
 def metrics_prefix(run_id: str) -> str:

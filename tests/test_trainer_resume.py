@@ -25,6 +25,7 @@ def test_restart_over_a_corrupt_newest_patch_publishes_a_fresh_anchor(tmp_path, 
     t1.resume()  # fresh run: publishes v1 (an anchor)
     t1.publish(2)  # v2 as a patch
     ckpt.save_checkpoint(t1.bucket, "r", t1.policy.model, t1.opt, version=2, step=1)
+    t1.close()  # the first trainer stops (releases the lease)
     bucket = open_bucket(url)
     patch = bytearray(bucket.get(patch_key("r", 2)))
     patch[len(patch) // 2] ^= 0xFF
@@ -96,6 +97,7 @@ def test_restart_without_checkpoint_continues_from_the_newest_verified_weights(t
         for p in t1.policy.model.parameters():
             p.add_(0.05)
     t1.publish(2)
+    t1.close()
     bucket = open_bucket(url)
     patch = bytearray(bucket.get(patch_key("r", 2)))
     patch[len(patch) // 2] ^= 0xFF
@@ -127,6 +129,7 @@ def test_restart_with_a_checkpoint_behind_the_pointer_continues_from_the_publish
         for p in t1.policy.model.parameters():
             p.add_(0.05)
     t1.publish(2)  # killed before its checkpoint: checkpoint v1, pointer v2
+    t1.close()
     t2 = _Trainer(make_cfg(url), echo=lambda *_: None)
     t2.resume()
     _, published = WeightSync(open_bucket(url), "r", "bf16").sync()

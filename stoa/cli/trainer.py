@@ -1,10 +1,24 @@
-"""``stoa trainer``: write the run contract and v1, then learn from whatever rollouts land."""
+"""``stoa trainer``: write the run contract and v1, then learn from whatever rollouts land.
+
+One trainer per run: the trainer holds the run's lease (runs/<run>/trainer/lease.json) and a second one is
+refused. On an existing run the contract's settings are used (model, task, n_samples, plane, sampling,
+staleness, reuse cap, algorithm): restart with just --bucket and --run; a flag that contradicts the run is an
+error showing both values. --steps counts the run's total steps, restarts included.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import warnings
 
 from stoa.config import TrainerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
+
+EXIT_LEASE_HELD = 6
+"""Exit code: another live trainer holds the run's lease."""
+EXIT_LEASE_LOST = 7
+"""Exit code: another trainer took the run over while this one ran (it wrote nothing after that)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,18 +31,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML file: flat, or shared with workers (top-level keys plus a "
                                     "[trainer] section); flags override it")
     p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
+    p.add_argument("--take-over", action="store_true",
+                   help="take the run from a trainer whose lease heartbeat is older than lease_ttl_seconds "
+                        "(a crashed or unreachable one); a live one is never taken over")
     add_config_flags(p, TrainerConfig)
     p.set_defaults(func=run)
 
 
+def given_places(args: argparse.Namespace, overrides: dict) -> dict[str, str]:
+    """Field -> where the user set it (flag, ``DRL_*`` variable or TOML key); fields left at defaults are absent.
+
+    Args:
+        args: parsed arguments.
+        overrides: the flags' values (``overrides_from_args``).
+    """
+    from stoa.config.loading import env_layer, flag_layer, toml_layer
+
+    with warnings.catch_warnings():  # load_config already warned about deprecated names
+        warnings.simplefilter("ignore")
+        layers = [toml_layer(TrainerConfig, args.config), env_layer(TrainerConfig, os.environ),
+                  flag_layer(TrainerConfig, overrides)]
+    return {name: g.place for layer in layers for name, g in layer.items()}
+
+
 def run(args: argparse.Namespace) -> int:
-    """Resolve the config and run (or print it with ``--dry-run``).
+    """Resolve the config (against the run's contract when the run exists) and run, or print it (``--dry-run``).
 
     Args:
         args: parsed arguments.
     """
+    from stoa.trainer.lease import LeaseHeld, LeaseLost
+    from stoa.trainer.setup import resume_config
+
     overrides = overrides_from_args(args, TrainerConfig)
     cfg = load_config(TrainerConfig, toml_path=args.config, overrides=overrides)
+    cfg = resume_config(cfg, given_places(args, overrides))
     if args.dry_run:
         print(config_to_toml(cfg), end="")
         algo = cfg.algo_config()
@@ -37,6 +74,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from stoa.trainer.loop import run_trainer
 
-    summary = run_trainer(cfg)
-    print(f"[trainer] done: {summary['step']} steps, now at v{summary['version']}")
+    try:
+        summary = run_trainer(cfg, take_over=args.take_over)
+    except LeaseHeld as e:
+        print(f"stoa: {e}", file=sys.stderr)
+        return EXIT_LEASE_HELD
+    except LeaseLost as e:
+        print(f"stoa: {e}", file=sys.stderr)
+        return EXIT_LEASE_LOST
+    print(f"[trainer] done: the run is at step {summary['step']}, v{summary['version']}")
     return 0

@@ -25,6 +25,20 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     poll_seconds: float = setting(0.5, "Sleep between bucket listings while waiting for records.")
     max_wait_seconds: float = setting(0.0, "Exit with an error if no usable record arrives for this long "
                                            "(0 = wait forever).")
+    lease_ttl_seconds: float = setting(120.0, "One trainer per run: another trainer may take the run over "
+                                              "(--take-over) once this trainer's lease heartbeat (renewed "
+                                              "every few seconds) is older than this.")
+    keep_rollout_versions: int = setting(0, "Retention: delete each rollout version prefix once it is this "
+                                            "many versions below the staleness window (0 = as soon as it "
+                                            "leaves it); -1 keeps every record (audit).")
+    backpressure: bool = setting(True, "Publish in the run status how many more groups the trainer can use "
+                                       "before they go stale; workers pause at 0 (false: never ask them to).")
+    status_seconds: float = setting(10.0, "Rewrite the run status (the trainer's heartbeat) at least this "
+                                          "often while waiting for records; once per version otherwise.")
+    metrics_flush_rows: int = setting(20, "Upload buffered metrics rows as a chunk under runs/<run>/metrics/ "
+                                          "every this many rows.")
+    metrics_flush_seconds: float = setting(60.0, "Upload buffered metrics rows as a chunk once the oldest is this "
+                                                 "old.")
     quarantine: bool = setting(True, "Skip the records of a worker whose rejection rate or logprob "
                                      "disagreement (at lag 0) is over threshold; false turns quarantine off.")
     quarantine_disagreement: float = setting(0.15, "Quarantine a worker whose median exp|recorded - "
@@ -44,6 +58,13 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         at_least(self, 1, ("micro_batch", "anchor_every", "checkpoint_every", "keep_versions", "reuse_cap",
                            "quarantine_min_records"))
         at_least(self, 0, ("staleness_bound",))
+        at_least(self, -1, ("keep_rollout_versions",))
+        at_least(self, 1, ("metrics_flush_rows",))
+        if not (self.status_seconds > 0 and self.metrics_flush_seconds > 0):
+            raise ConfigError("status_seconds" if self.status_seconds <= 0 else "metrics_flush_seconds",
+                              "must be > 0")
+        if not self.lease_ttl_seconds > 0:
+            raise ConfigError("lease_ttl_seconds", f"must be > 0, got {self.lease_ttl_seconds}")
         if self.quarantine_disagreement <= 0:
             raise ConfigError("quarantine_disagreement", "must be > 0 (turn quarantine off with quarantine = "
                                                          "false)")

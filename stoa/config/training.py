@@ -74,7 +74,8 @@ class TrainingConfig(BaseConfig):
     grad_clip: float = setting(1.0, "Clip the global gradient norm to this (0 disables).")
     micro_batch: int = setting(16, "Sequences per forward/backward micro-batch (gradient accumulation).")
     gradient_checkpointing: bool = setting(False, "Recompute activations in backward to save memory.")
-    steps: int = setting(0, "Stop after this many optimizer steps (0 = run forever).")
+    steps: int = setting(0, "Total optimizer steps of the run, counting the steps taken before a restart: "
+                            "a resumed run stops once it reaches this many (0 = run forever).")
     checkpoint_every: int = setting(1, "Save the trainable weights and optimizer state every this many "
                                        "steps.")
     eval_every: int = setting(0, "Held-out greedy accuracy every this many steps (0 = only at start and "

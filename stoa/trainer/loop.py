@@ -13,9 +13,11 @@ import torch
 from stoa.bucket import BucketError, ObjectExists, PreconditionFailed, open_bucket
 from stoa.config import TrainerConfig
 from stoa.layout import checkpoint_key, rollout_label
-from stoa.metrics import MetricsWriter, default_log_dir
+from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.stopflag import StopFlag
 from stoa.trainer import checkpoint as ckpt
+from stoa.trainer.lease import Lease
+from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, wanted_groups
 from stoa.trainer.policy import Policy
 from stoa.trainer.pool import Entry, PoolStats, RecordPool
 from stoa.trainer.quarantine import Quarantine
@@ -52,27 +54,64 @@ def ride_out(fn: Callable[[], _T], what: str, echo=print, max_sleep_s: float = R
             delay = min(max_sleep_s, delay * 2)
 
 
-def run_trainer(cfg: TrainerConfig, echo=print) -> dict[str, Any]:
-    """Run the trainer until ``cfg.steps`` steps were taken in this process (or forever).
+def run_trainer(cfg: TrainerConfig, echo=print, take_over: bool = False) -> dict[str, Any]:
+    """Run the trainer until the run has taken ``cfg.steps`` steps in total, restarts included (or forever).
 
     SIGINT/SIGTERM finish the current step (journal, publish, checkpoint) and return; a second one interrupts.
+    The run's lease is taken first and released on the way out (see ``stoa.trainer.lease``).
 
     Args:
         cfg: validated trainer config.
         echo: where progress lines go.
+        take_over: take the lease of a trainer whose heartbeat is older than ``cfg.lease_ttl_seconds``.
 
     Returns:
         a summary (versions, evals, step times).
+
+    Raises:
+        LeaseHeld: another live trainer holds the run.
+        LeaseLost: another trainer took the run over while this one ran; nothing more was written.
     """
     stop = StopFlag()
     with stop.installed():
-        return _Trainer(cfg, echo, stop).run()
+        trainer = _Trainer(cfg, echo, stop, take_over=take_over)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
 
 
 class _Trainer:
     """One trainer process: its model, optimizer, pool, publisher and counters."""
 
-    def __init__(self, cfg: TrainerConfig, echo, stop: StopFlag | None = None) -> None:
+    def __init__(self, cfg: TrainerConfig, echo, stop: StopFlag | None = None, take_over: bool = False) -> None:
+        """Take the run's lease (before any write), then build the model, contract, optimizer and pool.
+
+        Args:
+            cfg: validated trainer config.
+            echo: where progress lines go.
+            stop: the SIGINT/SIGTERM flag.
+            take_over: take a lease whose heartbeat is older than ``cfg.lease_ttl_seconds``.
+
+        Raises:
+            LeaseHeld: another live trainer holds the run (nothing was written).
+        """
+        self.cfg, self.echo, self.stop = cfg, echo, stop or StopFlag()
+        self.bucket = open_bucket(cfg.bucket)
+        self.lease = Lease(self.bucket, cfg.run, cfg.lease_ttl_seconds, model=cfg.model, echo=echo)
+        ride_out(lambda: self.lease.acquire(take_over), "the lease", echo)
+        self.lease.start_heartbeat()
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the lease (a lost one stays with its new holder); the next trainer starts at once."""
+        self.lease.release()
+
+    def _build(self, cfg: TrainerConfig) -> None:
         from stoa.algorithms import get_algorithm
         from stoa.engines.torch import resolve_device
         from stoa.models import resolve_model
@@ -80,9 +119,7 @@ class _Trainer:
         from stoa.tokenize import TextCodec
         from stoa.weights.publish import WeightPublisher
 
-        self.cfg, self.echo, self.stop = cfg, echo, stop or StopFlag()
         torch.manual_seed(cfg.seed)
-        self.bucket = open_bucket(cfg.bucket)
         name, opts = parse_task_spec(cfg.task)
         self.task = get_task(name, **opts)
         model_dir = resolve_model(cfg.model)
@@ -109,8 +146,13 @@ class _Trainer:
     def publish(self, version: int) -> Any:
         from stoa.weights.planes import state_from_f32
 
+        self.fence()
         state = state_from_f32(self.policy.export_f32(), self.cfg.plane)
         return ride_out(lambda: self.publisher.publish(version, state), f"v{version}", self.echo)
+
+    def fence(self) -> None:
+        """Renew the lease by CAS right before a group of writes; ``LeaseLost`` if another trainer took over."""
+        ride_out(self.lease.renew, "the lease", self.echo)
 
     def resume(self) -> None:
         """Continue after the newest published version: weights, optimizer, reuse counts, quarantine."""
@@ -165,12 +207,79 @@ class _Trainer:
         self.echo(f"[trainer] no checkpoint: continuing from the newest verified weights, v{at}")
 
     def run(self) -> dict[str, Any]:
+        """Resume, then step until the run's total steps or a stop. The run's status says ``running`` from the
+        first loop on, ``finished`` when the steps are reached or the trainer stops cleanly (written before the
+        last eval, so workers stop competing for the machine) and ``failed`` on an exception."""
         cfg = self.cfg
-        self.resume()
+        self.open_lifecycle()
+        try:
+            self.resume()
+            steps_here = self.loop()
+        except BaseException as e:
+            self.close_lifecycle("failed", e)
+            raise
+        self.close_lifecycle("finished")
+        if steps_here and (not cfg.eval_every or self.step % cfg.eval_every):
+            self.evaluate("after")
+        self.metrics.close()
+        self.summary.update(version=self.version, step=self.step, deleted_objects=self.deleted_objects,
+                            status_writes=self.run_status.writes)
+        return self.summary
+
+    def open_lifecycle(self) -> None:
+        """The run's status writer, rollout retention (from where the previous trainer left it) and the
+        metrics chunks in the bucket, each fenced by the lease."""
+        cfg = self.cfg
+        fence = getattr(self, "fence", None)
+        self.run_status = StatusPublisher(self.bucket, cfg.run, cfg.status_seconds, fence=fence)
+        prior = self.run_status.prior
+        self.retention = RolloutRetention(self.bucket, cfg.run, cfg.staleness_bound, cfg.keep_rollout_versions,
+                                          prior.rollouts_kept_from if prior is not None else 1)
+        self.metrics.sink = BucketMetrics(self.bucket, cfg.run, "trainer", flush_rows=cfg.metrics_flush_rows,
+                                          flush_seconds=cfg.metrics_flush_seconds, fence=fence)
+        self.last_step_s, self.deleted_objects = 0.0, 0
+
+    def beat(self) -> None:
+        """Write the run's status when the version moved or the heartbeat is due, with the groups still
+        wanted from the current window (after the pool listing, so the count is fresh)."""
+        cfg = self.cfg
+        wanted = (wanted_groups(cfg.groups_per_step, cfg.staleness_bound, self.pool.available())
+                  if cfg.backpressure else None)
+        self.run_status.beat(self.version, wanted, step_s=self.last_step_s, kept_from=self.retention.kept_from)
+
+    def close_lifecycle(self, state: str, error: BaseException | None = None) -> None:
+        """Write the final status; on a failure also close the metrics. A trainer that lost its lease
+        writes nothing (its metrics stay in the local file).
+
+        Args:
+            state: ``finished`` or ``failed``.
+            error: the exception that ends the run, if any.
+        """
+        from stoa.trainer.lease import LeaseLost
+
+        lost = isinstance(error, LeaseLost)
+        if not lost:
+            try:
+                self.run_status.write(state, self.version, None, step_s=self.last_step_s,
+                                      kept_from=self.retention.kept_from)
+            except Exception as e:  # the fence: never hide the original error behind this one
+                if error is None:
+                    raise
+                self.echo(f"[trainer] could not write the run status ({type(e).__name__}: {e})")
+        if error is not None:
+            try:
+                self.metrics.close(upload=not lost)
+            except Exception as e:
+                self.echo(f"[trainer] could not flush the metrics ({type(e).__name__}: {e})")
+
+    def loop(self) -> int:
+        """Refresh the pool, beat, wait or step, until the run's total steps or a stop; return steps taken."""
+        cfg = self.cfg
         steps_here, waited_since, last_note = 0, time.monotonic(), 0.0
         self.last_step_at = time.monotonic()
-        while not self.stop.requested and (cfg.steps == 0 or steps_here < cfg.steps):
+        while not self.stop.requested and (cfg.steps == 0 or self.step < cfg.steps):  # steps: run total
             self.pool.refresh(self.version)
+            self.beat()
             if self.pool.available() < cfg.groups_per_step:
                 idle = time.monotonic() - waited_since
                 if cfg.max_wait_seconds and idle > cfg.max_wait_seconds:
@@ -191,17 +300,14 @@ class _Trainer:
             if cfg.eval_every and self.step % cfg.eval_every == 0:
                 self.evaluate(f"step {self.step}")
             waited_since = time.monotonic()
-        if steps_here and (not cfg.eval_every or self.step % cfg.eval_every):
-            self.evaluate("after")
-        self.metrics.close()
-        self.summary.update(version=self.version, step=self.step)
-        return self.summary
+        return steps_here
 
     def train(self, entries: list[Entry]) -> None:
         """One step: journal the uses, train, publish the new version, checkpoint, log."""
         cfg = self.cfg
         journal = {"version": self.version + 1, "step": self.step + 1, "pool": self.pool.state(),
                    "quarantine": self.quarantine.state()}
+        self.fence()
         ride_out(lambda: ckpt.write_journal(self.bucket, cfg.run, journal), "the journal", self.echo)
         m = train_step(self.policy, self.ref, self.opt, self.algo, entries, current_version=self.version,
                        micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip, shared_prefix=cfg.shared_prefix)
@@ -212,11 +318,16 @@ class _Trainer:
         pub = self.publish(self.version)
         ride_out(lambda: self.publisher.gc(cfg.keep_versions), "(collecting) old weights", self.echo)
         if self.step % cfg.checkpoint_every == 0:
+            self.fence()
             ride_out(lambda: ckpt.save_checkpoint(self.bucket, cfg.run, self.policy.model, self.opt,
                                                   version=self.version, step=self.step), "the checkpoint", self.echo)
-        self.log_step(entries, m, self.pool.drain_stats(), time.perf_counter() - t_pub, pub)
+        deleted = self.retention.collect(self.version)
+        self.deleted_objects += deleted
+        self.last_step_s = m["step_time_s"]
+        self.log_step(entries, m, self.pool.drain_stats(), time.perf_counter() - t_pub, pub, deleted)
 
-    def log_step(self, entries: list[Entry], m: dict[str, float], ps: PoolStats, publish_s: float, pub: Any) -> None:
+    def log_step(self, entries: list[Entry], m: dict[str, float], ps: PoolStats, publish_s: float, pub: Any,
+                 deleted: int = 0) -> None:
         cfg = self.cfg
         rewards = np.stack([e.rewards for e in entries])
         lags = np.array([self.version - 1 - e.record.policy_version for e in entries])
@@ -233,6 +344,7 @@ class _Trainer:
         row.update({f"rollout/rejected/{k}": v for k, v in ps.rejected.items()})
         row.update(self.quarantine.metrics())
         row["rollout/filtered"] = ps.filtered
+        row["rollout/deleted_objects"] = deleted
         row["rollout/keys"] = [rollout_label(e.key) for e in entries]
         for lag in range(cfg.staleness_bound + 1):
             row[f"rollout/staleness/{lag}"] = int((lags == lag).sum())

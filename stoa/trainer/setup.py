@@ -1,15 +1,26 @@
-"""Trainer start-up: the run contract, the model files workers need, and evaluation."""
+"""Trainer start-up: the run contract, resuming a run from it, the model files workers need, and evaluation."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from stoa.bucket import Bucket, ObjectExists
+from stoa.bucket import Bucket, ObjectExists, ObjectNotFound, open_bucket
 from stoa.config import TrainerConfig
-from stoa.contract import ContractMismatch, ModelSpec, RunContract, SamplingSpec, upload_model_files
+from stoa.contract import (
+    ContractMismatch,
+    ModelSpec,
+    RunContract,
+    SamplingSpec,
+    canonical_json,
+    download_model_files,
+    upload_model_files,
+)
 from stoa.engines import Engine
 from stoa.layout import contract_key
 from stoa.tasks.base import Task
@@ -81,6 +92,156 @@ def ensure_contract(bucket: Bucket, contract: RunContract, model_dir: Path | Non
         if model_dir is not None:
             upload_model_files(bucket, contract.run_id, model_dir)
         return existing
+
+
+def contract_settings(contract: RunContract) -> dict[str, Any]:
+    """The plain config values a run's contract fixes (task, algorithm and model are handled apart).
+
+    Args:
+        contract: the run's contract.
+    """
+    return {"n_samples": contract.n_samples, "plane": contract.plane,
+            "temperature": contract.sampling.temperature, "top_p": contract.sampling.top_p,
+            "max_new_tokens": contract.sampling.max_new_tokens, "staleness_bound": contract.staleness_bound,
+            "reuse_cap": contract.reuse_cap}
+
+
+def _contradiction(run_id: str, name: str, run_value: Any, place: str, value: Any) -> ContractMismatch:
+    return ContractMismatch([name], f"run {run_id!r} has {run_value}, {place} says {value}; leave {place} out "
+                                    "to resume with the run's settings, or start a new --run")
+
+
+def resume_config(cfg: TrainerConfig, given: Mapping[str, str], echo=print) -> TrainerConfig:
+    """On an existing run, take every contract setting from the run; a given one must agree with it.
+
+    ``stoa trainer --bucket B --run R`` then resumes without repeating flags. ``--model`` is optional:
+    given, its fingerprints must match the contract; left out, the model of the run's last trainer (recorded
+    in its lease) is used when it resolves here with matching fingerprints, else the model is rebuilt from the
+    bucket's model files and the published weights (the checkpoint, if any, is loaded over them).
+
+    Args:
+        cfg: the config from defaults, TOML, env and flags.
+        given: field -> where the user gave it (``--n-samples``, ``DRL_N_SAMPLES``, ...); defaults are absent.
+        echo: where notes go.
+
+    Returns:
+        ``cfg`` unchanged for a new run, else ``cfg`` with the run's settings.
+
+    Raises:
+        ContractMismatch: a given setting contradicts the run; the message shows both values.
+    """
+    bucket = open_bucket(cfg.bucket)
+    try:
+        contract = RunContract.from_json(bucket.get(contract_key(cfg.run)))
+    except ObjectNotFound:
+        return cfg
+    values: dict[str, Any] = {}
+    for name, run_value in contract_settings(contract).items():
+        if name in given and getattr(cfg, name) != run_value:
+            raise _contradiction(cfg.run, name, run_value, given[name], getattr(cfg, name))
+        values[name] = run_value
+    values["task"] = _resume_task(cfg, given, contract)
+    cfg = dataclasses.replace(cfg, **values)
+    cfg = dataclasses.replace(cfg, **_resume_algorithm(cfg, given, contract))
+    cfg = dataclasses.replace(cfg, model=_resume_model(cfg, given, contract, bucket, echo))
+    return cfg.validate()
+
+
+def _resume_task(cfg: TrainerConfig, given: Mapping[str, str], contract: RunContract) -> str:
+    from stoa.tasks import TASKS, get_task, parse_task_spec
+
+    if "task" in given:
+        name, opts = parse_task_spec(cfg.task)
+        task = get_task(name, **opts)
+        if task.id != contract.task_id or canonical_json(task.spec()) != canonical_json(contract.task_spec):
+            raise _contradiction(contract.run_id, "task", f"{contract.task_id} {dict(contract.task_spec)}",
+                                 given["task"], f"{task.id} {task.spec()}")
+        return cfg.task
+    try:
+        default = get_task(contract.task_id).spec()
+    except ValueError:
+        default = {}
+    opts = TASKS[contract.task_id].OPTIONS if contract.task_id in TASKS else {}
+    items = [f"{k}={v}" for k, v in contract.task_spec.items() if k in opts and default.get(k) != v]
+    if any("," in item for item in items):
+        raise ContractMismatch(["task"], f"run {contract.run_id!r} has a task option with a comma; give --task "
+                                         "as the run was started")
+    return contract.task_id + (":" + ",".join(items) if items else "")
+
+
+def _resume_algorithm(cfg: TrainerConfig, given: Mapping[str, str], contract: RunContract) -> dict[str, Any]:
+    run_algo = dict(contract.algorithm)
+    places = [given[n] for n in ("algorithm", "algo", "kl_beta") if n in given]
+    if places:
+        mine = cfg.algo_config().to_dict()
+        for k in sorted(set(mine) | set(run_algo)):
+            if canonical_json(mine.get(k)) != canonical_json(run_algo.get(k)):
+                raise _contradiction(contract.run_id, f"algorithm.{k}", run_algo.get(k), " and ".join(places),
+                                     mine.get(k))
+        return {}
+    knobs = {k: v for k, v in run_algo.items() if k not in ("name", "kl_beta", "temperature", "max_tokens")}
+    return {"algorithm": run_algo.get("name", cfg.algorithm), "algo": knobs, "kl_beta": run_algo.get("kl_beta")}
+
+
+def _fingerprint_diff(model: str, spec: ModelSpec) -> list[str] | None:
+    """The contract's model fields ``model`` disagrees on; ``None`` when it does not resolve here."""
+    from stoa.models import model_fingerprint, resolve_model
+
+    try:
+        fp = model_fingerprint(resolve_model(model))
+    except Exception:  # noqa: BLE001 - any failure to resolve means "not usable here"
+        return None
+    return [f for f in ("architecture", "config_hash", "tokenizer_hash") if getattr(fp, f) != getattr(spec, f)]
+
+
+def _resume_model(cfg: TrainerConfig, given: Mapping[str, str], contract: RunContract, bucket: Bucket,
+                  echo) -> str:
+    from stoa.trainer.lease import Lease
+
+    spec = contract.model
+    if "model" in given:
+        diff = _fingerprint_diff(cfg.model, spec)
+        if diff:
+            raise ContractMismatch([f"model.{f}" for f in diff], f"run {contract.run_id!r} was started with another "
+                                   f"model ({spec.architecture}, config {spec.config_hash[:12]}, tokenizer "
+                                   f"{spec.tokenizer_hash[:12]}) than {given['model']} {cfg.model}; leave "
+                                   "--model out to use the run's model")
+        return cfg.model
+    last, _ = Lease(bucket, cfg.run).read()
+    if last is not None and last.model and _fingerprint_diff(last.model, spec) == []:
+        echo(f"[trainer] run {cfg.run!r}: model {last.model} (as its last trainer)")
+        return last.model
+    if (cfg.kl_beta or 0) > 0:
+        raise ContractMismatch(["model"], f"run {cfg.run!r} has kl_beta {cfg.kl_beta}: its reference is the base "
+                                          "model, whose weights the bucket does not keep; pass --model with it")
+    dest = model_from_bucket(bucket, cfg.run, contract.plane)
+    echo(f"[trainer] run {cfg.run!r}: model rebuilt from the bucket's model files and published weights in {dest}")
+    return str(dest)
+
+
+def model_from_bucket(bucket: Bucket, run_id: str, plane: str, dest: Path | None = None) -> Path:
+    """A model directory from the run's model files and its published weights (the pointer's version).
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run.
+        plane: the run's weight plane.
+        dest: the directory to fill (default: under the stoa cache, per bucket and run).
+    """
+    from safetensors.numpy import save_file
+
+    from stoa.contract import digest_hex
+    from stoa.models import default_cache_dir
+    from stoa.weights.planes import state_to_f32
+    from stoa.weights.sync import WeightSync
+
+    if dest is None:
+        dest = default_cache_dir() / "runs" / digest_hex(bucket.url.encode())[:12] / run_id / "model"
+    download_model_files(bucket, run_id, dest)
+    _, state = WeightSync(bucket, run_id, plane).sync()
+    save_file({k: np.ascontiguousarray(v) for k, v in state_to_f32(state, plane).items()},
+              str(dest / "model.safetensors"))
+    return dest
 
 
 def evaluate(model, codec: TextCodec, task: Task, n: int, max_new_tokens: int,

@@ -1,0 +1,245 @@
+"""One trainer per run: a lease object in the bucket, renewed by compare-and-swap, with fencing.
+
+``runs/<run>/trainer/lease.json`` names the trainer that holds the run (holder id, host, pid, start,
+heartbeat time, epoch). A trainer creates it by CAS (expected etag None), or takes it over by CAS from
+a holder that released it, that died on this host (its pid is gone), or, with ``--take-over``, whose
+heartbeat is older than ``lease_ttl_seconds``. Each take-over bumps the epoch.
+
+Fencing: the holder renews the lease by CAS with the etag it last wrote right before each group of writes
+(journal, publish, checkpoint). A trainer that was paused (SIGSTOP) while another took over finds the etag
+moved, raises :class:`LeaseLost` and writes nothing. A writer can only slip a write past the new holder if
+it is paused for a whole TTL between its lease CAS and the write itself (microseconds of work), because a
+take-over needs the heartbeat to be a TTL old. A daemon thread renews the heartbeat every few seconds, so a
+trainer busy with a long step or waiting for records stays alive. Heartbeat ages compare the holder's
+wall clock with the reader's: keep the TTL well above the clock skew between machines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+
+from stoa.bucket import Bucket, ObjectNotFound, PreconditionFailed
+from stoa.layout import lease_key
+
+DEFAULT_TTL_S = 120.0
+"""A lease whose heartbeat is older than this may be taken over with ``--take-over``."""
+
+
+class LeaseHeld(RuntimeError):
+    """Another live trainer holds the run; the message names it, its host, pid, heartbeat age and the fix."""
+
+
+class LeaseLost(RuntimeError):
+    """This trainer's lease was taken over (or released) by another: it must stop without writing."""
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """The content of ``lease.json``.
+
+    Args:
+        holder: random id of the holding trainer process.
+        host: its host name.
+        pid: its process id on that host.
+        started: when it took the lease (unix time).
+        heartbeat: its last renewal (unix time, the holder's clock).
+        epoch: bumped at every take-over.
+        model: the ``--model`` the holder was started with (a restart without ``--model`` reuses it).
+        released: the holder stopped cleanly; anyone may take the lease.
+    """
+
+    holder: str
+    host: str
+    pid: int
+    started: float
+    heartbeat: float
+    epoch: int
+    model: str = ""
+    released: bool = False
+
+    def to_json(self) -> bytes:
+        """Encode as JSON."""
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> LeaseRecord | None:
+        """Decode; ``None`` when the bytes are not a lease (anyone may write the bucket)."""
+        try:
+            d = json.loads(data)
+            rec = cls(holder=str(d["holder"]), host=str(d["host"]), pid=int(d["pid"]), started=float(d["started"]),
+                      heartbeat=float(d["heartbeat"]), epoch=int(d["epoch"]), model=str(d.get("model", "")),
+                      released=bool(d.get("released", False)))
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
+            return None
+        return rec
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host.
+
+    Args:
+        pid: process id.
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class Lease:
+    """The lease of one run as seen by one trainer process.
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run.
+        ttl_s: heartbeat age after which ``take_over`` may take the lease.
+        model: the ``--model`` this trainer was started with (recorded for restarts).
+        clock: wall clock (tests pass a fake one).
+        echo: where notes go (a take-over).
+    """
+
+    def __init__(self, bucket: Bucket, run_id: str, ttl_s: float = DEFAULT_TTL_S, *, model: str = "",
+                 clock=time.time, echo=print) -> None:
+        self.bucket, self.run_id, self.ttl_s, self.clock, self.echo = bucket, run_id, ttl_s, clock, echo
+        self.key = lease_key(run_id)
+        now = clock()
+        self.mine = LeaseRecord(uuid.uuid4().hex[:12], socket.gethostname(), os.getpid(), now, now, 0, model)
+        self.etag: str | None = None
+        self.lost = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def read(self) -> tuple[LeaseRecord | None, str | None]:
+        """The stored lease and its etag; ``(None, None)`` when there is none (``(None, etag)``: unreadable)."""
+        try:
+            data, etag = self.bucket.get_with_etag(self.key)
+        except ObjectNotFound:
+            return None, None
+        return LeaseRecord.from_json(data), etag
+
+    def acquire(self, take_over: bool = False) -> LeaseRecord | None:
+        """Take the lease or raise :class:`LeaseHeld`; returns the previous holder's record (None if none).
+
+        Args:
+            take_over: take a lease whose heartbeat is older than the TTL (a live-looking one is refused).
+        """
+        while True:
+            prev, etag = self.read()
+            if etag is not None:
+                self._check_takeable(prev, take_over)
+            now = self.clock()
+            epoch = (prev.epoch if prev else 0) + 1
+            rec = replace(self.mine, started=now, heartbeat=now, epoch=epoch)
+            try:
+                self.etag = self.bucket.cas(self.key, rec.to_json(), etag)
+            except PreconditionFailed:
+                continue  # someone else moved it between our read and CAS: judge the new one
+            self.mine = rec
+            if prev is not None and not prev.released:
+                self.echo(f"[trainer] took over run {self.run_id!r} from trainer {prev.holder} on {prev.host} "
+                          f"(pid {prev.pid}, heartbeat {now - prev.heartbeat:.0f}s old); epoch {epoch}")
+            return prev
+
+    def _check_takeable(self, prev: LeaseRecord | None, take_over: bool) -> None:
+        if prev is None:
+            if take_over:
+                return
+            raise LeaseHeld(f"run {self.run_id!r} has an unreadable lease at {self.key}; start with --take-over "
+                            "if no other trainer runs")
+        if prev.released or (prev.host == self.mine.host and not pid_alive(prev.pid)):
+            return  # stopped cleanly, or died on this host
+        age = self.clock() - prev.heartbeat
+        who = f"trainer {prev.holder} on host {prev.host} (pid {prev.pid})"
+        if take_over and age > self.ttl_s:
+            return
+        if take_over:
+            raise LeaseHeld(f"run {self.run_id!r} is held by {who}, heartbeat {age:.0f}s ago: --take-over needs "
+                            f"it older than lease_ttl_seconds ({self.ttl_s:.0f}s); stop that trainer or wait")
+        raise LeaseHeld(f"run {self.run_id!r} is held by {who}, heartbeat {age:.0f}s ago; stop it, or once the "
+                        f"heartbeat is older than lease_ttl_seconds ({self.ttl_s:.0f}s) start with --take-over")
+
+    def renew(self) -> None:
+        """Renew the heartbeat by CAS with the last etag; raise :class:`LeaseLost` if another trainer moved it.
+
+        Call it right before every group of writes: it is the fence.
+        """
+        with self._lock:
+            if self.lost:
+                raise LeaseLost(self._lost_message())
+            if self.etag is None:
+                raise LeaseLost(f"run {self.run_id!r}: this trainer does not hold the lease")
+            rec = replace(self.mine, heartbeat=self.clock())
+            try:
+                self.etag = self.bucket.cas(self.key, rec.to_json(), self.etag)
+            except PreconditionFailed:
+                if not self._still_mine():
+                    self.lost = True
+                    raise LeaseLost(self._lost_message()) from None
+                self.etag = self.bucket.cas(self.key, rec.to_json(), self.etag)
+            self.mine = rec
+
+    def _still_mine(self) -> bool:
+        """After a lost CAS: our own earlier write may have landed though its answer was lost (a retry)."""
+        stored, etag = self.read()
+        if stored is not None and stored.holder == self.mine.holder and stored.epoch == self.mine.epoch \
+                and not stored.released:
+            self.etag = etag
+            return True
+        return False
+
+    def _lost_message(self) -> str:
+        stored, _ = self.read()
+        by = f" by trainer {stored.holder} on {stored.host} (pid {stored.pid})" if stored else ""
+        return (f"run {self.run_id!r}: this trainer lost its lease{by}; it stops without writing anything "
+                "(the other trainer owns the run now)")
+
+    def start_heartbeat(self, every_s: float | None = None) -> None:
+        """Renew from a daemon thread every ``every_s`` (default: a quarter of the TTL, at most 5 s).
+
+        Args:
+            every_s: seconds between renewals.
+        """
+        period = every_s if every_s is not None else min(5.0, self.ttl_s / 4)
+
+        def beat() -> None:
+            while not self._stop.wait(period):
+                try:
+                    self.renew()
+                except LeaseLost:
+                    return
+                except Exception as e:  # an outage: the next beat retries; the fence is the step's renew
+                    self.echo(f"[trainer] lease heartbeat failed, retrying: {e}")
+
+        self._thread = threading.Thread(target=beat, name="stoa-lease", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop the heartbeat and mark the lease released (CAS), so the next trainer starts at once.
+
+        Does nothing when the lease was lost (the new holder's record stays).
+        """
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        with self._lock:
+            if self.lost or self.etag is None:
+                return
+            rec = replace(self.mine, heartbeat=self.clock(), released=True)
+            try:
+                self.bucket.cas(self.key, rec.to_json(), self.etag)
+            except PreconditionFailed:
+                self.lost = True
+                return
+            self.etag = None
