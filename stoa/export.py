@@ -158,7 +158,8 @@ def _target(bucket: Bucket, run_id: str, version: int | None) -> Pointer:
                    current.plane, s_hash, now_iso())
 
 
-def published_state(bucket: Bucket, run_id: str, version: int | None, echo: Echo = print) -> tuple[Pointer, State]:
+def published_state(bucket: Bucket, run_id: str, version: int | None,
+                    echo: Echo = print) -> tuple[Pointer, State]:
     """Rebuild and verify the published plane of ``version`` (default: the pointer's).
 
     Args:
@@ -202,10 +203,12 @@ def checkpoint_tensors(bucket: Bucket, run_id: str) -> tuple[int, dict[str, Any]
         try:
             bucket.get_file(checkpoint_key(run_id), tmp)
         except ObjectNotFound:
-            raise ExportError(f"run {run_id!r} has no trainer checkpoint yet; export --source published") from None
+            raise ExportError(f"run {run_id!r} has no trainer checkpoint yet; export --source published"
+                              ) from None
         with safe_open(tmp, "pt") as f:
             meta = f.metadata() or {}
-            tensors = {k.split("/", 1)[1]: f.get_tensor(k).float() for k in f.keys() if k.startswith("param/")}
+            tensors = {k.split("/", 1)[1]: f.get_tensor(k).float()
+                       for k in f.keys() if k.startswith("param/")}
     finally:
         os.unlink(tmp)
     return int(meta.get("version", 0)), tensors

@@ -67,7 +67,8 @@ def _greedy_torch(model, ids: list[int]) -> list[int]:
     return seq[len(ids):]
 
 
-def _policy_greedy(trainer: _Trainer, weights: dict[str, np.ndarray], prompts: list[list[int]]) -> list[list[int]]:
+def _policy_greedy(trainer: _Trainer, weights: dict[str, np.ndarray],
+                   prompts: list[list[int]]) -> list[list[int]]:
     """The trainer policy's greedy tokens with the given float weights loaded (restores its own after)."""
     own = {k: v.copy() for k, v in trainer.policy.export_f32().items()}
     trainer.policy.load_f32(weights)

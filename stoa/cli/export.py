@@ -6,7 +6,7 @@ import argparse
 import sys
 
 EXIT_EXPORT_REFUSED = 6
-"""Exit code of an export refused for a reason the message names (unknown run, version gone, OUT not empty)."""
+"""Exit code of a refused export; the message names why (unknown run, version gone, OUT not empty)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,8 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export", help="write a run's model as a Hugging Face directory",
         description="Write config.json, the tokenizer files and model.safetensors of a run into OUT. "
-                    "'published' rebuilds the exact published weights of a version (bfloat16; an int8g64 plane "
-                    "is dequantized exactly); 'checkpoint' writes the trainer's float32 master weights.")
+                    "'published' rebuilds the exact published weights of a version (bfloat16; an "
+                    "int8g64 plane is dequantized exactly); 'checkpoint' writes the trainer's float32 "
+                    "master weights.")
     p.add_argument("out", metavar="OUT", help="directory to create (must be new or empty)")
     p.add_argument("--bucket", required=True, help="bucket URL or local directory of the run")
     p.add_argument("--run", required=True, help="run id")
@@ -41,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     from stoa.export import ExportError, export_run
 
     try:
-        result = export_run(open_bucket(args.bucket), args.run, args.out, version=args.version, source=args.source)
+        result = export_run(open_bucket(args.bucket), args.run, args.out, version=args.version,
+                            source=args.source)
     except ExportError as e:
         print(f"stoa export: {e}", file=sys.stderr)
         return EXIT_EXPORT_REFUSED

@@ -1,4 +1,4 @@
-"""``stoa local train|smoke``: the single-process local mode's command line (thin: config, then the loop)."""
+"""``stoa local train|smoke|export``: local mode's command line (thin: config, then the loop)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ SMOKE_FIELDS = ("backend", "model", "quant_bits", "quant_group_size", "lora_rank
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the ``local`` command with ``train`` and ``smoke``.
+    """Add the ``local`` command with ``train``, ``smoke`` and ``export``.
 
     Args:
         sub: the top-level subparsers.
@@ -37,6 +37,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     not_smoke = tuple(f for f in LocalConfig.__dataclass_fields__ if f not in SMOKE_FIELDS)
     add_config_flags(smoke, LocalConfig, skip=not_smoke)
     smoke.set_defaults(func=run_smoke)
+    export = lsub.add_parser("export", help="fuse the adapters into the base and write an HF directory",
+                             description="Fuse the LoRA adapters of RUN_DIR's latest saved state into the "
+                                         "dequantized base and write OUT (config, tokenizer, "
+                                         "model.safetensors); the mlx-lm adapter layout goes to OUT/adapters.")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the local run's output_dir")
+    export.add_argument("out", metavar="OUT", help="directory to create (must be new or empty)")
+    export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype of the fused weights [default: float32]")
+    export.set_defaults(func=run_export)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -100,4 +109,23 @@ def run_smoke(args: argparse.Namespace) -> int:
         print(f"stoa local smoke: FAILED: {e}", file=sys.stderr)
         return 1
     print("smoke: ok")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Fuse and write the HF directory; 6 with a one-line message when the export is refused.
+
+    Args:
+        args: parsed arguments.
+    """
+    from stoa.export import ExportError
+    from stoa.local.export import export_local
+
+    try:
+        result = export_local(args.run_dir, args.out, dtype=args.dtype)
+    except ExportError as e:
+        print(f"stoa local export: {e}", file=sys.stderr)
+        return 6
+    print(f"[export] wrote step {result.step} ({result.fused} adapters fused, {result.dtype}, "
+          f"{result.nbytes / 1e6:.1f} MB) to {result.out}; mlx-lm adapters in {result.adapters}")
     return 0

@@ -100,7 +100,8 @@ def _load_run(run_dir: Path) -> tuple[Any, Any]:
         raise ExportError(str(e)) from None
     if saved is None or not (run_dir / "config.toml").is_file():
         raise ExportError(f"{run_dir} holds no saved local run (no latest.json and config.toml); give the "
-                          "output_dir of a run that saved at least once (checkpoint_every > 0, or a finished run)")
+                          "output_dir of a run that saved at least once (checkpoint_every > 0, or a finished "
+                          "run)")
     over = {"backend": "torch", "device": "cpu", "dtype": "float32", "torch_base": "dequantized",
             "gradient_checkpointing": False}
     try:
@@ -133,7 +134,8 @@ def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         raise ExportError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     check_out_dir(out)
     saved, cfg = _load_run(run_dir)
-    echo(f"[export] {run_dir}: step {saved.step}, {cfg.model}, {cfg.quant_bits}-bit base, LoRA rank {cfg.lora_rank}")
+    echo(f"[export] {run_dir}: step {saved.step}, {cfg.model}, {cfg.quant_bits}-bit base, "
+         f"LoRA rank {cfg.lora_rank}")
     model_dir = resolve_model(cfg.model)
     backend = TorchBackend(cfg, model_dir)
     try:
