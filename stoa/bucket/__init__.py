@@ -18,7 +18,7 @@ from .base import (
 )
 from .credentials import CredentialsError
 from .outage import PatientBucket, RetryPolicy
-from .url import ACCEPTED_FORMS, BucketURL, parse_bucket_url
+from .url import ACCEPTED_FORMS, BucketURL, BucketURLError, parse_bucket_url
 
 __all__ = [
     "ACCEPTED_FORMS",
@@ -26,6 +26,7 @@ __all__ = [
     "Bucket",
     "BucketError",
     "BucketURL",
+    "BucketURLError",
     "BucketUnreachable",
     "CredentialsError",
     "ObjectExists",
@@ -34,6 +35,7 @@ __all__ = [
     "PatientBucket",
     "PreconditionFailed",
     "RetryPolicy",
+    "check_bucket_url",
     "open_bucket",
     "parse_bucket_url",
     "validate_key",
@@ -58,18 +60,43 @@ def _float_var(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def check_bucket_url(url: str, *, must_exist: bool = False) -> BucketURL:
+    """Parse a bucket URL and check a local one against the file system, before anything is opened.
+
+    Args:
+        url: the bucket URL.
+        must_exist: a local directory must already exist (a worker's: the trainer creates it).
+
+    Raises:
+        BucketURLError: (a ValueError) the URL is malformed (see ``parse_bucket_url``), a local path is
+            a file, or ``must_exist`` and the directory does not exist; the message names the fix.
+    """
+    where = parse_bucket_url(url)
+    if where.scheme != "file":
+        return where
+    path = os.path.expanduser(where.location)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise BucketURLError(f"bucket {url.strip()!r} is a file, not a directory; give a directory (a local "
+                             f"bucket is a directory tree) or s3://BUCKET[/PREFIX]")
+    if must_exist and not os.path.isdir(path):
+        raise BucketURLError(f"bucket directory {os.path.abspath(path)} does not exist; start the trainer "
+                             f"first (it creates it) or fix the --bucket path")
+    return where
+
+
 def open_bucket(
     url: str,
     env: Mapping[str, str] | None = None,
     *,
     env_file: str | os.PathLike[str] | None = None,
     retry_seconds: float | None = None,
+    create: bool = True,
 ) -> Bucket:
     """Open a bucket from a URL.
 
     Forms: a plain directory path or ``file://DIR`` gives a LocalBucket rooted at DIR (created if
-    missing); ``s3://BUCKET/PREFIX`` and ``r2://BUCKET/PREFIX`` give an S3Bucket whose keys live under
-    PREFIX. For S3/R2 an empty BUCKET (``r2:///PREFIX``) means the R2_BUCKET (or AWS_BUCKET) variable.
+    missing, unless ``create`` is False); ``s3://BUCKET/PREFIX`` and ``r2://BUCKET/PREFIX`` give an
+    S3Bucket whose keys live under PREFIX. For S3/R2 an empty BUCKET (``r2:///PREFIX``) means the R2_BUCKET (or AWS_BUCKET) variable.
     Credentials come from ``env`` (see stoa.bucket.credentials). Tuning variables read from ``env``:
     ``STOA_S3_LISTING`` ("server" or "client"), ``STOA_BUCKET_RETRY_TIMEOUT_S`` (default 20) and
     ``STOA_BUCKET_CONNECT_TIMEOUT_S`` (default 5).
@@ -82,15 +109,18 @@ def open_bucket(
         retry_seconds: Retry budget of one S3 operation (time-bounded, jittered exponential backoff);
             overrides ``STOA_BUCKET_RETRY_TIMEOUT_S``. Workers pass minutes here. A local bucket retries
             an unusable directory (EIO, ESTALE, full, read-only) within it; without it, it fails at once.
+        create: create a missing local directory (the trainer's case); False refuses it (a worker's).
 
     Returns:
         The bucket.
 
     Raises:
-        ValueError: Unknown URL form or invalid prefix; the message names the accepted forms.
+        BucketURLError: (a ValueError) unknown or malformed URL, a local path that is a file, or a missing
+            directory with ``create=False``; the message names the accepted forms or the fix.
+        ValueError: invalid prefix or tuning variable.
         CredentialsError: S3/R2 credentials missing or env file unsafe; names the variables needed.
     """
-    where = parse_bucket_url(url)
+    where = check_bucket_url(url, must_exist=not create)
     budget = RetryPolicy.for_budget(retry_seconds) if retry_seconds is not None else None
     if where.scheme == "file":
         from .local import LocalBucket
