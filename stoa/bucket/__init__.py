@@ -96,7 +96,8 @@ def open_bucket(
 
     Forms: a plain directory path or ``file://DIR`` gives a LocalBucket rooted at DIR (created if
     missing, unless ``create`` is False); ``s3://BUCKET/PREFIX`` and ``r2://BUCKET/PREFIX`` give an
-    S3Bucket whose keys live under PREFIX. For S3/R2 an empty BUCKET (``r2:///PREFIX``) means the R2_BUCKET (or AWS_BUCKET) variable.
+    S3Bucket whose keys live under PREFIX. For S3/R2 an empty BUCKET (``r2:///PREFIX``) means the
+    R2_BUCKET (or AWS_BUCKET) variable.
     Credentials come from ``env`` (see stoa.bucket.credentials). Tuning variables read from ``env``:
     ``STOA_S3_LISTING`` ("server" or "client"), ``STOA_BUCKET_RETRY_TIMEOUT_S`` (default 20) and
     ``STOA_BUCKET_CONNECT_TIMEOUT_S`` (default 5).
