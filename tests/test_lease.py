@@ -1,0 +1,127 @@
+"""The trainer's lease: one trainer per run, take-over after the TTL, fencing of a trainer that lost it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from stoa.bucket import open_bucket
+from stoa.layout import lease_key
+from stoa.trainer.lease import Lease, LeaseHeld, LeaseLost, LeaseRecord
+
+
+class Clock:
+    """A settable wall clock."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def quiet(*_):
+    return None
+
+
+def lease(bucket, clock, **kw) -> Lease:
+    return Lease(bucket, "r", ttl_s=10.0, clock=clock, echo=quiet, **kw)
+
+
+def foreign(held: Lease, host: str = "other-host") -> Lease:
+    """Pretend ``held`` runs on another host (so its pid says nothing about liveness here)."""
+    held.mine = LeaseRecord(held.mine.holder, host, 4242, held.mine.started, held.mine.heartbeat, 0, held.mine.model)
+    return held
+
+
+def test_a_second_trainer_is_refused_naming_the_holder_host_pid_and_age(tmp_path):
+    b, clock = open_bucket(str(tmp_path / "b")), Clock()
+    first = foreign(lease(b, clock, model="tiny"))
+    assert first.acquire() is None
+    clock.t += 3
+    with pytest.raises(LeaseHeld) as e:
+        lease(b, clock).acquire()
+    msg = str(e.value)
+    assert first.mine.holder in msg and "other-host" in msg and "pid 4242" in msg and "3s ago" in msg
+    assert "--take-over" in msg and "lease_ttl_seconds (10s)" in msg and "\n" not in msg
+    rec = LeaseRecord.from_json(b.get(lease_key("r")))
+    assert rec is not None and rec.epoch == 1 and rec.model == "tiny"
+
+
+def test_take_over_needs_a_heartbeat_older_than_the_ttl_and_bumps_the_epoch(tmp_path):
+    b, clock = open_bucket(str(tmp_path / "b")), Clock()
+    first = foreign(lease(b, clock))
+    first.acquire()
+    clock.t += 9
+    with pytest.raises(LeaseHeld, match="9s ago: --take-over needs it older than lease_ttl_seconds"):
+        lease(b, clock).acquire(take_over=True)
+    clock.t += 2
+    second = lease(b, clock)
+    prev = second.acquire(take_over=True)
+    assert prev is not None and prev.holder == first.mine.holder
+    assert LeaseRecord.from_json(b.get(lease_key("r"))).epoch == 2
+
+
+def test_a_renewing_holder_keeps_its_lease(tmp_path):
+    b, clock = open_bucket(str(tmp_path / "b")), Clock()
+    first = foreign(lease(b, clock))
+    first.acquire()
+    for _ in range(5):
+        clock.t += 8
+        first.renew()
+    with pytest.raises(LeaseHeld):
+        lease(b, clock).acquire(take_over=True)  # heartbeat 0s old: a live trainer is never taken over
+
+
+def test_the_old_holder_is_fenced_after_a_take_over_and_writes_nothing(tmp_path):
+    b, clock = open_bucket(str(tmp_path / "b")), Clock()
+    old = foreign(lease(b, clock))
+    old.acquire()
+    clock.t += 11  # old was paused past the TTL
+    new = lease(b, clock)
+    new.acquire(take_over=True)
+    stored = b.get(lease_key("r"))
+    with pytest.raises(LeaseLost, match="lost its lease by trainer"):
+        old.renew()
+    with pytest.raises(LeaseLost):
+        old.renew()  # stays lost
+    old.release()  # does not touch the new holder's lease
+    assert b.get(lease_key("r")) == stored
+    new.renew()
+
+
+def test_a_released_lease_is_taken_at_once_and_a_dead_holder_on_this_host_too(tmp_path):
+    b, clock = open_bucket(str(tmp_path / "b")), Clock()
+    first = lease(b, clock)
+    first.acquire()
+    first.release()
+    second = lease(b, clock)
+    assert second.acquire().released  # no --take-over, no waiting for the TTL
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    second.mine = LeaseRecord(second.mine.holder, second.mine.host, int(dead.stdout), 0, clock(), 2)
+    second.renew()  # the lease now names a process of this host that has exited
+    third = lease(b, clock)
+    assert third.acquire().pid == int(dead.stdout)
+
+
+def test_a_lease_that_is_not_json_needs_take_over(tmp_path):
+    b, clock = open_bucket(str(tmp_path / "b")), Clock()
+    b.put(lease_key("r"), b"garbage")  # anyone may write the bucket
+    with pytest.raises(LeaseHeld, match="unreadable lease"):
+        lease(b, clock).acquire()
+    lease(b, clock).acquire(take_over=True)
+
+
+def test_a_renewal_whose_answer_was_lost_is_not_a_lost_lease(tmp_path):
+    b, clock = open_bucket(str(tmp_path / "b")), Clock()
+    mine = lease(b, clock)
+    mine.acquire()
+    stale = mine.etag
+    clock.t += 1
+    mine.renew()  # landed; pretend the answer was lost and the etag not updated
+    mine.etag = stale
+    clock.t += 1
+    mine.renew()
+    assert LeaseRecord.from_json(b.get(lease_key("r"))).holder == mine.mine.holder
