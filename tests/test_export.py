@@ -183,3 +183,25 @@ def test_a_version_removed_by_retention_is_named_gone(run, tmp_path):
     finally:
         shutil.rmtree(root)
         shutil.copytree(backup, root)
+
+
+def test_quickstart_summary_names_the_model_and_an_export_command_that_works(run, tmp_path, capsys,
+                                                                              monkeypatch):
+    import shlex
+
+    from stoa.cli import main
+    from stoa.cli.quickstart import _print_summary
+
+    root = Path(run["trainer"].cfg.bucket)
+    _print_summary({"step": 2, "version": 3}, 60.0, root, "r")
+    lines = capsys.readouterr().out.splitlines()
+    model = next(line for line in lines if line.strip().startswith("model"))
+    assert "v3" in model and str(root.resolve()) in model and "checkpoint.safetensors" in model
+    command = next(line for line in lines if line.strip().startswith("export")).split("export", 1)[1]
+    argv = shlex.split(command.split("(")[0])
+    assert argv[0] == "stoa"
+    monkeypatch.chdir(tmp_path)
+    assert main(argv[1:]) == 0
+    assert (tmp_path / "r-hf" / "model.safetensors").is_file()
+    assert main(argv[1:]) == 6  # a second export into the same directory is refused
+    assert "is not empty" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from stoa.config import TrainerConfig, load_config
-from stoa.layout import logs_prefix, metrics_prefix, run_prefix
+from stoa.layout import checkpoint_key, logs_prefix, metrics_prefix, run_prefix, weights_prefix
 
 # Defaults sized so the whole run finishes within ~20 minutes on a 2-core CPU with SmolLM2-135M.
 DEFAULTS = {"model": "smollm2-135m", "task": "arithmetic", "steps": 12, "workers": 2}
@@ -119,3 +119,8 @@ def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
         print(f"  reward mean    first {first:.3f} -> last {last:.3f}")
     if evals:
         print(f"  held-out acc   before {evals[0]['accuracy']:.3f} -> after {evals[-1]['accuracy']:.3f}")
+    where = root.resolve()
+    print(f"  model          v{summary.get('version')} published under {where / weights_prefix(run_id)}; "
+          f"fp32 master weights in {where / checkpoint_key(run_id)}")
+    print(f"  export         stoa export --bucket {root} --run {run_id} {run_id}-hf  (a Hugging Face "
+          "directory for transformers and mlx-lm; --source checkpoint for the fp32 weights)")
