@@ -205,3 +205,23 @@ def test_quickstart_summary_names_the_model_and_an_export_command_that_works(run
     assert (tmp_path / "r-hf" / "model.safetensors").is_file()
     assert main(argv[1:]) == 6  # a second export into the same directory is refused
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_an_int8g64_plane_is_written_as_its_exact_mlx_dequantization():
+    import torch
+
+    from stoa.export import bf16_tensors
+    from stoa.weights.planes import dequantize_int8g64
+
+    rng = np.random.default_rng(0)
+    named = {"model.layers.0.mlp.up_proj.weight": rng.standard_normal((8, 128)).astype(np.float32),
+             "model.norm.weight": rng.standard_normal(128).astype(np.float32)}
+    state = state_from_f32(named, "int8g64")
+    got = bf16_tensors(state, "int8g64")
+    assert set(got) == set(named) and {t.dtype for t in got.values()} == {torch.bfloat16}
+    stem = "model.layers.0.mlp.up_proj"
+    want = dequantize_int8g64(state[stem + ".weight"], state[stem + ".scales"], state[stem + ".biases"])
+    np.testing.assert_array_equal(got[stem + ".weight"].float().numpy(), want)
+    np.testing.assert_array_equal(got["model.norm.weight"].float().numpy(),
+                                  state_to_f32({"model.norm.weight": state["model.norm.weight"]}, "bf16")[
+                                      "model.norm.weight"])
