@@ -6,6 +6,7 @@ import pytest
 
 from stoa.bucket import BucketUnreachable, PreconditionFailed, open_bucket
 from stoa.config import TrainerConfig
+from stoa.contract import RunContract
 from stoa.layout import anchor_prefix, contract_key, patch_key
 from stoa.trainer.loop import _Trainer, ride_out
 from stoa.weights.sync import WeightSync
@@ -135,3 +136,77 @@ def test_restart_with_a_checkpoint_behind_the_pointer_continues_from_the_publish
     _, published = WeightSync(open_bucket(url), "r", "bf16").sync()
     assert t2.version == 2
     assert state_hash(state_from_f32(t2.policy.export_f32(), "bf16")) == state_hash(published)
+
+
+def new_run(url: str, **kw) -> None:
+    """A run with its contract, v1 and a released lease (its trainer stopped)."""
+    t = _Trainer(make_cfg(url, **kw), echo=lambda *_: None)
+    t.resume()
+    t.close()
+
+
+def test_a_restart_with_only_bucket_and_run_takes_the_contract_settings(tmp_path, stoa_cache):
+    from stoa.trainer.setup import resume_config
+
+    url = str(tmp_path / "b")
+    new_run(url, n_samples=3, temperature=0.7, max_new_tokens=12, reuse_cap=1, algorithm="dapo", plane="int8g64")
+    bare = TrainerConfig(bucket=url, run="r", model="elsewhere").validate()
+    cfg = resume_config(bare, {"bucket": "--bucket", "run": "--run"}, echo=lambda *_: None)
+    assert (cfg.n_samples, cfg.temperature, cfg.max_new_tokens, cfg.reuse_cap, cfg.plane, cfg.task, cfg.algorithm) \
+        == (3, 0.7, 12, 1, "int8g64", "toy", "dapo")
+    assert cfg.model == "tiny"  # the last trainer's --model, recorded in its lease
+    t = _Trainer(cfg, echo=lambda *_: None)  # the contract it builds equals the run's
+    assert t.contract.fingerprint() == RunContract.from_json(open_bucket(url).get(contract_key("r"))).fingerprint()
+    t.close()
+
+
+def test_a_flag_that_contradicts_the_run_is_an_error_showing_both_values(tmp_path, stoa_cache):
+    from stoa.contract import ContractMismatch
+    from stoa.trainer.setup import resume_config
+
+    url = str(tmp_path / "b")
+    new_run(url, n_samples=8)
+    with pytest.raises(ContractMismatch, match=r"n_samples \(run 'r' has 8, --n-samples says 6; leave --n-samples"):
+        resume_config(make_cfg(url, n_samples=6), {"n_samples": "--n-samples"})
+    with pytest.raises(ContractMismatch, match=r"task \(run 'r' has toy .*, --task says arithmetic"):
+        resume_config(make_cfg(url, n_samples=8, task="arithmetic"), {"task": "--task"})
+    with pytest.raises(ContractMismatch, match=r"algorithm.name \(run 'r' has grpo, --algorithm says dapo"):
+        resume_config(make_cfg(url, n_samples=8, algorithm="dapo"), {"algorithm": "--algorithm"})
+    with pytest.raises(ContractMismatch, match="model.config_hash"):
+        resume_config(make_cfg(url, n_samples=8, model="tiny-qwen2"), {"model": "--model"})
+    same = resume_config(make_cfg(url, n_samples=8), {"n_samples": "--n-samples", "model": "--model"})
+    assert same.n_samples == 8 and same.model == "tiny"  # agreeing flags are fine
+
+
+def test_without_a_usable_model_the_run_rebuilds_it_from_the_bucket(tmp_path, stoa_cache):
+    from stoa.layout import lease_key
+    from stoa.trainer.lease import LeaseRecord
+    from stoa.trainer.setup import resume_config
+    from stoa.weights.hashing import state_hash
+    from stoa.weights.planes import state_from_f32
+
+    url = str(tmp_path / "b")
+    new_run(url)
+    bucket = open_bucket(url)
+    rec = LeaseRecord.from_json(bucket.get(lease_key("r")))
+    bucket.put(lease_key("r"), LeaseRecord(**{**rec.__dict__, "model": str(tmp_path / "gone")}).to_json())
+    cfg = resume_config(TrainerConfig(bucket=url, run="r").validate(), {}, echo=lambda *_: None)
+    assert cfg.model.startswith(str(stoa_cache))
+    t = _Trainer(cfg, echo=lambda *_: None)
+    t.resume()
+    _, published = WeightSync(bucket, "r", "bf16").sync()
+    assert t.version == 1
+    assert state_hash(state_from_f32(t.policy.export_f32(), "bf16")) == state_hash(published)
+    t.close()
+
+
+def test_steps_counts_the_run_total_across_restarts(tmp_path, stoa_cache):
+    from stoa.trainer import checkpoint as ckpt
+
+    url = str(tmp_path / "b")
+    new_run(url)
+    ckpt.write_journal(open_bucket(url), "r", {"version": 1, "step": 3, "pool": {}, "quarantine": {}})
+    t = _Trainer(make_cfg(url, steps=3, max_wait_seconds=1, poll_seconds=0.05), echo=lambda *_: None)
+    summary = t.run()  # the run already took 3 steps: nothing to do (no wait for records)
+    t.close()
+    assert summary["step"] == 3 and summary["version"] == 1

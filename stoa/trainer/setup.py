@@ -174,7 +174,7 @@ def _resume_algorithm(cfg: TrainerConfig, given: Mapping[str, str], contract: Ru
     places = [given[n] for n in ("algorithm", "algo", "kl_beta") if n in given]
     if places:
         mine = cfg.algo_config().to_dict()
-        for k in sorted(set(mine) | set(run_algo)):
+        for k in sorted(set(mine) | set(run_algo), key=lambda k: (k != "name", k)):  # the name first
             if canonical_json(mine.get(k)) != canonical_json(run_algo.get(k)):
                 raise _contradiction(contract.run_id, f"algorithm.{k}", run_algo.get(k), " and ".join(places),
                                      mine.get(k))
