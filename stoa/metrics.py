@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
@@ -16,10 +20,12 @@ class MetricsWriter:
     Args:
         path: the JSONL file (parent directories are created).
         run_name: name for the optional W&B run.
+        sink: also hand every row to this :class:`BucketMetrics` (chunks in the bucket).
     """
 
-    def __init__(self, path: str | Path, run_name: str = "stoa"):
+    def __init__(self, path: str | Path, run_name: str = "stoa", sink: BucketMetrics | None = None):
         self.path = Path(path)
+        self.sink = sink
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         self._wandb = None
@@ -46,14 +52,121 @@ class MetricsWriter:
                 v = None
             row[k] = v
         self._fh.write(json.dumps(row) + "\n")
+        if self.sink is not None:
+            self.sink.add(row)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=step)
 
-    def close(self) -> None:
-        """Flush and close."""
-        self._fh.close()
+    def close(self, upload: bool = True) -> None:
+        """Flush and close.
+
+        Args:
+            upload: flush the rows still buffered for the bucket (False: keep them only in the local file,
+                e.g. when this trainer may no longer write to the bucket).
+        """
+        try:
+            if self.sink is not None and upload:
+                self.sink.flush()
+        finally:
+            self._fh.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class BucketMetrics:
+    """Rows uploaded as create-only chunk objects ``runs/<run>/metrics/<source>-<start>-<seq>.jsonl``.
+
+    S3 has no append, so rows are buffered and flushed as a new object every ``flush_rows`` rows or
+    ``flush_seconds`` seconds (checked on each row) and at close. An upload that fails is logged and
+    its rows stay buffered for the next flush: metrics never stop training.
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run id.
+        source: who writes (``trainer``); part of the key.
+        flush_rows: flush once this many rows are buffered.
+        flush_seconds: flush once the oldest buffered row is this old.
+        fence: called before every upload; raises when this process may no longer write.
+        clock: wall clock (the chunk names' start) and monotonic clock for the interval.
+        mono: monotonic clock.
+    """
+
+    def __init__(self, bucket: Any, run_id: str, source: str = "trainer", *, flush_rows: int = 20,
+                 flush_seconds: float = 60.0, fence: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic) -> None:
+        self.bucket, self.run_id, self.source = bucket, run_id, source
+        self.flush_rows, self.flush_seconds, self.fence = flush_rows, flush_seconds, fence
+        self.start, self._mono = int(clock()), mono
+        self.seq = 0
+        self.rows: list[dict[str, Any]] = []
+        self._first_at = 0.0
+        self.uploads = self.failures = 0
+
+    def add(self, row: dict[str, Any]) -> None:
+        """Buffer one row; flush when enough rows or seconds have gathered.
+
+        Args:
+            row: a metrics row (JSON-able).
+        """
+        if not self.rows:
+            self._first_at = self._mono()
+        self.rows.append(row)
+        if len(self.rows) >= self.flush_rows or self._mono() - self._first_at >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> bool:
+        """Upload the buffered rows as the next chunk; return whether they landed (or there were none)."""
+        from stoa.bucket import BucketError, ObjectExists
+        from stoa.layout import metrics_chunk_key
+
+        if not self.rows:
+            return True
+        if self.fence is not None:
+            self.fence()
+        data = "".join(json.dumps(r) + "\n" for r in self.rows).encode()
+        for _ in range(3):
+            key = metrics_chunk_key(self.run_id, self.source, self.start, self.seq)
+            try:
+                self.bucket.put_create(key, data)
+            except ObjectExists:
+                self.seq += 1  # another process of the same source started the same second
+                continue
+            except BucketError as e:
+                self.failures += 1
+                log.warning("uploading metrics chunk %s failed, keeping %d rows for the next flush: %s",
+                            key, len(self.rows), e)
+                return False
+            self.seq, self.rows = self.seq + 1, []
+            self.uploads += 1
+            return True
+        return False
+
+
+def read_bucket_metrics(bucket: Any, run_id: str, source: str | None = "trainer") -> list[dict[str, Any]]:
+    """Every row of a run's metrics chunks, in order (process start, then chunk number).
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run id.
+        source: only chunks of this writer (None: every writer, ordered by writer first).
+    """
+    from stoa.layout import metrics_prefix, parse_metrics_chunk_key
+
+    chunks = []
+    for info in bucket.list(metrics_prefix(run_id)):
+        parsed = parse_metrics_chunk_key(run_id, info.key)
+        if parsed is not None and (source is None or parsed.source == source):
+            chunks.append((parsed.source, parsed.start, parsed.seq, info.key))
+    rows: list[dict[str, Any]] = []
+    for *_, key in sorted(chunks):
+        for line in bucket.get(key).decode(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -31,6 +31,13 @@ class WorkerConfig(FleetConfig):
     poll_seconds: float = setting(2.0, "Wait between pointer polls while the run has no weights yet.")
     wait_seconds: float = setting(600.0, "Give up if the run contract or weights do not appear within this "
                                          "long.")
+    trainer_stale_seconds: float = setting(300.0, "Pause sampling while the trainer's heartbeat in the run "
+                                                  "status has not moved for this long (or 3 of its step "
+                                                  "times, if longer).")
+    status_seconds: float = setting(2.0, "Read the run status (finished, heartbeat, wanted groups) at most "
+                                         "this often, next to the pointer poll.")
+    backpressure: bool = setting(True, "Pause while the trainer says it wants no more groups (false: "
+                                       "sample regardless).")
     threads: int = setting(0, "Torch CPU threads (0 = library default).")
     dtype: str = setting("auto", "Compute dtype: auto (torch: bf16 on CUDA and on CPUs with native bf16 when "
                                  "the plane is bf16, else fp32; mlx: bf16 on Metal, else fp32), float32, "
@@ -47,6 +54,9 @@ class WorkerConfig(FleetConfig):
         super().validate()
         one_of(self, "engine", ENGINES)
         at_least(self, 0, ("groups_in_flight", "max_groups", "threads"))
+        if not (self.trainer_stale_seconds > 0 and self.status_seconds > 0):
+            raise ConfigError("trainer_stale_seconds" if self.trainer_stale_seconds <= 0 else "status_seconds",
+                              "must be > 0")
         if self.poll_seconds <= 0 or self.wait_seconds <= 0:
             raise ConfigError("poll_seconds" if self.poll_seconds <= 0 else "wait_seconds", "must be > 0")
         if self.name and not all(c.isalnum() or c in "-_." for c in self.name):

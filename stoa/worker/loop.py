@@ -19,6 +19,7 @@ from stoa.contract import ContractMismatch, RunContract, download_model_files, w
 from stoa.engines import Completion, Engine, GenStats, default_engine
 from stoa.engines import make_engine as build_engine
 from stoa.layout import rollout_key
+from stoa.lifecycle import RunWatch, Verdict
 from stoa.metrics import MetricsWriter, default_log_dir
 from stoa.records import RolloutRecord, Sample
 
@@ -82,15 +83,16 @@ def make_engine(name: str, model_dir: Path, cfg: WorkerConfig, plane: str = "bf1
 def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[str, Any]:
     """Sample and upload groups until ``cfg.max_groups`` (or forever). Safe to kill at any moment.
 
-    Set up (contract, model, engine), sync the first weights, then loop: follow the pointer, sample a
-    batch of groups, upload one record per group, log the batch.
+    Set up (contract, model, engine), sync the first weights, then loop: follow the pointer, read the
+    run's status (exit when the run is finished; pause while the trainer is stale or wants no more groups),
+    sample a batch of groups, upload one record per group, log the batch.
 
     Args:
         cfg: validated worker config.
         echo: where progress lines go.
 
     Returns:
-        a summary (groups, tokens, tokens/s, versions seen).
+        a summary (groups, tokens, tokens/s, versions seen, whether the run finished).
     """
     w = _set_up(cfg, echo)
     version = _sync(w.follower, w.engine, w.contract, cfg, echo, w.metrics, current=None)
@@ -102,8 +104,16 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
          f"n={w.contract.n_samples}, {p.in_flight} groups in flight")
     t_start = time.perf_counter()
     p.versions_seen.add(version)
+    finished = False
     while cfg.max_groups == 0 or p.seq < cfg.max_groups:
         _follow(w, p, echo)
+        verdict = _watch(w, p, echo)
+        if verdict.action == "exit":
+            finished = True
+            break
+        if verdict.action == "pause":
+            time.sleep(cfg.poll_seconds)
+            continue
         k = p.in_flight if cfg.max_groups == 0 else min(p.in_flight, cfg.max_groups - p.seq)
         batch = _sample(w, p, k)
         _upload(w, p, batch)
@@ -111,7 +121,8 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
     w.metrics.close()
     dt = time.perf_counter() - t_start
     return {"worker_id": w.wid, "groups": p.seq, "tokens": p.total_tokens,
-            "tokens_per_s": p.total_tokens / dt if dt else 0.0, "versions": sorted(p.versions_seen)}
+            "tokens_per_s": p.total_tokens / dt if dt else 0.0, "versions": sorted(p.versions_seen),
+            "finished": finished, "paused_s": round(p.paused_s, 3)}
 
 
 @dataclass
@@ -131,6 +142,8 @@ class _Worker:
     """The ``WeightSync`` the follower drives (its pointer dates each adoption)."""
     follower: Any
     metrics: MetricsWriter
+    watch: RunWatch
+    """The run's status: finished, the trainer's heartbeat, the groups it still wants."""
 
 
 @dataclass
@@ -146,6 +159,10 @@ class _Progress:
     seq: int = 0
     total_tokens: int = 0
     versions_seen: set[int] = field(default_factory=set)
+    paused: str = ""
+    """Why sampling is paused (the verdict's kind), empty while sampling."""
+    paused_since: float = 0.0
+    paused_s: float = 0.0
 
 
 class _Batch(NamedTuple):
@@ -187,8 +204,36 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     sync = WeightSync(bucket, cfg.run, contract.plane)
     follower = WeightFollower(sync, contract.staleness_bound, base_delay_s=cfg.poll_seconds)
     metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / f"worker-{wid}.jsonl", wid)
+    watch = RunWatch(bucket, cfg.run, stale_s=cfg.trainer_stale_seconds, min_interval_s=cfg.status_seconds,
+                     backpressure=cfg.backpressure)
     return _Worker(cfg, wid, bucket, contract, contract.fingerprint(), engine_name, engine, codec, task, sync,
-                   follower, metrics)
+                   follower, metrics, watch)
+
+
+def _watch(w: _Worker, p: _Progress, echo: Callable[[str], Any]) -> Verdict:
+    """Read the run's status (at most every ``status_seconds``); log each change between sampling and
+    pausing once, with ``worker/paused`` (1 or 0) and ``worker/pause_reason``.
+
+    Args:
+        w: the worker.
+        p: the loop's progress (its pause state).
+        echo: where progress lines go.
+    """
+    v = w.watch.check()
+    now = time.monotonic()
+    if v.action == "exit":
+        echo(f"[worker {w.wid}] {v.reason}; exiting")
+    elif v.action == "pause" and p.paused != v.kind:
+        echo(f"[worker {w.wid}] paused: {v.reason}")
+        w.metrics.log({"worker/paused": 1, "worker/pause_reason": v.kind, "worker/version": p.version})
+        p.paused_since = p.paused_since if p.paused else now
+        p.paused = v.kind
+    elif v.action == "sample" and p.paused:
+        echo(f"[worker {w.wid}] resumed sampling ({p.paused} over after {now - p.paused_since:.0f}s)")
+        w.metrics.log({"worker/paused": 0, "worker/version": p.version})
+        p.paused_s += now - p.paused_since
+        p.paused = ""
+    return v
 
 
 def _follow(w: _Worker, p: _Progress, echo: Callable[[str], Any]) -> None:
