@@ -62,8 +62,8 @@ def parse_bucket_url(url: str) -> BucketURL:
         malformed = _SCHEME_LIKE.match(url)
         if malformed:
             scheme, rest = malformed.group(1), url[malformed.end():].lstrip("/")
-            raise BucketURLError(f"{url!r} is not a URL: a scheme takes two slashes ({scheme}://{rest}); "
-                                 f"for a local directory of that name write ./{url}")
+            raise BucketURLError(f"bucket URL {url!r} is malformed: a scheme takes two slashes "
+                                 f"({scheme}://{rest}); for a local directory of that name write ./{url}")
         return BucketURL("file", url)
     scheme, rest = url.split("://", 1)
     scheme = scheme.lower()
@@ -78,8 +78,8 @@ def parse_bucket_url(url: str) -> BucketURL:
         raise BucketURLError(f"unsupported bucket URL scheme {scheme + '://'!r}; {hint}")
     bucket, _, prefix = rest.partition("/")
     if "@" in bucket or ":" in bucket:  # user:secret@bucket, or user:se/cret@bucket cut at the '/'
-        raise BucketURLError("credentials in bucket URLs are refused (they would end up in logs); put them in "
-                             "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an env file (STOA_ENV_FILE)")
+        raise BucketURLError("credentials in bucket URLs are refused (they would end up in logs); put them "
+                             "in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an env file (STOA_ENV_FILE)")
     if "?" in rest or "#" in rest:
         raise BucketURLError(f"bucket URLs take no query or fragment ('?' or '#'); expected {ACCEPTED_FORMS}")
     return BucketURL(scheme, bucket, prefix)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from stoa.bucket import ACCEPTED_FORMS, BucketURL, BucketURLError, check_bucket_url, open_bucket, parse_bucket_url
+from stoa.bucket import (
+    ACCEPTED_FORMS,
+    BucketURL,
+    BucketURLError,
+    check_bucket_url,
+    open_bucket,
+    parse_bucket_url,
+)
 
 
 @pytest.mark.parametrize("url,parsed", [
@@ -34,8 +41,8 @@ def test_accepted_forms(url: str, parsed: BucketURL) -> None:
     ("s3://key:secret@bucket/x", "credentials in bucket URLs are refused"),
     ("s3://key:se/cret@bucket/x", "credentials in bucket URLs are refused"),
     ("s3://key:secret@bucket/x?q=1", "credentials in bucket URLs are refused"),
-    ("s3:/bucket/x", r"'s3:/bucket/x' is not a URL: a scheme takes two slashes \(s3://bucket/x\); for a local "
-                     r"directory of that name write ./s3:/bucket/x"),
+    ("s3:/bucket/x", r"bucket URL 's3:/bucket/x' is malformed: a scheme takes two slashes "
+                     r"\(s3://bucket/x\); for a local directory of that name write ./s3:/bucket/x"),
     ("r2:bucket", r"a scheme takes two slashes \(r2://bucket\)"),
 ])
 def test_refused_forms_say_why(url: str, match: str) -> None:
