@@ -39,6 +39,10 @@ def run(tmp_path_factory, stoa_cache):
     t.resume()  # v1: the base weights
     planes = {1: state_to_f32(state_from_f32(t.policy.export_f32(), "bf16"), "bf16")}
     _perturb(t, 1)
+    loss = sum((p.float() ** 2).sum() for p in t.policy.model.parameters())
+    loss.backward()  # one AdamW step, so the checkpoint holds moments the export must leave behind
+    t.opt.step()
+    t.opt.zero_grad()
     t.publish(2)
     planes[2] = state_to_f32(state_from_f32(t.policy.export_f32(), "bf16"), "bf16")
     masters = {k: v.copy() for k, v in t.policy.export_f32().items()}

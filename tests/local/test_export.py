@@ -87,3 +87,26 @@ def test_refusals_name_the_fix(local_run, tmp_path):
         export_local(tmp_path / "empty", tmp_path / "a", echo=lambda _s: None)
     with pytest.raises(ExportError, match="is not empty"):
         export_local(run_dir, run_dir, echo=lambda _s: None)
+
+
+def test_fusing_keeps_the_outputs_of_adapted_and_merely_quantized_linears(make_cfg, tiny_dir):
+    import torch
+
+    from stoa.local.backend import make_backend
+    from stoa.local.export import fuse_into_linears
+    from stoa.local.torch_lora import QuantLinear
+
+    backend = make_backend(make_cfg(lora_targets="q_proj,v_proj", torch_base="dequantized"), tiny_dir)
+    rng = np.random.default_rng(0)
+    backend.load_adapter_arrays({k: rng.standard_normal(v.shape).astype(np.float32) * 0.1
+                                 for k, v in backend.adapter_arrays().items()})
+    assert any(isinstance(m, QuantLinear) for m in backend.model.modules())  # o_proj, mlp: quantized only
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        before = backend.model(input_ids=ids).logits.numpy()
+        assert fuse_into_linears(backend.model) == 2 * 2  # q_proj and v_proj of two layers
+        after = backend.model(input_ids=ids).logits.numpy()
+    assert not any(isinstance(m, QuantLinear) for m in backend.model.modules())
+    names = {k for k, _ in backend.model.named_parameters()}
+    assert "model.layers.0.mlp.down_proj.weight" in names and not any("lora" in k for k in names)
+    np.testing.assert_allclose(after, before, atol=2e-5, rtol=1e-5)
