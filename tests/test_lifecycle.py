@@ -201,15 +201,16 @@ def test_a_worker_paused_by_backpressure_uploads_nothing_until_the_trainer_wants
     bucket = open_bucket(str(tmp_path / "b"))
     publish_tiny_run(bucket, tiny_dir)
     put_status(bucket, wanted=0)
-    uploaded_while_paused = []
+    records_at_each_pause = []
 
-    def sleep(_s):  # the trainer takes the pool's groups: it wants 2 more
-        uploaded_while_paused.append(len(list(bucket.list(rollouts_prefix("r")))))
-        put_status(bucket, wanted=2, beat=101.0)
+    def sleep(_s):  # after three pauses the trainer has taken the pool's groups: it wants 2 more
+        records_at_each_pause.append(len(list(bucket.list(rollouts_prefix("r")))))
+        if len(records_at_each_pause) == 3:
+            put_status(bucket, wanted=2, beat=101.0)
     monkeypatch.setattr(wloop.time, "sleep", sleep)
     lines: list[str] = []
     s = wloop.run_worker(worker_cfg(tmp_path, tiny_dir, max_groups=2), echo=lines.append)
-    assert uploaded_while_paused[:1] == [0] and s["groups"] == 2
+    assert records_at_each_pause[:3] == [0, 0, 0] and s["groups"] == 2
     assert len(list(bucket.list(rollouts_prefix("r")))) == 2
     assert any("paused: the trainer wants no more groups" in line for line in lines)
     assert any("resumed sampling (backpressure over" in line for line in lines)
