@@ -75,14 +75,91 @@ def _subcommand_paths(parser, prefix=()):
                 yield from _subcommand_paths(sub, (*prefix, name))
 
 
-def test_every_subcommand_help_exits_0(capsys):
-    from stoa.cli import build_parser
-    from stoa.cli.bench import BENCHES
+def _help_problems(parser) -> list[str]:
+    """What breaks the help conventions in one parser: a flag or subcommand without help, a default
+    written another way than "[default: X]", reStructuredText markup."""
+    import argparse
+    import re
 
-    paths = list(_subcommand_paths(build_parser())) + [("bench", name) for name in BENCHES]
+    problems = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            problems += [f"subcommand {a.dest} has no help" for a in action._choices_actions if not a.help]
+        elif action.help is not argparse.SUPPRESS and not (action.help or "").strip():
+            problems.append(f"{'/'.join(action.option_strings) or action.dest} has no help")
+    out = parser.format_help()
+    if re.search(r"\(default[ :]|%\(default", out):
+        problems.append("a default not written as [default: X]")
+    if "`" in out:
+        problems.append("markup (backticks) in the help")
+    return [f"{parser.prog}: {p}" for p in problems]
+
+
+def test_every_subcommand_help_exits_0_in_one_style(capsys):
+    """Every (sub)command's and benchmark's --help exits 0, says "usage: stoa ...", gives every flag help,
+    writes defaults as [default: X] and has no markup."""
+    from stoa.cli import _subparsers, build_parser
+    from stoa.cli.bench import BENCHES, bench_parser
+
+    parser = build_parser()
+    paths = list(_subcommand_paths(parser)) + [("bench", name) for name in BENCHES]
     assert ("trainer",) in paths and ("local", "train") in paths and ("model", "pull") in paths
     for path in paths:
         with pytest.raises(SystemExit) as e:
             main([*path, "--help"])
         assert e.value.code == 0, path
         assert "usage: stoa" in capsys.readouterr().out, path
+    parsers = [parser, *_subparsers(parser)]
+    parsers += [bp for bp in map(bench_parser, BENCHES) if bp is not None]
+    assert [p for parser in parsers for p in _help_problems(parser)] == []
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("rollout", marks=pytest.mark.xfail(
+        strict=True, reason="stoa/bench/rollout.py parses its own flags in main(argv), some without help")),
+    pytest.param("logprobs", marks=pytest.mark.xfail(
+        strict=True, reason="stoa/bench/logprobs.py parses its own flags in main(argv)")),
+])
+def test_benchmarks_without_add_arguments_are_outside_the_help_check(name):
+    """A benchmark that builds its own parser escapes the style check; give it add_arguments(parser)."""
+    from stoa.cli.bench import bench_parser
+
+    assert bench_parser(name) is not None
+
+
+def test_version(capsys):
+    from stoa import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"stoa {__version__}\n"
+
+
+def test_exit_codes_are_in_the_top_level_help(capsys):
+    from stoa.cli import EXIT_CODES, USER_ERRORS
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "exit codes:" in out and "STOA_DEBUG=1" in out
+    for code, meaning in EXIT_CODES.items():
+        assert f"  {code:<4} {meaning}" in out
+    assert {row.code for row in USER_ERRORS} <= set(EXIT_CODES)
+
+
+def test_global_flags_before_or_after_the_command(monkeypatch):
+    from stoa.cli import build_parser
+
+    monkeypatch.delenv("STOA_DEBUG", raising=False)
+    monkeypatch.delenv("STOA_LOG_LEVEL", raising=False)
+    for argv in (["--debug", "--log-level", "ERROR", "trainer"],
+                 ["trainer", "--debug", "--log-level", "ERROR"],
+                 ["local", "train", "--log-level", "ERROR", "--debug"]):
+        args = build_parser().parse_args([*argv, "--dry-run"])
+        assert args.debug is True and args.log_level == "ERROR", argv
+    args = build_parser().parse_args(["--debug", "--log-level", "ERROR", "worker", "--dry-run"])
+    assert args.debug is True and args.log_level == "ERROR"  # not reset by the command's parser
+    args = build_parser().parse_args(["worker", "--dry-run"])
+    assert args.debug is False and args.log_level == "WARNING"
+    monkeypatch.setenv("STOA_DEBUG", "1")
+    assert build_parser().parse_args(["worker"]).debug is True

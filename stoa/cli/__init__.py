@@ -1,39 +1,145 @@
-"""The ``stoa`` command line: one module per command, each with ``register(subparsers)``."""
+"""The ``stoa`` command line: one module per command, each with ``register(subparsers)``.
+
+A user error (bad flag or setting, unreachable bucket, another trainer on the run, ...) prints one line
+naming the problem and the fix and exits with the code of its kind (``EXIT_CODES``); a traceback is printed
+only with ``--debug`` or ``STOA_DEBUG=1``. Anything else is a bug: exit 1 with its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
+import traceback
+from collections.abc import Callable
+from typing import NamedTuple
 
 COMMANDS = ("trainer", "worker", "quickstart", "model", "bench", "local-e2e", "local", "export")
 
+EXIT_CODES: dict[int, str] = {
+    0: "done",
+    1: "unexpected failure (a bug: the traceback is printed)",
+    2: "invalid flag, setting, config file, bucket URL, model or task name",
+    3: "the run's contract disagrees with this command's settings or model",
+    4: "bucket unreachable, access denied, or an object missing",
+    5: "timed out waiting (for the run, its weights or the bucket)",
+    6: "another trainer holds the run (stoa trainer --take-over once its heartbeat is stale)",
+    7: "this trainer lost the run to another one; it stopped without writing",
+    8: "export refused",
+    9: "bucket credentials missing or unsafe",
+    10: "published weights unusable (e.g. another trainer moved the pointer)",
+    11: "the model could not be fetched",
+    130: "interrupted",
+}
+
+
+class UserError(NamedTuple):
+    """How one kind of user error is reported.
+
+    Args:
+        cls: ``module:Class`` of the exception (subclasses match too; the first matching row wins).
+        code: the exit code (a key of ``EXIT_CODES``).
+        line: the one-line message from the exception.
+    """
+
+    cls: str
+    code: int
+    line: Callable[[BaseException], str]
+
+
+def _weights_line(e: BaseException) -> str:
+    if getattr(e, "reason", "") == "pointer_conflict":
+        return ("another trainer moved the pointer of this run (two trainers on one run); stop the other "
+                "trainer, then start this one again to resume from the published version")
+    return f"weights error {e}; the worker retries by itself, check that the trainer is running"
+
+
+USER_ERRORS: tuple[UserError, ...] = (
+    UserError("stoa.config.base:ConfigError", 2, lambda e: f"invalid setting {e}"),
+    UserError("stoa.bucket.url:BucketURLError", 2, str),
+    UserError("stoa.models.registry:UnknownModel", 2, str),
+    UserError("stoa.contract:ContractMismatch", 3, str),
+    UserError("stoa.bucket.credentials:CredentialsError", 9, lambda e: f"bucket credentials: {e}"),
+    UserError("stoa.bucket.base:BucketError", 4, lambda e: f"bucket error: {e}"),
+    UserError("builtins:TimeoutError", 5, str),
+    UserError("stoa.trainer.lease:LeaseHeld", 6, str),
+    UserError("stoa.trainer.lease:LeaseLost", 7, str),
+    UserError("stoa.export:ExportError", 8, lambda e: f"export: {e}"),
+    UserError("stoa.weights.errors:WeightsError", 10, _weights_line),
+    UserError("stoa.models.registry:ModelFetchError", 11, str),
+)
+
+
+def epilog() -> str:
+    """The exit codes and the debug switch, for ``stoa --help``."""
+    codes = "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
+    return f"exit codes:\n{codes}\n\n--debug (or STOA_DEBUG=1) prints the traceback of an error too."
+
+
+def _user_error(error: BaseException) -> UserError | None:
+    """The first row of ``USER_ERRORS`` that ``error`` is an instance of; None for a bug."""
+    for row in USER_ERRORS:
+        module, _, name = row.cls.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):  # a module that optional parts of stoa leave out
+            continue
+        if isinstance(error, cls):
+            return row
+    return None
+
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the top-level parser with every command registered."""
-    import importlib
+    """Build the top-level parser with every command registered, one help style, and the global flags
+    (``--log-level``, ``--debug``) accepted before or after the command."""
+    from stoa import __version__
+    from stoa.config.text import HelpFormatter, RawHelpFormatter
 
-    parser = argparse.ArgumentParser(prog="stoa", description="RL post-training with disposable rollout workers.")
-    parser.add_argument("--log-level", default=os.environ.get("STOA_LOG_LEVEL", "WARNING"),
-                        help="Python logging level for library messages [default: WARNING]")
+    parser = argparse.ArgumentParser(prog="stoa", description="RL post-training with disposable rollout "
+                                     "workers.", epilog=epilog(), formatter_class=RawHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"stoa {__version__}",
+                        help="print the version and exit")
+    _global_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:
         importlib.import_module(f"stoa.cli.{name.replace('-', '_')}").register(sub)
+    for sub_parser in _subparsers(parser):
+        sub_parser.formatter_class = HelpFormatter
+        _global_flags(sub_parser, top=False)
     return parser
 
 
+def _global_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """Add ``--log-level`` and ``--debug``; after a command they override the top-level values only when
+    given (``SUPPRESS``)."""
+    level = os.environ.get("STOA_LOG_LEVEL", "WARNING")
+    debug = os.environ.get("STOA_DEBUG", "") not in ("", "0")
+    parser.add_argument("--log-level", default=level if top else argparse.SUPPRESS,
+                        help="Python logging level for library messages (env STOA_LOG_LEVEL) "
+                             f"[default: {level!r}]")
+    parser.add_argument("--debug", action="store_true", default=debug if top else argparse.SUPPRESS,
+                        help="print the traceback of an error too (env STOA_DEBUG=1)")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every subcommand's parser below ``parser`` (``local train`` too), depth first."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_parser in dict.fromkeys(action.choices.values()):  # aliases share one parser
+                found += [sub_parser, *_subparsers(sub_parser)]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``stoa`` script; returns the exit code.
+    """Entry point of the ``stoa`` script; returns the exit code (``EXIT_CODES``).
 
     Args:
         argv: arguments (default ``sys.argv[1:]``).
     """
-    from stoa.bucket import BucketError
-    from stoa.config import ConfigError
-    from stoa.contract import ContractMismatch
-
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -42,18 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         return int(args.func(args) or 0)
-    except ConfigError as e:
-        print(f"stoa: invalid setting {e}", file=sys.stderr)
-        return 2
-    except ContractMismatch as e:
-        print(f"stoa: {e}", file=sys.stderr)
-        return 3
-    except BucketError as e:
-        print(f"stoa: bucket error: {e}", file=sys.stderr)
-        return 4
-    except TimeoutError as e:
-        print(f"stoa: {e}", file=sys.stderr)
-        return 5
     except KeyboardInterrupt:
         print("stoa: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        row = _user_error(e)
+        if row is None:
+            raise
+        if args.debug:
+            traceback.print_exc()
+        print(f"stoa: {row.line(e)}", file=sys.stderr)
+        return row.code

@@ -11,7 +11,8 @@ BENCHES = {
     "pulse": ("stoa.bench.pulse", "PULSE patch size, encode/apply speed, bit-exactness"),
     "local": ("stoa.bench.local", "single-process local mode vs mlxrl"),
     "logprobs": ("stoa.bench.logprobs", "MLX vs torch logprob gap (bf16/int8 report)"),
-    "quarantine": ("stoa.bench.quarantine", "lag-0 logprob disagreement of honest and lying workers vs threshold"),
+    "quarantine": ("stoa.bench.quarantine",
+                   "lag-0 logprob disagreement of honest and lying workers vs threshold"),
 }
 
 
@@ -28,16 +29,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def bench_parser(name: str) -> argparse.ArgumentParser | None:
+    """The parser of benchmark ``name`` (its ``add_arguments`` on a ``stoa bench NAME`` parser in the CLI's
+    help style); None for a benchmark that parses its own flags in ``main(argv)``.
+
+    Args:
+        name: a key of ``BENCHES``.
+    """
+    from stoa.config.text import HelpFormatter
+
+    module, help_text = BENCHES[name]
+    mod = importlib.import_module(module)
+    if not hasattr(mod, "add_arguments"):
+        return None
+    bp = argparse.ArgumentParser(prog=f"stoa bench {name}", formatter_class=HelpFormatter,
+                                 description=(mod.__doc__ or help_text).strip())
+    mod.add_arguments(bp)
+    return bp
+
+
 def run(args: argparse.Namespace) -> int:
     """Import the benchmark module lazily and hand it its flags.
 
     Args:
         args: parsed arguments.
     """
-    module, help_text = BENCHES[args.bench]
-    mod = importlib.import_module(module)
-    if hasattr(mod, "add_arguments"):
-        bp = argparse.ArgumentParser(prog=f"stoa bench {args.bench}", description=(mod.__doc__ or help_text).strip())
-        mod.add_arguments(bp)
+    mod = importlib.import_module(BENCHES[args.bench][0])
+    bp = bench_parser(args.bench)
+    if bp is not None:
         return int(mod.main(bp.parse_args(args.args)) or 0)
     return int(mod.main(args.args) or 0)

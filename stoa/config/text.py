@@ -1,13 +1,66 @@
-"""A config's text forms: command-line flags generated from the fields, and TOML for ``--dry-run``."""
+"""A config's text forms: command-line flags generated from the fields, TOML for ``--dry-run``, and the
+help formatter every ``stoa`` command uses (one default style, no reStructuredText markup)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from typing import Any
 
 from stoa.config.base import BaseConfig, ConfigError
 from stoa.config.loading import field_type
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+_INTERPRETED = re.compile(r"`([^`]+)`")
+_PAREN_DEFAULT = re.compile(r"\s*\(default:?\s+((?:[^()]|\([^()]*\))*)\)")
+
+
+def plain_text(text: str) -> str:
+    """Help text without reStructuredText markup: ``x``, `x` and :func:`x` become x.
+
+    Args:
+        text: a description, epilog or help string (often a module docstring).
+    """
+    return _INTERPRETED.sub(r"\1", _LITERAL.sub(r"\1", _ROLE.sub(r"\1", text)))
+
+
+def bracket_default(text: str) -> str:
+    """Help text with a written-out default in the one style: "(default: X)" or "(default X)" moves to
+    the end as "[default: X]".
+
+    Args:
+        text: a flag's help.
+    """
+    found = _PAREN_DEFAULT.search(text)
+    if not found or "[default:" in text:
+        return text
+    rest = (text[:found.start()] + text[found.end():]).rstrip()
+    return f"{rest} [default: {found.group(1).strip()}]"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter with one style: markup stripped, and ``[default: X]`` (X as Python writes it)
+    added to an option's help when it has a default worth showing and the help does not show it."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain_text(text))
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = bracket_default(plain_text(action.help or ""))
+        default = action.default
+        shown = "[default:" in text or "%(default)" in text
+        positional_required = not action.option_strings and action.nargs not in ("?", "*")
+        if shown or positional_required or default is None or default is argparse.SUPPRESS:
+            return text
+        if isinstance(default, bool) or default == []:
+            return text
+        return f"{text} [default: %(default)r]"
+
+
+class RawHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """``HelpFormatter`` that keeps the description's and epilog's line breaks (tables such as exit codes)."""
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type[BaseConfig],
@@ -29,7 +82,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[BaseConfig],
         help_text = f.metadata.get("help", "")
         if f.name in cls.ENV_VARS:
             help_text += f" (env {cls.ENV_VARS[f.name]})"
-        if f.default is not dataclasses.MISSING:
+        help_text = bracket_default(help_text)  # a default described in words wins over its literal value
+        if f.default is not dataclasses.MISSING and "[default:" not in help_text:
             help_text += f" [default: {f.default!r}]"
         help_text = help_text.replace("%", "%%")  # argparse formats help with %
         if t is dict:
