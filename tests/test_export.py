@@ -207,7 +207,7 @@ def test_quickstart_summary_names_the_model_and_an_export_command_that_works(run
     monkeypatch.chdir(tmp_path)
     assert main(argv[1:]) == 0
     assert (tmp_path / "r-hf" / "model.safetensors").is_file()
-    assert main(argv[1:]) == 6  # a second export into the same directory is refused
+    assert main(argv[1:]) == 8  # export refused: a second export into the same directory is refused
     assert "is not empty" in capsys.readouterr().err
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-EXIT_EXPORT_REFUSED = 6
-"""Exit code of a refused export; the message names why (unknown run, version gone, OUT not empty)."""
+EXIT_EXPORT_REFUSED = 8
+"""Exit code of a refused export (``EXIT_CODES`` in stoa.cli); the message names why (unknown run, version
+gone, OUT not empty)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:

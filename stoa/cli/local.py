@@ -113,11 +113,12 @@ def run_smoke(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    """Fuse and write the HF directory; 6 with a one-line message when the export is refused.
+    """Fuse and write the HF directory; 8 (export refused) with a one-line message naming why.
 
     Args:
         args: parsed arguments.
     """
+    from stoa.cli.export import EXIT_EXPORT_REFUSED
     from stoa.export import ExportError
     from stoa.local.export import export_local
 
@@ -125,7 +126,7 @@ def run_export(args: argparse.Namespace) -> int:
         result = export_local(args.run_dir, args.out, dtype=args.dtype)
     except ExportError as e:
         print(f"stoa local export: {e}", file=sys.stderr)
-        return 6
+        return EXIT_EXPORT_REFUSED
     print(f"[export] wrote step {result.step} ({result.fused} adapters fused, {result.dtype}, "
           f"{result.nbytes / 1e6:.1f} MB) to {result.out}; mlx-lm adapters in {result.adapters}")
     return 0
