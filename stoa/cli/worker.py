@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from stoa.config import WorkerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
 
@@ -14,8 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         sub: the top-level subparsers.
     """
     p = sub.add_parser("worker", help="run a rollout worker", description=__doc__)
-    p.add_argument("--config", help="TOML file: flat, or shared with the trainer (top-level keys plus a "
-                                    "[worker] section); flags override it")
+    p.add_argument("--config", metavar="FILE", help="TOML file: flat, or shared with the trainer (top-level "
+                                                    "keys plus a [worker] section); flags override it")
     p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
     p.add_argument("--print-tier", action="store_true",
                    help="print this machine's memory tier (decode batch, groups in flight, BLAS) and exit")
@@ -24,12 +25,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Resolve the config and run the worker.
+    """Resolve the config, check the bucket and the model up front, and run the worker.
+
+    The bucket URL is checked before anything else (a local directory must exist: the trainer creates it);
+    ``--model`` takes the trainer's names (``tiny``, ``smollm2-135m``, a directory, a hub id).
 
     Args:
         args: parsed arguments.
     """
+    from stoa.bucket import check_bucket_url
+
     cfg = load_config(WorkerConfig, toml_path=args.config, overrides=overrides_from_args(args, WorkerConfig))
+    check_bucket_url(cfg.bucket, must_exist=not (args.dry_run or args.print_tier))
     if args.print_tier:
         from stoa.worker.tiers import describe_tier
 
@@ -38,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(config_to_toml(cfg), end="")
         return 0
+    if cfg.model:
+        from stoa.models.registry import resolve_model
+
+        cfg = dataclasses.replace(cfg, model=str(resolve_model(cfg.model)))
     from stoa.worker.loop import run_worker
 
     s = run_worker(cfg)

@@ -6,7 +6,8 @@ naming both places; so is a field together with its ``[algo]`` knob, in any laye
 
 A TOML file is flat (every key is this command's) or sectioned: ``[trainer]``, ``[worker]`` and ``[local]``
 hold each command's keys, and top-level keys are shared (a top-level key only another command knows is
-skipped). Unknown keys are refused with the closest known name.
+skipped). Unknown keys are refused with the closest known name, and so is an unknown choice (engine, plane,
+algorithm, dtype, ...).
 """
 
 from __future__ import annotations
@@ -114,7 +115,43 @@ def load_config(
         if clash is not None:
             field_place = given[clash.name].place if clash.name in given else f"the '{clash.name}' default"
             raise twin_error(clash, field_place, given["algo"].source.knob_place(clash.knob))
-    return cfg.validate()  # type: ignore[return-value]
+    try:
+        return cfg.validate()  # type: ignore[return-value]
+    except ConfigError as e:
+        raise with_choice_hint(e, getattr(cfg, e.field, None)) from None
+
+
+def choices_of(field_name: str) -> tuple[str, ...]:
+    """The allowed values of a choice field, as text (empty for a field that is not a choice).
+
+    Args:
+        field_name: a config field name, e.g. ``engine``.
+    """
+    from stoa.algorithms.base import ALGORITHM_NAMES
+    from stoa.config.base import DTYPES, PLANES
+    from stoa.config.local import BACKENDS, OLD_LOGPROBS, TORCH_BASE
+    from stoa.config.worker import ENGINES
+
+    table = {"engine": ENGINES, "plane": PLANES, "dtype": DTYPES, "algorithm": tuple(ALGORITHM_NAMES),
+             "backend": BACKENDS, "torch_base": TORCH_BASE, "old_logprobs": OLD_LOGPROBS}
+    return tuple(map(str, table.get(field_name, ())))
+
+
+def with_choice_hint(error: ConfigError, value: Any) -> ConfigError:
+    """``error`` with "; did you mean 'X'?" added when ``value`` is a near miss of the field's choices.
+
+    Args:
+        error: the validation error (its ``field`` names the setting).
+        value: the value the setting was given.
+    """
+    choices = choices_of(error.field)
+    if not isinstance(value, str) or not choices or value in choices or "did you mean" in str(error):
+        return error
+    close = difflib.get_close_matches(value.lower(), choices, n=1, cutoff=0.6)
+    if not close:
+        return error
+    message = str(error).split(": ", 1)[1] if ": " in str(error) else str(error)
+    return ConfigError(error.field, f"{message}; did you mean '{close[0]}'?")
 
 
 def toml_layer(cls: type[BaseConfig], toml_path: str | Path | None) -> Layer:

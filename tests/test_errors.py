@@ -1,0 +1,164 @@
+"""User errors: one line naming the problem and the fix, an exit code per kind, a traceback on request."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import stoa.cli.worker
+from stoa.cli import main
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+@pytest.fixture(autouse=True)
+def _no_debug(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STOA_DEBUG", raising=False)
+
+
+@pytest.mark.parametrize("bucket,message", [
+    ("s3:/bucket/x", "stoa: bucket URL 's3:/bucket/x' is malformed: a scheme takes two slashes "
+                     "(s3://bucket/x); for a local directory of that name write ./s3:/bucket/x"),
+    ("gs://b/x", "stoa: unsupported bucket URL scheme 'gs://'; Google Cloud Storage speaks S3 at "
+                 "https://storage.googleapis.com: set AWS_ENDPOINT_URL to it and use s3://BUCKET[/PREFIX]"),
+    ("https://minio:9000/b", "stoa: unsupported bucket URL scheme 'https://'; for an S3-compatible endpoint "
+                             "set AWS_ENDPOINT_URL and use s3://BUCKET[/PREFIX]"),
+    ("s3://AKIA:hunter2@b/x", "stoa: credentials in bucket URLs are refused (they would end up in logs); "
+                              "put them in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an env file "
+                              "(STOA_ENV_FILE)"),
+    ("s3://b/x?versionId=3", "stoa: bucket URLs take no query or fragment ('?' or '#'); expected a directory "
+                             "path, file://DIR, s3://BUCKET[/PREFIX] or r2://BUCKET[/PREFIX]"),
+])
+def test_bad_bucket_urls_are_one_line_exit_2(bucket: str, message: str, capsys) -> None:
+    assert _run(["worker", "--bucket", bucket, "--run", "r"], capsys) == (2, message + "\n")
+
+
+def test_worker_refuses_a_file_or_a_missing_directory_at_once(tmp_path, capsys) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("")
+    assert _run(["worker", "--bucket", str(f)], capsys) == (
+        2, f"stoa: bucket {str(f)!r} is a file, not a directory; give a directory (a local bucket is a "
+           f"directory tree) or s3://BUCKET[/PREFIX]\n")
+    missing = tmp_path / "nope"
+    quick = ["--wait-seconds", "1", "--poll-seconds", "0.1"]  # were it not refused, it would time out fast
+    assert _run(["worker", "--bucket", str(missing), *quick], capsys) == (
+        2, f"stoa: bucket directory {missing} does not exist; start the trainer first (it creates it) or fix "
+           f"the --bucket path\n")
+    assert not missing.exists()
+    assert _run(["worker", "--bucket", str(missing), "--dry-run"], capsys)[0] == 0  # a dry run only parses
+
+
+def test_unknown_model_lists_the_names_on_one_line(tmp_path, capsys) -> None:
+    known = ("use a built-in name (tiny, tiny-qwen2, smollm2-135m), a local model directory, or a hub id "
+             "ORG/NAME")
+    assert _run(["worker", "--bucket", str(tmp_path), "--model", "smollm"], capsys) == (
+        2, f"stoa: unknown model 'smollm'; {known}\n")
+    assert _run(["worker", "--bucket", str(tmp_path), "--model", "./models/x"], capsys) == (
+        2, f"stoa: model directory './models/x' does not exist; {known}\n")
+    assert _run(["model", "pull", "gpt-17"], capsys) == (
+        2, "stoa: unknown model 'gpt-17'; known models: tiny, tiny-qwen2, smollm2-135m\n")
+
+
+def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch, capsys) -> None:
+    seen = []
+
+    def fake_worker(cfg):
+        seen.append(cfg.model)
+        return {"worker_id": "w", "groups": 0, "tokens": 0, "tokens_per_s": 0.0, "versions": []}
+
+    monkeypatch.setattr("stoa.worker.loop.run_worker", fake_worker)
+    assert main(["worker", "--bucket", str(tmp_path), "--model", "tiny"]) == 0
+    assert len(seen) == 1 and (stoa_cache / "models" / "tiny-llama").samefile(seen[0])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["worker", "--dry-run", "--engine", "trch"],
+     "stoa: invalid setting engine: 'trch' is not one of auto, torch, mlx; did you mean 'torch'?"),
+    (["worker", "--dry-run", "--dtype", "bfloat61"],
+     "stoa: invalid setting dtype: 'bfloat61' is not one of auto, float32, bfloat16; did you mean "
+     "'bfloat16'?"),
+    (["trainer", "--dry-run", "--plane", "bf61"],
+     "stoa: invalid setting plane: 'bf61' is not one of ('bf16', 'int8g64'); did you mean 'bf16'?"),
+    (["trainer", "--dry-run", "--algorithm", "grpoo"],
+     "stoa: invalid setting algorithm: name: unknown algorithm 'grpoo'; known: grpo, dr_grpo, dapo, gspo, "
+     "rloo, cispo; did you mean 'grpo'?"),
+    (["worker", "--dry-run", "--engine", "tpu"],
+     "stoa: invalid setting engine: 'tpu' is not one of auto, torch, mlx"),
+    (["trainer", "--config", "missing.toml"], "stoa: invalid setting config: file not found: missing.toml"),
+    (["trainer", "--dry-run", "--task", "nosuch"],
+     "stoa: invalid setting task: unknown task 'nosuch'; known tasks: ['arithmetic', 'gsm8k', 'toy']"),
+])
+def test_bad_choices_say_did_you_mean(argv, message, capsys) -> None:
+    assert _run(argv, capsys) == (2, message + "\n")
+
+
+def _errors():
+    from stoa.bucket import BucketUnreachable, CredentialsError
+    from stoa.contract import ContractMismatch
+    from stoa.export import ExportError
+    from stoa.trainer.lease import LeaseHeld, LeaseLost
+    from stoa.weights.errors import SyncError, WeightsError
+
+    return [
+        (WeightsError("pointer_conflict", "current.json changed under this publisher"), 10,
+         "another trainer moved the pointer of this run (two trainers on one run); stop the other trainer, "
+         "then start this one again to resume from the published version"),
+        (SyncError("unavailable", "v3 has no anchor"), 10,
+         "weights error unavailable: v3 has no anchor; the worker retries by itself, check that the trainer "
+         "is running"),
+        (CredentialsError("set R2_ACCOUNT_ID"), 9, "bucket credentials: set R2_ACCOUNT_ID"),
+        (BucketUnreachable("s3://b/p unreachable"), 4, "bucket error: s3://b/p unreachable"),
+        (ContractMismatch(["plane"], "run 'r' was started with plane bf16"), 3, None),
+        (TimeoutError("run 'r' has no contract after 1s"), 5, "run 'r' has no contract after 1s"),
+        (LeaseHeld("run 'r' is held by trainer abc"), 6, "run 'r' is held by trainer abc"),
+        (LeaseLost("another trainer took run 'r' over"), 7, "another trainer took run 'r' over"),
+        (ExportError("no version 9"), 8, "export: no version 9"),
+    ]
+
+
+def test_every_user_error_kind_has_its_exit_code_and_one_line(monkeypatch, capsys) -> None:
+    for error, code, line in _errors():
+        def boom(args, error=error):
+            raise error
+
+        monkeypatch.setattr(stoa.cli.worker, "run", boom)
+        got, err = _run(["worker"], capsys)
+        assert got == code, error
+        assert err == f"stoa: {line if line is not None else error}\n"
+
+
+def test_debug_shows_the_traceback(monkeypatch, capsys) -> None:
+    def boom(args):
+        raise TimeoutError("gave up")
+
+    monkeypatch.setattr(stoa.cli.worker, "run", boom)
+    for argv, env in ((["worker", "--debug"], ""), (["--debug", "worker"], ""), (["worker"], "1")):
+        monkeypatch.setenv("STOA_DEBUG", env)
+        assert main(argv) == 5
+        err = capsys.readouterr().err
+        assert err.startswith("Traceback") and "TimeoutError: gave up" in err
+        assert err.endswith("\nstoa: gave up\n")
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch) -> None:
+    def boom(args):
+        raise KeyError("internal")
+
+    monkeypatch.setattr(stoa.cli.worker, "run", boom)
+    with pytest.raises(KeyError):
+        main(["worker"])
+
+
+def test_the_installed_command_prints_no_traceback(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "stoa", "worker", "--bucket", "s3:/b/x"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("stoa: bucket URL 's3:/b/x' is malformed") and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "s3:").exists()
