@@ -40,19 +40,46 @@ def test_bad_bucket_urls_are_one_line_exit_2(bucket: str, message: str, capsys) 
     assert _run(["worker", "--bucket", bucket, "--run", "r"], capsys) == (2, message + "\n")
 
 
-def test_worker_refuses_a_file_or_a_missing_directory_at_once(tmp_path, capsys) -> None:
+def test_worker_refuses_a_file_at_once(tmp_path, capsys) -> None:
     f = tmp_path / "notes.txt"
     f.write_text("")
     assert _run(["worker", "--bucket", str(f)], capsys) == (
         2, f"stoa: bucket {str(f)!r} is a file, not a directory; give a directory (a local bucket is a "
            f"directory tree) or s3://BUCKET[/PREFIX]\n")
+
+
+def _fake_worker(seen: list):
+    def run_worker(cfg):
+        seen.append(cfg)
+        return {"worker_id": "w", "groups": 0, "tokens": 0, "tokens_per_s": 0.0, "versions": []}
+
+    return run_worker
+
+
+def test_worker_says_at_once_that_the_directory_is_missing_and_never_creates_it(tmp_path, monkeypatch,
+                                                                                capsys) -> None:
+    seen: list = []
+    monkeypatch.setattr("stoa.worker.loop.run_worker", _fake_worker(seen))
     missing = tmp_path / "nope"
-    quick = ["--wait-seconds", "1", "--poll-seconds", "0.1"]  # were it not refused, it would time out fast
-    assert _run(["worker", "--bucket", str(missing), *quick], capsys) == (
-        2, f"stoa: bucket directory {missing} does not exist; start the trainer first (it creates it) or fix "
-           f"the --bucket path\n")
-    assert not missing.exists()
-    assert _run(["worker", "--bucket", str(missing), "--dry-run"], capsys)[0] == 0  # a dry run only parses
+    code = main(["worker", "--bucket", str(missing), "--wait-seconds", "0.3", "--poll-seconds", "0.05"])
+    out, err = capsys.readouterr()
+    assert out == (f"[worker] bucket directory {missing} does not exist yet; waiting up to 0.3s for the "
+                   f"trainer to create it (check --bucket if no trainer is starting)\n")
+    assert (code, err) == (2, f"stoa: bucket directory {missing} does not exist; start the trainer first (it "
+                              f"creates it) or fix the --bucket path\n")
+    assert not missing.exists() and seen == []
+    assert main(["worker", "--bucket", str(missing), "--dry-run"]) == 0  # a dry run only parses
+
+
+def test_worker_goes_on_once_the_trainer_creates_the_directory(tmp_path, monkeypatch, capsys) -> None:
+    import threading
+
+    seen: list = []
+    monkeypatch.setattr("stoa.worker.loop.run_worker", _fake_worker(seen))
+    later = tmp_path / "later"
+    threading.Timer(0.2, later.mkdir).start()
+    assert main(["worker", "--bucket", str(later), "--wait-seconds", "30", "--poll-seconds", "0.05"]) == 0
+    assert len(seen) == 1 and "does not exist yet" in capsys.readouterr().out
 
 
 def test_unknown_model_lists_the_names_on_one_line(tmp_path, capsys) -> None:
@@ -67,15 +94,10 @@ def test_unknown_model_lists_the_names_on_one_line(tmp_path, capsys) -> None:
 
 
 def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch, capsys) -> None:
-    seen = []
-
-    def fake_worker(cfg):
-        seen.append(cfg.model)
-        return {"worker_id": "w", "groups": 0, "tokens": 0, "tokens_per_s": 0.0, "versions": []}
-
-    monkeypatch.setattr("stoa.worker.loop.run_worker", fake_worker)
+    seen: list = []
+    monkeypatch.setattr("stoa.worker.loop.run_worker", _fake_worker(seen))
     assert main(["worker", "--bucket", str(tmp_path), "--model", "tiny"]) == 0
-    assert len(seen) == 1 and (stoa_cache / "models" / "tiny-llama").samefile(seen[0])
+    assert len(seen) == 1 and (stoa_cache / "models" / "tiny-llama").samefile(seen[0].model)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -27,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Resolve the config, check the bucket and the model up front, and run the worker.
 
-    The bucket URL is checked before anything else (a local directory must exist: the trainer creates it);
-    ``--model`` takes the trainer's names (``tiny``, ``smollm2-135m``, a directory, a hub id).
+    The bucket URL is checked before anything else; ``--model`` takes the trainer's names (``tiny``,
+    ``smollm2-135m``, a directory, a hub id).
 
     Args:
         args: parsed arguments.
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from stoa.bucket import check_bucket_url
 
     cfg = load_config(WorkerConfig, toml_path=args.config, overrides=overrides_from_args(args, WorkerConfig))
-    check_bucket_url(cfg.bucket, must_exist=not (args.dry_run or args.print_tier))
+    check_bucket_url(cfg.bucket)
     if args.print_tier:
         from stoa.worker.tiers import describe_tier
 
@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(config_to_toml(cfg), end="")
         return 0
+    _await_local_bucket(cfg)
     if cfg.model:
         from stoa.models.registry import resolve_model
 
@@ -55,3 +56,30 @@ def run(args: argparse.Namespace) -> int:
     print(f"[worker {s['worker_id']}] done: {s['groups']} groups, {s['tokens']} tokens, "
           f"{s['tokens_per_s']:.1f} tok/s, versions {s['versions']}")
     return 0
+
+
+def _await_local_bucket(cfg: WorkerConfig) -> None:
+    """A local bucket directory that does not exist yet: say so at once, never create it (the trainer
+    does), and wait for it up to ``wait_seconds``.
+
+    Args:
+        cfg: the worker's settings.
+
+    Raises:
+        BucketURLError: the directory still does not exist after ``wait_seconds``.
+    """
+    import os
+    import time
+
+    from stoa.bucket import check_bucket_url
+
+    where = check_bucket_url(cfg.bucket)
+    path = os.path.abspath(os.path.expanduser(where.location))
+    if where.scheme != "file" or os.path.isdir(path):
+        return
+    print(f"[worker] bucket directory {path} does not exist yet; waiting up to {cfg.wait_seconds:g}s for the "
+          f"trainer to create it (check --bucket if no trainer is starting)", flush=True)
+    deadline = time.monotonic() + cfg.wait_seconds
+    while not os.path.isdir(path) and time.monotonic() < deadline:
+        time.sleep(min(cfg.poll_seconds, max(0.0, deadline - time.monotonic())))
+    check_bucket_url(cfg.bucket, must_exist=True)
