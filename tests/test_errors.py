@@ -184,3 +184,12 @@ def test_the_installed_command_prints_no_traceback(tmp_path) -> None:
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("stoa: bucket URL 's3:/b/x' is malformed") and proc.stderr.count("\n") == 1
     assert not (tmp_path / "s3:").exists()
+
+
+def test_model_import_gguf_checks_its_paths_first(tmp_path, capsys) -> None:
+    missing = tmp_path / "m.gguf"
+    assert _run(["model", "import-gguf", str(missing), str(tmp_path / "out")], capsys) == (
+        2, f"stoa: GGUF file {str(missing)!r} not found; give the path of a .gguf file\n")
+    missing.write_bytes(b"GGUF")
+    assert _run(["model", "import-gguf", str(missing), str(tmp_path)], capsys) == (
+        2, f"stoa: {str(tmp_path)!r} already exists; give a new directory to create (nothing is overwritten)\n")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,8 +26,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _import(args: argparse.Namespace) -> int:
+    """Check the paths up front (exit 2 naming the fix), then convert."""
     from stoa.models import import_gguf_cli
 
+    problem = ""
+    if not Path(args.file).is_file():
+        problem = f"GGUF file {args.file!r} not found; give the path of a .gguf file"
+    elif Path(args.outdir).exists():
+        problem = f"{args.outdir!r} already exists; give a new directory to create (nothing is overwritten)"
+    if problem:
+        print(f"stoa: {problem}", file=sys.stderr)
+        return 2
     return import_gguf_cli(args.file, args.outdir)
 
 
