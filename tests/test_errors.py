@@ -192,4 +192,5 @@ def test_model_import_gguf_checks_its_paths_first(tmp_path, capsys) -> None:
         2, f"stoa: GGUF file {str(missing)!r} not found; give the path of a .gguf file\n")
     missing.write_bytes(b"GGUF")
     assert _run(["model", "import-gguf", str(missing), str(tmp_path)], capsys) == (
-        2, f"stoa: {str(tmp_path)!r} already exists; give a new directory to create (nothing is overwritten)\n")
+        2, f"stoa: {str(tmp_path)!r} already exists; give a new directory to create (nothing is "
+           f"overwritten)\n")
