@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import tomllib
 
 import pytest
@@ -163,3 +164,16 @@ def test_global_flags_before_or_after_the_command(monkeypatch):
     assert args.debug is False and args.log_level == "WARNING"
     monkeypatch.setenv("STOA_DEBUG", "1")
     assert build_parser().parse_args(["worker"]).debug is True
+
+
+def test_global_flags_after_a_benchmark_name_are_not_the_benchmarks(monkeypatch):
+    from stoa.cli import build_parser
+    from stoa.cli.bench import take_global_flags
+
+    monkeypatch.delenv("STOA_DEBUG", raising=False)
+    args = build_parser().parse_args(["bench", "trainer", "--groups", "2", "--debug", "--log-level=ERROR"])
+    assert take_global_flags(args) == ["--groups", "2"]
+    assert args.debug is True and args.log_level == "ERROR"
+    args = build_parser().parse_args(["bench", "pulse", "--log-level", "INFO", "--steps", "1"])
+    assert take_global_flags(args) == ["--steps", "1"] and args.log_level == "INFO" and args.debug is False
+    logging.getLogger().setLevel(logging.WARNING)

@@ -55,7 +55,30 @@ def run(args: argparse.Namespace) -> int:
         args: parsed arguments.
     """
     mod = importlib.import_module(BENCHES[args.bench][0])
+    bench_args = take_global_flags(args)
     bp = bench_parser(args.bench)
     if bp is not None:
-        return int(mod.main(bp.parse_args(args.args)) or 0)
-    return int(mod.main(args.args) or 0)
+        return int(mod.main(bp.parse_args(bench_args)) or 0)
+    return int(mod.main(bench_args) or 0)
+
+
+def take_global_flags(args: argparse.Namespace) -> list[str]:
+    """The benchmark's own flags, after taking out the global ``--debug`` and ``--log-level LEVEL`` (which
+    ``stoa bench NAME ...`` would otherwise hand to the benchmark) and applying them to ``args``.
+
+    Args:
+        args: parsed arguments; ``args.args`` holds everything after the benchmark's name.
+    """
+    import logging
+
+    rest: list[str] = []
+    items = iter(args.args)
+    for item in items:
+        if item == "--debug":
+            args.debug = True
+        elif item == "--log-level" or item.startswith("--log-level="):
+            args.log_level = item.partition("=")[2] or next(items, args.log_level)
+            logging.getLogger().setLevel(args.log_level.upper())
+        else:
+            rest.append(item)
+    return rest
