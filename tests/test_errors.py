@@ -194,3 +194,17 @@ def test_model_import_gguf_checks_its_paths_first(tmp_path, capsys) -> None:
     assert _run(["model", "import-gguf", str(missing), str(tmp_path)], capsys) == (
         2, f"stoa: {str(tmp_path)!r} already exists; give a new directory to create (nothing is "
            f"overwritten)\n")
+
+
+def test_a_hub_failure_is_one_line_exit_11(monkeypatch, capsys) -> None:
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("connection refused\nsecond line")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    argv = ["local-e2e", "1", "1", "2", "--model", "someorg/some-model", "--engine", "torch"]
+    assert _run(argv, capsys) == (
+        11, "stoa: cannot fetch model 'someorg/some-model' from the Hugging Face Hub (OSError: connection "
+            "refused); if the hub is unreachable, download the model elsewhere and pass its local directory, "
+            "or use a built-in name: tiny, tiny-qwen2, smollm2-135m\n")
