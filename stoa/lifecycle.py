@@ -9,8 +9,9 @@ decide, in :meth:`RunWatch.check`, whether to sample, pause or exit:
 - the heartbeat has not moved for ``stale_s`` (or three of the trainer's last step times, if longer),
   or the trainer ``failed``: pause until it moves again (a restarted trainer writes ``running``);
 - ``wanted_groups <= 0``: pause (backpressure: the pool already holds what the trainer can use before it
-  goes stale). Several workers read the same want and may all sample for it, so a version can get up to
-  the want plus every worker's groups in flight: bounded over-production, never starvation.
+  goes stale); while it is positive a worker samples at most that many groups per batch. Several workers
+  read the same want and may all sample for it, so a version can get up to the workers' count times the
+  want, plus what they sample before the next status read: bounded over-production, never starvation.
 
 When in doubt it samples: a missing, unreadable or malformed status means "sample". Staleness is measured
 on the worker's own monotonic clock (time since the heartbeat value last changed), so clock skew between
@@ -161,6 +162,13 @@ class RunWatch:
         self.status = RunStatus.from_json(data)
         if self.status is not None and self.status.heartbeat_at != self._beat:
             self._beat, self._beat_seen_at = self.status.heartbeat_at, now
+
+    def wanted(self) -> int | None:
+        """The groups the trainer still wants, when backpressure applies (None: no limit known)."""
+        s = self.status
+        if not self.backpressure or s is None or s.state != "running" or s.wanted_groups is None:
+            return None
+        return s.wanted_groups
 
     def check(self) -> Verdict:
         """Read the status if due and say whether to sample, pause or exit."""

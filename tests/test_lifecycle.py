@@ -16,7 +16,7 @@ from stoa.config import TrainerConfig, WorkerConfig, load_config
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import contract_key, metrics_prefix, rollouts_prefix, status_key
 from stoa.lifecycle import RunStatus, RunWatch, read_status
-from stoa.metrics import read_bucket_metrics
+from stoa.metrics import read_bucket_metrics, read_metrics
 from stoa.models import model_fingerprint
 from stoa.trainer.lifecycle import wanted_groups
 from stoa.weights.planes import state_from_f32
@@ -209,8 +209,10 @@ def test_a_worker_paused_by_backpressure_uploads_nothing_until_the_trainer_wants
             put_status(bucket, wanted=2, beat=101.0)
     monkeypatch.setattr(wloop.time, "sleep", sleep)
     lines: list[str] = []
-    s = wloop.run_worker(worker_cfg(tmp_path, tiny_dir, max_groups=2), echo=lines.append)
-    assert records_at_each_pause[:3] == [0, 0, 0] and s["groups"] == 2
-    assert len(list(bucket.list(rollouts_prefix("r")))) == 2
+    s = wloop.run_worker(worker_cfg(tmp_path, tiny_dir, max_groups=3, groups_in_flight=4), echo=lines.append)
+    assert records_at_each_pause[:3] == [0, 0, 0] and s["groups"] == 3
+    assert len(list(bucket.list(rollouts_prefix("r")))) == 3
+    batches = [r for r in read_metrics(next((tmp_path / "logs").glob("worker-*.jsonl"))) if "worker/decode_s" in r]
+    assert len(batches) == 2  # 2 groups (the want), then 1 (max_groups), never a batch of 3
     assert any("paused: the trainer wants no more groups" in line for line in lines)
     assert any("resumed sampling (backpressure over" in line for line in lines)

@@ -34,7 +34,7 @@ class WorkerConfig(FleetConfig):
     trainer_stale_seconds: float = setting(300.0, "Pause sampling while the trainer's heartbeat in the run "
                                                   "status has not moved for this long (or 3 of its step "
                                                   "times, if longer).")
-    status_seconds: float = setting(2.0, "Read the run status (finished, heartbeat, wanted groups) at most "
+    status_seconds: float = setting(0.5, "Read the run status (finished, heartbeat, wanted groups) at most "
                                          "this often, next to the pointer poll.")
     backpressure: bool = setting(True, "Pause while the trainer says it wants no more groups (false: "
                                        "sample regardless).")

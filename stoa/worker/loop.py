@@ -111,10 +111,12 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
         if verdict.action == "exit":
             finished = True
             break
-        if verdict.action == "pause":
-            time.sleep(cfg.poll_seconds)
+        if verdict.action == "pause":  # backpressure lifts as soon as the trainer steps: re-read sooner
+            time.sleep(cfg.status_seconds if verdict.kind == "backpressure" else cfg.poll_seconds)
             continue
         k = p.in_flight if cfg.max_groups == 0 else min(p.in_flight, cfg.max_groups - p.seq)
+        wanted = w.watch.wanted()
+        k = min(k, wanted) if wanted is not None and wanted > 0 else k  # no batch beyond what the trainer uses
         batch = _sample(w, p, k)
         _upload(w, p, batch)
         _log_batch(w, p, batch)
