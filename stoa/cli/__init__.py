@@ -78,8 +78,12 @@ def epilog() -> str:
     return f"exit codes:\n{codes}\n\n--debug (or STOA_DEBUG=1) prints the traceback of an error too."
 
 
-def _user_error(error: BaseException) -> UserError | None:
-    """The first row of ``USER_ERRORS`` that ``error`` is an instance of; None for a bug."""
+def user_error(error: BaseException) -> UserError | None:
+    """The first row of ``USER_ERRORS`` that ``error`` is an instance of; None for a bug.
+
+    Args:
+        error: the exception a command raised.
+    """
     for row in USER_ERRORS:
         module, _, name = row.cls.partition(":")
         try:
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print("stoa: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        row = _user_error(e)
+        row = user_error(e)
         if row is None:
             raise
         if args.debug:

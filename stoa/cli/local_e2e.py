@@ -47,9 +47,9 @@ def run(args: argparse.Namespace) -> int:
                                 model=args.model or None, bucket_url=args.bucket or None, task=args.task,
                                 seed=args.seed)
     except RuntimeError as e:
-        from stoa.cli import _user_error
+        from stoa.cli import user_error
 
-        if _user_error(e) is not None:  # a kind with its own exit code (model fetch, contract, ...)
+        if user_error(e) is not None:  # a kind with its own exit code (model fetch, contract, ...)
             raise
         print(f"stoa: local-e2e failed: {e}", file=sys.stderr)
         return 4 if isinstance(e.__cause__, BucketError) else 1
