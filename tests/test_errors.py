@@ -114,6 +114,9 @@ def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch
     (["worker", "--dry-run", "--engine", "tpu"],
      "stoa: invalid setting engine: 'tpu' is not one of auto, torch, mlx"),
     (["trainer", "--config", "missing.toml"], "stoa: invalid setting config: file not found: missing.toml"),
+    (["trainer", "--config", "."],
+     "stoa: invalid setting config: . is a directory; give the path of a TOML file"),
+    (["worker", "--config", "/dev/null/x"], "stoa: invalid setting config: file not found: /dev/null/x"),
     (["trainer", "--dry-run", "--task", "nosuch"],
      "stoa: invalid setting task: unknown task 'nosuch'; known tasks: ['arithmetic', 'gsm8k', 'toy']"),
 ])
@@ -208,3 +211,11 @@ def test_a_hub_failure_is_one_line_exit_11(monkeypatch, capsys) -> None:
         11, "stoa: cannot fetch model 'someorg/some-model' from the Hugging Face Hub (OSError: connection "
             "refused); if the hub is unreachable, download the model elsewhere and pass its local directory, "
             "or use a built-in name: tiny, tiny-qwen2, smollm2-135m\n")
+
+
+def test_an_unreadable_or_binary_config_is_one_line(tmp_path, capsys) -> None:
+    binary = tmp_path / "run.toml"
+    binary.write_bytes(b"\xff\xfe = 1")
+    code, err = _run(["trainer", "--dry-run", "--config", str(binary)], capsys)
+    assert code == 2 and err.startswith(f"stoa: invalid setting config: {binary} is not valid TOML: ")
+    assert err.count("\n") == 1

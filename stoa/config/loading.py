@@ -289,14 +289,18 @@ def read_toml(toml_path: str | Path) -> dict[str, Any]:
         toml_path: the file.
 
     Raises:
-        ConfigError: (field 'config') the file is missing or not valid TOML.
+        ConfigError: (field 'config') the file is missing, a directory, unreadable or not valid TOML.
     """
     p = Path(toml_path)
+    if p.is_dir():
+        raise ConfigError("config", f"{toml_path} is a directory; give the path of a TOML file")
     if not p.is_file():
         raise ConfigError("config", f"file not found: {toml_path}")
     try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError("config", f"cannot read {toml_path}: {e.strerror or e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError("config", f"{toml_path} is not valid TOML: {e}") from None
 
 
