@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from stoa.bucket import open_bucket
 from stoa.layout import lease_key
 from stoa.trainer.lease import Lease, LeaseHeld, LeaseLost, LeaseRecord
+from tests.integration.conftest import procs  # noqa: F401 - the process fixture
 
 
 class Clock:
@@ -125,3 +128,71 @@ def test_a_renewal_whose_answer_was_lost_is_not_a_lost_lease(tmp_path):
     clock.t += 1
     mine.renew()
     assert LeaseRecord.from_json(b.get(lease_key("r"))).holder == mine.mine.holder
+
+
+# Process scenarios (tiny model, toy task): the CLI, real signals, a local bucket.
+
+TRAIN = ["--model", "tiny", "--task", "toy", "--n-samples", "4", "--groups-per-step", "2", "--max-new-tokens", "8",
+         "--eval-n", "0", "--kl-beta", "0", "--poll-seconds", "0.2", "--lease-ttl-seconds", "3"]
+
+
+def snapshot(root) -> dict[str, str]:
+    """Every object of a local bucket (temp and lock files aside) and its content hash."""
+    from stoa.bucket.base import file_digest
+
+    return {str(p.relative_to(root)): file_digest(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and ".stoa" not in p.relative_to(root).parts}
+
+
+def journal_step(url: str, run: str) -> int:
+    from stoa.trainer import checkpoint as ckpt
+
+    return int((ckpt.read_journal(open_bucket(url), run) or {}).get("step", 0))
+
+
+@pytest.mark.slow
+def test_a_second_trainer_is_refused_and_one_after_a_sigkill_resumes_without_flags(procs, tmp_path):  # noqa: F811
+    from tests.integration.conftest import wait_for
+
+    url = str(tmp_path / "bucket")
+    t1 = procs.start("t1", "trainer", "--bucket", url, "--run", "r", *TRAIN)
+    wait_for(lambda: "published v1" in procs.log("t1"), 120, "the first trainer to publish v1")
+    t2 = procs.start("t2", "trainer", "--bucket", url, "--run", "r", *TRAIN)
+    assert t2.wait(timeout=120) == 6, procs.log("t2")
+    holder = LeaseRecord.from_json(open_bucket(url).get(lease_key("r")))
+    assert f"held by trainer {holder.holder} on host {holder.host} (pid {t1.pid})" in procs.log("t2")
+    assert "Traceback" not in procs.log("t2") and t1.poll() is None
+    t1.send_signal(signal.SIGKILL)
+    t1.wait(timeout=30)
+    # The holder died on this host: a new trainer takes over at once, with only --bucket and --run.
+    t3 = procs.start("t3", "trainer", "--bucket", url, "--run", "r", "--max-wait-seconds", "1")
+    assert t3.wait(timeout=120) == 5, procs.log("t3")
+    log = procs.log("t3")
+    assert f"took over run 'r' from trainer {holder.holder}" in log and "resumed run r at v1" in log, log
+    assert "model tiny (as its last trainer)" in log
+
+
+@pytest.mark.slow
+def test_a_paused_trainer_that_lost_its_lease_exits_without_a_single_write(procs, tmp_path):  # noqa: F811
+    from tests.integration.conftest import wait_for
+
+    url = str(tmp_path / "bucket")
+    run = ["--bucket", url, "--run", "r"]
+    t1 = procs.start("t1", "trainer", *run, *TRAIN, "--lr", "3e-2")
+    wait_for(lambda: "published v1" in procs.log("t1"), 120, "the first trainer to publish v1")
+    w0 = procs.start("w0", "worker", *run, "--name", "w0", "--engine", "torch", "--threads", "1",
+                     "--poll-seconds", "0.2", "--wait-seconds", "120", "--groups-in-flight", "2")
+    wait_for(lambda: journal_step(url, "r") >= 2, 240, "two steps of the first trainer")
+    t1.send_signal(signal.SIGSTOP)  # paused wherever it is, maybe mid-step
+    time.sleep(4)  # past the 3 s TTL
+    target = journal_step(url, "r") + 2
+    t2 = procs.start("t2", "trainer", *run, "--take-over", "--lease-ttl-seconds", "3", "--steps", str(target))
+    assert t2.wait(timeout=240) == 0, procs.log("t2")
+    assert "took over run 'r'" in procs.log("t2")
+    w0.kill()
+    w0.wait(timeout=30)
+    before = snapshot(tmp_path / "bucket")
+    t1.send_signal(signal.SIGCONT)
+    assert t1.wait(timeout=120) == 7, procs.log("t1")
+    assert snapshot(tmp_path / "bucket") == before  # not one object written, overwritten or deleted
+    assert "lost its lease" in procs.log("t1") and "Traceback" not in procs.log("t1")

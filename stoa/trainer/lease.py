@@ -6,10 +6,12 @@ a holder that released it, that died on this host (its pid is gone), or, with ``
 heartbeat is older than ``lease_ttl_seconds``. Each take-over bumps the epoch.
 
 Fencing: the holder renews the lease by CAS with the etag it last wrote right before each group of writes
-(journal, publish, checkpoint). A trainer that was paused (SIGSTOP) while another took over finds the etag
-moved, raises :class:`LeaseLost` and writes nothing. A writer can only slip a write past the new holder if
-it is paused for a whole TTL between its lease CAS and the write itself (microseconds of work), because a
-take-over needs the heartbeat to be a TTL old. A daemon thread renews the heartbeat every few seconds, so a
+(journal, publish, checkpoint), and every single write goes through :class:`FencedBucket`, which first
+checks (no request) that the last renewal began less than a quarter TTL ago and otherwise renews by CAS. A
+trainer that was paused (SIGSTOP) anywhere, even between encoding a patch and writing it, while another
+took over, finds the etag moved, raises :class:`LeaseLost` and writes nothing. The only window left is
+between that check and the write call itself (no work in between), and a take-over needs the heartbeat to
+be a whole TTL old. A daemon thread renews the heartbeat every few seconds, so a
 trainer busy with a long step or waiting for records stays alive. Heartbeat ages compare the holder's
 wall clock with the reader's: keep the TTL well above the clock skew between machines.
 """
@@ -117,6 +119,7 @@ class Lease:
         self.mine = LeaseRecord(uuid.uuid4().hex[:12], socket.gethostname(), os.getpid(), now, now, 0, model)
         self.etag: str | None = None
         self.lost = False
+        self._renewed_at = float("-inf")  # monotonic time the last successful renewal (or acquire) began
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -139,14 +142,14 @@ class Lease:
             prev, etag = self.read()
             if etag is not None:
                 self._check_takeable(prev, take_over)
-            now = self.clock()
+            now, began = self.clock(), time.monotonic()
             epoch = (prev.epoch if prev else 0) + 1
             rec = replace(self.mine, started=now, heartbeat=now, epoch=epoch)
             try:
                 self.etag = self.bucket.cas(self.key, rec.to_json(), etag)
             except PreconditionFailed:
                 continue  # someone else moved it between our read and CAS: judge the new one
-            self.mine = rec
+            self.mine, self._renewed_at = rec, began
             if prev is not None and not prev.released:
                 self.echo(f"[trainer] took over run {self.run_id!r} from trainer {prev.holder} on {prev.host} "
                           f"(pid {prev.pid}, heartbeat {now - prev.heartbeat:.0f}s old); epoch {epoch}")
@@ -180,7 +183,7 @@ class Lease:
                 raise LeaseLost(self._lost_message())
             if self.etag is None:
                 raise LeaseLost(f"run {self.run_id!r}: this trainer does not hold the lease")
-            rec = replace(self.mine, heartbeat=self.clock())
+            rec, began = replace(self.mine, heartbeat=self.clock()), time.monotonic()
             try:
                 self.etag = self.bucket.cas(self.key, rec.to_json(), self.etag)
             except PreconditionFailed:
@@ -188,7 +191,13 @@ class Lease:
                     self.lost = True
                     raise LeaseLost(self._lost_message()) from None
                 self.etag = self.bucket.cas(self.key, rec.to_json(), self.etag)
-            self.mine = rec
+            self.mine, self._renewed_at = rec, began
+
+    def guard(self) -> None:
+        """Before one write: fine without a request while the last renewal began under a quarter TTL ago
+        (nobody can have taken over since), else :meth:`renew`; :class:`LeaseLost` if the lease is gone."""
+        if self.lost or time.monotonic() - self._renewed_at > self.ttl_s / 4:
+            self.renew()
 
     def _still_mine(self) -> bool:
         """After a lost CAS: our own earlier write may have landed though its answer was lost (a retry)."""
@@ -243,3 +252,55 @@ class Lease:
                 self.lost = True
                 return
             self.etag = None
+
+
+class FencedBucket:
+    """A bucket whose every write (put, create, CAS, delete, upload) first calls :meth:`Lease.guard`.
+
+    Reads go straight through. The trainer hands this to everything that writes (journal, publisher,
+    checkpoint, status, metrics), so a trainer that lost its lease cannot write even one more object.
+
+    Args:
+        inner: the bucket.
+        lease: the lease held on it.
+    """
+
+    def __init__(self, inner: Bucket, lease: Lease) -> None:
+        self._inner, self._lease = inner, lease
+        self.url = inner.url
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def __repr__(self) -> str:
+        return f"FencedBucket({self._inner!r})"
+
+    def put_create(self, key: str, data: bytes) -> None:
+        """Create-only put, after the lease guard."""
+        self._lease.guard()
+        self._inner.put_create(key, data)
+
+    def put(self, key: str, data: bytes) -> None:
+        """Overwrite, after the lease guard."""
+        self._lease.guard()
+        self._inner.put(key, data)
+
+    def cas(self, key: str, data: bytes, expected_etag: str | None) -> str:
+        """Compare-and-swap, after the lease guard."""
+        self._lease.guard()
+        return self._inner.cas(key, data, expected_etag)
+
+    def delete(self, key: str) -> None:
+        """Delete, after the lease guard."""
+        self._lease.guard()
+        self._inner.delete(key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete a prefix, after the lease guard."""
+        self._lease.guard()
+        return self._inner.delete_prefix(prefix)
+
+    def put_file(self, key: str, path, *, create_only: bool = True) -> None:
+        """Upload a file, after the lease guard."""
+        self._lease.guard()
+        self._inner.put_file(key, path, create_only=create_only)

@@ -16,7 +16,7 @@ from stoa.layout import checkpoint_key, rollout_label
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.stopflag import StopFlag
 from stoa.trainer import checkpoint as ckpt
-from stoa.trainer.lease import Lease
+from stoa.trainer.lease import FencedBucket, Lease
 from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, wanted_groups
 from stoa.trainer.policy import Policy
 from stoa.trainer.pool import Entry, PoolStats, RecordPool
@@ -97,9 +97,10 @@ class _Trainer:
             LeaseHeld: another live trainer holds the run (nothing was written).
         """
         self.cfg, self.echo, self.stop = cfg, echo, stop or StopFlag()
-        self.bucket = open_bucket(cfg.bucket)
-        self.lease = Lease(self.bucket, cfg.run, cfg.lease_ttl_seconds, model=cfg.model, echo=echo)
+        raw = open_bucket(cfg.bucket)
+        self.lease = Lease(raw, cfg.run, cfg.lease_ttl_seconds, model=cfg.model, echo=echo)
         ride_out(lambda: self.lease.acquire(take_over), "the lease", echo)
+        self.bucket = FencedBucket(raw, self.lease)  # every write checks the lease first
         self.lease.start_heartbeat()
         try:
             self._build(cfg)
