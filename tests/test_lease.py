@@ -196,3 +196,23 @@ def test_a_paused_trainer_that_lost_its_lease_exits_without_a_single_write(procs
     assert t1.wait(timeout=120) == 7, procs.log("t1")
     assert snapshot(tmp_path / "bucket") == before  # not one object written, overwritten or deleted
     assert "lost its lease" in procs.log("t1") and "Traceback" not in procs.log("t1")
+
+
+def test_a_trainer_paused_mid_publish_writes_no_patch_after_a_take_over(tmp_path, stoa_cache):
+    from stoa.config import TrainerConfig
+    from stoa.trainer.loop import _Trainer
+    from stoa.weights.planes import state_from_f32
+
+    url = str(tmp_path / "b")
+    cfg = TrainerConfig(bucket=url, run="r", model="tiny", task="toy", n_samples=2, eval_n=0, kl_beta=0.0,
+                        lease_ttl_seconds=0.4).validate()
+    old = _Trainer(cfg, echo=quiet)
+    old.resume()  # v1
+    state = state_from_f32(old.policy.export_f32(), "bf16")  # encoded, about to be written...
+    old.lease._stop.set()  # ...when the process is paused: no heartbeat either
+    time.sleep(0.5)
+    Lease(open_bucket(url), "r", ttl_s=0.4, echo=quiet).acquire(take_over=True)
+    before = snapshot(tmp_path / "b")
+    with pytest.raises(LeaseLost):
+        old.publisher.publish(2, state)  # straight to the bucket writes, past the step's own fence
+    assert snapshot(tmp_path / "b") == before
