@@ -311,3 +311,25 @@ def test_duplicates_are_not_held_against_a_worker_but_bad_records_are(setup):
     pool.refresh(1)
     assert pool.drain_stats().rejected == {"duplicate": 1, "malformed": 1}
     assert sorted(gate.seen) == [("w", False), ("w", True)]
+
+
+def test_records_of_a_worker_quarantined_after_intake_are_not_trained(setup):
+    bucket, contract, task, codec = setup
+    put(*setup, worker="bad", seq=0)
+    put(*setup, worker="good", seq=0)
+    gate = GateSpy()
+    pool = RecordPool(bucket, contract, task, codec, staleness_bound=3, reuse_cap=2, gate=gate)
+    pool.refresh(1)
+    gate.is_quarantined = lambda worker_id: worker_id == "bad"  # judged later, e.g. by lag-0 disagreement
+    assert [e.record.worker_id for e in pool.take(8)] == ["good"]
+    assert pool.drain_stats().rejected == {"quarantined": 1}
+
+
+def test_a_header_worker_other_than_the_keys_is_a_key_rejection(setup):
+    bucket, contract, task, codec = setup
+    rec = RolloutRecord.decode(bucket.get(put(*setup, worker="w", seq=0)))
+    rec.worker_id, rec.seq = "someone-else", 1
+    bucket.put_create(rollout_key("r", 1, "w", 1), rec.encode())
+    pool = make_pool(*setup)
+    pool.refresh(1)
+    assert pool.drain_stats().rejected == {"key": 1}

@@ -36,6 +36,7 @@ def test_restart_over_a_corrupt_newest_patch_publishes_a_fresh_anchor(tmp_path, 
     t2 = _Trainer(make_cfg(url), echo=lines.append)
     t2.resume()  # must not raise
     assert t2.version == 2 and t2.publisher.resume_error is not None
+    assert t2.lag0_trusted  # its checkpoint is the master of the published v2: lag-0 records can be judged
     assert any("does not verify" in line for line in lines)
     info = t2.publish(3)
     assert info.bytes_anchor > 0 and bucket.exists(anchor_prefix("r", 3) + "manifest.json")
@@ -111,6 +112,7 @@ def test_restart_without_checkpoint_continues_from_the_newest_verified_weights(t
             p.add_(1.0)
     t2.resume()
     assert t2.version == 2 and any("newest verified weights, v1" in line for line in lines), lines
+    assert not t2.lag0_trusted  # lag-0 records came from v2, which this trainer cannot reproduce
     for k, v in t2.policy.model.named_parameters():  # the bf16 plane of v1, within bf16 rounding
         torch.testing.assert_close(v.detach(), v1[k], atol=0, rtol=2 ** -8)
 

@@ -137,12 +137,13 @@ class _Trainer:
         self.publisher = WeightPublisher(self.bucket, cfg.run, cfg.plane, anchor_every=cfg.anchor_every)
         self.quarantine = Quarantine(enabled=cfg.quarantine, disagreement=cfg.quarantine_disagreement,
                                      reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
-                                     top_p=cfg.top_p)
+                                     temperature=cfg.temperature, top_p=cfg.top_p)
         self.pool = RecordPool(self.bucket, self.contract, self.task, self.codec, staleness_bound=cfg.staleness_bound,
                                reuse_cap=cfg.reuse_cap, gate=self.quarantine)
         self.metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / "trainer.jsonl", cfg.run)
         self.summary: dict[str, Any] = {"run": cfg.run, "evals": [], "step_times": []}
         self.version = self.step = 0
+        self.lag0_trusted = True  # see resume(): whether lag-0 records can be judged against our weights
 
     def publish(self, version: int) -> Any:
         from stoa.weights.planes import state_from_f32
@@ -174,6 +175,9 @@ class _Trainer:
             return
         self.version = pointer.version
         bad = self.publisher.resume_error
+        # Lag-0 records were sampled from the published weights: judge workers by them only once this
+        # trainer's weights are those (after its own first publish, or when they verifiably are).
+        self.lag0_trusted = bad is None or (restored is not None and restored.version == pointer.version)
         if bad is not None:
             self.echo(f"[trainer] the published v{pointer.version} does not verify ({bad}); the next version is "
                       "published as a fresh anchor so workers recover")
@@ -312,8 +316,10 @@ class _Trainer:
         ride_out(lambda: ckpt.write_journal(self.bucket, cfg.run, journal), "the journal", self.echo)
         m = train_step(self.policy, self.ref, self.opt, self.algo, entries, current_version=self.version,
                        micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip, shared_prefix=cfg.shared_prefix)
-        for worker, values in m.disagreement.items():
-            self.quarantine.observe_disagreement(worker, values)
+        if self.lag0_trusted:
+            for worker, values in m.disagreement.items():
+                self.quarantine.observe_disagreement(worker, values)
+        self.lag0_trusted = True  # from now on lag 0 means "sampled from weights this trainer published"
         self.version, self.step = self.version + 1, self.step + 1
         t_pub = time.perf_counter()
         pub = self.publish(self.version)

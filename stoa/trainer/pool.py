@@ -147,6 +147,8 @@ class RecordPool:
             return 0
         try:
             rec, rewards = self._check(data, version, current_version)
+            if rec.worker_id != parsed.worker_id:  # one identity per record: the key's
+                raise RecordRejected("key", f"header worker {rec.worker_id!r} under a key of {parsed.worker_id!r}")
         except RecordRejected as e:
             return self._reject(info.key, parsed.worker_id, e.reason, e)
         cid, prior = rec.content_id(), self.uses.get(rec.content_id())
@@ -197,6 +199,10 @@ class RecordPool:
         for e in ranked:
             if len(pool) == count:
                 break
+            if self.gate is not None and self.gate.is_quarantined(e.record.worker_id):
+                del self.entries[e.content_id]  # accepted before its worker was quarantined
+                self.stats.rejected["quarantined"] += 1
+                continue
             if keep is not None and not keep(e.rewards):
                 del self.entries[e.content_id]
                 self.stats.filtered += 1
