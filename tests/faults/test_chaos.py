@@ -47,6 +47,7 @@ class Chaos:
     def __init__(self, procs: Procs, bucket: str, run: str, watch: PointerWatch, rng: random.Random):
         self.procs, self.bucket, self.run, self.watch, self.rng = procs, bucket, run, watch, rng
         self.trainer_args = ["trainer", "--bucket", bucket, "--run", run, *TRAIN_ARGS, "--steps", "0", "--lr", LR,
+                             "--keep-rollout-versions", "-1", "--no-backpressure",
                              "--staleness-bound", STALENESS,
                              "--reuse-cap", str(REUSE_CAP), "--keep-versions", "1000"]
         self.starts = {"trainer": 0, "w0": 0, "w1": 0}
