@@ -10,15 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import warnings
 
 from stoa.config import TrainerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
-
-EXIT_LEASE_HELD = 6
-"""Exit code: another live trainer holds the run's lease."""
-EXIT_LEASE_LOST = 7
-"""Exit code: another trainer took the run over while this one ran (it wrote nothing after that)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +54,6 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.trainer.lease import LeaseHeld, LeaseLost
     from stoa.trainer.setup import resume_config
 
     overrides = overrides_from_args(args, TrainerConfig)
@@ -74,13 +67,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from stoa.trainer.loop import run_trainer
 
-    try:
-        summary = run_trainer(cfg, take_over=args.take_over)
-    except LeaseHeld as e:
-        print(f"stoa: {e}", file=sys.stderr)
-        return EXIT_LEASE_HELD
-    except LeaseLost as e:
-        print(f"stoa: {e}", file=sys.stderr)
-        return EXIT_LEASE_LOST
+    summary = run_trainer(cfg, take_over=args.take_over)  # LeaseHeld exits 6, LeaseLost 7 (stoa.cli)
     print(f"[trainer] done: the run is at step {summary['step']}, v{summary['version']}")
     return 0
