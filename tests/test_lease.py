@@ -170,6 +170,9 @@ def test_a_second_trainer_is_refused_and_one_after_a_sigkill_resumes_without_fla
     log = procs.log("t3")
     assert f"took over run 'r' from trainer {holder.holder}" in log and "resumed run r at v1" in log, log
     assert "model tiny (as its last trainer)" in log
+    t4 = procs.start("t4", "trainer", "--bucket", url, "--run", "r", "--n-samples", "6")
+    assert t4.wait(timeout=120) == 3, procs.log("t4")
+    assert "n_samples (run 'r' has 4, --n-samples says 6; leave --n-samples out" in procs.log("t4")
 
 
 @pytest.mark.slow
