@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import signal
 from pathlib import Path
 
@@ -74,7 +75,8 @@ def test_trainer_restart_continues_versions_without_exceeding_reuse_cap(procs, t
     t1.send_signal(signal.SIGKILL)
     t1.wait(timeout=30)
     before = train_rows(metrics)
-    t2 = procs.start("trainer2", *args, "--steps", "3")
+    done = json.loads((tmp_path / "bucket" / "runs" / "r2" / "trainer" / "journal.json").read_text())["step"]
+    t2 = procs.start("trainer2", *args, "--steps", str(done + 3))  # --steps is the run's total
     assert t2.wait(timeout=240) == 0, procs.log("trainer2")
     assert "resumed run r2" in procs.log("trainer2")
     rows = train_rows(metrics)
