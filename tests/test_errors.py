@@ -219,3 +219,14 @@ def test_an_unreadable_or_binary_config_is_one_line(tmp_path, capsys) -> None:
     code, err = _run(["trainer", "--dry-run", "--config", str(binary)], capsys)
     assert code == 2 and err.startswith(f"stoa: invalid setting config: {binary} is not valid TOML: ")
     assert err.count("\n") == 1
+
+
+def test_an_unknown_flag_names_the_command_and_the_closest_flag(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["trainer", "--dry-run", "--stpes", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: stoa trainer ")
+    assert err.endswith("stoa trainer: error: unrecognized arguments: --stpes 3; did you mean --steps?\n")
+    with pytest.raises(SystemExit):
+        main(["local", "train", "--zzzzzz"])
+    assert capsys.readouterr().err.endswith("stoa local train: error: unrecognized arguments: --zzzzzz\n")

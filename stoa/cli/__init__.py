@@ -8,6 +8,7 @@ only with ``--debug`` or ``STOA_DEBUG=1``. Anything else is a bug: exit 1 with i
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
@@ -138,6 +139,33 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
     return found
 
 
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command that ``args`` ran, e.g. ``stoa local train``'s.
+
+    Args:
+        parser: the top-level parser.
+        args: what it parsed.
+    """
+    for action in parser._actions:
+        chosen = getattr(args, action.dest, None)
+        if isinstance(action, argparse._SubParsersAction) and chosen in action.choices:
+            return command_parser(action.choices[chosen], args)
+    return parser
+
+
+def unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """argparse's message for unknown arguments, with the closest flag of the command when there is one.
+
+    Args:
+        parser: the command's parser.
+        unknown: the arguments it did not recognize.
+    """
+    flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    close = [difflib.get_close_matches(a.split("=")[0], flags, n=1) for a in unknown if a.startswith("-")]
+    hint = next((f"; did you mean {c[0]}?" for c in close if c), "")
+    return f"unrecognized arguments: {' '.join(unknown)}{hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``stoa`` script; returns the exit code (``EXIT_CODES``).
 
@@ -145,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         argv: arguments (default ``sys.argv[1:]``).
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = command_parser(parser, args)
+        command.error(unrecognized(command, unknown))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
