@@ -10,6 +10,8 @@ import pytest
 import stoa.cli.worker
 from stoa.cli import main
 
+FORMS = "a directory path, file://DIR, s3://BUCKET[/PREFIX] or r2://BUCKET[/PREFIX]"
+
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     code = main(argv)
@@ -26,10 +28,10 @@ def _no_debug(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("bucket,message", [
     ("s3:/bucket/x", "stoa: bucket URL 's3:/bucket/x' is malformed: a scheme takes two slashes "
                      "(s3://bucket/x); for a local directory of that name write ./s3:/bucket/x"),
-    ("gs://b/x", "stoa: unsupported bucket URL scheme 'gs://'; Google Cloud Storage speaks S3 at "
-                 "https://storage.googleapis.com: set AWS_ENDPOINT_URL to it and use s3://BUCKET[/PREFIX]"),
-    ("https://minio:9000/b", "stoa: unsupported bucket URL scheme 'https://'; for an S3-compatible endpoint "
-                             "set AWS_ENDPOINT_URL and use s3://BUCKET[/PREFIX]"),
+    ("gs://b/x", f"stoa: unsupported bucket URL scheme 'gs://'; expected {FORMS}; Google Cloud Storage "
+                 "speaks S3 at https://storage.googleapis.com: set AWS_ENDPOINT_URL to it and use s3://BUCKET[/PREFIX]"),
+    ("https://minio:9000/b", f"stoa: unsupported bucket URL scheme 'https://'; expected {FORMS}; for an "
+                             "S3-compatible endpoint set AWS_ENDPOINT_URL and use s3://BUCKET[/PREFIX]"),
     ("s3://AKIA:hunter2@b/x", "stoa: credentials in bucket URLs are refused (they would end up in logs); "
                               "put them in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an env file "
                               "(STOA_ENV_FILE)"),

@@ -74,8 +74,9 @@ def parse_bucket_url(url: str) -> BucketURL:
             raise BucketURLError(f"file:// URL without a directory; expected {ACCEPTED_FORMS}")
         return BucketURL("file", rest)
     if scheme not in ("s3", "r2"):
-        hint = _SCHEME_HINTS.get(scheme, f"expected {ACCEPTED_FORMS}")
-        raise BucketURLError(f"unsupported bucket URL scheme {scheme + '://'!r}; {hint}")
+        hint = f"; {_SCHEME_HINTS[scheme]}" if scheme in _SCHEME_HINTS else ""
+        raise BucketURLError(f"unsupported bucket URL scheme {scheme + '://'!r}; expected {ACCEPTED_FORMS}"
+                             f"{hint}")
     bucket, _, prefix = rest.partition("/")
     if "@" in bucket or ":" in bucket:  # user:secret@bucket, or user:se/cret@bucket cut at the '/'
         raise BucketURLError("credentials in bucket URLs are refused (they would end up in logs); put them "

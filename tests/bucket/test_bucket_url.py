@@ -32,9 +32,9 @@ def test_accepted_forms(url: str, parsed: BucketURL) -> None:
 @pytest.mark.parametrize("url,match", [
     ("", "empty bucket URL"),
     ("file://", "without a directory"),
-    ("gs://bucket/x", "unsupported bucket URL scheme 'gs://'; Google Cloud Storage speaks S3"),
-    ("http://minio:9000/b", "unsupported bucket URL scheme 'http://'; for an S3-compatible endpoint set "
-                            "AWS_ENDPOINT_URL"),
+    ("gs://bucket/x", "unsupported bucket URL scheme 'gs://'; expected .*; Google Cloud Storage speaks S3"),
+    ("http://minio:9000/b", "unsupported bucket URL scheme 'http://'; expected .*; for an S3-compatible "
+                            "endpoint set AWS_ENDPOINT_URL"),
     ("ftp://host/b", "unsupported bucket URL scheme 'ftp://'; expected"),
     ("s3://bucket/x#frag", "no query or fragment"),
     ("r2://bucket/x?versionId=1", "no query or fragment"),
@@ -50,7 +50,7 @@ def test_refused_forms_say_why(url: str, match: str) -> None:
         parse_bucket_url(url)
     assert "secret" not in str(info.value) and "cret" not in str(info.value)
     assert "\n" not in str(info.value)
-    if "credentials" not in match and "scheme" not in match:
+    if "credentials" not in match and "two slashes" not in match:
         assert ACCEPTED_FORMS in str(info.value)
 
 
