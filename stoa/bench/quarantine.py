@@ -111,7 +111,7 @@ def offgrid(named: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str,
 
 
 def build_worker(engine: str, dtype: str, model_dir: Path, state: dict[str, np.ndarray], plane: str) -> Any:
-    """A worker engine holding a published state, built and loaded the way ``stoa.worker.loop`` does.
+    """A worker engine holding a published state, built and loaded the way a fleet worker does.
 
     Args:
         engine: ``torch`` or ``mlx``.
