@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from stoa.export import ExportError, export_run
 
     try:
-        result = export_run(open_bucket(args.bucket), args.run, args.out, version=args.version,
+        result = export_run(open_bucket(args.bucket, create=False), args.run, args.out, version=args.version,
                             source=args.source)
     except ExportError as e:
         print(f"stoa export: {e}", file=sys.stderr)

@@ -17,8 +17,8 @@ class WorkerConfig(FleetConfig):
 
     SECTION: ClassVar[str] = "worker"
 
-    model: str = setting("", "Optional local model dir; checked against the contract (default: from the "
-                             "bucket).")
+    model: str = setting("", "Model: a built-in name (tiny, smollm2-135m), a local model directory or a hub id; "
+                             "checked against the contract (default: the run's model files from the bucket).")
     n_samples: int = setting(0, "Group size this worker expects (0 = the contract's).")
     seed: int = setting(-1, "Sampling seed (-1 = random per process).")
     plane: str = setting("", "Weight plane this worker expects (empty = the contract's).")
