@@ -54,10 +54,10 @@ class _FakeEngine:
         return groups, GenStats(new_tokens=len(prompts) * n)
 
     def load_weights(self, named: Any) -> None:
-        raise NotImplementedError
+        raise AssertionError("the trainer's eval never loads weights into its engine")
 
     def load_state(self, state: Any, plane: str) -> None:
-        raise NotImplementedError
+        raise AssertionError("the trainer's eval never loads weights into its engine")
 
     def make_generator(self, seed: int | None) -> None:
         return None
