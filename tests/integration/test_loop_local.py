@@ -50,7 +50,8 @@ def test_reward_rises_and_a_killed_worker_does_not_stop_training(procs, tmp_path
     assert trainer.wait(timeout=300) == 0, procs.log("trainer")
     rows = train_rows(metrics)
     assert [r["version"] for r in rows] == list(range(2, 22))
-    assert records_of(rollouts, "w0") == w0_records  # nothing uploaded after the kill
+    # Nothing uploaded after the kill (retention may have deleted the stale ones since).
+    assert records_of(rollouts, "w0") <= w0_records
     # w1 carried the run: once w0's newest records fell out of the staleness window (3), every step
     # trained on w1's records only.
     w0_newest = max(int(k[1:9]) for k in w0_records)
