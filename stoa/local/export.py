@@ -72,7 +72,7 @@ def fuse_into_linears(model: Any) -> int:
     with torch.no_grad():
         for name, module in list(model.named_modules()):
             if isinstance(module, LoRALinear):
-                base = module.linear
+                base: Any = module.linear
                 w = base.dequantized() if isinstance(base, QuantLinear) else base.weight
                 w = w.float() + module.scale * (module.lora_a.float() @ module.lora_b.float()).T
                 new = plain(w, base.bias)

@@ -24,9 +24,10 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 
-from stoa.bucket import Bucket, ObjectNotFound, PreconditionFailed
+from stoa.bucket import Bucket, ObjectInfo, ObjectNotFound, PreconditionFailed
 from stoa.layout import lease_key
 
 DEFAULT_TTL_S = 120.0
@@ -272,6 +273,34 @@ class FencedBucket:
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
+    def get(self, key: str) -> bytes:
+        """Read (no guard)."""
+        return self._inner.get(key)
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        """Read with the etag (no guard)."""
+        return self._inner.get_with_etag(key)
+
+    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
+        """Conditional read (no guard)."""
+        return self._inner.get_if_changed(key, etag)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Ranged read (no guard)."""
+        return self._inner.get_range(key, start, end)
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """Listing (no guard)."""
+        return self._inner.list(prefix, start_after)
+
+    def exists(self, key: str) -> bool:
+        """Existence check (no guard)."""
+        return self._inner.exists(key)
+
+    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        """Download (no guard)."""
+        self._inner.get_file(key, path)
+
     def __repr__(self) -> str:
         return f"FencedBucket({self._inner!r})"
 
@@ -300,7 +329,7 @@ class FencedBucket:
         self._lease.guard()
         return self._inner.delete_prefix(prefix)
 
-    def put_file(self, key: str, path, *, create_only: bool = True) -> None:
+    def put_file(self, key: str, path: str | os.PathLike[str], *, create_only: bool = True) -> None:
         """Upload a file, after the lease guard."""
         self._lease.guard()
         self._inner.put_file(key, path, create_only=create_only)
