@@ -46,6 +46,14 @@ class TextCodec:
             self._cache[key] = [int(i) for i in ids]
         return list(self._cache[key])
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of plain text without special tokens (observations of multi-turn episodes).
+
+        Args:
+            text: the text.
+        """
+        return [int(i) for i in self.tok.encode(text, add_special_tokens=False)]
+
     def decode(self, tokens: Sequence[int]) -> str:
         """Completion text without special tokens.
 
