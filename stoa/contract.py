@@ -108,6 +108,9 @@ class RunContract:
     """A record is used in at most this many optimizer steps (informational for workers)."""
     algorithm: Mapping[str, Any] = field(default_factory=dict)
     """Algorithm name and knobs (informational for workers)."""
+    retriever: Mapping[str, Any] = field(default_factory=dict)
+    """Search tasks: the index every worker and the trainer search (``fingerprint``, under
+    ``runs/<run>/retriever/<fingerprint>/``) and the tool's settings (``k``); empty for other tasks."""
     schema_version: int = SCHEMA_VERSION
     """Schema version of records and weights."""
     created_at: float = 0.0

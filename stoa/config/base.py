@@ -93,6 +93,9 @@ class BaseConfig:
                                 "group.")
     seed: int = setting(0, "Random seed.")
     device: str = setting("auto", "Torch device: auto, cpu, cuda or cuda:N.")
+    retriever: str = setting("", "Search tasks' retriever: the URL of a shared endpoint ('stoa retriever serve'), "
+                                 "or a local index directory ('stoa retriever index'); empty: the run's index "
+                                 "from the bucket (fleet) or one built from the task's corpus.")
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
