@@ -121,6 +121,14 @@ class EpisodeDriver:
         """Rows of the batch (prompts x samples)."""
         return len(self._rows)
 
+    def episode(self, row: int) -> Episode:
+        """A row's episode so far (ended or not).
+
+        Args:
+            row: the row number.
+        """
+        return self._rows[row].episode
+
     @property
     def paused(self) -> list[int]:
         """Rows waiting for an observation, in row order."""
