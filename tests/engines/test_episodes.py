@@ -35,7 +35,7 @@ class CharCodec:
 class FakeEnv:
     """``<s>q</s>`` searches q; a turn with ``<a>`` answers (ends); observations ``[`` result ``]``."""
 
-    stop_strings = ("</s>", "</a>")
+    stop_strings: tuple[str, ...] = ("</s>", "</a>")
 
     def __init__(self, name: str = "e"):
         self.state = f"{name}0"
