@@ -13,6 +13,7 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
     runs/<run>/trainer/lease.json                        the holding trainer (trainer, compare-and-swap)
     runs/<run>/status.json                               run status, heartbeat, wanted groups (trainer, overwritten)
     runs/<run>/metrics/<source>-<start>-<seq>.jsonl      metrics chunks (trainer, create-only)
+    runs/<run>/retriever/<fingerprint>/<file>            search tasks' BM25 index (create-only, stoa-index.json last)
     runs/<run>/{metrics,logs}/                           local buckets only: files written beside the run
 
 Versions and sequence numbers are zero-padded to 8 digits so listing order is numeric order.
@@ -344,3 +345,24 @@ def parse_metrics_chunk_key(run_id: str, key: str) -> MetricsChunk | None:
     head = metrics_prefix(run_id)
     m = _METRICS_CHUNK.fullmatch(key[len(head):]) if key.startswith(head) else None
     return MetricsChunk(m.group("source"), int(m.group("start")), int(m.group("seq"))) if m else None
+
+
+def retriever_prefix(run_id: str, fingerprint: str) -> str:
+    """Key prefix of a run's retriever index, ``runs/<run>/retriever/<fingerprint>/``.
+
+    Args:
+        run_id: the run id.
+        fingerprint: the index's fingerprint (``BM25Index.fingerprint``).
+    """
+    return f"{run_prefix(run_id)}/retriever/{fingerprint}/"
+
+
+def retriever_file_key(run_id: str, fingerprint: str, name: str) -> str:
+    """Key of one file of a run's retriever index (its manifest ``stoa-index.json`` is written last).
+
+    Args:
+        run_id: the run id.
+        fingerprint: the index's fingerprint.
+        name: the file name inside the index directory, no directories.
+    """
+    return retriever_prefix(run_id, fingerprint) + name

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import NamedTuple
 
-COMMANDS = ("trainer", "worker", "quickstart", "model", "bench", "local-e2e", "local", "export")
+COMMANDS = ("trainer", "worker", "quickstart", "model", "bench", "local-e2e", "local", "export", "retriever")
 
 EXIT_CODES: dict[int, str] = {
     0: "done",

@@ -1,0 +1,112 @@
+"""Reading a corpus: one JSON document per line (``id`` and ``text``, or Search-R1's ``contents``).
+
+Accepted line forms (``title`` optional in both)::
+
+    {"id": "d1", "title": "Ada Lovelace", "text": "Ada Lovelace was ..."}
+    {"id": "d1", "contents": "\\"Ada Lovelace\\"\\nAda Lovelace was ..."}     # Search-R1: first line = quoted title
+
+A line that is not a JSON object, lacks an id or a text, or repeats an id raises ``CorpusError`` naming the
+file and the line. Pure stdlib.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from stoa.retrieval.base import Doc
+
+__all__ = ["CorpusError", "check_unique", "doc_from_json", "read_corpus", "split_contents"]
+
+
+class CorpusError(ValueError):
+    """A corpus line that cannot be a document; the message names the file, the line and the fix."""
+
+
+def split_contents(contents: str) -> tuple[str, str]:
+    """Search-R1's ``contents`` as ``(title, text)``: the first line is the title (surrounding quotes removed).
+
+    Args:
+        contents: e.g. ``'"Ada Lovelace"\\nAda Lovelace was ...'``.
+    """
+    head, _, body = contents.partition("\n")
+    head = head.strip()
+    if len(head) >= 2 and head[0] == head[-1] == '"':
+        head = head[1:-1]
+    return head, body
+
+
+def doc_from_json(obj: object) -> Doc:
+    """The document a decoded corpus line describes.
+
+    Args:
+        obj: the decoded JSON value of one line.
+
+    Raises:
+        ValueError: not an object, no usable id, or no text (the message names the field).
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    doc_id = obj.get("id", obj.get("_id"))
+    if isinstance(doc_id, int) and not isinstance(doc_id, bool):
+        doc_id = str(doc_id)
+    if not isinstance(doc_id, str) or not doc_id.strip():
+        raise ValueError("'id' missing or empty: give every document a unique string or integer id")
+    title = obj.get("title")
+    if title is not None and not isinstance(title, str):
+        raise ValueError("'title' must be a string")
+    text = obj.get("text")
+    if text is None and isinstance(obj.get("contents"), str):
+        parsed_title, text = split_contents(obj["contents"])
+        title = parsed_title if title is None else title
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("'text' (or Search-R1's 'contents') missing or empty: every document needs a body")
+    return Doc(id=doc_id, title=title or "", text=text)
+
+
+def read_corpus(path: str | Path) -> Iterator[Doc]:
+    """The documents of a jsonl corpus, in file order (blank lines are skipped).
+
+    Args:
+        path: the corpus file.
+
+    Raises:
+        CorpusError: a bad line (names the file and the 1-based line number) or a repeated id.
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    seen: dict[str, int] = {}
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                doc = doc_from_json(json.loads(raw))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CorpusError(f"{path}:{number}: not a JSON line ({e}); write one JSON object per line") from e
+            except ValueError as e:
+                raise CorpusError(f"{path}:{number}: {e}") from e
+            if doc.id in seen:
+                raise CorpusError(f"{path}:{number}: id {doc.id!r} repeats line {seen[doc.id]}; ids must be unique")
+            seen[doc.id] = number
+            yield doc
+
+
+def check_unique(docs: Iterable[Doc]) -> Iterator[Doc]:
+    """Pass documents through, refusing a repeated id (for corpora that come from code, not a file).
+
+    Args:
+        docs: documents.
+
+    Raises:
+        CorpusError: a repeated id (names its position).
+    """
+    seen: set[str] = set()
+    for i, doc in enumerate(docs):
+        if doc.id in seen:
+            raise CorpusError(f"document {i}: id {doc.id!r} repeats; ids must be unique")
+        if not doc.text.strip():
+            raise CorpusError(f"document {i} ({doc.id!r}): empty text; every document needs a body")
+        seen.add(doc.id)
+        yield doc
