@@ -6,6 +6,11 @@ untrusted input (``RolloutRecord.decode`` checks framing and digest, ``validate_
 against the run contract). The contract itself is in ``stoa.contract``; the weight pointer, anchors
 and patches in ``stoa.weights`` (see docs/weights.md).
 
+Records have their own schema version (``RECORD_SCHEMA_VERSION``; the contract's ``SCHEMA_VERSION`` is
+run.json's). Version 2 adds per-token roles (``stoa.envs.ROLE_*``), turn starts, tool calls with their
+results' digests, the episode's end reason and the environment seed; writers always write version 2,
+readers accept 1 (every token an action) and 2.
+
 This module imports neither torch nor mlx: both kinds of worker and the trainer use it.
 """
 
@@ -19,29 +24,46 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from stoa.contract import SCHEMA_VERSION, RunContract
-from stoa.untrusted import field_float, field_int, field_number_map, field_str, loads_bounded
+from stoa.contract import RunContract
+from stoa.envs.base import END_REASONS, ROLE_ACTION, EpisodeLimits, ToolCall
+from stoa.record_header import (
+    MAX_ARGUMENT_CHARS,
+    MAX_DIGEST_CHARS,
+    MAX_HEADER_BYTES,
+    MAX_RECORD_BYTES,
+    MAX_SAMPLES,
+    MAX_TURNS,
+    parse_header,
+)
 
 __all__ = [
     "FINISH_REASONS",
+    "MAX_ARGUMENT_CHARS",
+    "MAX_DIGEST_CHARS",
     "MAX_HEADER_BYTES",
     "MAX_RECORD_BYTES",
     "MAX_SAMPLES",
+    "MAX_TURNS",
     "RECORD_MAGIC",
+    "RECORD_SCHEMA_VERSION",
+    "RECORD_SCHEMA_VERSIONS",
     "REJECT_REASONS",
     "RecordRejected",
     "RolloutRecord",
     "Sample",
+    "check_episode",
     "validate_record",
 ]
 
 RECORD_MAGIC = b"STOAREC\x00"
 _PREFIX = struct.Struct("<8sHHI")  # magic, schema version, reserved, header length
 _DIGEST_LEN = 16
-MAX_RECORD_BYTES = 64 * 1024 * 1024
-"""Records larger than this are rejected before decoding (``oversize``)."""
 
 FINISH_REASONS = ("stop", "length")
+RECORD_SCHEMA_VERSION = 2
+"""The record layout writers write (version 2: roles, turns, tool calls, end reason, env seed)."""
+RECORD_SCHEMA_VERSIONS = (1, 2)
+"""Record layouts readers accept."""
 
 
 @dataclass
@@ -56,6 +78,22 @@ class Sample:
     """Worker-computed reward (the trainer recomputes it for verifiable tasks)."""
     finish_reason: str
     """``stop`` (EOS) or ``length`` (hit max_new_tokens)."""
+    roles: np.ndarray | None = None
+    """``stoa.envs.ROLE_*`` of each token, uint8 [T]; None: every token is an action (a version-1 sample)."""
+    turn_starts: list[int] = field(default_factory=list)
+    """Index of each model turn's first token (multi-turn samples; empty for single-turn ones)."""
+    calls: list[ToolCall] = field(default_factory=list)
+    """The tool calls made, in order: one per observation."""
+    digests: list[str] = field(default_factory=list)
+    """``ToolResult.digest`` of each call's result."""
+    end_reason: str = ""
+    """Why the episode ended (``stoa.envs.END_REASONS``); empty for single-turn samples."""
+
+    def role_array(self) -> np.ndarray:
+        """The roles as uint8 [T]: ``roles``, or every token ``ROLE_ACTION`` when there are none."""
+        if self.roles is None:
+            return np.full(np.asarray(self.tokens).size, ROLE_ACTION, np.uint8)
+        return np.asarray(self.roles, np.uint8)
 
 
 @dataclass
@@ -73,10 +111,17 @@ class RolloutRecord:
     sampling: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     created_at: float = 0.0
-    schema_version: int = SCHEMA_VERSION
+    env_seed: int = 0
+    """Seed of the samples' environments (``task.make_env(prompt, env_seed)``); 0 for single-turn tasks."""
+    schema_version: int = RECORD_SCHEMA_VERSION
+    """The layout the record was decoded from; ``encode`` always writes ``RECORD_SCHEMA_VERSION``."""
 
     def encode(self) -> bytes:
-        """Encode to the compact binary form (no pickle): prefix, JSON header, arrays, digest."""
+        """Encode to the compact binary form (no pickle): prefix, JSON header, arrays, digest.
+
+        Per sample the payload holds int32 tokens, float32 logprobs and uint8 roles (all actions when
+        ``roles`` is None).
+        """
         prompt = np.ascontiguousarray(self.prompt_tokens, dtype="<i4")
         header = {
             "worker_id": self.worker_id,
@@ -86,20 +131,18 @@ class RolloutRecord:
             "task_id": self.task_id,
             "prompt_id": self.prompt_id,
             "prompt_len": int(prompt.size),
-            "samples": [
-                {"len": int(np.asarray(s.tokens).size), "reward": float(s.reward), "finish": s.finish_reason}
-                for s in self.samples
-            ],
+            "samples": [_sample_header(s) for s in self.samples],
             "sampling": self.sampling,
             "timings": self.timings,
             "created_at": float(self.created_at),
+            "env_seed": int(self.env_seed),
         }
         hbytes = json.dumps(header, separators=(",", ":")).encode()
-        parts = [_PREFIX.pack(RECORD_MAGIC, self.schema_version, 0, len(hbytes)), hbytes, prompt.tobytes()]
+        parts = [_PREFIX.pack(RECORD_MAGIC, RECORD_SCHEMA_VERSION, 0, len(hbytes)), hbytes, prompt.tobytes()]
         for s in self.samples:
             toks = np.ascontiguousarray(s.tokens, dtype="<i4")
             lps = np.ascontiguousarray(s.logprobs, dtype="<f4")
-            parts += [toks.tobytes(), lps.tobytes()]
+            parts += [toks.tobytes(), lps.tobytes(), s.role_array().tobytes()]
         body = b"".join(parts)
         return body + xxhash.xxh3_128_digest(body)
 
@@ -123,17 +166,17 @@ class RolloutRecord:
         body, digest = data[:-_DIGEST_LEN], data[-_DIGEST_LEN:]
         if xxhash.xxh3_128_digest(body) != digest:
             raise RecordRejected("digest", "content digest does not match (truncated or corrupted)")
-        if schema != SCHEMA_VERSION:
-            raise RecordRejected("schema", f"schema version {schema}, expected {SCHEMA_VERSION}")
+        if schema not in RECORD_SCHEMA_VERSIONS:
+            raise RecordRejected("schema", f"record schema version {schema}, this stoa reads {RECORD_SCHEMA_VERSIONS}")
         if hlen > len(body) - _PREFIX.size:
             raise RecordRejected("malformed", f"header length {hlen} runs past the end")
         try:
-            header = _parse_header(body[_PREFIX.size : _PREFIX.size + hlen])
+            header = parse_header(body[_PREFIX.size : _PREFIX.size + hlen], schema)
         except ValueError as e:  # the only error the bounded parser and field readers raise
             raise RecordRejected("malformed", f"bad header: {e}") from None
         off = _PREFIX.size + hlen
         plen, lens = header.prompt_len, [m.length for m in header.samples]
-        need = plen * 4 + 8 * sum(lens)
+        need = plen * 4 + (8 if schema == 1 else 9) * sum(lens)
         if off + need != len(body):
             raise RecordRejected("length_mismatch", f"declared sizes need {need} payload bytes")
         prompt = np.frombuffer(body, dtype="<i4", count=plen, offset=off).astype(np.int32)
@@ -144,83 +187,45 @@ class RolloutRecord:
             off += 4 * m.length
             lps = np.frombuffer(body, dtype="<f4", count=m.length, offset=off).astype(np.float32)
             off += 4 * m.length
-            samples.append(Sample(toks, lps, m.reward, m.finish))
+            roles = None
+            if schema >= 2:
+                roles = np.frombuffer(body, dtype=np.uint8, count=m.length, offset=off).copy()
+                off += m.length
+            samples.append(Sample(toks, lps, m.reward, m.finish, roles, list(m.turns), list(m.calls),
+                                  list(m.digests), m.end))
         return cls(worker_id=header.worker_id, seq=header.seq, policy_version=header.policy_version,
                    contract_fingerprint=header.contract_fingerprint, task_id=header.task_id,
                    prompt_id=header.prompt_id, prompt_tokens=prompt, samples=samples,
                    sampling=header.sampling, timings=header.timings, created_at=header.created_at,
-                   schema_version=schema)
+                   env_seed=header.env_seed, schema_version=schema)
 
     def content_id(self) -> str:
-        """Identity of the training content: policy version, prompt tokens, sample tokens and logprobs.
+        """Identity of the training content: policy version, prompt tokens, sample tokens, logprobs, roles.
 
-        Byte-identical copies under other keys, and copies relabelled with another worker id, seq or
-        timings, share it, so the reuse cap counts them as one record.
+        Byte-identical copies under other keys, copies relabelled with another worker id, seq or timings,
+        and the same content in either schema version share it, so the reuse cap counts them as one record.
+        A sample whose tokens are all actions hashes as it did before roles existed (journals stay valid);
+        any other sets the top bit of its length and hashes its roles too.
         """
         h = xxhash.xxh3_128(struct.pack("<qI", self.policy_version, len(self.samples)))
         h.update(np.ascontiguousarray(self.prompt_tokens, dtype="<i4").tobytes())
         for s in self.samples:
-            h.update(struct.pack("<I", int(np.asarray(s.tokens).size)))
+            roles = s.role_array()
+            plain = bool(np.all(roles == ROLE_ACTION))
+            h.update(struct.pack("<I", int(np.asarray(s.tokens).size) | (0 if plain else 1 << 31)))
             h.update(np.ascontiguousarray(s.tokens, dtype="<i4").tobytes())
             h.update(np.ascontiguousarray(s.logprobs, dtype="<f4").tobytes())
+            if not plain:
+                h.update(roles.tobytes())
         return h.hexdigest()
 
 
-MAX_HEADER_BYTES = 1 << 20
-"""Longest JSON header accepted (a header describes one group: ids, lengths, rewards)."""
-MAX_SAMPLES = 4096
-"""Most samples a record may declare (group sizes are far smaller)."""
-
-
-@dataclass(frozen=True)
-class _SampleMeta:
-    length: int
-    reward: float
-    finish: str
-
-
-@dataclass(frozen=True)
-class _Header:
-    worker_id: str
-    seq: int
-    policy_version: int
-    contract_fingerprint: str
-    task_id: str
-    prompt_id: str
-    prompt_len: int
-    samples: list[_SampleMeta]
-    sampling: dict[str, float]
-    timings: dict[str, float]
-    created_at: float
-
-
-def _parse_header(raw: bytes) -> _Header:
-    """Parse and type-check a record header; raises ``ValueError`` only (bounded JSON, strict types)."""
-    h = loads_bounded(raw, max_bytes=MAX_HEADER_BYTES, max_depth=3)
-    if not isinstance(h, dict):
-        raise ValueError("header must be a JSON object")
-    metas = h.get("samples")
-    if not isinstance(metas, list) or len(metas) > MAX_SAMPLES:
-        raise ValueError(f"samples must be a list of at most {MAX_SAMPLES}")
-    samples = []
-    for m in metas:
-        if not isinstance(m, dict):
-            raise ValueError("each sample must be an object")
-        samples.append(_SampleMeta(field_int(m, "len", hi=MAX_RECORD_BYTES), field_float(m, "reward"),
-                                   field_str(m, "finish", max_len=32)))
-    return _Header(
-        worker_id=field_str(h, "worker_id", max_len=128),
-        seq=field_int(h, "seq"),
-        policy_version=field_int(h, "policy_version", hi=2**31),
-        contract_fingerprint=field_str(h, "contract_fingerprint", max_len=64),
-        task_id=field_str(h, "task_id", max_len=128),
-        prompt_id=field_str(h, "prompt_id", max_len=256),
-        prompt_len=field_int(h, "prompt_len", hi=MAX_RECORD_BYTES),
-        samples=samples,
-        sampling=field_number_map(h, "sampling"),
-        timings=field_number_map(h, "timings"),
-        created_at=field_float(h, "created_at", bound=1e12, default=0.0),
-    )
+def _sample_header(s: Sample) -> dict:
+    """The JSON header of one sample (version 2)."""
+    return {"len": int(np.asarray(s.tokens).size), "reward": float(s.reward), "finish": s.finish_reason,
+            "turns": [int(t) for t in s.turn_starts],
+            "calls": [[c.name, c.arguments, d] for c, d in zip(s.calls, s.digests, strict=True)],
+            "end": s.end_reason}
 
 
 class RecordRejected(ValueError):
@@ -253,6 +258,9 @@ REJECT_REASONS = (
     "key",
     "duplicate",
     "quarantined",
+    "roles",
+    "limits",
+    "observation",
 )
 
 
@@ -262,6 +270,7 @@ def validate_record(
     *,
     current_version: int | None = None,
     max_prompt_tokens: int = 4096,
+    limits: EpisodeLimits | None = None,
 ) -> None:
     """Check a decoded record against the run contract; raise ``RecordRejected`` on any problem.
 
@@ -270,6 +279,8 @@ def validate_record(
         contract: the run contract.
         current_version: the trainer's version; records claiming a future version are rejected.
         max_prompt_tokens: prompts longer than this are rejected as oversize.
+        limits: the task's episode limits (multi-turn tasks); None: a single-turn task, whose samples must
+            be all actions and at most ``max_new_tokens`` long.
     """
     if rec.contract_fingerprint != contract.fingerprint():
         raise RecordRejected("fingerprint", f"record {rec.contract_fingerprint} != run {contract.fingerprint()}")
@@ -284,12 +295,14 @@ def validate_record(
         raise RecordRejected("oversize" if rec.prompt_tokens.size else "prompt", "prompt length out of range")
     if rec.prompt_tokens.min() < 0 or rec.prompt_tokens.max() >= vocab:
         raise RecordRejected("vocab", "prompt token id outside the vocabulary")
-    max_new = contract.sampling.max_new_tokens
+    cap = contract.sampling.max_new_tokens if limits is None else limits.max_total_tokens
     for i, s in enumerate(rec.samples):
         if s.tokens.size != s.logprobs.size:
             raise RecordRejected("length_mismatch", f"sample {i}: {s.tokens.size} tokens, {s.logprobs.size} logprobs")
-        if s.tokens.size == 0 or s.tokens.size > max_new:
-            raise RecordRejected("oversize", f"sample {i}: {s.tokens.size} tokens (max_new_tokens={max_new})")
+        if s.tokens.size == 0 or (limits is None and s.tokens.size > cap):
+            raise RecordRejected("oversize", f"sample {i}: {s.tokens.size} tokens (max_new_tokens={cap})")
+        if s.tokens.size > cap:
+            raise RecordRejected("limits", f"sample {i}: {s.tokens.size} tokens > max_total_tokens={cap}")
         if s.tokens.min() < 0 or s.tokens.max() >= vocab:
             raise RecordRejected("vocab", f"sample {i}: token id outside the vocabulary")
         if not np.all(np.isfinite(s.logprobs)) or np.any(s.logprobs > 1e-4):
@@ -298,3 +311,57 @@ def validate_record(
             raise RecordRejected("nonfinite", f"sample {i}: reward is not finite")
         if s.finish_reason not in FINISH_REASONS:
             raise RecordRejected("finish_reason", f"sample {i}: {s.finish_reason!r}")
+        check_episode(s, i, limits)
+
+
+def _runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and lengths of the maximal runs of True in a boolean vector."""
+    edges = np.diff(np.concatenate(([0], mask.astype(np.int8), [0])))
+    starts = np.flatnonzero(edges == 1)
+    return starts, np.flatnonzero(edges == -1) - starts
+
+
+def check_episode(s: Sample, index: int = 0, limits: EpisodeLimits | None = None) -> None:
+    """Check one sample's roles, turns and calls (reason ``roles``) and its episode limits (``limits``).
+
+    Args:
+        s: the sample (tokens and logprobs already checked for length, vocabulary and finiteness).
+        index: its index in the record, for the message.
+        limits: the task's episode limits; None: a single-turn task (every token must be an action).
+
+    Raises:
+        RecordRejected: ``roles`` or ``limits`` (``finish_reason`` when it disagrees with the end reason).
+    """
+    roles = s.role_array()
+    where = f"sample {index}"
+    if roles.size != s.tokens.size or (roles.size and int(roles.max()) > 2):
+        raise RecordRejected("roles", f"{where}: roles must be {s.tokens.size} values in (0, 1, 2)")
+    act = roles == ROLE_ACTION
+    if not act.any() or not act[0]:
+        raise RecordRejected("roles", f"{where}: the first token must be an action (sampled) token")
+    if np.any(s.logprobs[~act] != 0):
+        raise RecordRejected("roles", f"{where}: an observation token has a nonzero logprob")
+    if limits is None:
+        if not act.all() or s.calls or s.digests or s.turn_starts not in ([], [0]) or s.end_reason not in (
+                ("",) + END_REASONS):
+            raise RecordRejected("roles", f"{where}: a single-turn task's samples are one action turn, no calls")
+        return
+    starts, turn_lens = _runs(act)
+    obs_starts, obs_lens = _runs(~act)
+    if [int(t) for t in s.turn_starts] != starts.tolist():
+        raise RecordRejected("roles", f"{where}: turn starts {s.turn_starts[:8]} are not the action runs' starts")
+    if not len(s.calls) == len(s.digests) == obs_starts.size:
+        raise RecordRejected("roles", f"{where}: {len(s.calls)} calls, {len(s.digests)} digests for "
+                                      f"{obs_starts.size} observations")
+    if s.end_reason not in END_REASONS:
+        raise RecordRejected("roles", f"{where}: end reason {s.end_reason!r} not in {END_REASONS}")
+    if s.finish_reason != ("length" if s.end_reason == "length" else "stop"):
+        raise RecordRejected("finish_reason", f"{where}: {s.finish_reason!r} with end reason {s.end_reason!r}")
+    if starts.size > limits.max_turns:
+        raise RecordRejected("limits", f"{where}: {starts.size} turns > max_turns={limits.max_turns}")
+    if turn_lens.max() > limits.max_turn_tokens:
+        raise RecordRejected("limits", f"{where}: a turn of {turn_lens.max()} tokens > max_turn_tokens="
+                                       f"{limits.max_turn_tokens}")
+    if obs_lens.size and obs_lens.max() > limits.max_obs_tokens:
+        raise RecordRejected("limits", f"{where}: an observation of {obs_lens.max()} tokens > max_obs_tokens="
+                                       f"{limits.max_obs_tokens}")
