@@ -377,7 +377,8 @@ def test_heldout_negative_n() -> None:
 
 
 def test_get_task_unknown_lists_known() -> None:
-    with pytest.raises(ValueError, match=r"unknown task 'math'.*\['arithmetic', 'gsm8k', 'toy'\]"):
+    known = r"\['arithmetic', 'gsm8k', 'search', 'searchqa', 'toy', 'walk'\]"
+    with pytest.raises(ValueError, match=rf"unknown task 'math'.*{known}"):
         get_task("math")
 
 

@@ -6,33 +6,51 @@ from stoa.tasks.arithmetic import ArithmeticTask
 from stoa.tasks.base import Prompt, PromptIdError, Task, coerce_options
 from stoa.tasks.extract import answers_match, extract_answer, normalize_number
 from stoa.tasks.gsm8k import GSM8KTask
+from stoa.tasks.multiturn import MultiTurnTask, episode_limits, is_multiturn
+from stoa.tasks.search import SearchTask
+from stoa.tasks.searchqa import SearchQATask
 from stoa.tasks.toy import ToyTask
+from stoa.tasks.walk import WalkTask
 
 __all__ = [
     "TASKS",
     "ArithmeticTask",
     "GSM8KTask",
+    "MultiTurnTask",
     "Prompt",
     "PromptIdError",
+    "SearchQATask",
+    "SearchTask",
     "Task",
+    "TaskClass",
     "ToyTask",
+    "WalkTask",
     "answers_match",
+    "episode_limits",
     "extract_answer",
     "get_task",
+    "is_multiturn",
     "load_task",
     "normalize_number",
     "parse_task_spec",
 ]
 
-# Task name -> class; each class declares its options (name -> type) in OPTIONS.
-TASKS: dict[str, type[ArithmeticTask] | type[GSM8KTask] | type[ToyTask]] = {
+TaskClass = (type[ArithmeticTask] | type[GSM8KTask] | type[ToyTask] | type[SearchTask] | type[SearchQATask]
+             | type[WalkTask])
+"""The registered task classes (each declares its options, name -> type, in ``OPTIONS``)."""
+
+# Task name -> class.
+TASKS: dict[str, TaskClass] = {
     "arithmetic": ArithmeticTask,
     "gsm8k": GSM8KTask,
+    "search": SearchTask,
+    "searchqa": SearchQATask,
     "toy": ToyTask,
+    "walk": WalkTask,
 }
 
 
-def _task_class(name: str) -> type[ArithmeticTask] | type[GSM8KTask] | type[ToyTask]:
+def _task_class(name: str) -> TaskClass:
     try:
         return TASKS[name]
     except KeyError:
@@ -43,7 +61,7 @@ def get_task(name: str, **options: object) -> Task:
     """Build a task by name.
 
     Args:
-        name: "arithmetic" or "gsm8k".
+        name: a key of ``TASKS`` ("arithmetic", "gsm8k", "search", "searchqa", "toy", "walk").
         **options: the task's options; strings are converted to the option's type ("2" -> 2).
 
     Raises:

@@ -1,0 +1,288 @@
+"""Search agents in Search-R1's format, and the built-in seeded ``search`` task (no download).
+
+The model reasons, calls ``<search> query </search>``, reads ``<information> ... </information>`` and answers
+``<answer> ... </answer>``; a turn ends at ``</search>`` or ``</answer>``. The reward is EM or cover-EM of the
+last answer span of the episode text (``stoa.tasks.qa``). ``SearchTaskBase`` holds what every search task
+shares (options, environment, tools, reward); ``SearchTask`` is the built-in task over a generated world of
+invented entities (``stoa.tasks.world``), whose answers no model knows without searching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+
+from stoa.envs.base import ROLE_ECHO, ROLE_MASKED, Observation, ToolCall, ToolResult, Tools, result_hash
+from stoa.retrieval.base import Doc, Searcher
+from stoa.tasks.base import (
+    Prompt,
+    PromptIdError,
+    chat_messages,
+    check_prompt_version,
+    format_prompt_id,
+    parse_prompt_id,
+)
+from stoa.tasks.multiturn import LIMIT_OPTIONS, limits_spec, task_limits
+from stoa.tasks.qa import QA_VERSION, QAScore, check_reward_kind, decode_golds, encode_golds, score
+from stoa.tasks.world import World, build_world
+
+__all__ = ["INSTRUCTIONS", "SEARCH_OPTIONS", "SearchEnv", "SearchTask", "SearchTaskBase", "search_messages"]
+
+INSTRUCTIONS = (
+    "Answer the question. To look something up, write <search> your query </search> and the results will "
+    "appear between <information> and </information>. You can search more than once. When you know the "
+    "answer, write <answer> your answer </answer>."
+)
+"""Search-R1's protocol, told briefly enough for a small model."""
+
+SEARCH_OPTIONS: dict[str, type] = {
+    "reward": str, "topk": int, "max_doc_chars": int, "index": str, "system": str, **LIMIT_OPTIONS,
+}
+"""Options every search task declares."""
+
+_OPEN, _CLOSE = "<search>", "</search>"
+_SPLITS = ("train", "test")
+_REWARD_REV = 1
+_PROMPT_VERSION = 1
+"""Revision of the built-in task's prompts; bumped with ``INSTRUCTIONS`` and with ``world.WORLD_VERSION``."""
+_CACHE: dict[tuple[int, int], World] = {}
+
+
+def search_messages(question: str, system: str = "") -> tuple[dict[str, str], ...]:
+    """The chat prompt of a question: the instructions, then the question.
+
+    Args:
+        question: the question.
+        system: an optional system message.
+    """
+    return chat_messages(f"{INSTRUCTIONS}\n\nQuestion: {question.strip()}", system)
+
+
+class SearchEnv:
+    """One Search-R1 episode: parse ``<search>`` calls, show results as ``<information>``.
+
+    The state key starts at ``"start"`` and becomes ``result_hash([previous, result.digest])`` after each
+    observation, so two turns share a key exactly when they saw the same results in the same order.
+    """
+
+    stop_strings: tuple[str, ...] = ("</search>", "</answer>")
+
+    def __init__(self) -> None:
+        self.state = "start"
+
+    def initial_state(self) -> str:
+        """The key before the first turn."""
+        return "start"
+
+    def parse(self, turn_text: str) -> ToolCall | None:
+        """The turn's search call: None when it gives an ``<answer>`` or has no (non-empty) complete query.
+
+        The query is the text between the last ``</search>`` and the ``<search>`` before it, stripped.
+
+        Args:
+            turn_text: the decoded turn.
+        """
+        if "<answer>" in turn_text:
+            return None
+        end = turn_text.rfind(_CLOSE)
+        start = turn_text.rfind(_OPEN, 0, end) if end >= 0 else -1
+        if start < 0:
+            return None
+        query = turn_text[start + len(_OPEN) : end].strip()
+        return ToolCall("search", query) if query else None
+
+    def observe(self, call: ToolCall, result: ToolResult) -> Observation:
+        """The results between ``<information>`` tags (the documents' text is echo, the tags masked).
+
+        Args:
+            call: the search call.
+            result: the rendered documents.
+        """
+        self.state = result_hash([self.state, result.digest])
+        segments = (("\n\n<information>", ROLE_MASKED), (result.text, ROLE_ECHO),
+                    ("</information>\n\n", ROLE_MASKED))
+        return Observation(segments=segments, state=self.state)
+
+
+class SearchTaskBase:
+    """What every search task shares: the options of ``SEARCH_OPTIONS``, the env, the tools and the reward.
+
+    Args:
+        reward: ``cover_em`` (default) or ``em``; ``is_correct`` uses the same metric.
+        topk: documents per search.
+        max_doc_chars: characters of each document shown.
+        index: the retriever index fingerprint the run searches ("" = not pinned); ``make_tools`` refuses
+            a searcher with another fingerprint.
+        system: an optional system message.
+        max_turns: model turns per episode.
+        max_obs_tokens: tokens of one observation.
+        max_total_tokens: tokens after the prompt.
+    """
+
+    id: str = "search"
+    tool_kind: str = "search"
+    reward_version: str = f"{_REWARD_REV}.{QA_VERSION}"
+
+    def _init_search(self, reward: str = "cover_em", topk: int = 3, max_doc_chars: int = 480, index: str = "",
+                     system: str = "", max_turns: int = 4, max_obs_tokens: int = 512,
+                     max_total_tokens: int = 1024) -> None:
+        self.reward_kind = check_reward_kind(self.id, reward)
+        for name, value in (("topk", topk), ("max_doc_chars", max_doc_chars)):
+            if value < 1:
+                raise ValueError(f"{self.id}: option {name!r} must be >= 1, got {value}")
+        self.topk, self.max_doc_chars, self.index, self.system = topk, max_doc_chars, index, system
+        self.limits = task_limits(self.id, max_turns, max_obs_tokens, max_total_tokens)
+
+    def _search_spec(self) -> dict[str, object]:
+        out: dict[str, object] = {"reward": self.reward_kind, "topk": self.topk,
+                                  "max_doc_chars": self.max_doc_chars, "system": self.system,
+                                  **limits_spec(self.limits)}
+        if self.index:
+            out["index"] = self.index
+        return out
+
+    def make_env(self, prompt: Prompt, seed: int) -> SearchEnv:
+        """A fresh Search-R1 environment (the same for every prompt and seed).
+
+        Args:
+            prompt: the prompt.
+            seed: the episode's seed (unused: search is deterministic).
+        """
+        return SearchEnv()
+
+    def make_tools(self, searcher: Searcher | None) -> Tools:
+        """The ``search`` tool over ``searcher`` (``stoa.retrieval.SearchTools``, ``topk`` and ``max_doc_chars``).
+
+        Args:
+            searcher: the retriever.
+
+        Raises:
+            ValueError: no searcher, or one whose fingerprint differs from the ``index`` option.
+        """
+        if searcher is None:
+            raise ValueError(f"{self.id}: the search tool needs a retriever; give an index "
+                             "(stoa retriever index CORPUS.jsonl DIR) or a --retriever URL")
+        if self.index and searcher.fingerprint != self.index:
+            raise ValueError(f"{self.id}: option 'index' is {self.index!r} but the retriever serves "
+                             f"{searcher.fingerprint!r}; use the index the run was started with")
+        from stoa.retrieval import SearchTools
+
+        return SearchTools(searcher, k=self.topk, max_doc_chars=self.max_doc_chars)
+
+    def score(self, prompt: Prompt, completion: str) -> QAScore:
+        """EM and cover-EM of the episode text's last ``<answer>`` span.
+
+        Args:
+            prompt: the prompt (its answer holds the gold answers).
+            completion: the episode text (the policy's turns only).
+        """
+        return score(completion, decode_golds(prompt.answer))
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        """1.0 if the final answer matches by the ``reward`` metric, else 0.0.
+
+        Args:
+            prompt: the prompt.
+            completion: the episode text.
+        """
+        return self.score(prompt, completion).reward(self.reward_kind)
+
+    def is_correct(self, prompt: Prompt, completion: str) -> bool:
+        """Whether the final answer matches by the ``reward`` metric.
+
+        Args:
+            prompt: the prompt.
+            completion: the episode text.
+        """
+        return self.reward(prompt, completion) == 1.0
+
+
+class SearchTask(SearchTaskBase):
+    """The built-in search task: questions about invented entities, answered from a generated corpus.
+
+    Prompt ids are "train:<i>" / "test:<i>" into the world's shuffled question lists; the held-out questions
+    are about held-out entities only. ``corpus()`` yields the documents to index. ``spec()`` records the
+    seed, the sizes (checked when given back), the reward and the limits.
+
+    Args:
+        seed: the world's seed.
+        entities: about how many entities the world has (>= 20).
+        n_docs: if given, the corpus must have this many documents (a check, from spec()).
+        n_train: if given, the train split must have this many questions (a check, from spec()).
+        n_test: if given, the test split must have this many questions (a check, from spec()).
+        prompt_version: if given, must equal this code's prompt version (a check, from spec()).
+        **search: the options of ``SearchTaskBase``.
+    """
+
+    id: str = "search"
+    OPTIONS: ClassVar[dict[str, type]] = {"seed": int, "entities": int, "n_docs": int, "n_train": int,
+                                          "n_test": int, "prompt_version": int, **SEARCH_OPTIONS}
+
+    def __init__(self, seed: int = 0, entities: int = 1000, n_docs: int | None = None, n_train: int | None = None,
+                 n_test: int | None = None, prompt_version: int | None = None, **search: Any) -> None:
+        check_prompt_version(self.id, prompt_version, _PROMPT_VERSION)
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"search: option 'seed' must be in [0, 2**63), got {seed}")
+        if not 20 <= entities <= 200_000:
+            raise ValueError(f"search: option 'entities' must be in [20, 200000], got {entities}")
+        self._init_search(**search)
+        self.seed, self.entities = seed, entities
+        key = (seed, entities)
+        if key not in _CACHE:
+            _CACHE[key] = build_world(seed, entities)
+        self.world = _CACHE[key]
+        actual = {"n_docs": len(self.world.docs), "n_train": len(self.world.train), "n_test": len(self.world.test)}
+        for name, want in (("n_docs", n_docs), ("n_train", n_train), ("n_test", n_test)):
+            if want is not None and want != actual[name]:
+                raise ValueError(f"search: option {name!r} is {want} but this code generates {actual[name]} for "
+                                 f"seed={seed}, entities={entities}; use the stoa version the run was started with")
+
+    def spec(self) -> dict[str, object]:
+        """JSON-able options that rebuild this task (``get_task("search", **spec)``), sizes included."""
+        return {"seed": self.seed, "entities": self.entities, "n_docs": len(self.world.docs),
+                "n_train": len(self.world.train), "n_test": len(self.world.test),
+                "prompt_version": _PROMPT_VERSION, **self._search_spec()}
+
+    def corpus(self) -> Iterator[Doc]:
+        """The generated documents, in a fixed order."""
+        return iter(self.world.docs)
+
+    def get(self, prompt_id: str) -> Prompt:
+        """The prompt with this id.
+
+        Args:
+            prompt_id: "train:<i>" or "test:<i>".
+
+        Raises:
+            PromptIdError: malformed id, unknown split or index past the split's end.
+        """
+        split, index = parse_prompt_id(self.id, prompt_id, _SPLITS)
+        questions = self.world.train if split == "train" else self.world.test
+        if index >= len(questions):
+            raise PromptIdError(f"search: prompt id {prompt_id!r} is out of range: the {split} split has "
+                                f"{len(questions)} questions")
+        q = questions[index]
+        return Prompt(id=prompt_id, messages=search_messages(q.text, self.system), answer=encode_golds(q.golds))
+
+    def sample_train(self, rng: np.random.Generator) -> Prompt:
+        """A uniformly random training question.
+
+        Args:
+            rng: source of the index.
+        """
+        return self.get(format_prompt_id("train", int(rng.integers(0, len(self.world.train)))))
+
+    def heldout(self, n: int) -> list[Prompt]:
+        """The first min(n, size of the test split) held-out questions.
+
+        Args:
+            n: how many.
+        """
+        if n < 0:
+            raise ValueError(f"search: heldout n must be >= 0, got {n}")
+        return [self.get(format_prompt_id("test", i)) for i in range(min(n, len(self.world.test)))]
+
+    def __repr__(self) -> str:
+        return f"SearchTask(seed={self.seed}, entities={self.entities}, reward={self.reward_kind!r})"
