@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -14,7 +14,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from stoa.engines.base import Completion, GenStats, RowLog
-from stoa.engines.mlx.kv import compact, merge_rows
+from stoa.engines.episodes import Episode, EpisodeDriver
+from stoa.engines.mlx.episodes import Batch, Sampler, check_driver, run_rounds
+from stoa.engines.mlx.kv import compact, feed, merge_rows
 from stoa.engines.mlx.quantized import use_blas_for_quantized
 from stoa.engines.mlx.sampling import Draw, draw, make_key
 from stoa.engines.mlx_blas import warn_if_slow_blas
@@ -26,9 +28,6 @@ PREFILL_CHUNK = 2048
 _IGNORED_BUFFERS = ("rotary_emb.inv_freq",)
 """Names a model's ``sanitize`` may drop without the state being wrong (recomputed buffers)."""
 _QUANT_SUFFIXES = (".scales", ".biases")
-
-Sampler = Callable[[mx.array, mx.array | None], Draw]
-"""``draw`` with the call's temperature, top-p and greedy bound: (logits, key) -> Draw."""
 
 
 def default_dtype() -> str:
@@ -240,15 +239,8 @@ class MLXEngine:
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(self.model)
-        ids = mx.array(list(prompt), dtype=mx.int32)[None]
-        if rows > 1:
-            ids = mx.repeat(ids, rows, axis=0)
-        # Everything but the last token only fills the cache: the vocabulary projection is never evaluated.
-        for start in range(0, ids.shape[1] - 1, PREFILL_CHUNK):
-            self.model(ids[:, start : min(start + PREFILL_CHUNK, ids.shape[1] - 1)], cache=cache)
-            mx.eval([c.state for c in cache])
-        logits = self.model(ids[:, -1:], cache=cache)[:, -1, :]
-        return cache, logits
+        ids = mx.repeat(mx.array(list(prompt), dtype=mx.int32)[None], rows, axis=0)
+        return cache, feed(self.model, cache, ids, PREFILL_CHUNK)
 
     def _prefill_groups(self, prompts: Sequence[Sequence[int]], n: int, share_prefix: bool,
                         stats: GenStats) -> tuple[list[Any], mx.array]:
@@ -273,6 +265,17 @@ class MLXEngine:
         if repeat > 1:
             logits = mx.repeat(logits, repeat, axis=0)
         return cache, logits
+
+    def _start(self, prompts: Sequence[Sequence[int]], n: int, share_prefix: bool, sample: Sampler,
+               key: mx.array | None, stats: GenStats) -> tuple[list[Any], Draw]:
+        """Prefill the groups (``_prefill_groups``) and draw every row's first token; sets ``prefill_s``."""
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        cache, logits = self._prefill_groups(prompts, n, share_prefix, stats)
+        first = sample(logits, key)
+        mx.eval(first.tokens, first.logprobs, [c.state for c in cache])
+        stats.prefill_s = time.perf_counter() - t0
+        return cache, first
 
     def _decode(self, cache: list[Any], first: Draw, sample: Sampler, max_new_tokens: int, eos: set[int],
                 stats: GenStats) -> RowLog:
@@ -349,15 +352,55 @@ class MLXEngine:
         key = make_key(generator)
         sample: Sampler = partial(draw, temperature=temperature, top_p=top_p, greedy=greedy)
         with wired_limit(self.model):
-            mx.reset_peak_memory()
-            t0 = time.perf_counter()
-            cache, logits = self._prefill_groups(prompts, n, share_prefix, stats)
-            first = sample(logits, key)
-            mx.eval(first.tokens, first.logprobs, [c.state for c in cache])
-            stats.prefill_s = time.perf_counter() - t0
+            cache, first = self._start(prompts, n, share_prefix, sample, key, stats)
             t1 = time.perf_counter()
             log = self._decode(cache, first, sample, max_new_tokens, {int(t) for t in eos_ids}, stats)
             stats.decode_s = time.perf_counter() - t1
             stats.extra["peak_memory_mb"] = mx.get_peak_memory() / 1e6
         return log.groups(n), stats
 
+    def generate_episodes(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        driver: EpisodeDriver,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        generator: int | mx.array | None = None,
+        greedy: bool = False,
+    ) -> tuple[list[list[Episode]], GenStats]:
+        """Run ``n`` multi-turn episodes for each prompt; each prompt is prefilled once and its KV shared.
+
+        Rows decode until each ends or pauses (the driver decides); the tools of all paused rows run in one
+        request, and resumed rows get their observation in their own cache (``stoa.engines.mlx.episodes``).
+
+        Args:
+            prompts: token ids of each prompt (one group per prompt).
+            n: episodes per prompt.
+            driver: one environment per row (row ``g * n + j``), the tools, the limits and EOS ids.
+            temperature: sampling temperature.
+            top_p: nucleus mass.
+            generator: an int seed, an ``mx.random.key`` or None (as in ``generate``).
+            greedy: take the argmax (evaluation); logprobs stay those of the temperature/top-p distribution.
+
+        Returns:
+            per prompt, its ``n`` episodes; and timing figures (``extra``: the driver's stats, rounds,
+            ``resume_s``, ``obs_prefill_tokens``, ``obs_prefill_s``, prompt tokens, peak MLX memory in MB).
+
+        Raises:
+            ToolUnavailable: the tools could not answer (the driver's episodes stay unfinished).
+        """
+        from mlx_lm.generate import wired_limit
+
+        _check_generate_args(prompts, n, 1, temperature, top_p, self.vocab_size)
+        check_driver(driver, prompts, n)
+        stats = GenStats()
+        sample: Sampler = partial(draw, temperature=temperature, top_p=top_p, greedy=greedy)
+        with wired_limit(self.model):
+            cache, first = self._start(prompts, n, True, sample, make_key(generator), stats)
+            run_rounds(self.model, Batch(cache, list(range(driver.rows)), first), sample, driver,
+                       self.vocab_size, PREFILL_CHUNK, stats)
+            stats.extra["peak_memory_mb"] = mx.get_peak_memory() / 1e6
+        stats.extra.update(driver.stats)
+        return driver.episodes(n), stats

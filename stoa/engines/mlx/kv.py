@@ -1,4 +1,5 @@
-"""The decode batch's KV cache: per-prompt caches merged into one left-padded batch, finished rows dropped."""
+"""The decode batch's KV cache: per-prompt caches merged into one left-padded batch, finished rows dropped,
+single rows taken out of the batch (a paused episode) and fed more tokens at batch 1."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import mlx.core as mx
 from stoa.engines.mlx.sampling import Draw
 
 
-def merge_rows(caches: Sequence[Any], repeat: int) -> Any:
-    """One ``BatchKVCache`` from per-prompt ``KVCache``s (any batch each): left-padded, rows repeated.
+def merge_rows(caches: Sequence[Any], repeat: int = 1) -> Any:
+    """One ``BatchKVCache`` from ``KVCache``s (any batch and length each): left-padded, rows repeated.
+
+    Merges per-prompt prefill caches, and the single-row caches of resumed episodes (``take_row``).
 
     Args:
-        caches: one prompt's cache for one layer each, in group order.
+        caches: one cache for one layer each, in batch order.
         repeat: copies of each row (the group size n when one prefill is shared by the group).
     """
     from mlx_lm.models.cache import BatchKVCache
@@ -56,3 +59,58 @@ def compact(cache: Sequence[Any], active: list[int], keep: list[int], nxt: Draw)
     for c in cache:
         c.filter(idx)
     return [active[i] for i in keep], Draw(nxt.tokens[idx], nxt.logprobs[idx], nxt.key)
+
+
+def take_row(cache: Sequence[Any], i: int, drop_last: int = 0) -> list[Any]:
+    """Row ``i`` of the batch's per-layer ``BatchKVCache`` as single-row ``KVCache``s, without its left padding.
+
+    The copies are queued for evaluation at once, so the batch's buffers are not kept alive by them.
+
+    Args:
+        cache: the batch's per-layer ``BatchKVCache``.
+        i: the row's batch position.
+        drop_last: positions to leave out at the end (1: the token a queued decode step already fed).
+
+    Returns:
+        per layer, a ``KVCache`` with keys/values ``[1, H, L, D]`` and ``offset`` = L, the row's true length.
+    """
+    from mlx_lm.models.cache import KVCache
+
+    pad = int(cache[0].left_padding[i].item())
+    rows: list[Any] = []
+    for c in cache:
+        end = c._idx - drop_last
+        if end < pad:
+            raise ValueError(f"drop_last={drop_last}: row {i} holds only {c._idx - pad} positions")
+        row = KVCache()
+        row.keys = mx.contiguous(c.keys[i : i + 1, :, pad:end, :])
+        row.values = mx.contiguous(c.values[i : i + 1, :, pad:end, :])
+        row.offset = end - pad
+        rows.append(row)
+    mx.async_eval([a for r in rows for a in (r.keys, r.values)])
+    return rows
+
+
+def feed(model: Any, cache: Sequence[Any], ids: Sequence[int] | mx.array, chunk: int) -> mx.array:
+    """Run ``ids`` through ``model`` after ``cache`` (extended in place); return the last position's logits.
+
+    Prompts fill a fresh cache at batch 1 or n; a resumed episode row feeds its last token and observation
+    at batch 1 into its own cache (``take_row``). Every position but the last only fills the cache: the
+    vocabulary projection of those is never evaluated.
+
+    Args:
+        model: the mlx-lm model.
+        cache: per-layer KV caches of the rows.
+        ids: ``[rows, L]`` token ids, or a list of ids for one row (at least one token).
+        chunk: tokens per forward (bounds the attention scores' memory on long inputs).
+
+    Returns:
+        ``[rows, V]`` logits after the last token.
+    """
+    x = ids if isinstance(ids, mx.array) else mx.array([int(t) for t in ids], dtype=mx.int32)[None]
+    if x.shape[1] == 0:
+        raise ValueError("ids: feed needs at least one token")
+    for start in range(0, x.shape[1] - 1, chunk):
+        model(x[:, start : min(start + chunk, x.shape[1] - 1)], cache=cache)
+        mx.eval([c.state for c in cache])
+    return model(x[:, -1:], cache=cache)[:, -1, :]
