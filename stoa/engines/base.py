@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from stoa.engines.episodes import Episode, EpisodeDriver
 
 
 @dataclass
@@ -71,6 +74,40 @@ class Engine(Protocol):
 
         Returns:
             per prompt, its ``n`` completions; and timing figures.
+        """
+        ...
+
+    def generate_episodes(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        driver: EpisodeDriver,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        generator: Any = None,
+        greedy: bool = False,
+    ) -> tuple[list[list[Episode]], GenStats]:
+        """Run ``n`` multi-turn episodes of each prompt in one batch (``stoa.engines.episodes``).
+
+        The prompt's prefill is shared by its rows; rows decode until they end or pause at a stop string;
+        the paused rows' tools run in one request (``driver.resume``); each resumed row is fed its last
+        sampled token and its observation on its own cache, positions contiguous, and decodes again.
+
+        Args:
+            prompts: token ids of each prompt.
+            n: episodes per prompt.
+            driver: the episodes of the ``len(prompts) * n`` rows (it holds the limits, tools and EOS ids).
+            temperature: sampling temperature.
+            top_p: nucleus mass.
+            generator: the engine's random source (see ``make_generator``); None: its global one.
+            greedy: take the argmax; logprobs stay those of the temperature/top-p distribution.
+
+        Returns:
+            per prompt, its ``n`` episodes; and timing figures (``extra`` holds the driver's ``stats``).
+
+        Raises:
+            ToolUnavailable: the tools could not answer (the caller may retry the batch later).
         """
         ...
 

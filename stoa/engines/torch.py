@@ -6,7 +6,6 @@ import inspect
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,8 @@ import torch
 
 from stoa.config import WORKER_DTYPES
 from stoa.engines.base import Completion, GenStats, RowLog
+from stoa.engines.episodes import Episode, EpisodeDriver
+from stoa.engines.torch_rows import DecodeBatch, RowKV, resume_rows, take_rows
 
 
 def sampling_logprobs_torch(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -113,37 +114,6 @@ def sample_step(logits: torch.Tensor, temperature: float, top_p: float, greedy: 
         u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device) * cdf[:, -1:]
         tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
-
-@dataclass
-class DecodeBatch:
-    """The rows still decoding, in batch order, and what the next forward needs."""
-
-    active: list[int]
-    """Row numbers (``g * n + j``) of the rows in the batch."""
-    cache: Any
-    """The transformers ``DynamicCache`` of those rows."""
-    mask: torch.Tensor
-    """[rows, width] attention mask (left padding is 0)."""
-    next_pos: torch.Tensor
-    """[rows, 1] position of the token fed next."""
-    logits: torch.Tensor
-    """[rows, V] float32 logits of the last position."""
-
-    def compact(self, keep: list[int]) -> torch.Tensor:
-        """Drop finished rows from the batch and the cache.
-
-        Args:
-            keep: batch positions of the rows that go on.
-
-        Returns:
-            ``keep`` as an index tensor on the batch's device (to select the same rows elsewhere).
-        """
-        sel = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        self.cache.batch_select_indices(sel)
-        self.active = [self.active[i] for i in keep]
-        self.mask, self.next_pos = self.mask[sel], self.next_pos[sel]
-        return sel
 
 
 class TorchEngine:
@@ -338,3 +308,92 @@ class TorchEngine:
             self._forward(batch, tok)
         stats.decode_s = time.perf_counter() - t1
         return log.groups(n), stats
+
+    @torch.inference_mode()
+    def generate_episodes(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        driver: EpisodeDriver,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+    ) -> tuple[list[list[Episode]], GenStats]:
+        """Run ``n`` multi-turn episodes of each prompt in one batch; the driver holds the limits and tools.
+
+        Each prompt is prefilled once and its KV shared by its ``n`` rows. Rows decode until every one has
+        ended or paused; the paused rows' tools then run in one request (``driver.resume``), each resumed row
+        is fed its last sampled token and its observation on its own cache, and the resumed rows decode again
+        as one left-padded batch.
+
+        Args:
+            prompts: token ids of each prompt (one group per prompt).
+            n: episodes per prompt.
+            driver: the episodes of the ``len(prompts) * n`` rows (row ``g * n + j``).
+            temperature: sampling temperature.
+            top_p: nucleus mass.
+            generator: torch RNG for reproducible sampling (see ``make_generator``).
+            greedy: take the argmax; logprobs stay those of the temperature/top-p distribution.
+
+        Returns:
+            per prompt, its ``n`` episodes; and timing figures (``extra``: the driver's stats, ``rounds``,
+            ``obs_prefill_s``).
+
+        Raises:
+            ToolUnavailable: the tools could not answer (from ``driver.resume``).
+        """
+        if len(prompts) == 0 or min(len(p) for p in prompts) == 0:
+            raise ValueError("every prompt needs at least one token")
+        if driver.rows != len(prompts) * n:
+            raise ValueError(f"driver: has {driver.rows} rows, the batch {len(prompts)} prompts x n={n}; "
+                             "build one environment per row")
+        stats = GenStats(extra={"rounds": 0.0, "obs_prefill_s": 0.0})
+        t0 = time.perf_counter()
+        batch: DecodeBatch | None = self._prefill(prompts, n)
+        stats.prefill_s = time.perf_counter() - t0
+        while batch is not None:
+            paused = self._decode_turns(batch, driver, stats, temperature, top_p, greedy, generator)
+            stats.extra["rounds"] += 1
+            if not driver.paused:
+                break
+            fed = driver.resume()  # every paused row's tools in one request
+            t1 = time.perf_counter()
+            batch = resume_rows(self.model, self._cache_kw, paused, fed)
+            stats.extra["obs_prefill_s"] += time.perf_counter() - t1
+        stats.prefill_s += stats.extra["obs_prefill_s"]
+        stats.extra.update(driver.stats)
+        return driver.episodes(n), stats
+
+    def _decode_turns(self, batch: DecodeBatch, driver: EpisodeDriver, stats: GenStats, temperature: float,
+                      top_p: float, greedy: bool, generator: torch.Generator | None) -> dict[int, RowKV]:
+        """Decode until no row of the batch goes on; returns the caches of the rows that paused.
+
+        Args:
+            batch: the decoding rows (consumed).
+            driver: records every token and says which rows go on.
+            stats: ``decode_s``, ``steps`` and ``new_tokens`` grow.
+            temperature: sampling temperature.
+            top_p: nucleus mass.
+            greedy: take the argmax.
+            generator: torch RNG.
+        """
+        t1 = time.perf_counter()
+        paused: dict[int, RowKV] = {}
+        while True:
+            tok, tok_lp = sample_step(batch.logits, temperature, top_p, greedy, generator)
+            stats.steps += 1
+            stats.new_tokens += len(batch.active)
+            toks = tok.tolist()
+            keep = driver.record(batch.active, toks, tok_lp.tolist())
+            waiting = set(driver.paused)
+            stop = [i for i in range(len(batch.active)) if batch.active[i] in waiting]
+            paused.update(take_rows(batch, stop, [toks[i] for i in stop]))
+            if not keep:
+                break
+            if len(keep) < len(batch.active):
+                tok = tok[batch.compact(keep)]
+            self._forward(batch, tok)
+        stats.decode_s += time.perf_counter() - t1
+        return paused
