@@ -100,7 +100,7 @@ class WalkTask:
     tool_kind: str = "local"
     OPTIONS: ClassVar[dict[str, type]] = {"size": int, "seed": int, "prompt_version": int, **LIMIT_OPTIONS}
 
-    def __init__(self, size: int = 5, seed: int = 0, max_turns: int = 8, max_obs_tokens: int = 16,
+    def __init__(self, size: int = 5, seed: int = 0, max_turns: int = 8, max_obs_tokens: int = 32,
                  max_total_tokens: int = 512, prompt_version: int | None = None) -> None:
         check_prompt_version(self.id, prompt_version, _PROMPT_VERSION)
         if not 2 <= size <= _MAX_SIZE:
