@@ -46,7 +46,8 @@ class HTTPSearcher:
 
     Args:
         url: ``http://host:port`` of ``stoa retriever serve``.
-        fingerprint: the corpus the caller expects (None: whatever the endpoint serves, pinned on first use).
+        fingerprint: the corpus the caller expects; None asks the endpoint now (``GET /health``, retried like a
+            search) and pins what it serves.
         retry_seconds: how long an unreachable endpoint is retried before ``ToolUnavailable``.
         timeout_s: socket timeout of one request.
         note: where the "unreachable, retrying" message goes.
@@ -58,22 +59,17 @@ class HTTPSearcher:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"retriever URL {url!r}: must start with http:// or https://")
         self.url = url.rstrip("/")
-        self._expected = fingerprint
         self.retry_seconds = float(retry_seconds)
         self.timeout_s = float(timeout_s)
         self.note = note
         self.max_batch = int(max_batch)
-
-    @property
-    def fingerprint(self) -> str:  # type: ignore[override]
-        """The corpus fingerprint (asks ``/health`` once when none was given)."""
-        if self._expected is None:
-            self._check(self.health().get("fingerprint"))
-        assert self._expected is not None
-        return self._expected
+        self.fingerprint = fingerprint or ""
+        if not self.fingerprint:
+            self.health()
 
     def health(self) -> dict[str, Any]:
-        """The endpoint's ``GET /health`` answer (retried like a search)."""
+        """The endpoint's ``GET /health`` answer (retried like a search; a mismatching fingerprint raises
+        ``RetrieverMismatch``)."""
         answer = self._request("GET", "/health", None)
         self._check(answer.get("fingerprint"))
         return answer
@@ -101,10 +97,10 @@ class HTTPSearcher:
     def _check(self, served: Any) -> None:
         if not isinstance(served, str) or not served:
             raise RetrieverError(f"retriever at {self.url} answered without a fingerprint; is it stoa retriever serve?")
-        if self._expected is None:
-            self._expected = served
-        elif served != self._expected:
-            raise RetrieverMismatch(self.url, self._expected, served)
+        if not self.fingerprint:
+            self.fingerprint = served
+        elif served != self.fingerprint:
+            raise RetrieverMismatch(self.url, self.fingerprint, served)
 
     def _request(self, method: str, path: str, body: bytes | None) -> dict[str, Any]:
         """One request, retried while the endpoint is unreachable; the decoded JSON object."""
