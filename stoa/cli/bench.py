@@ -13,6 +13,7 @@ BENCHES = {
     "logprobs": ("stoa.bench.logprobs", "MLX vs torch logprob gap (bf16/int8 report)"),
     "quarantine": ("stoa.bench.quarantine",
                    "lag-0 logprob disagreement of honest and lying workers vs threshold"),
+    "retriever": ("stoa.bench.retriever", "BM25 queries/s (batched, single, HTTP) and index memory"),
 }
 
 
