@@ -97,6 +97,7 @@ def test_reward_table() -> None:
         "\n".join(_moves(1, 4) + ["<move>left</move>", "<answer>done</answer>"]): 1.0,  # and comes back
         "\n".join(["<move>left</move>"] * 5 + _moves(0, 3) + ["<answer>done</answer>"]): 1.0,  # clamped at 0
         "\n".join(["<move>up</move>", "<answer>done</answer>"]): 0.0,  # an invalid move ended the episode
+        "\n".join(["<move>up</move>"] + _moves(1, 3) + ["<answer>done</answer>"]): 0.0,  # nothing after it counts
         "<answer>done</answer>": 0.0,  # still at 1
         "": 0.0,
         "The goal is 3. <answer>3</answer>": 0.0,
