@@ -8,7 +8,6 @@ No torch or mlx here: the engine comes in as an argument.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -17,11 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from stoa.envs.base import END_REASONS, EpisodeLimits, Tools, episode_text
+from stoa.envs.base import END_REASONS, Tools, episode_text
 from stoa.tasks.base import Prompt
 
-__all__ = ["EpisodeBatch", "episode_metrics", "episode_sample", "evaluate_episodes", "sample_episodes",
-           "turn_limits"]
+__all__ = ["EpisodeBatch", "episode_metrics", "episode_sample", "evaluate_episodes", "sample_episodes"]
 
 
 @dataclass
@@ -38,16 +36,6 @@ class EpisodeBatch:
     stats: Any
     """The engine's ``GenStats`` (``extra`` holds the driver's turns, tool calls and tool seconds)."""
     seconds: float
-
-
-def turn_limits(task: Any, max_turn_tokens: int) -> EpisodeLimits:
-    """The task's episode limits with the run's per-turn token cap (the contract's ``max_new_tokens``).
-
-    Args:
-        task: a multi-turn task (``limits``).
-        max_turn_tokens: tokens one model turn may sample.
-    """
-    return dataclasses.replace(task.limits, max_turn_tokens=int(max_turn_tokens))
 
 
 def sample_episodes(engine: Any, task: Any, codec: Any, tools: Tools, prompts: Sequence[Prompt], n: int, *,
@@ -73,8 +61,9 @@ def sample_episodes(engine: Any, task: Any, codec: Any, tools: Tools, prompts: S
         stoa.envs.ToolUnavailable: the tools could not answer; nothing of the batch is usable.
     """
     from stoa.engines.episodes import EpisodeDriver
+    from stoa.tasks.multiturn import episode_limits
 
-    limits = turn_limits(task, max_turn_tokens)
+    limits = episode_limits(task, max_turn_tokens)
     prompt_tokens = [codec.encode_prompt(p.messages) for p in prompts]
     envs = [task.make_env(p, env_seed) for p in prompts for _ in range(n)]
     driver = EpisodeDriver(envs, tools, codec, limits, codec.eos_ids)
@@ -130,7 +119,7 @@ def evaluate_episodes(engine: Any, task: Any, codec: Any, tools: Tools, n: int, 
 
     Args:
         engine: the engine to run episodes with.
-        task: the multi-turn task (``heldout``, ``scores``: per-text ``em``/``cover_em``; else ``is_correct``).
+        task: the multi-turn task (``heldout``; ``score``: per-text ``em``/``cover_em``, else ``is_correct``).
         codec: the run's ``TextCodec``.
         tools: the tools.
         n: held-out prompts.
@@ -171,10 +160,10 @@ def evaluate_episodes(engine: Any, task: Any, codec: Any, tools: Tools, n: int, 
 
 
 def _scores(task: Any, prompt: Prompt, text: str) -> dict[str, float]:
-    """EM and cover-EM of one episode text: the task's own ``scores`` when it has them, else its verifier."""
-    scores = getattr(task, "scores", None)
-    if scores is not None:
-        s = scores(prompt, text)
-        return {"em": float(s["em"]), "cover_em": float(s["cover_em"])}
+    """EM and cover-EM of one episode text: the task's own ``score`` when it has one, else its verifier."""
+    score = getattr(task, "score", None)
+    if score is not None:
+        s = score(prompt, text)
+        return {"em": float(s.em), "cover_em": float(s.cover_em)}
     ok = float(task.is_correct(prompt, text))
     return {"em": ok, "cover_em": ok}

@@ -18,10 +18,12 @@ from stoa.config import WorkerConfig
 from stoa.contract import ContractMismatch, RunContract, download_model_files, wait_for_contract
 from stoa.engines import Completion, Engine, GenStats, default_engine
 from stoa.engines import make_engine as build_engine
+from stoa.envs.rollout import episode_sample
 from stoa.layout import rollout_key
 from stoa.lifecycle import RunWatch, Verdict
 from stoa.metrics import MetricsWriter, default_log_dir
 from stoa.records import RolloutRecord, Sample
+from stoa.worker.episodes import sample_episode_batch
 
 
 def worker_id(label: str) -> str:
@@ -118,6 +120,9 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
         wanted = w.watch.wanted()
         k = min(k, wanted) if wanted is not None and wanted > 0 else k  # no batch beyond what the trainer uses
         batch = _sample(w, p, k)
+        if batch is None:
+            time.sleep(cfg.poll_seconds)
+            continue
         _upload(w, p, batch)
         _log_batch(w, p, batch)
     w.metrics.close()
@@ -146,6 +151,8 @@ class _Worker:
     metrics: MetricsWriter
     watch: RunWatch
     """The run's status: finished, the trainer's heartbeat, the groups it still wants."""
+    tools: Any = None
+    """A multi-turn task's tools (``stoa.envs.Tools``); None for single-turn tasks."""
 
 
 @dataclass
@@ -168,13 +175,15 @@ class _Progress:
 
 
 class _Batch(NamedTuple):
-    """One ``generate`` call: the prompts, their token ids, completions per group, engine figures, seconds."""
+    """One ``generate`` call: the prompts, their token ids, completions (or episodes) per group, engine
+    figures, seconds; multi-turn batches also carry each episode's reward."""
 
     prompts: list[Any]
     prompt_ids: list[list[int]]
-    groups: list[list[Completion]]
+    groups: list[list[Completion]] | list[list[Any]]
     stats: GenStats
     seconds: float
+    rewards: list[list[float]] | None = None
 
 
 def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
@@ -184,7 +193,9 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
         cfg: validated worker config.
         echo: where progress lines go.
     """
+    from stoa.envs.tools import open_tools
     from stoa.tasks import get_task
+    from stoa.tasks.multiturn import is_multiturn
     from stoa.tokenize import TextCodec
     from stoa.weights.follow import WeightFollower
     from stoa.weights.sync import WeightSync
@@ -208,8 +219,11 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / f"worker-{wid}.jsonl", wid)
     watch = RunWatch(bucket, cfg.run, stale_s=cfg.trainer_stale_seconds, min_interval_s=cfg.status_seconds,
                      backpressure=cfg.backpressure)
+    tools = None
+    if is_multiturn(task):
+        tools = open_tools(task, cfg.retriever, bucket=bucket, run_id=cfg.run, spec=contract.retriever, note=echo)
     return _Worker(cfg, wid, bucket, contract, contract.fingerprint(), engine_name, engine, codec, task, sync,
-                   follower, metrics, watch)
+                   follower, metrics, watch, tools)
 
 
 def _watch(w: _Worker, p: _Progress, echo: Callable[[str], Any]) -> Verdict:
@@ -252,16 +266,23 @@ def _follow(w: _Worker, p: _Progress, echo: Callable[[str], Any]) -> None:
     p.versions_seen.add(p.version)
 
 
-def _sample(w: _Worker, p: _Progress, k: int) -> _Batch:
-    """Draw ``k`` training prompts and sample the contract's ``n_samples`` completions of each.
+def _sample(w: _Worker, p: _Progress, k: int) -> _Batch | None:
+    """Draw ``k`` training prompts and sample the contract's ``n_samples`` completions (or episodes) of each.
 
     Args:
         w: the worker.
         p: the loop's progress (prompt rng and sampling generator).
         k: groups to sample.
+
+    Returns:
+        the batch, or None when a multi-turn task's tools could not answer (nothing of it is uploaded).
     """
     sp = w.contract.sampling
     prompts = [w.task.sample_train(p.rng) for _ in range(k)]
+    if w.tools is not None:
+        eb = sample_episode_batch(w.engine, w.task, w.codec, w.tools, w.contract, prompts, p.generator, w.metrics)
+        return None if eb is None else _Batch(eb.prompts, eb.prompt_tokens, eb.groups, eb.stats, eb.seconds,
+                                              eb.rewards)
     prompt_ids = [w.codec.encode_prompt(q.messages) for q in prompts]
     t0 = time.perf_counter()
     groups, st = w.engine.generate(prompt_ids, w.contract.n_samples, max_new_tokens=sp.max_new_tokens,
@@ -281,9 +302,12 @@ def _upload(w: _Worker, p: _Progress, batch: _Batch) -> None:
         batch: the sampled groups.
     """
     sp, task = w.contract.sampling, w.task
-    for prompt, ids, comps in zip(batch.prompts, batch.prompt_ids, batch.groups, strict=True):
-        samples = [Sample(np.array(c.tokens, np.int32), np.array(c.logprobs, np.float32),
-                          task.reward(prompt, w.codec.decode(c.tokens)), c.finish_reason) for c in comps]
+    for g, (prompt, ids, comps) in enumerate(zip(batch.prompts, batch.prompt_ids, batch.groups, strict=True)):
+        if batch.rewards is not None:
+            samples = [episode_sample(e, r) for e, r in zip(comps, batch.rewards[g], strict=True)]
+        else:
+            samples = [Sample(np.array(c.tokens, np.int32), np.array(c.logprobs, np.float32),
+                              task.reward(prompt, w.codec.decode(c.tokens)), c.finish_reason) for c in comps]
         rec = RolloutRecord(worker_id=w.wid, seq=p.seq, policy_version=p.version,
                             contract_fingerprint=w.fingerprint, task_id=task.id, prompt_id=prompt.id,
                             prompt_tokens=np.array(ids, np.int32), samples=samples,
