@@ -1,4 +1,4 @@
-"""Backend-free algorithm contract: the config, the loss inputs, the Algorithm protocol, metric merging."""
+"""Backend-free algorithm contract: the config, the loss inputs, the Algorithm protocol (merging: ``metrics``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
-ALGORITHM_NAMES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "cispo")
+ALGORITHM_NAMES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "cispo", "gigpo")
 GATES: tuple[str, ...] = ("none", "tv", "kl")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+ECHO_SCHEDULES: tuple[str, ...] = ("constant", "linear_taper_to_zero")
 
 # DPPO thresholds used by the paper's authors in their released recipe (arXiv 2602.04879):
 # 0.15 on the binary total variation |p - mu|, 0.05 on the binary KL.
@@ -27,6 +28,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gspo": {"gate": "none", "dual_clip_c": None},
     "rloo": {"adv_std_norm": False},
     "cispo": {"gate": "none", "dual_clip_c": None},
+    "gigpo": {},
 }
 
 Reduction = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean"]
@@ -48,7 +50,7 @@ class AlgoConfig:
     """
 
     name: str = "grpo"
-    """Algorithm: 'grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo' or 'cispo'."""
+    """Algorithm: 'grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo', 'cispo' or 'gigpo'."""
 
     eps_low: float = 0.2
     """PPO clip below: the ratio is clipped at 1 - eps_low for negative advantages. In [0, 1]; 1 disables
@@ -116,6 +118,23 @@ class AlgoConfig:
     cispo_eps_high: float = 4.0
     """CISPO's IS-weight clip: the detached weight is min(r, 1 + cispo_eps_high); there is no lower
     clip. The MiniMax-M1 report does not publish its value; 4.0 is stoa's choice."""
+
+    gigpo_omega: float = 1.0
+    """GiGPO's weight of the step advantage: the action tokens of turn t get A_episode + omega * A_step(t).
+    >= 0; 0 is GRPO. Used by gigpo only."""
+
+    gigpo_gamma: float = 0.95
+    """GiGPO's discount of the sparse final reward R over the K turns of an episode: turn t's return is
+    gamma^(K-1-t) * R, normalised within its anchor group. In [0, 1]. Used by gigpo only."""
+
+    echo_alpha: float = 0.0
+    """ECHO coefficient (every algorithm): adds alpha * (NLL of the echo tokens, i.e. tool-response tokens
+    tagged ROLE_ECHO) / (the whole batch's echo-token count) to the loss, with no ratio and no KL. >= 0;
+    0 disables it (the loss is then exactly the algorithm's)."""
+
+    echo_schedule: str = "constant"
+    """How echo_alpha evolves over a run (``echo_coefficient``): 'constant', or 'linear_taper_to_zero'
+    (alpha * max(0, 1 - step / total_steps); needs the run's total steps)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -212,6 +231,11 @@ class AlgoConfig:
         real("gspo_eps_low", lo=0.0, lo_open=True, hi=1.0)
         real("gspo_eps_high", lo=0.0, lo_open=True)
         real("cispo_eps_high", lo=0.0, lo_open=True)
+        real("gigpo_omega", lo=0.0)
+        real("gigpo_gamma", lo=0.0, hi=1.0)
+        real("echo_alpha", lo=0.0)
+        if self.echo_schedule not in ECHO_SCHEDULES:
+            raise _fail("echo_schedule", f"unknown schedule {self.echo_schedule!r}; known: {', '.join(ECHO_SCHEDULES)}")
 
     def _check_contradictions(self) -> None:
         n = self.name
@@ -245,14 +269,27 @@ A = TypeVar("A")
 class LossInputs(Generic[A]):
     """One micro-batch for ``Algorithm.loss``; arrays are torch tensors or mx arrays, [B, T] unless noted.
 
+    The fields after ``normalizer`` are optional, so single-turn callers need not know about them.
+
     Attributes:
-        logp: current-policy logprobs of the sampled tokens (carries the gradient).
-        behaviour_logp: the worker-recorded logprobs (the 'old' policy of the PPO ratio).
-        ref_logp: reference-policy logprobs, or None (required when kl_beta > 0).
+        logp: current-policy logprobs of the sampled tokens (carries the gradient), at every position (the
+            echo term reads them on echo tokens).
+        behaviour_logp: the worker-recorded logprobs (the 'old' policy of the PPO ratio); read on ``mask``
+            only, so observation tokens may hold anything (even NaN).
+        ref_logp: reference-policy logprobs, or None (required when kl_beta > 0); read on ``mask`` only.
         advantages: [B] per-sequence advantages, broadcast over tokens.
-        mask: float, 1 on completion tokens that are trained on (multi-turn action masks reuse it).
+        mask: float, 1 on the action tokens that are trained on (multi-turn: ``roles == ROLE_ACTION``);
+            ratio, clip, DPPO gate and KL see these tokens only.
         normalizer: the whole batch's ``Algorithm.normalizer`` (identical for every micro-batch).
         version_lag: optional [B] ints (trainer version - record version), for diagnostics only.
+        token_advantages: optional [B, T] per-token advantages (GiGPO: ``Batch.token_advantages``); when
+            given they replace ``advantages`` in the loss (token-level algorithms only).
+        echo_mask: optional float [B, T], 1 on the echo tokens (``roles == ROLE_ECHO``); None: no echo term.
+        echo_normalizer: the whole batch's echo-token count (``Batch.echo_normalizer``, >= 1).
+        echo_alpha: this step's ECHO coefficient (``Algorithm.echo_coefficient(step, total_steps)``); None:
+            ``cfg.echo_alpha`` (refused under the 'linear_taper_to_zero' schedule, which needs the step).
+        echo_hits: optional 0/1 [B, T]: whether the forward's argmax equals the target (``Ops.token_hits``);
+            gives the ``echo_acc`` metric.
     """
 
     logp: A
@@ -262,6 +299,31 @@ class LossInputs(Generic[A]):
     mask: A
     normalizer: float
     version_lag: np.ndarray | Sequence[int] | None = None
+    token_advantages: A | None = None
+    echo_mask: A | None = None
+    echo_normalizer: float = 1.0
+    echo_alpha: float | None = None
+    echo_hits: A | None = None
+
+
+def echo_coefficient(cfg: AlgoConfig, step: int, total_steps: int) -> float:
+    """The ECHO coefficient at optimizer step ``step`` of ``total_steps``.
+
+    'constant': ``cfg.echo_alpha``; 'linear_taper_to_zero': ``cfg.echo_alpha * max(0, 1 - step / total_steps)``.
+
+    Args:
+        cfg: the algorithm config.
+        step: the optimizer step about to be taken (0 for the first).
+        total_steps: the run's total steps (needed by the taper only).
+    """
+    if step < 0:
+        raise _fail("step", f"must be >= 0, got {step}")
+    if cfg.echo_schedule == "constant" or cfg.echo_alpha == 0:
+        return float(cfg.echo_alpha)
+    if total_steps < 1:
+        raise _fail("total_steps", f"the 'linear_taper_to_zero' echo schedule needs the run's total steps (>= 1), "
+                                   f"got {total_steps}")
+    return float(cfg.echo_alpha) * max(0.0, 1.0 - step / total_steps)
 
 
 class Algorithm(Protocol):
@@ -278,6 +340,16 @@ class Algorithm(Protocol):
         """Advantages [G, n] float32 from raw rewards and completion lengths [G, n] (shaping included)."""
         ...
 
+    def turn_advantages(self, rewards: np.ndarray, lengths: np.ndarray,
+                        states: Sequence[Sequence[Sequence[str]]]) -> list[list[np.ndarray]] | None:
+        """What each model turn adds to its row's advantage ([G][n] float64 arrays [K]), or None: nothing
+        (every algorithm but gigpo, and gigpo on a batch without anchor states)."""
+        ...
+
+    def echo_coefficient(self, step: int, total_steps: int) -> float:
+        """The ECHO coefficient of optimizer step ``step`` (``echo_coefficient``), for ``LossInputs.echo_alpha``."""
+        ...
+
     def keep_groups(self, rewards: np.ndarray) -> np.ndarray:
         """bool [G]: which groups to train on (DAPO drops zero-variance groups; others keep all)."""
         ...
@@ -290,66 +362,10 @@ class Algorithm(Protocol):
         """Logprobs [B, T] of ``targets`` under ``logits`` [B, T, V] / temperature (backend arrays)."""
         ...
 
+    def token_hits(self, logits: Any, targets: Any) -> Any:
+        """0/1 float [B, T]: argmax of ``logits`` [B, T, V] equals ``targets`` (``LossInputs.echo_hits``)."""
+        ...
+
     def loss(self, inp: LossInputs[Any]) -> tuple[Any, dict[str, float]]:
         """(scalar loss of this micro-batch, diagnostics); micro-batch losses sum to the batch loss."""
         ...
-
-
-# ----- diagnostics --------------------------------------------------------------------------------
-
-# Fractions and means are over the micro-batch; merging weights each by its denominator key.
-METRIC_DENOMINATORS: dict[str, str] = {
-    "clip_frac_low": "tokens",
-    "clip_frac_high": "tokens",
-    "dual_clip_frac": "tokens",
-    "tis_frac": "tokens",
-    "gate_frac": "tokens",
-    "gate_frac_pos": "tokens_pos",
-    "gate_frac_neg": "tokens_neg",
-    "ratio_mean": "tokens",
-    "kl": "tokens",
-    "entropy_proxy": "tokens",
-    "seq_clip_frac_low": "seqs",
-    "seq_clip_frac_high": "seqs",
-    "seq_dual_clip_frac": "seqs",
-    "seq_tis_frac": "seqs",
-    "seq_ratio_mean": "seqs",
-}
-SUMMED_METRICS = frozenset({"tokens", "seqs", "tokens_pos", "tokens_neg", "pg_loss", "kl_loss"})
-MAXED_METRICS = frozenset({"ratio_max"})
-
-
-def _denominator(key: str) -> str | None:
-    if key.startswith("gate_frac_lag"):
-        return "tokens_lag" + key[len("gate_frac_lag"):]
-    return METRIC_DENOMINATORS.get(key)
-
-
-def combine_metrics(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Merge the diagnostics of the micro-batches of one step into whole-batch values.
-
-    Counts and loss parts are summed, ``ratio_max`` is maxed, fractions and means are weighted by
-    their denominators (``tokens``, ``tokens_pos``, ``seqs``, ``tokens_lag{k}``, ...).
-
-    Args:
-        parts: the metric dicts returned by ``Algorithm.loss`` for each micro-batch.
-    """
-    out: dict[str, float] = {}
-    keys: list[str] = []
-    for p in parts:
-        keys.extend(k for k in p if k not in keys)
-    for k in keys:
-        vals = [(p, float(p[k])) for p in parts if k in p]
-        if k in SUMMED_METRICS or k.startswith("tokens_lag"):
-            out[k] = sum(v for _, v in vals)
-        elif k in MAXED_METRICS:
-            out[k] = max(v for _, v in vals)
-        else:
-            den = _denominator(k)
-            if den is None:
-                out[k] = sum(v for _, v in vals) / len(vals)
-                continue
-            w = [float(p.get(den, 0.0)) for p, _ in vals]
-            total = sum(w)
-            out[k] = sum(wi * v for wi, (_, v) in zip(w, vals, strict=True)) / total if total > 0 else 0.0
-    return out

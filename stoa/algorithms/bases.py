@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from stoa.algorithms import core
 from stoa.algorithms.advantages import check_groups, group_advantages, overlong_shaping
-from stoa.algorithms.base import AlgoConfig, LossInputs, Reduction
+from stoa.algorithms.base import AlgoConfig, LossInputs, Reduction, echo_coefficient
 from stoa.algorithms.ops import Ops
+
+
+class EchoTerm(NamedTuple):
+    """The ECHO term of one micro-batch: its loss share (None when the coefficient is 0) and metric sums."""
+
+    loss: Any
+    sums: dict[str, Any]
 
 
 class BaseAlgorithm:
@@ -51,6 +59,26 @@ class BaseAlgorithm:
         """
         return group_advantages(self.shape_rewards(rewards, lengths), self.cfg.adv_std_norm)
 
+    def turn_advantages(self, rewards: np.ndarray, lengths: np.ndarray,
+                        states: Sequence[Sequence[Sequence[str]]]) -> list[list[np.ndarray]] | None:
+        """None: the advantage is per sequence (GiGPO overrides this with its step advantages).
+
+        Args:
+            rewards: [G, n] raw rewards.
+            lengths: [G, n] action-token counts.
+            states: [G][n] anchor keys of each trajectory's turns.
+        """
+        return None
+
+    def echo_coefficient(self, step: int, total_steps: int) -> float:
+        """The ECHO coefficient of optimizer step ``step`` under the config's schedule.
+
+        Args:
+            step: the step about to be taken (0 for the first).
+            total_steps: the run's total steps (used by 'linear_taper_to_zero').
+        """
+        return echo_coefficient(self.cfg, step, total_steps)
+
     def keep_groups(self, rewards: np.ndarray) -> np.ndarray:
         """bool [G]: every group is kept.
 
@@ -76,11 +104,20 @@ class BaseAlgorithm:
         """
         return self.ops.token_logprobs(logits, targets, self.cfg.temperature)
 
+    def token_hits(self, logits: Any, targets: Any) -> Any:
+        """0/1 float [B, T]: the logits' argmax equals the target (``LossInputs.echo_hits``), no gradient.
+
+        Args:
+            logits: [B, T, V] backend array.
+            targets: [B, T] token ids.
+        """
+        return self.ops.token_hits(logits, targets)
+
     def _check(self, inp: LossInputs[Any]) -> None:
         shape = tuple(inp.logp.shape)
         if len(shape) != 2:
             raise ValueError(f"logp: expected [B, T], got shape {shape}")
-        for f in ("behaviour_logp", "mask", "ref_logp"):
+        for f in ("behaviour_logp", "mask", "ref_logp", "token_advantages", "echo_mask", "echo_hits"):
             v = getattr(inp, f)
             if v is not None and tuple(v.shape) != shape:
                 raise ValueError(f"{f}: expected shape {shape}, got {tuple(v.shape)}")
@@ -90,6 +127,41 @@ class BaseAlgorithm:
             raise ValueError("ref_logp: required when kl_beta > 0")
         if not inp.normalizer > 0:
             raise ValueError(f"normalizer: must be > 0, got {inp.normalizer}")
+        if not inp.echo_normalizer > 0:
+            raise ValueError(f"echo_normalizer: must be > 0, got {inp.echo_normalizer}")
+        if inp.echo_alpha is not None and not 0 <= inp.echo_alpha < float("inf"):
+            raise ValueError(f"echo_alpha: must be finite and >= 0, got {inp.echo_alpha}")
+
+    def _advantages(self, inp: LossInputs[Any]) -> Any:
+        """[B, 1] per-sequence or [B, T] per-token advantages in float32 (``token_advantages`` win)."""
+        if inp.token_advantages is not None:
+            return self.ops.f32(inp.token_advantages)
+        return self.ops.f32(inp.advantages)[:, None]
+
+    def _echo_alpha(self, inp: LossInputs[Any]) -> float:
+        """The micro-batch's ECHO coefficient: the given one, else the config's constant one."""
+        if inp.echo_alpha is not None:
+            return float(inp.echo_alpha)
+        if self.cfg.echo_schedule != "constant" and self.cfg.echo_alpha > 0:
+            raise ValueError("echo_alpha: the 'linear_taper_to_zero' schedule needs this step's coefficient; "
+                             "pass LossInputs(echo_alpha=algo.echo_coefficient(step, total_steps))")
+        return float(self.cfg.echo_alpha)
+
+    def _echo(self, inp: LossInputs[Any]) -> EchoTerm | None:
+        """The ECHO term: alpha * NLL of the echo tokens / the batch's echo count, on the current policy's
+        logprobs only (no ratio, no KL); None without an echo mask. Reports ``loss_echo`` (the unweighted
+        NLL mean) and, with ``echo_hits``, ``echo_acc``."""
+        if inp.echo_mask is None:
+            return None
+        ops = self.ops
+        em = ops.f32(inp.echo_mask)
+        nll = core.echo_nll(ops, ops.f32(inp.logp), em)
+        alpha = self._echo_alpha(inp)
+        loss = alpha * nll / inp.echo_normalizer if alpha > 0 else None
+        sums = {"echo_tokens": ops.sum(em), "loss_echo": ops.stop_gradient(nll)}
+        if inp.echo_hits is not None:
+            sums["echo_acc"] = ops.sum(ops.stop_gradient(ops.f32(inp.echo_hits)) * em)
+        return EchoTerm(loss, sums)
 
     def _masked_inputs(self, inp: LossInputs[Any]) -> tuple[Any, Any, Any]:
         """(mask, logp, behaviour_logp) in float32 with off-mask entries set to 0 (padding may hold junk)."""
@@ -136,7 +208,7 @@ class TokenPolicyAlgorithm(BaseAlgorithm):
         self._check(inp)
         c, ops = self.cfg, self.ops
         mask, logp, blogp = self._masked_inputs(inp)
-        adv = ops.f32(inp.advantages)[:, None]
+        adv = self._advantages(inp)
         lr = core.log_ratio(ops, logp, blogp, mask)
         ratio = ops.exp(lr)
         per_token, reg = self._surrogate(logp, lr, ratio, adv)
@@ -148,10 +220,14 @@ class TokenPolicyAlgorithm(BaseAlgorithm):
         pg_loss = core.reduce_tokens(ops, per_token, mask, inp.normalizer, self.reduction)
         kl_loss, _, kl_sum = self._kl(inp, logp, mask, self.reduction)
         total = pg_loss if kl_loss is None else pg_loss + kl_loss
-        return total, self._metrics(inp, logp, ratio, adv, mask, reg, blocked, pg_loss, kl_loss, kl_sum)
+        echo = self._echo(inp)
+        if echo is not None and echo.loss is not None:
+            total = total + echo.loss
+        return total, self._metrics(inp, logp, ratio, adv, mask, reg, blocked, pg_loss, kl_loss, kl_sum,
+                                    echo.sums if echo is not None else {})
 
-    def _metrics(self, inp: LossInputs[Any], logp: Any, ratio: Any, adv: Any, mask: Any,
-                 reg: dict[str, Any], blocked: Any, pg_loss: Any, kl_loss: Any, kl_sum: Any) -> dict[str, float]:
+    def _metrics(self, inp: LossInputs[Any], logp: Any, ratio: Any, adv: Any, mask: Any, reg: dict[str, Any],
+                 blocked: Any, pg_loss: Any, kl_loss: Any, kl_sum: Any, extra: dict[str, Any]) -> dict[str, float]:
         ops = self.ops
         sg = ops.stop_gradient
         pos, neg = ops.f32(adv > 0) * mask, ops.f32(adv < 0) * mask
@@ -177,6 +253,7 @@ class TokenPolicyAlgorithm(BaseAlgorithm):
             per_seq_blocked = ops.sum(blocked, axis=1) if inp.version_lag is not None else None
         if kl_sum is not None:
             sums["kl"] = kl_sum
+        sums.update(extra)
         values = {"pg_loss": sg(pg_loss)}
         if kl_loss is not None:
             values["kl_loss"] = sg(kl_loss)

@@ -11,12 +11,17 @@ MLX in local mode) only turn these arrays into tensors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 from stoa.algorithms.base import Algorithm
+from stoa.envs.base import ROLE_ACTION, ROLE_ECHO, ROLES, action_runs
+
+
+def _empty_f32() -> np.ndarray:
+    return np.zeros(0, dtype=np.float32)
 
 
 @dataclass
@@ -26,7 +31,8 @@ class Trajectory:
     Single-turn, ``tokens`` is the completion and ``action_mask`` is all ones. Multi-turn, ``tokens`` holds
     the policy's turns and the environment's observations in order, and ``action_mask`` is 1 only on the
     tokens the policy sampled: the loss, the normaliser and the logprob ratios see only those, through the
-    ``mask`` of ``LossInputs``, with no per-algorithm branch.
+    ``mask`` of ``LossInputs``, with no per-algorithm branch. ``echo_mask`` marks the observation tokens the
+    ECHO term learns to predict; ``turn_of_token`` and ``states`` give GiGPO its turns and anchor states.
 
     Attributes:
         prompt: prompt token ids (the shared prefix of its group).
@@ -37,6 +43,9 @@ class Trajectory:
         rollout_logprobs: the sampler's logprobs per token (0 off the action mask). The trainer's old
             policy (a worker's recorded logprobs); in local mode diagnostics only, its loss uses
             full-forward logprobs (see docs/local.md).
+        echo_mask: float32 [T], 1 on echo tokens (``ROLE_ECHO``); zeros by default.
+        turn_of_token: int32 [T], the model turn of each action token and -1 elsewhere; None single-turn.
+        states: the anchor-state key at the start of each model turn (``Episode.states``); () single-turn.
     """
 
     prompt: np.ndarray
@@ -45,6 +54,9 @@ class Trajectory:
     reward: float
     finish_reason: str
     rollout_logprobs: np.ndarray
+    echo_mask: np.ndarray = field(default_factory=_empty_f32)
+    turn_of_token: np.ndarray | None = None
+    states: tuple[str, ...] = ()
 
     @classmethod
     def single_turn(cls, prompt: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
@@ -62,6 +74,47 @@ class Trajectory:
         return cls(np.asarray(prompt, dtype=np.int64), toks, np.ones(len(toks), np.float32), float(reward),
                    finish_reason, np.asarray(logprobs, dtype=np.float32))
 
+    @classmethod
+    def multi_turn(cls, prompt: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                   roles: Sequence[int] | np.ndarray, logprobs: Sequence[float] | np.ndarray, reward: float,
+                   finish_reason: str, turn_of_token: Sequence[int] | np.ndarray | None = None,
+                   states: Sequence[str] = ()) -> Trajectory:
+        """An episode: actions (``ROLE_ACTION``) and observations (``ROLE_MASKED`` / ``ROLE_ECHO``) in order.
+
+        The action mask is ``roles == ROLE_ACTION`` and the echo mask ``roles == ROLE_ECHO``; the logprobs
+        off the action tokens are dropped (set to 0), so nothing downstream can read them.
+
+        Args:
+            prompt: prompt token ids.
+            tokens: every token id after the prompt.
+            roles: the ``ROLE_*`` of each token.
+            logprobs: the sampler's logprobs per token (read on action tokens only).
+            reward: the task's reward of the episode.
+            finish_reason: 'stop' or 'length'.
+            turn_of_token: model turn of each action token, -1 elsewhere (``Replayed.turn_of_token``); None:
+                the turns are the maximal runs of action tokens.
+            states: anchor-state key at the start of each turn (``Replayed.states``), or () for none.
+        """
+        toks = np.asarray(tokens, dtype=np.int64)
+        r = np.asarray(roles, dtype=np.int64)
+        lp = np.asarray(logprobs, dtype=np.float32)
+        if r.shape != toks.shape or lp.shape != toks.shape:
+            raise ValueError(f"roles, logprobs: shapes {r.shape}, {lp.shape} != tokens {toks.shape}")
+        if not np.isin(r, ROLES).all():
+            raise ValueError(f"roles: every role must be one of {ROLES}, got {sorted(set(r.tolist()))}")
+        action = r == ROLE_ACTION
+        if not action.any():
+            raise ValueError("roles: a multi-turn trajectory needs at least one action token")
+        if turn_of_token is None:
+            turns = np.full(len(toks), -1, dtype=np.int32)
+            for k, (a, b) in enumerate(action_runs(r.tolist())):
+                turns[a:b] = k
+        else:
+            turns = np.asarray(turn_of_token, dtype=np.int32)
+        return cls(np.asarray(prompt, dtype=np.int64), toks, action.astype(np.float32), float(reward),
+                   finish_reason, np.where(action, lp, 0.0).astype(np.float32), (r == ROLE_ECHO).astype(np.float32),
+                   turns, tuple(str(k) for k in states))
+
     def __post_init__(self) -> None:
         if len(self.tokens) == 0:
             raise ValueError("tokens: a trajectory needs at least one token after the prompt")
@@ -69,6 +122,32 @@ class Trajectory:
             raise ValueError("prompt: a trajectory needs at least one prompt token")
         if self.action_mask.shape != self.tokens.shape:
             raise ValueError(f"action_mask: shape {self.action_mask.shape} != tokens {self.tokens.shape}")
+        if self.echo_mask.size == 0:
+            self.echo_mask = np.zeros(self.tokens.shape, dtype=np.float32)
+        if self.echo_mask.shape != self.tokens.shape:
+            raise ValueError(f"echo_mask: shape {self.echo_mask.shape} != tokens {self.tokens.shape}")
+        if np.any((self.echo_mask > 0) & (self.action_mask > 0)):
+            raise ValueError("echo_mask: a token cannot be both an action and an echo token")
+        self._check_turns()
+
+    def _check_turns(self) -> None:
+        """turn_of_token: -1 exactly off the actions, non-decreasing turns from 0, one state per turn."""
+        if self.turn_of_token is None:
+            if self.states:
+                raise ValueError("turn_of_token: needed with states (which tokens belong to which turn)")
+            return
+        turns = self.turn_of_token
+        if turns.shape != self.tokens.shape:
+            raise ValueError(f"turn_of_token: shape {turns.shape} != tokens {self.tokens.shape}")
+        action = self.action_mask > 0
+        if np.any(turns[~action] != -1) or np.any(turns[action] < 0):
+            raise ValueError("turn_of_token: must be >= 0 on action tokens and -1 on every other token")
+        on = turns[action]
+        if on.size and (on[0] != 0 or np.any(np.diff(on) < 0)):
+            raise ValueError("turn_of_token: turns must start at 0 and never decrease")
+        n_turns = int(on.max()) + 1 if on.size else 0
+        if self.states and len(self.states) != n_turns:
+            raise ValueError(f"states: {len(self.states)} anchor states for {n_turns} turns; need one per turn")
 
 
 @dataclass
@@ -90,6 +169,10 @@ class Batch:
         old_logp: [B, T] the old policy of the ratio, or None: the trainer sets ``rollout_logp``; local mode
             a full forward, or None to take it from the update's own forward.
         ref_logp: [B, T] reference logprobs, or None when kl_beta is 0.
+        echo_mask: [B, T] float32 echo-token mask, 0-padded (zeros without echo tokens).
+        echo_normalizer: the whole batch's echo-token count, at least 1 (``LossInputs.echo_normalizer``).
+        token_advantages: [B, T] float32 per-token advantages when the algorithm makes them (GiGPO: the row's
+            advantage plus its turn's step term on action tokens, the row's advantage elsewhere), else None.
     """
 
     rows: list[Trajectory]
@@ -103,6 +186,13 @@ class Batch:
     rewards: np.ndarray
     old_logp: np.ndarray | None = None
     ref_logp: np.ndarray | None = None
+    echo_mask: np.ndarray = field(default_factory=_empty_f32)
+    echo_normalizer: float = 1.0
+    token_advantages: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.echo_mask.size == 0:
+            self.echo_mask = np.zeros_like(self.mask, dtype=np.float32)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -135,6 +225,8 @@ class Packed:
     advantages: np.ndarray  # [b] float32
     old_logp: np.ndarray | None  # [b, T] float32
     ref_logp: np.ndarray | None  # [b, T] float32
+    echo_mask: np.ndarray | None = None  # [b, T] float32
+    token_advantages: np.ndarray | None = None  # [b, T] float32, or None: per-row advantages
 
 
 class GroupRows(NamedTuple):
@@ -147,7 +239,7 @@ class GroupRows(NamedTuple):
 
 def build_batch(groups: Sequence[Sequence[Trajectory]], algo: Algorithm, *,
                 version_lag: Sequence[int] | None = None, sources: Sequence[str] | None = None) -> Batch:
-    """Advantages, the padded mask and sampler logprobs, and the whole-batch normaliser of every group given.
+    """Advantages, the padded masks and sampler logprobs, and the whole-batch normalisers of every group given.
 
     Args:
         groups: one list of trajectories per prompt (equal sizes), already through the algorithm's group
@@ -161,21 +253,47 @@ def build_batch(groups: Sequence[Sequence[Trajectory]], algo: Algorithm, *,
     n_groups, n = len(groups), len(groups[0])
     rewards = np.array([[t.reward for t in g] for g in groups], dtype=np.float64)
     lengths = np.array([[int(t.action_mask.sum()) for t in g] for g in groups], dtype=np.int64)
-    adv = np.asarray(algo.advantages(rewards, lengths), dtype=np.float32)
+    adv = np.asarray(algo.advantages(rewards, lengths), dtype=np.float32).reshape(-1)
+    turn_adv = algo.turn_advantages(rewards, lengths, [[t.states for t in g] for g in groups])
     rows = [t for g in groups for t in g]
     width = max(len(t.tokens) for t in rows)
     mask = np.zeros((len(rows), width), dtype=np.float32)
+    echo = np.zeros((len(rows), width), dtype=np.float32)
     rollout_logp = np.zeros((len(rows), width), dtype=np.float32)
     for i, t in enumerate(rows):
         mask[i, : len(t.tokens)] = t.action_mask
+        echo[i, : len(t.tokens)] = t.echo_mask
         rollout_logp[i, : len(t.tokens)] = t.rollout_logprobs
     lag = np.zeros(n_groups, np.int64) if version_lag is None else np.asarray(version_lag, np.int64)
     src = [""] * n_groups if sources is None else list(sources)
     if len(lag) != n_groups or len(src) != n_groups:
         raise ValueError(f"version_lag, sources: need one per group ({n_groups})")
-    return Batch(rows, np.repeat(np.arange(n_groups, dtype=np.int64), n), adv.reshape(-1), np.repeat(lag, n),
+    token_adv = None if turn_adv is None else token_advantages(rows, adv, [a for g in turn_adv for a in g], width)
+    return Batch(rows, np.repeat(np.arange(n_groups, dtype=np.int64), n), adv, np.repeat(lag, n),
                  [s for s in src for _ in range(n)], mask, rollout_logp, float(algo.normalizer(mask)),
-                 rewards.astype(np.float32))
+                 rewards.astype(np.float32), echo_mask=echo, echo_normalizer=max(1.0, float(echo.sum())),
+                 token_advantages=token_adv)
+
+
+def token_advantages(rows: Sequence[Trajectory], advantages: np.ndarray, turn_adv: Sequence[np.ndarray],
+                     width: int) -> np.ndarray:
+    """[B, width] float32: each row's advantage, plus on its action tokens their turn's term.
+
+    Args:
+        rows: the trajectories.
+        advantages: [B] per-row (episode) advantages.
+        turn_adv: per row, what each of its turns adds ([K]; empty for a row without turns).
+        width: the batch's padded token width.
+    """
+    if len(turn_adv) != len(rows):
+        raise ValueError(f"turn_adv: expected one array per row ({len(rows)}), got {len(turn_adv)}")
+    out = np.repeat(np.asarray(advantages, np.float64)[:, None], width, axis=1)
+    for i, (t, add) in enumerate(zip(rows, turn_adv, strict=True)):
+        if len(add) == 0 or t.turn_of_token is None:
+            continue
+        on = np.flatnonzero(t.turn_of_token >= 0)
+        out[i, on] += np.asarray(add, np.float64)[t.turn_of_token[on]]
+    return out.astype(np.float32)
 
 
 def filter_and_build(groups: Sequence[Sequence[Trajectory]], algo: Algorithm
@@ -262,4 +380,6 @@ def pack(batch: Batch, idx: np.ndarray) -> Packed:
         tgt[j, :lt] = r.tokens
     old = None if batch.old_logp is None else batch.old_logp[idx]
     ref = None if batch.ref_logp is None else batch.ref_logp[idx]
-    return Packed(ids, attn, pos, tgt, batch.mask[idx], batch.advantages[idx], old, ref)
+    tok_adv = None if batch.token_advantages is None else batch.token_advantages[idx]
+    return Packed(ids, attn, pos, tgt, batch.mask[idx], batch.advantages[idx], old, ref, batch.echo_mask[idx],
+                  tok_adv)

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from stoa.algorithms.base import Reduction, _denominator
+from stoa.algorithms.base import Reduction
+from stoa.algorithms.metrics import _denominator
 from stoa.algorithms.ops import Ops
 
 LOG_RATIO_BOUND = 20.0
@@ -171,6 +172,19 @@ def kl_per_token(ops: Ops, logp: Any, ref_logp: Any, mask: Any, estimator: str) 
     raise ValueError(f"kl_estimator: unknown estimator {estimator!r}")
 
 
+def echo_nll(ops: Ops, logp: Any, echo_mask: Any) -> Any:
+    """The ECHO term's micro-batch sum of -logp over the echo tokens (differentiable; no ratio, no KL).
+
+    Only echo positions are read (``where``), so junk logprobs elsewhere never reach value or gradient.
+
+    Args:
+        ops: the backend shim.
+        logp: [B, T] current-policy logprobs of the targets.
+        echo_mask: [B, T] float, 1 on echo tokens.
+    """
+    return -ops.sum(ops.where(echo_mask > 0, logp, 0.0) * echo_mask)
+
+
 def reduce_tokens(ops: Ops, per_token: Any, mask: Any, normalizer: float, reduction: Reduction) -> Any:
     """Micro-batch share of a token-level loss; shares of all micro-batches sum to the batch loss.
 
@@ -238,7 +252,7 @@ def diagnostics(ops: Ops, *, sums: Mapping[str, Any], maxes: Mapping[str, Any] |
                 version_lag: np.ndarray | Sequence[int] | None = None) -> dict[str, float]:
     """Turn device sums into the diagnostics dict with one device round trip (plus one for lags).
 
-    Keys of ``sums`` that have a denominator in ``base.METRIC_DENOMINATORS`` become fractions/means
+    Keys of ``sums`` that have a denominator in ``metrics.METRIC_DENOMINATORS`` become fractions/means
     of it (0 when it is 0); the rest (counts) are reported as they are.
 
     Args:

@@ -27,6 +27,8 @@ class GSPO(BaseAlgorithm):
             inp: the micro-batch (``normalizer`` from ``self.normalizer`` on the whole batch).
         """
         self._check(inp)
+        if inp.token_advantages is not None:
+            raise ValueError("token_advantages: gspo clips a sequence ratio and takes per-sequence advantages only")
         c, ops = self.cfg, self.ops
         sg = ops.stop_gradient
         mask, logp, blogp = self._masked_inputs(inp)
@@ -42,6 +44,9 @@ class GSPO(BaseAlgorithm):
         pg_loss = core.reduce_seqs(ops, per_seq, mask, inp.normalizer)
         kl_loss, _, kl_sum = self._kl(inp, logp, mask, "seq_mean")
         total = pg_loss if kl_loss is None else pg_loss + kl_loss
+        echo = self._echo(inp)
+        if echo is not None and echo.loss is not None:
+            total = total + echo.loss
 
         has = ops.f32(lengths > 0)
         reg = core.clip_regimes(ops, s, adv, c.gspo_eps_low, c.gspo_eps_high, c.dual_clip_c)
@@ -60,6 +65,8 @@ class GSPO(BaseAlgorithm):
             sums["seq_tis_frac"] = ops.sum(ops.f32(sg(s) > c.tis_cap) * has)
         if kl_sum is not None:
             sums["kl"] = kl_sum
+        if echo is not None:
+            sums.update(echo.sums)
         values = {"pg_loss": sg(pg_loss)}
         if kl_loss is not None:
             values["kl_loss"] = sg(kl_loss)

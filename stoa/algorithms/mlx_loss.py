@@ -22,6 +22,17 @@ def token_logprobs(logits: mx.array, targets: mx.array, temperature: float = 1.0
     return mx.take_along_axis(logp, targets.astype(mx.int32)[..., None], axis=-1)[..., 0]
 
 
+def token_hits(logits: mx.array, targets: mx.array) -> mx.array:
+    """0/1 float32 [B, T]: the argmax of ``logits`` [B, T, V] equals ``targets`` [B, T] (ECHO's accuracy).
+
+    Args:
+        logits: [B, T, V] logits (temperature does not move the argmax).
+        targets: [B, T] token ids.
+    """
+    hit = mx.argmax(mx.stop_gradient(logits), axis=-1) == targets.astype(mx.int32)
+    return hit.astype(mx.float32)
+
+
 class MlxOps:
     """``stoa.algorithms.ops.Ops`` for mx arrays.
 
@@ -75,6 +86,9 @@ class MlxOps:
 
     def token_logprobs(self, logits: mx.array, targets: mx.array, temperature: float) -> mx.array:
         return token_logprobs(logits, targets, temperature)
+
+    def token_hits(self, logits: mx.array, targets: mx.array) -> mx.array:
+        return token_hits(logits, targets)
 
 
 OPS = MlxOps()

@@ -58,6 +58,10 @@ class Ops(Protocol):
         """log_softmax(logits [B, T, V] / temperature) gathered at ``targets`` [B, T] (float32)."""
         ...
 
+    def token_hits(self, logits: Any, targets: Any) -> Any:
+        """0/1 float32 [B, T]: argmax of ``logits`` [B, T, V] equals ``targets`` [B, T] (no gradient)."""
+        ...
+
 
 def load_ops(backend: str) -> Ops:
     """The Ops of a backend, importing torch or mlx only now.

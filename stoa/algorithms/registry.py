@@ -14,6 +14,7 @@ _CLASSES: dict[str, str] = {
     "gspo": "stoa.algorithms.gspo:GSPO",
     "rloo": "stoa.algorithms.rloo:RLOO",
     "cispo": "stoa.algorithms.cispo:CISPO",
+    "gigpo": "stoa.algorithms.gigpo:GiGPO",
 }
 assert tuple(_CLASSES) == ALGORITHM_NAMES
 

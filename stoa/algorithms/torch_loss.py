@@ -21,6 +21,17 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return torch.gather(logp, -1, targets.long().unsqueeze(-1)).squeeze(-1)
 
 
+def token_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """0/1 float32 [B, T]: the argmax of ``logits`` [B, T, V] equals ``targets`` [B, T] (ECHO's accuracy).
+
+    Args:
+        logits: [B, T, V] logits (temperature does not move the argmax).
+        targets: [B, T] token ids.
+    """
+    with torch.no_grad():
+        return (logits.argmax(dim=-1) == targets.long()).float()
+
+
 class TorchOps:
     """``stoa.algorithms.ops.Ops`` for torch tensors."""
 
@@ -69,6 +80,9 @@ class TorchOps:
 
     def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         return token_logprobs(logits, targets, temperature)
+
+    def token_hits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_hits(logits, targets)
 
 
 OPS = TorchOps()

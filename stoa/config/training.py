@@ -64,9 +64,11 @@ class TrainingConfig(BaseConfig):
     temperature: float = setting(1.0, "Sampling temperature (rollouts sample with it, the loss scores with "
                                       "it).")
     top_p: float = setting(1.0, "Sampling nucleus mass; 1.0 keeps importance ratios exact.")
-    algorithm: str = setting("grpo", "RL objective: grpo, dr_grpo, dapo, gspo, rloo, cispo.")
-    algo: dict = setting({}, "Algorithm knobs (eps_low, eps_high, dual_clip_c, gate, ...); TOML table "
-                             "[algo].")
+    algorithm: str = setting("grpo", "RL objective: grpo, dr_grpo, dapo, gspo, rloo, cispo, gigpo (multi-turn: "
+                                     "GRPO plus anchor-state step advantages).")
+    algo: dict = setting({}, "Algorithm knobs (eps_low, eps_high, dual_clip_c, gate, ..., gigpo_omega, gigpo_gamma, "
+                             "echo_alpha, echo_schedule; see stoa.algorithms.AlgoConfig); TOML table [algo], "
+                             "flag --algo KEY=VALUE.")
     kl_beta: float | None = setting(None, "KL-to-reference coefficient; 0 skips the reference forward "
                                           "(default: the algorithm's, 0.001 for grpo, 0 for dapo).")
     lr: float = setting(1e-5, "AdamW learning rate.")
@@ -100,8 +102,14 @@ class TrainingConfig(BaseConfig):
             raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
-        self.algo_config()
+        self._check_echo_schedule(self.algo_config())
         return self
+
+    def _check_echo_schedule(self, algo: AlgoConfig) -> None:
+        """The ECHO taper runs over the run's total steps, so it needs a finite run."""
+        if algo.echo_schedule == "linear_taper_to_zero" and algo.echo_alpha > 0 and self.steps < 1:
+            raise ConfigError("algo.echo_schedule", "'linear_taper_to_zero' tapers over the run's total steps: "
+                                                    "set steps >= 1, or use echo_schedule = 'constant'")
 
     def _check_task(self) -> None:
         from stoa.tasks import parse_task_spec

@@ -71,10 +71,19 @@ class Case:
     temperature: float = 1.0
     metrics: dict[str, float] = field(default_factory=dict)
     version_lag: np.ndarray | None = None
+    tokens: np.ndarray = field(default_factory=lambda: TOKENS.copy())
+    # multi-turn inputs (golden_multiturn.py): per-token advantages (fed, and expected from the trajectories'
+    # turns and anchor states), the echo mask, argmax hits, and the ECHO coefficient (None: the config's).
+    token_advantages: np.ndarray | None = None
+    echo_mask: np.ndarray | None = None
+    echo_hits: np.ndarray | None = None
+    echo_alpha: float | None = None
+    turns: np.ndarray | None = None
+    states: list[tuple[str, ...]] | None = None
 
     @property
     def grad_logits(self) -> np.ndarray:
-        return logit_grad(self.dlogp, LOGITS, TOKENS, self.temperature)
+        return logit_grad(self.dlogp, LOGITS, self.tokens, self.temperature)
 
 
 LOGP = sampled(LOGITS, TOKENS)

@@ -35,6 +35,13 @@ BAD: list[tuple[dict, str]] = [
     ({"name": "gspo", "gspo_eps_low": 0.0}, "gspo_eps_low"),
     ({"name": "gspo", "gspo_eps_high": -1e-4}, "gspo_eps_high"),
     ({"name": "cispo", "cispo_eps_high": 0.0}, "cispo_eps_high"),
+    ({"name": "gigpo", "gigpo_omega": -0.5}, "gigpo_omega"),
+    ({"name": "gigpo", "gigpo_omega": "1"}, "gigpo_omega"),
+    ({"name": "gigpo", "gigpo_gamma": 1.01}, "gigpo_gamma"),
+    ({"name": "gigpo", "gigpo_gamma": -0.1}, "gigpo_gamma"),
+    ({"name": "grpo", "echo_alpha": -0.1}, "echo_alpha"),
+    ({"name": "grpo", "echo_alpha": math.inf}, "echo_alpha"),
+    ({"name": "grpo", "echo_schedule": "cosine"}, "echo_schedule"),
     # contradictions
     ({"name": "dr_grpo"}, "max_tokens"),
     ({"name": "dr_grpo", "max_tokens": 8, "adv_std_norm": True}, "adv_std_norm"),
@@ -97,3 +104,36 @@ def test_gate_deltas_default_per_gate() -> None:
 def test_unknown_backend_is_named() -> None:
     with pytest.raises(ValueError, match="^backend:"):
         get_algorithm(AlgoConfig(), "jax")
+
+
+def test_multi_turn_knobs_default_and_round_trip() -> None:
+    cfg = AlgoConfig.preset("gigpo")
+    assert (cfg.gigpo_omega, cfg.gigpo_gamma, cfg.echo_alpha, cfg.echo_schedule) == (1.0, 0.95, 0.0, "constant")
+    assert (cfg.eps_low, cfg.gate, cfg.kl_beta, cfg.adv_std_norm) == (0.2, "tv", 0.001, True)  # GRPO's preset
+    knobs = {"name": "dapo", "echo_alpha": 0.1, "echo_schedule": "linear_taper_to_zero"}
+    assert AlgoConfig.from_dict(AlgoConfig.from_dict(knobs).to_dict()).echo_schedule == "linear_taper_to_zero"
+
+
+def test_training_config_takes_the_knobs_from_toml_and_flags(tmp_path, capsys) -> None:
+    from stoa.cli import main
+    from stoa.config import ConfigError, LocalConfig, TrainerConfig, load_config
+
+    f = tmp_path / "run.toml"
+    f.write_text('algorithm = "gigpo"\nsteps = 10\n[algo]\ngigpo_omega = 0.5\necho_alpha = 0.05\n'
+                 'echo_schedule = "linear_taper_to_zero"\n')
+    algo = load_config(TrainerConfig, toml_path=f, env={}).algo_config()
+    assert (algo.name, algo.gigpo_omega, algo.echo_alpha, algo.echo_schedule) == (
+        "gigpo", 0.5, 0.05, "linear_taper_to_zero")
+    local = load_config(LocalConfig, overrides={"algo": {"gigpo_gamma": 0.9, "echo_alpha": 1}}, env={})
+    assert (local.algo_config().gigpo_gamma, local.algo_config().echo_alpha) == (0.9, 1)
+    with pytest.raises(ConfigError, match="^algo.gigpo_gamma:"):
+        load_config(TrainerConfig, overrides={"algo": {"gigpo_gamma": 2.0}}, env={})
+    with pytest.raises(ConfigError, match="^algo.echo_schedule: 'linear_taper_to_zero' tapers over"):
+        load_config(TrainerConfig, overrides={"algo": {"echo_alpha": 0.1, "echo_schedule": "linear_taper_to_zero"}},
+                    env={})
+    assert main(["trainer", "--dry-run", "--algorithm", "gigpo", "--algo", "echo_alpha=0.25",
+                 "--algo", "gigpo_gamma=0.9"]) == 0
+    out = capsys.readouterr().out
+    for line in ("# name = 'gigpo'", "# echo_alpha = 0.25", "# gigpo_gamma = 0.9", "# gigpo_omega = 1.0",
+                 "# echo_schedule = 'constant'"):
+        assert line in out, line

@@ -92,7 +92,7 @@ def test_loss_inputs_are_checked(over: dict, field: str) -> None:
 def test_normalizers() -> None:
     mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=np.float32)  # last row: padding only
     norm = {n: get_algorithm(AlgoConfig.preset(n, max_tokens=10), "torch").normalizer(mask) for n in ALGORITHM_NAMES}
-    assert norm == {"grpo": 2.0, "dr_grpo": 20.0, "dapo": 4.0, "gspo": 2.0, "rloo": 4.0, "cispo": 4.0}
+    assert norm == {"grpo": 2.0, "dr_grpo": 20.0, "dapo": 4.0, "gspo": 2.0, "rloo": 4.0, "cispo": 4.0, "gigpo": 2.0}
     assert get_algorithm(AlgoConfig.preset("dapo"), "torch").normalizer(np.zeros((2, 3))) == 1.0
 
 

@@ -22,7 +22,7 @@ def test_base_imports_neither_torch_nor_mlx() -> None:
         "stoa.algorithms.AlgoConfig.from_dict({'name': 'dapo'})\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'mlx')]\n"
         "assert not bad, bad\n"
-        "names = ('grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo', 'cispo')\n"
+        "names = ('grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo', 'cispo', 'gigpo')\n"
         "concrete = [m for m in sys.modules if m.rsplit('.', 1)[-1] in names]\n"
         "assert not concrete, concrete\n"
     )
@@ -33,7 +33,8 @@ def test_shared_math_and_algorithms_are_backend_free() -> None:
         "import sys\n"
         "import stoa.algorithms.core, stoa.algorithms.bases, stoa.algorithms.advantages\n"
         "import stoa.algorithms.grpo, stoa.algorithms.dr_grpo, stoa.algorithms.dapo\n"
-        "import stoa.algorithms.gspo, stoa.algorithms.rloo, stoa.algorithms.cispo\n"
+        "import stoa.algorithms.gspo, stoa.algorithms.rloo, stoa.algorithms.cispo, stoa.algorithms.gigpo\n"
+        "import stoa.algorithms.metrics, stoa.algorithms.batch\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'mlx')]\n"
         "assert not bad, bad\n"
     )

@@ -10,7 +10,7 @@ import pytest
 from stoa.algorithms import AlgoConfig, combine_metrics, get_algorithm
 
 from .conftest import BACKENDS, HAS_MLX
-from .random_inputs import CONFIGS, Batch, random_batch
+from .random_inputs import CONFIGS, MULTI_TURN, TOKEN_ADVANTAGES, Batch, random_batch
 from .runners import run_loss
 
 SPLITS = [[0, 1], [2, 3, 4], [5]]
@@ -19,15 +19,23 @@ SPLITS = [[0, 1], [2, 3, 4], [5]]
 def _run(backend: str, cfg: AlgoConfig, batch: Batch, rows: list[int], normalizer: float):
     algo = get_algorithm(cfg, backend)
     idx = np.array(rows)
+    extras = None if batch.extras is None else batch.extras.rows(idx)
     return run_loss(backend, algo, batch.logits[idx], batch.tokens[idx], batch.behaviour[idx], batch.ref[idx],
-                    batch.adv[idx], batch.mask[idx], normalizer, batch.lag[idx])
+                    batch.adv[idx], batch.mask[idx], normalizer, batch.lag[idx], extras)
+
+
+def make_batch(key: str, seed: int, cfg: AlgoConfig) -> Batch:
+    """The random batch of a config: multi-turn roles, token advantages and the taper's coefficient as needed."""
+    alpha = cfg.echo_alpha * 0.6 if cfg.echo_schedule != "constant" else None
+    return random_batch(seed=seed, temperature=cfg.temperature, multi_turn=key in MULTI_TURN,
+                        token_advantages=key in TOKEN_ADVANTAGES, echo_alpha=alpha)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("key", list(CONFIGS))
 def test_micro_batches_sum_to_whole_batch(key: str, backend: str) -> None:
     cfg = AlgoConfig.from_dict(CONFIGS[key])
-    batch = random_batch(seed=zlib.crc32(key.encode()), temperature=cfg.temperature)
+    batch = make_batch(key, zlib.crc32(key.encode()), cfg)
     normalizer = get_algorithm(cfg, backend).normalizer(batch.mask)
     loss, grad, metrics = _run(backend, cfg, batch, list(range(6)), normalizer)
     total, grads, parts = 0.0, np.zeros_like(grad), []
@@ -51,7 +59,7 @@ def test_micro_batches_sum_to_whole_batch(key: str, backend: str) -> None:
 @pytest.mark.parametrize("key", list(CONFIGS))
 def test_torch_and_mlx_agree(key: str) -> None:
     cfg = AlgoConfig.from_dict(CONFIGS[key])
-    batch = random_batch(seed=7 + zlib.crc32(key.encode()), temperature=cfg.temperature)
+    batch = make_batch(key, 7 + zlib.crc32(key.encode()), cfg)
     rows = list(range(6))
     normalizer = get_algorithm(cfg, "torch").normalizer(batch.mask)
     lt, gt, mt = _run("torch", cfg, batch, rows, normalizer)
