@@ -19,9 +19,15 @@ from typing import Any
 
 from stoa.retrieval import BM25Index, Doc, HTTPSearcher, Searcher, make_server, read_corpus
 
-_WORDS = ("amber", "basalt", "cobalt", "delta", "ember", "fjord", "granite", "harbor", "ivory", "jade", "kelp",
-          "lichen", "marble", "nickel", "onyx", "pewter", "quartz", "river", "slate", "tundra", "umber", "violet",
-          "willow", "xenon", "yarrow", "zinc", "founded", "born", "wrote", "built", "mapped", "ruled", "painted")
+_SYLLABLES = ("ka", "lo", "mi", "nu", "ra", "te", "vo", "zi", "an", "el", "or", "us", "be", "do", "fi", "gu")
+
+
+def _vocabulary(rng: random.Random, size: int) -> list[str]:
+    """``size`` distinct pseudo-words of 2-4 syllables."""
+    words: dict[str, None] = {}
+    while len(words) < size:
+        words["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4)))] = None
+    return list(words)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,16 +47,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="corpus and query seed [default: 0]")
 
 
-def synthetic_corpus(n: int, seed: int = 0) -> list[Doc]:
-    """``n`` generated documents of 40-80 words, each with a unique name (what a search must find).
+def synthetic_corpus(n: int, seed: int = 0, vocabulary: int = 20000) -> list[Doc]:
+    """``n`` generated documents of 40-80 words drawn Zipf-like from a pseudo-word vocabulary (so posting
+    lists are as skewed as in text), each with a unique name.
 
     Args:
         n: documents.
         seed: generator seed.
+        vocabulary: distinct words.
     """
     rng = random.Random(seed)
-    return [Doc(f"doc{i}", f"Entity {i} {rng.choice(_WORDS)}",
-                " ".join(rng.choice(_WORDS) for _ in range(rng.randint(40, 80))) + f" name{i}") for i in range(n)]
+    words = _vocabulary(rng, vocabulary)
+    cum, total = [], 0.0
+    for rank in range(len(words)):
+        total += 1.0 / (rank + 1)
+        cum.append(total)
+    return [Doc(f"doc{i}", f"Entity {i} {rng.choice(words)}",
+                " ".join(rng.choices(words, cum_weights=cum, k=rng.randint(40, 80))) + f" name{i}")
+            for i in range(n)]
 
 
 def bench_corpus(name: str, n_docs: int, seed: int, echo: Callable[[str], Any] = print) -> list[Doc]:

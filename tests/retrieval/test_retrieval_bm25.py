@@ -107,3 +107,10 @@ def test_altered_documents_refused_by_verify(index_dir, tmp_path):
     (copy / INDEX_MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BadIndex, match="fingerprint"):
         verify_index_dir(copy)
+
+
+def test_many_equal_documents_give_the_first_ones():
+    # bm25s's argpartition picks arbitrary members of a large tie; the answer must not depend on it
+    index = BM25Index.build([Doc(f"t{i}", "", "tiedword filler") for i in range(300)] + [Doc("x", "", "other")])
+    for k in (1, 3, 7, 50):
+        assert ids(index.search(["tiedword"], k)) == [[f"t{i}" for i in range(k)]]
