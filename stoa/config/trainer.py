@@ -48,6 +48,8 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                                    "<= 0.054: `stoa bench quarantine`).")
     quarantine_reject_rate: float = setting(0.5, "Quarantine a worker once more than this fraction of its "
                                                  "records is rejected.")
+    eval_k: int = setting(1, "Multi-turn tasks: sampled episodes per held-out prompt for eval/pass@k (1 = greedy "
+                             "EM and cover-EM only).")
     quarantine_min_records: int = setting(8, "Records a worker must have sent before its rates are judged.")
 
     def validate(self) -> TrainerConfig:
@@ -56,7 +58,7 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         if self.plane not in PLANES:
             raise ConfigError("plane", f"{self.plane!r} is not one of {PLANES}")
         at_least(self, 1, ("micro_batch", "anchor_every", "checkpoint_every", "keep_versions", "reuse_cap",
-                           "quarantine_min_records"))
+                           "quarantine_min_records", "eval_k"))
         at_least(self, 0, ("staleness_bound",))
         at_least(self, -1, ("keep_rollout_versions",))
         at_least(self, 1, ("metrics_flush_rows",))

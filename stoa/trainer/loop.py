@@ -23,6 +23,7 @@ from stoa.trainer.pool import Entry, PoolStats, RecordPool
 from stoa.trainer.quarantine import Quarantine
 from stoa.trainer.setup import build_contract, ensure_contract, evaluate, reward_stats
 from stoa.trainer.step import train_step
+from stoa.trainer.tools import prepare_tools
 
 _T = TypeVar("_T")
 RETRY_MAX_SLEEP_S = 30.0
@@ -128,7 +129,9 @@ class _Trainer:
         device = resolve_device(cfg.device)
         self.policy = Policy(model_dir, device, temperature=cfg.temperature,
                              gradient_checkpointing=cfg.gradient_checkpointing)
-        contract = build_contract(cfg, model_dir, self.task, self.codec, self.policy.vocab_size)
+        self.tools = prepare_tools(self.task, cfg.retriever, self.bucket, cfg.run, self.echo)
+        contract = build_contract(cfg, model_dir, self.task, self.codec, self.policy.vocab_size,
+                                  self.tools.retriever)
         self.contract = ensure_contract(self.bucket, contract, model_dir)
         self.algo = get_algorithm(cfg.algo_config(), "torch")
         self.ref = (Policy(model_dir, device, temperature=cfg.temperature, trainable=False)
@@ -139,7 +142,7 @@ class _Trainer:
                                      reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
                                      temperature=cfg.temperature, top_p=cfg.top_p)
         self.pool = RecordPool(self.bucket, self.contract, self.task, self.codec, staleness_bound=cfg.staleness_bound,
-                               reuse_cap=cfg.reuse_cap, gate=self.quarantine)
+                               reuse_cap=cfg.reuse_cap, gate=self.quarantine, tools=self.tools.tools)
         self.metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / "trainer.jsonl", cfg.run)
         self.summary: dict[str, Any] = {"run": cfg.run, "evals": [], "step_times": []}
         self.version = self.step = 0
@@ -366,8 +369,11 @@ class _Trainer:
         cfg = self.cfg
         if cfg.eval_n == 0:
             return
-        ev = evaluate(self.policy.model, self.codec, self.task, cfg.eval_n, cfg.max_new_tokens)
+        ev = evaluate(self.policy.model, self.codec, self.task, cfg.eval_n, cfg.max_new_tokens,
+                      tools=self.tools.tools, k=cfg.eval_k)
         self.metrics.log({"version": self.version, **{f"eval/{k}": v for k, v in ev.items()}})
-        self.echo(f"[trainer] eval ({label}, v{self.version}): held-out accuracy {ev['accuracy']:.3f} on "
+        extra = (f", cover-EM {ev['cover_em']:.3f}, EM {ev['em']:.3f}, search rate {ev['search_rate']:.2f}"
+                 if "cover_em" in ev else "")
+        self.echo(f"[trainer] eval ({label}, v{self.version}): held-out accuracy {ev['accuracy']:.3f}{extra} on "
                   f"{int(ev['n'])} prompts ({ev['seconds']:.1f}s)")
         self.summary["evals"].append({"version": self.version, "label": label, **ev})

@@ -27,7 +27,8 @@ from stoa.tasks.base import Task
 from stoa.tokenize import TextCodec
 
 
-def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextCodec, vocab_size: int) -> RunContract:
+def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextCodec, vocab_size: int,
+                   retriever: Mapping[str, Any] | None = None) -> RunContract:
     """Assemble the run contract from the resolved config, model and task.
 
     Args:
@@ -36,6 +37,7 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
         task: the task.
         codec: the model's tokenizer.
         vocab_size: embedding rows of the model.
+        retriever: a search task's index (``fingerprint``), from ``stoa.trainer.tools.prepare_tools``.
     """
     from stoa.models import model_fingerprint
 
@@ -59,6 +61,7 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
         staleness_bound=cfg.staleness_bound,
         reuse_cap=cfg.reuse_cap,
         algorithm=algo.to_dict(),
+        retriever=dict(retriever or {}),
         created_at=time.time(),
     )
 
@@ -244,23 +247,32 @@ def model_from_bucket(bucket: Bucket, run_id: str, plane: str, dest: Path | None
     return dest
 
 
-def evaluate(model, codec: TextCodec, task: Task, n: int, max_new_tokens: int,
-             batch: int = 32) -> dict[str, float]:
-    """Greedy held-out accuracy of the trainer's torch HF model (:func:`greedy_accuracy` on its engine).
+def evaluate(model, codec: TextCodec, task: Task, n: int, max_new_tokens: int, batch: int = 32, *,
+             tools: Any = None, k: int = 1) -> dict[str, float]:
+    """Held-out figures of the trainer's torch HF model: greedy accuracy (:func:`greedy_accuracy`), or for a
+    multi-turn task EM, cover-EM, search rate and pass@k (``stoa.envs.rollout.evaluate_episodes``).
 
     Args:
         model: an HF causal LM (left in train mode afterwards if it was).
         codec: tokenizer.
         task: the task.
         n: number of held-out prompts.
-        max_new_tokens: length cap.
+        max_new_tokens: length cap (of each model turn in an episode).
         batch: prompts decoded together.
+        tools: a multi-turn task's tools (None: single-turn).
+        k: sampled episodes per prompt for pass@k (multi-turn; 1: greedy only).
     """
     from stoa.engines import engine_from_model
 
     was_training = model.training
     try:
-        return greedy_accuracy(engine_from_model(model), codec, task, n, max_new_tokens, batch)
+        engine = engine_from_model(model)
+        if tools is not None:
+            from stoa.envs.rollout import evaluate_episodes
+
+            return evaluate_episodes(engine, task, codec, tools, n, max_turn_tokens=max_new_tokens, k=k,
+                                     batch=min(batch, 16))
+        return greedy_accuracy(engine, codec, task, n, max_new_tokens, batch)
     finally:
         model.train(was_training)
 
