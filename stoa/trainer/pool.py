@@ -1,20 +1,29 @@
-"""Rollout intake: list new records inside the staleness window, validate, score, filter, count reuse."""
+"""Rollout intake: list new records inside the staleness window, validate, score, filter, count reuse.
+
+Records of a multi-turn task are replayed with the trainer's own tools (``stoa.envs.replay``) before their
+rewards are recomputed from the replayed episode text; tools that cannot answer leave the record unread, to
+be retried on the next refresh like a bucket outage.
+"""
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
 from stoa.bucket import Bucket, BucketError, ObjectInfo
 from stoa.contract import RunContract
+from stoa.envs.base import Environment, EpisodeLimits, ToolCall, ToolResult, Tools, ToolUnavailable
+from stoa.envs.replay import Replayed, replay_group
 from stoa.layout import parse_rollout_key, rollout_version_prefix
 from stoa.records import MAX_RECORD_BYTES, RecordRejected, RolloutRecord, validate_record
-from stoa.tasks.base import Task
+from stoa.tasks.base import Prompt, Task
+from stoa.tasks.multiturn import MultiTurnTask, episode_limits, is_multiturn
 from stoa.tokenize import TextCodec
 
 log = logging.getLogger(__name__)
@@ -29,6 +38,9 @@ class Entry:
     rewards: np.ndarray  # [n] float32, recomputed by the trainer
     uses: int = 0
     content_id: str = ""  # the reuse cap counts this, not the key (copies share it)
+    replayed: list[Replayed] | None = None
+    """Multi-turn tasks: one ``Replayed`` per sample (episode text, turn of each token, anchor states); None
+    for single-turn tasks."""
 
 
 @dataclass
@@ -41,6 +53,10 @@ class PoolStats:
     reward_mismatch: int = 0
     filtered: int = 0
     tokens: int = 0
+    replay_s: float = 0.0
+    """Seconds spent replaying multi-turn records (tool calls included)."""
+    tool_calls: int = 0
+    """Tool calls the replays sent to the trainer's tools."""
 
 
 class WorkerGate(Protocol):
@@ -66,12 +82,29 @@ class RecordPool:
         staleness_bound: max ``current - policy_version`` of a usable record.
         reuse_cap: max optimizer steps a record may feed.
         gate: worker quarantine; records of a quarantined worker are skipped (``quarantined``).
+        tools: the trainer's own tools (``task.make_tools(searcher)``); required for a multi-turn task, whose
+            records are replayed with them.
+
+    Raises:
+        ValueError: a multi-turn task without ``tools``.
     """
 
     def __init__(self, bucket: Bucket, contract: RunContract, task: Task, codec: TextCodec, *,
-                 staleness_bound: int, reuse_cap: int, gate: WorkerGate | None = None):
+                 staleness_bound: int, reuse_cap: int, gate: WorkerGate | None = None, tools: Tools | None = None):
         self.bucket, self.contract, self.task, self.codec = bucket, contract, task, codec
         self.staleness_bound, self.reuse_cap, self.gate = staleness_bound, reuse_cap, gate
+        self.limits: EpisodeLimits | None = None
+        self.tools: _CountingTools | None = None
+        self.make_env: Callable[[Prompt, int], Environment] | None = None
+        if is_multiturn(task):
+            if tools is None:
+                raise ValueError(f"tools: the multi-turn task {task.id!r} needs the trainer's tools "
+                                 "(task.make_tools(searcher)) to replay records")
+            multi = cast(MultiTurnTask, task)
+            self.limits = episode_limits(multi, contract.sampling.max_new_tokens)
+            self.tools = _CountingTools(tools)
+            self.make_env = multi.make_env
+        self.tools_down = False  # the trainer's tools failed; warned once until a replay succeeds
         self.entries: dict[str, Entry] = {}  # by content id
         self.uses: dict[str, _Use] = {}  # every content id taken, pruned to the window, journaled
         self.seen: dict[str, int] = {}  # key -> listed version: read once (accepted or rejected)
@@ -120,6 +153,10 @@ class RecordPool:
                         accepted += self._ingest(info, v, current_version)
         except BucketError as e:
             log.warning("listing records failed, retrying on the next poll: %s", e)
+        except ToolUnavailable as e:
+            if not self.tools_down:
+                log.warning("the trainer's tools cannot replay records, retrying on the next poll: %s", e)
+            self.tools_down = True
         return accepted
 
     def _reject(self, key: str, worker: str | None, reason: str, detail: Any) -> int:
@@ -146,11 +183,15 @@ class RecordPool:
             del self.seen[info.key]  # retry on the next refresh
             return 0
         try:
-            rec, rewards = self._check(data, version, current_version)
+            checked = self._check(data, version, current_version)
+            rec, rewards = checked.record, checked.rewards
             if rec.worker_id != parsed.worker_id:  # one identity per record: the key's
                 raise RecordRejected("key", f"header worker {rec.worker_id!r} under a key of {parsed.worker_id!r}")
         except RecordRejected as e:
             return self._reject(info.key, parsed.worker_id, e.reason, e)
+        except ToolUnavailable:
+            del self.seen[info.key]  # not the record's fault: read it again on the next refresh
+            raise
         cid, prior = rec.content_id(), self.uses.get(rec.content_id())
         if prior is not None and prior.key == info.key and prior.count >= self.reuse_cap:
             return 0  # a used-up record read again after a restart: not a rejection
@@ -161,15 +202,18 @@ class RecordPool:
         claimed = np.array([s.reward for s in rec.samples], dtype=np.float32)
         if not np.allclose(rewards, claimed, atol=1e-6):
             self.stats.reward_mismatch += 1
-        self.entries[cid] = Entry(info.key, rec, rewards, prior.count if prior else 0, cid)
+        self.entries[cid] = Entry(info.key, rec, rewards, prior.count if prior else 0, cid, checked.replayed)
         self.stats.accepted += 1
         self.stats.tokens += sum(int(s.tokens.size) for s in rec.samples)
         return 1
 
-    def _check(self, data: bytes, version: int, current_version: int) -> tuple[RolloutRecord, np.ndarray]:
-        """Decode, validate, re-render the prompt and recompute rewards; raises ``RecordRejected`` only."""
+    def _check(self, data: bytes, version: int, current_version: int) -> _Checked:
+        """Decode, validate, re-render the prompt, replay (multi-turn) and recompute rewards.
+
+        Raises ``RecordRejected``, or ``ToolUnavailable`` when the trainer's own tools cannot replay.
+        """
         rec = RolloutRecord.decode(data)
-        validate_record(rec, self.contract, current_version=current_version)
+        validate_record(rec, self.contract, current_version=current_version, limits=self.limits)
         if rec.policy_version != version:
             raise RecordRejected("version", f"stored under v{version} but claims v{rec.policy_version}")
         try:
@@ -178,8 +222,30 @@ class RecordPool:
             raise RecordRejected("prompt", str(e)) from None
         if self.codec.encode_prompt(prompt.messages) != rec.prompt_tokens.tolist():
             raise RecordRejected("prompt", f"prompt tokens do not render {rec.prompt_id}")
-        texts = [self.codec.decode(s.tokens.tolist()) for s in rec.samples]
-        return rec, np.array([self.task.reward(prompt, t) for t in texts], dtype=np.float32)
+        replayed = self._replay(rec, prompt) if self.limits is not None else None
+        texts = ([r.text for r in replayed] if replayed is not None
+                 else [self.codec.decode(s.tokens.tolist()) for s in rec.samples])
+        return _Checked(rec, np.array([self.task.reward(prompt, t) for t in texts], dtype=np.float32), replayed)
+
+    def _replay(self, rec: RolloutRecord, prompt: Prompt) -> list[Replayed]:
+        """Replay a multi-turn record with the trainer's tools (one request per record), timing it.
+
+        Args:
+            rec: the validated record.
+            prompt: its prompt (each sample gets ``task.make_env(prompt, rec.env_seed)``).
+        """
+        assert self.tools is not None and self.limits is not None and self.make_env is not None
+        envs = [self.make_env(prompt, rec.env_seed) for _ in rec.samples]
+        t0, calls0 = time.perf_counter(), self.tools.calls
+        try:
+            out = replay_group(envs, rec.samples, self.tools, self.codec, self.limits)
+        finally:
+            self.stats.replay_s += time.perf_counter() - t0
+            self.stats.tool_calls += self.tools.calls - calls0
+        if self.tools_down:
+            log.info("the trainer's tools answer again")
+            self.tools_down = False
+        return out
 
     def available(self) -> int:
         """Number of groups that can still be used."""
@@ -219,6 +285,27 @@ class RecordPool:
         """Return and reset the counters."""
         s, self.stats = self.stats, PoolStats()
         return s
+
+
+class _CountingTools:
+    """The trainer's tools, counting the calls sent (``PoolStats.tool_calls``)."""
+
+    def __init__(self, tools: Tools):
+        self.inner, self.calls = tools, 0
+
+    def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        results = self.inner.run(calls)
+        self.calls += len(calls)
+        return results
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A record that passed every check, with its recomputed rewards (and replays, multi-turn)."""
+
+    record: RolloutRecord
+    rewards: np.ndarray
+    replayed: list[Replayed] | None
 
 
 @dataclass(frozen=True)
