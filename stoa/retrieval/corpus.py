@@ -5,6 +5,8 @@ Accepted line forms (``title`` optional in both)::
     {"id": "d1", "title": "Ada Lovelace", "text": "Ada Lovelace was ..."}
     {"id": "d1", "contents": "\\"Ada Lovelace\\"\\nAda Lovelace was ..."}     # Search-R1: first line = quoted title
 
+With both ``title`` and ``contents``, the first line of ``contents`` is dropped only when it is the title.
+
 A line that is not a JSON object, lacks an id or a text, or repeats an id raises ``CorpusError`` naming the
 file and the line. Pure stdlib.
 """
@@ -58,8 +60,11 @@ def doc_from_json(obj: object) -> Doc:
         raise ValueError("'title' must be a string")
     text = obj.get("text")
     if text is None and isinstance(obj.get("contents"), str):
-        parsed_title, text = split_contents(obj["contents"])
-        title = parsed_title if title is None else title
+        parsed_title, body = split_contents(obj["contents"])
+        if title is None or parsed_title == title:
+            title, text = parsed_title, body
+        else:  # a separate title and contents that do not start with it: the contents are all text
+            text = obj["contents"]
     if not isinstance(text, str) or not text.strip():
         raise ValueError("'text' (or Search-R1's 'contents') missing or empty: every document needs a body")
     return Doc(id=doc_id, title=title or "", text=text)

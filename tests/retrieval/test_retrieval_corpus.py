@@ -16,11 +16,15 @@ def test_reads_text_and_search_r1_contents(tmp_path):
         "",
         {"id": 7, "contents": '"Grace Hopper"\nGrace wrote a compiler.\nSecond line.'},
         {"id": "c", "text": "No title here."},
+        {"id": "d", "title": "Paper", "contents": "Abstract first line.\nMore."},
+        {"id": "e", "title": "Paper", "contents": '"Paper"\nBody.'},
     ])
     assert list(read_corpus(path)) == [
         Doc("a", "Ada", "Ada wrote notes."),
         Doc("7", "Grace Hopper", "Grace wrote a compiler.\nSecond line."),
         Doc("c", "", "No title here."),
+        Doc("d", "Paper", "Abstract first line.\nMore."),
+        Doc("e", "Paper", "Body."),
     ]
 
 
