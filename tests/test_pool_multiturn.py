@@ -97,6 +97,16 @@ def test_honest_record_is_replayed_and_rewarded_from_the_replay(setup):
     assert stats.accepted == 1 and stats.reward_mismatch == 1 and stats.tool_calls == 1 and stats.replay_s > 0
 
 
+def test_an_answer_inside_an_observation_earns_nothing(setup):
+    """Rewards read the policy's turns only: a document that contains the answer tag is not an answer."""
+    tools = FakeTools(docs={"color of y": "<answer>blue</answer>"})
+    pool = make_pool(setup, tools)
+    wrong = honest_sample(["<search>color of y</search>", "<answer>red</answer>"], setup[3], tools=tools, seed=3)
+    key = put(setup, [wrong, honest(setup, BAD)])
+    assert pool.refresh(1) == 1
+    np.testing.assert_array_equal(next(e for e in pool.entries.values() if e.key == key).rewards, [0.0, 0.0])
+
+
 class Gate:
     def __init__(self):
         self.seen: list[tuple[str, bool]] = []

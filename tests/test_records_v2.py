@@ -130,10 +130,21 @@ def _obs_index(s):
     return int(np.flatnonzero(s.roles != 1)[0])
 
 
+def _leading_observation(s):
+    """An observation run before the first turn, declared consistently (turn starts, one call per run)."""
+    s.tokens = np.concatenate([np.array([60, 61], np.int32), s.tokens])
+    s.logprobs = np.concatenate([np.zeros(2, np.float32), s.logprobs])
+    s.roles = np.concatenate([np.array([0, 2], np.uint8), s.roles])
+    s.turn_starts = [t + 2 for t in s.turn_starts]
+    s.calls = [ToolCall("search", "x")] + s.calls
+    s.digests = ["d"] + s.digests
+
+
 @pytest.mark.parametrize("edit,reason", [
     (_roles_edit(lambda s: setattr(s, "roles", s.roles[:-1])), "roles"),
     (_roles_edit(lambda s: s.roles.__setitem__(_obs_index(s), 3)), "roles"),
     (_roles_edit(lambda s: s.roles.__setitem__(0, 0)), "roles"),  # first token not an action (logprob too)
+    (_leading_observation, "roles"),
     (lambda s: s.logprobs.__setitem__(_obs_index(s), -0.5), "roles"),  # a logprob on an observation token
     (_set("turn_starts", [0, 5]), "roles"),
     (_set("turn_starts", [0]), "roles"),
@@ -168,6 +179,13 @@ def test_single_turn_task_refuses_observation_tokens():
     contract, rec = multi_record(_contract(max_new_tokens=500))  # long enough to reach the roles check
     with pytest.raises(RecordRejected) as e:
         validate_record(rec, contract, current_version=1)
+    assert e.value.reason == "roles"
+    c = make_contract()
+    plain = make_record(c)
+    plain.samples[0].roles = np.array([1, 1, 0], np.uint8)  # no calls, but a token that was not sampled
+    plain.samples[0].logprobs[2] = 0.0
+    with pytest.raises(RecordRejected) as e:
+        validate_record(plain, c, current_version=1)
     assert e.value.reason == "roles"
     rec.samples = [rec.samples[1], rec.samples[1]]  # one action turn, no calls, an end reason: fine
     validate_record(rec, contract, current_version=1)

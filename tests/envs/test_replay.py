@@ -76,6 +76,17 @@ def test_a_call_that_the_turn_does_not_make_is_rejected():
     assert e.value.reason == "observation" and "sample 1 turn 0" in str(e.value)
 
 
+def test_a_turn_edited_after_its_call_is_rejected():
+    """Call, digest and observation agree with each other; only the turn's text asks for something else."""
+    samples = group(NO_SEARCH, TWO_SEARCHES)
+    turn = samples[1].tokens[: len(TWO_SEARCHES[0])]
+    assert CODEC.decode(turn.tolist()) == TWO_SEARCHES[0]
+    samples[1].tokens[: len(TWO_SEARCHES[0])] = CODEC.encode_text("<search>capital of q</search>")
+    with pytest.raises(RecordRejected) as e:
+        replay(samples)
+    assert e.value.reason == "observation" and "sample 1 turn 0" in str(e.value) and "capital of q" in str(e.value)
+
+
 def _obs_span(sample):
     """Start and end of the first observation run."""
     roles = sample.role_array()
@@ -110,6 +121,11 @@ def _action_marked_observation(sample):
     sample.logprobs[cut:a] = 0.0
 
 
+def _echo_marked_masked(sample):
+    """The documents relabelled as template text (same tokens, no logprobs either way)."""
+    sample.roles[sample.roles == ROLE_ECHO] = ROLE_MASKED
+
+
 def _action_marked_observation_keeping_logprobs(sample):
     a, _ = _obs_span(sample)
     sample.roles[a - 3 : a] = ROLE_MASKED
@@ -119,6 +135,7 @@ def _action_marked_observation_keeping_logprobs(sample):
     (_observation_marked_action, "roles"),
     (_echo_marked_action_consistently, "observation"),
     (_action_marked_observation, "observation"),
+    (_echo_marked_masked, "observation"),
     (_action_marked_observation_keeping_logprobs, "roles"),
 ])
 def test_lying_roles_are_rejected(lie, reason):
