@@ -79,7 +79,7 @@ def test_worker_goes_on_once_the_trainer_creates_the_directory(tmp_path, monkeyp
     seen: list = []
     monkeypatch.setattr("stoa.worker.loop.run_worker", _fake_worker(seen))
     later = tmp_path / "later"
-    threading.Timer(0.2, later.mkdir).start()
+    threading.Timer(1.0, later.mkdir).start()  # after the first check, even on a loaded machine
     assert main(["worker", "--bucket", str(later), "--wait-seconds", "30", "--poll-seconds", "0.05"]) == 0
     assert len(seen) == 1 and "does not exist yet" in capsys.readouterr().out
 

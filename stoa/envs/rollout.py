@@ -12,12 +12,14 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from stoa.envs.base import END_REASONS, Tools, episode_text
-from stoa.tasks.base import Prompt
+
+if TYPE_CHECKING:
+    from stoa.tasks.base import Prompt
 
 __all__ = ["EpisodeBatch", "episode_metrics", "episode_sample", "evaluate_episodes", "sample_episodes"]
 
