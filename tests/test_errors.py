@@ -112,7 +112,7 @@ def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch
      "stoa: invalid setting plane: 'bf61' is not one of ('bf16', 'int8g64'); did you mean 'bf16'?"),
     (["trainer", "--dry-run", "--algorithm", "grpoo"],
      "stoa: invalid setting algorithm: name: unknown algorithm 'grpoo'; known: grpo, dr_grpo, dapo, gspo, "
-     "rloo, cispo; did you mean 'grpo'?"),
+     "rloo, cispo, gigpo; did you mean 'grpo'?"),
     (["worker", "--dry-run", "--engine", "tpu"],
      "stoa: invalid setting engine: 'tpu' is not one of auto, torch, mlx"),
     (["trainer", "--config", "missing.toml"], "stoa: invalid setting config: file not found: missing.toml"),
@@ -120,7 +120,7 @@ def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch
      "stoa: invalid setting config: . is a directory; give the path of a TOML file"),
     (["worker", "--config", "/dev/null/x"], "stoa: invalid setting config: file not found: /dev/null/x"),
     (["trainer", "--dry-run", "--task", "nosuch"],
-     "stoa: invalid setting task: unknown task 'nosuch'; known tasks: ['arithmetic', 'gsm8k', 'toy']"),
+     "stoa: invalid setting task: unknown task 'nosuch'; known tasks: ['arithmetic', 'gsm8k', 'search', 'searchqa', 'toy', 'walk']"),
 ])
 def test_bad_choices_say_did_you_mean(argv, message, capsys) -> None:
     assert _run(argv, capsys) == (2, message + "\n")

@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", default=DEFAULTS["task"], help="task spec [default: arithmetic]")
     p.add_argument("--dir", default="./stoa-quickstart", help="local bucket directory [default: ./stoa-quickstart]")
     p.add_argument("--run", default="", help="run id [default: quickstart-<time>]")
-    p.add_argument("--algorithm", default="grpo", help="grpo, dr_grpo, dapo, gspo, rloo, cispo [default: grpo]")
+    p.add_argument("--algorithm", default="grpo", help="grpo, dr_grpo, dapo, gspo, rloo, cispo, gigpo [default: grpo]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any trainer setting, e.g. --set lr=1e-5 (repeatable)")
     p.set_defaults(func=run)
