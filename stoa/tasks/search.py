@@ -38,26 +38,44 @@ INSTRUCTIONS = (
 """Search-R1's protocol, told briefly enough for a small model."""
 
 SEARCH_OPTIONS: dict[str, type] = {
-    "reward": str, "topk": int, "max_doc_chars": int, "index": str, "system": str, **LIMIT_OPTIONS,
+    "reward": str, "topk": int, "max_doc_chars": int, "index": str, "system": str, "shots": int, **LIMIT_OPTIONS,
 }
 """Options every search task declares."""
 
 _OPEN, _CLOSE = "<search>", "</search>"
 _SPLITS = ("train", "test")
 _REWARD_REV = 1
-_PROMPT_VERSION = 1
+_PROMPT_VERSION = 2
 """Revision of the built-in task's prompts; bumped with ``INSTRUCTIONS`` and with ``world.WORLD_VERSION``."""
 _CACHE: dict[tuple[int, int], World] = {}
 
 
-def search_messages(question: str, system: str = "") -> tuple[dict[str, str], ...]:
-    """The chat prompt of a question: the instructions, then the question.
+EXAMPLE_QUESTION = "Where was Tom Brant born?"
+EXAMPLE_EPISODE = ("<search> Tom Brant born </search>\n\n<information>Doc 1(Title: Tom Brant) Tom Brant is a painter. "
+                   "He was born in Kelso.\n</information>\n\n<answer> Kelso </answer>")
+"""The worked example of ``shots=1``: an invented person outside every corpus (no number, so no year answer
+can leak), one search, one answer."""
+
+
+def search_messages(question: str, system: str = "", shots: int = 1) -> tuple[dict[str, str], ...]:
+    """The chat prompt of a question: the instructions, then (``shots=1``) a worked example as an earlier
+    exchange, then the question.
+
+    A 135M instruct model never writes ``<search>`` from the instructions alone (0 of 48 episodes of
+    SmolLM2-135M-Instruct); after one worked exchange it searches in about a third of them, which gives RL a
+    signal to grow (measured in docs/search.md).
 
     Args:
         question: the question.
         system: an optional system message.
+        shots: 0 (Search-R1's zero-shot prompt) or 1 (one worked example first).
     """
-    return chat_messages(f"{INSTRUCTIONS}\n\nQuestion: {question.strip()}", system)
+    if shots == 0:
+        return chat_messages(f"{INSTRUCTIONS}\n\nQuestion: {question.strip()}", system)
+    head = ({"role": "system", "content": system},) if system else ()
+    return (*head, {"role": "user", "content": f"{INSTRUCTIONS}\n\nQuestion: {EXAMPLE_QUESTION}"},
+            {"role": "assistant", "content": EXAMPLE_EPISODE},
+            {"role": "user", "content": f"Question: {question.strip()}"})
 
 
 class SearchEnv:
@@ -116,6 +134,7 @@ class SearchTaskBase:
         index: the retriever index fingerprint the run searches ("" = not pinned); ``make_tools`` refuses
             a searcher with another fingerprint.
         system: an optional system message.
+        shots: worked examples before the question: 1 (default) or 0 (Search-R1's zero-shot prompt).
         max_turns: model turns per episode.
         max_obs_tokens: tokens of one observation.
         max_total_tokens: tokens after the prompt.
@@ -126,18 +145,21 @@ class SearchTaskBase:
     reward_version: str = f"{_REWARD_REV}.{QA_VERSION}"
 
     def _init_search(self, reward: str = "cover_em", topk: int = 3, max_doc_chars: int = 480, index: str = "",
-                     system: str = "", max_turns: int = 4, max_obs_tokens: int = 512,
+                     system: str = "", shots: int = 1, max_turns: int = 4, max_obs_tokens: int = 512,
                      max_total_tokens: int = 1024) -> None:
         self.reward_kind = check_reward_kind(self.id, reward)
         for name, value in (("topk", topk), ("max_doc_chars", max_doc_chars)):
             if value < 1:
                 raise ValueError(f"{self.id}: option {name!r} must be >= 1, got {value}")
+        if shots not in (0, 1):
+            raise ValueError(f"{self.id}: option 'shots' must be 0 or 1, got {shots}")
         self.topk, self.max_doc_chars, self.index, self.system = topk, max_doc_chars, index, system
+        self.shots = shots
         self.limits = task_limits(self.id, max_turns, max_obs_tokens, max_total_tokens)
 
     def _search_spec(self) -> dict[str, object]:
         out: dict[str, object] = {"reward": self.reward_kind, "topk": self.topk,
-                                  "max_doc_chars": self.max_doc_chars, "system": self.system,
+                                  "max_doc_chars": self.max_doc_chars, "system": self.system, "shots": self.shots,
                                   **limits_spec(self.limits)}
         if self.index:
             out["index"] = self.index
@@ -264,7 +286,8 @@ class SearchTask(SearchTaskBase):
             raise PromptIdError(f"search: prompt id {prompt_id!r} is out of range: the {split} split has "
                                 f"{len(questions)} questions")
         q = questions[index]
-        return Prompt(id=prompt_id, messages=search_messages(q.text, self.system), answer=encode_golds(q.golds))
+        return Prompt(id=prompt_id, messages=search_messages(q.text, self.system, self.shots),
+                      answer=encode_golds(q.golds))
 
     def sample_train(self, rng: np.random.Generator) -> Prompt:
         """A uniformly random training question.

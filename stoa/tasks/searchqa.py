@@ -71,21 +71,21 @@ def _chat(prompt: object) -> tuple[dict[str, str], ...] | None:
     return tuple(out)
 
 
-def _messages(row: dict[str, Any], system: str, use_prompt: bool) -> tuple[dict[str, str], ...] | None:
+def _messages(row: dict[str, Any], system: str, use_prompt: bool, shots: int) -> tuple[dict[str, str], ...] | None:
     chat = _chat(row.get("prompt"))
     question = row.get("question")
     if not isinstance(question, str) or not question.strip():
         return chat
-    return chat if chat is not None and use_prompt else search_messages(question, system)
+    return chat if chat is not None and use_prompt else search_messages(question, system, shots)
 
 
-def _items(rows: Iterable[tuple[str, Any]], system: str, use_prompt: bool) -> list[QAItem]:
+def _items(rows: Iterable[tuple[str, Any]], system: str, use_prompt: bool, shots: int) -> list[QAItem]:
     out: list[QAItem] = []
     for where, row in rows:
         if not isinstance(row, dict):
             raise ValueError(f"searchqa: {where}: expected an object with 'question' and 'golden_answers', "
                              f"got {type(row).__name__}")
-        messages = _messages(row, system, use_prompt)
+        messages = _messages(row, system, use_prompt, shots)
         if messages is None:
             raise ValueError(f"searchqa: {where}: no question: give 'question' (a string) or 'prompt' "
                              "(a list of chat messages)")
@@ -118,13 +118,14 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"{path}:row {i}", row
 
 
-def load_qa(path: str | Path, system: str = "", use_prompt: bool = False) -> list[QAItem]:
+def load_qa(path: str | Path, system: str = "", use_prompt: bool = False, shots: int = 1) -> list[QAItem]:
     """The questions of a jsonl or parquet file (parquet when the name ends in ``.parquet``).
 
     Args:
         path: the file.
         system: an optional system message for prompts built from ``question``.
         use_prompt: use a row's ``prompt`` chat messages as they are even when it has a ``question``.
+        shots: worked examples before the question (``stoa.tasks.search.search_messages``).
 
     Raises:
         FileNotFoundError: no such file.
@@ -135,7 +136,7 @@ def load_qa(path: str | Path, system: str = "", use_prompt: bool = False) -> lis
     if not p.is_file():
         raise FileNotFoundError(f"searchqa: no such file: {p}")
     rows = _parquet_rows(p) if p.suffix == ".parquet" else _jsonl_rows(p)
-    return _items(rows, system, use_prompt)
+    return _items(rows, system, use_prompt, shots)
 
 
 def _fingerprint(items: Iterable[QAItem]) -> str:
@@ -191,8 +192,8 @@ class SearchQATask(SearchTaskBase):
         self.test_path = _file_option("test_path", test_path) if test_path else None
         self.corpus_path = _file_option("corpus", corpus) if corpus else None
         self.use_prompt = use_prompt
-        self.train = load_qa(self.path, self.system, use_prompt)
-        self.test = load_qa(self.test_path, self.system, use_prompt) if self.test_path else []
+        self.train = load_qa(self.path, self.system, use_prompt, self.shots)
+        self.test = load_qa(self.test_path, self.system, use_prompt, self.shots) if self.test_path else []
         if not self.train:
             raise ValueError(f"searchqa: option 'path': {self.path} holds no questions")
         actual = {"n_train": len(self.train), "n_test": len(self.test), "train_sha256": _fingerprint(self.train),

@@ -13,7 +13,7 @@ import pytest
 from stoa.retrieval import CorpusError, Doc
 from stoa.tasks import PromptIdError, SearchQATask, get_task, is_multiturn
 from stoa.tasks.qa import decode_golds
-from stoa.tasks.search import INSTRUCTIONS
+from stoa.tasks.search import INSTRUCTIONS, search_messages
 
 SEARCH_R1_PROMPT = ("Answer the given question. You must conduct reasoning inside <think> and </think> first every "
                     "time you get new information. ... For example, <answer> Beijing </answer>. Question: {q}\n")
@@ -71,7 +71,12 @@ def test_loads_search_r1_layout(files: dict[str, Path], kind: str) -> None:
         p = task.get(f"train:{i}")
         assert p.id == f"train:{i}"
         assert decode_golds(p.answer) == tuple(golds)
-        assert p.messages == ({"role": "user", "content": f"{INSTRUCTIONS}\n\nQuestion: {question}"},)
+        assert p.messages == search_messages(question)  # one worked example, then the question
+        assert p.messages[-1] == {"role": "user", "content": f"Question: {question}"}
+    zero_shot = SearchQATask(path=str(files[kind]), corpus=str(files["corpus"]), shots=0)
+    question = QUESTIONS[0][0]
+    zero = ({"role": "user", "content": f"{INSTRUCTIONS}\n\nQuestion: {question}"},)
+    assert zero_shot.get("train:0").messages == zero
     assert [p.id for p in task.heldout(5)] == ["test:0"]
     assert decode_golds(task.heldout(1)[0].answer) == ("substring match",)
     with pytest.raises(PromptIdError, match="out of range"):
