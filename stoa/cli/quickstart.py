@@ -21,6 +21,16 @@ PRESETS = {
     "tiny": {"n_samples": 4, "groups_per_step": 4, "max_new_tokens": 8, "lr": 1e-3, "eval_n": 16,
              "micro_batch": 16, "checkpoint_every": 1},
 }
+SEARCH_PRESETS = {
+    # Multi-turn episodes (up to 3 model turns of 48 tokens, ~180-token observations): fewer, longer rows.
+    "smollm2-135m": {"n_samples": 8, "groups_per_step": 4, "max_new_tokens": 48, "lr": 5e-6, "eval_n": 48,
+                     "micro_batch": 8, "checkpoint_every": 4, "kl_beta": 0.0, "eval_every": 5},
+    "tiny": {"n_samples": 4, "groups_per_step": 2, "max_new_tokens": 8, "lr": 1e-3, "eval_n": 4,
+             "micro_batch": 8, "checkpoint_every": 1},
+}
+SEARCH_TASKS = {"smollm2-135m": "search:max_turns=3,max_total_tokens=640",
+                "tiny": "search:entities=60,max_turns=2,max_total_tokens=256"}
+"""``--task search`` per model: the built-in search task, sized for this machine (tiny: a small world, for CI)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=DEFAULTS["workers"], help="worker processes [default: 2]")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps [default: 12]")
     p.add_argument("--model", default=DEFAULTS["model"], help="model name or path [default: smollm2-135m]")
-    p.add_argument("--task", default=DEFAULTS["task"], help="task spec [default: arithmetic]")
+    p.add_argument("--task", default=DEFAULTS["task"],
+                   help="task spec, e.g. gsm8k or search (multi-turn: a search agent with a BM25 retriever) "
+                        "[default: arithmetic]")
     p.add_argument("--dir", default="./stoa-quickstart", help="local bucket directory [default: ./stoa-quickstart]")
     p.add_argument("--run", default="", help="run id [default: quickstart-<time>]")
     p.add_argument("--algorithm", default="grpo", help="grpo, dr_grpo, dapo, gspo, rloo, cispo, gigpo [default: grpo]")
@@ -56,8 +68,10 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ConfigError("steps", "must be >= 1")
     run_id = args.run or time.strftime("quickstart-%Y%m%d-%H%M%S")
-    preset = PRESETS["tiny" if args.model.startswith("tiny") else "smollm2-135m"]
-    overrides = {**preset, "bucket": args.dir, "run": run_id, "model": args.model, "task": args.task,
+    kind = "tiny" if args.model.startswith("tiny") else "smollm2-135m"
+    task = SEARCH_TASKS[kind] if args.task == "search" else args.task
+    preset = (SEARCH_PRESETS if task.startswith("search") else PRESETS)[kind]
+    overrides = {**preset, "bucket": args.dir, "run": run_id, "model": args.model, "task": task,
                  "steps": args.steps, "algorithm": args.algorithm, "max_wait_seconds": 900.0}
     for item in args.set:
         if "=" not in item:
@@ -68,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from stoa.models import resolve_model
 
     print(f"[quickstart] run {run_id} in {Path(args.dir).resolve()} with {args.workers} workers, "
-          f"model {args.model}, task {args.task}, {args.steps} steps")
+          f"model {args.model}, task {task}, {args.steps} steps")
     resolve_model(cfg.model)  # fetch/convert once, before workers start
     log_dir = Path(args.dir) / logs_prefix(run_id)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -117,8 +131,15 @@ def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
     if steps:
         first, last = steps[0]["rollout/reward_mean"], steps[-1]["rollout/reward_mean"]
         print(f"  reward mean    first {first:.3f} -> last {last:.3f}")
+    if steps and "rollout/search_rate" in steps[0]:
+        first, last = steps[0]["rollout/search_rate"], steps[-1]["rollout/search_rate"]
+        print(f"  search rate    first {first:.3f} -> last {last:.3f} (training episodes)")
     if evals:
         print(f"  held-out acc   before {evals[0]['accuracy']:.3f} -> after {evals[-1]['accuracy']:.3f}")
+    if evals and "cover_em" in evals[0]:
+        a, b = evals[0], evals[-1]
+        print(f"  held-out       cover-EM {a['cover_em']:.3f} -> {b['cover_em']:.3f}, EM {a['em']:.3f} -> "
+              f"{b['em']:.3f}, search rate {a['search_rate']:.3f} -> {b['search_rate']:.3f}")
     where = root.resolve()
     print(f"  model          v{summary.get('version')} published under {where / weights_prefix(run_id)}; "
           f"fp32 master weights in {where / checkpoint_key(run_id)}")
