@@ -223,6 +223,7 @@ def test_rows_finish_independently_and_equal_their_episode_run_alone(mlx_engine,
     resumed = sum(len(e.calls) for e in eps)
     assert stats.extra["obs_prefill_tokens"] == stats.extra["obs_tokens"] + resumed
     assert stats.extra["rounds"] >= 3 and stats.extra["prompt_tokens"] == sum(len(p) for p in PROMPTS)
+    assert stats.prefill_s > stats.extra["obs_prefill_s"] > 0 and stats.decode_s > 0
 
 
 def test_greedy_episodes_identical_to_torch_engine(mlx_engine, torch_engine, codec) -> None:

@@ -385,8 +385,9 @@ class MLXEngine:
             greedy: take the argmax (evaluation); logprobs stay those of the temperature/top-p distribution.
 
         Returns:
-            per prompt, its ``n`` episodes; and timing figures (``extra``: the driver's stats, rounds,
-            ``resume_s``, ``obs_prefill_tokens``, ``obs_prefill_s``, prompt tokens, peak MLX memory in MB).
+            per prompt, its ``n`` episodes; and timing figures (``prefill_s`` counts the prompts' and the
+            observations' prefill, as the torch engine; ``extra``: the driver's stats, rounds, ``resume_s``,
+            ``obs_prefill_tokens``, ``obs_prefill_s``, prompt tokens, peak MLX memory in MB).
 
         Raises:
             ToolUnavailable: the tools could not answer (the driver's episodes stay unfinished).
@@ -402,5 +403,6 @@ class MLXEngine:
             run_rounds(self.model, Batch(cache, list(range(driver.rows)), first), sample, driver,
                        self.vocab_size, PREFILL_CHUNK, stats)
             stats.extra["peak_memory_mb"] = mx.get_peak_memory() / 1e6
+        stats.prefill_s += stats.extra["obs_prefill_s"]
         stats.extra.update(driver.stats)
         return driver.episodes(n), stats
