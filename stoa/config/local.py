@@ -82,6 +82,8 @@ class LocalConfig(TrainingConfig):
     checkpoint_every: int = setting(10, "Save adapters, optimizer state, step and RNG every this many steps "
                                         "(0 = only at the end or on interrupt).")
     eval_n: int = setting(64, "Held-out prompts per evaluation (0 disables evaluation).")
+    eval_k: int = setting(1, "Multi-turn tasks: sampled episodes per held-out prompt for eval/pass@k (1 = greedy "
+                             "EM and cover-EM only).")
     backend: str = setting("auto", "Backend: auto (mlx on Apple silicon, torch elsewhere), mlx or torch.")
     quant_bits: int = setting(4, "Bits of the frozen base's decoder-block linears: 4, 8, or 16 (no "
                                  "quantization).")
@@ -125,7 +127,7 @@ class LocalConfig(TrainingConfig):
                                             f"{self.quant_bits}")
         one_of(self, "quant_group_size", QUANT_GROUP_SIZES)
         super().validate()
-        at_least(self, 1, ("max_prompt_tokens", "lora_rank", "steps", "keep_checkpoints"))
+        at_least(self, 1, ("max_prompt_tokens", "lora_rank", "steps", "keep_checkpoints", "eval_k"))
         at_least(self, 0, ("threads", "available_memory_gb"))
         if not self.lora_alpha > 0:
             raise ConfigError("lora_alpha", f"must be > 0, got {self.lora_alpha}")

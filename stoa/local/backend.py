@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from stoa.algorithms import Algorithm
-from stoa.algorithms.batch import Batch
+from stoa.algorithms import Algorithm, LossInputs
+from stoa.algorithms.batch import Batch, Packed
 from stoa.config.local import DENSE_TARGETS, LocalConfig, lora_target_names, resolve_backend
 from stoa.engines import Completion, GenStats
 
@@ -43,6 +44,17 @@ class Backend(Protocol):
 
     name: str
     summary: ModelSummary
+    engine: Any
+    """The engine on this very model object (``generate``, ``generate_episodes``): multi-turn episodes and
+    evaluations sample with it."""
+
+    def sampling(self) -> AbstractContextManager[Any]:
+        """The context the engine samples in (torch: eval mode and the compute autocast; MLX: nothing)."""
+        ...
+
+    def generator(self, seed: int) -> Any:
+        """The engine's random source for ``seed`` (torch: a seeded ``torch.Generator``; MLX: the seed)."""
+        ...
 
     def rollout(self, prompts: Sequence[Sequence[int]], n: int, *, max_new_tokens: int, temperature: float,
                 top_p: float, eos_ids: Sequence[int], seed: int, greedy: bool = False
@@ -58,8 +70,10 @@ class Backend(Protocol):
         """[B, T] logprobs with the adapters disabled (the reference policy), no gradient."""
         ...
 
-    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
-        """Forward/backward every micro-batch, summing gradients; returns combined loss diagnostics."""
+    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm,
+                   echo_alpha: float | None = None) -> dict[str, float]:
+        """Forward/backward every micro-batch, summing gradients; returns combined loss diagnostics.
+        ``echo_alpha``: this step's ECHO coefficient (``Algorithm.echo_coefficient``; None: the config's)."""
         ...
 
     def grad_arrays(self) -> dict[str, np.ndarray]:
@@ -74,7 +88,8 @@ class Backend(Protocol):
         """Drop accumulated gradients without stepping."""
         ...
 
-    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
+    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm,
+             echo_alpha: float | None = None) -> dict[str, float]:
         """``accumulate`` then ``apply_update``; diagnostics plus ``grad_norm``."""
         ...
 
@@ -101,6 +116,55 @@ class Backend(Protocol):
     def peak_memory_mb(self) -> float:
         """The backend allocator's peak in MB since start (0 where it keeps none)."""
         ...
+
+
+class EchoPlan(NamedTuple):
+    """What one step's forwards must supply for the ECHO term of a batch."""
+
+    echo: bool
+    """The batch has echo tokens: the loss gets the echo mask (``loss_echo``; the term itself when alpha > 0)."""
+    hits: bool
+    """The ECHO term is on (alpha > 0): the forward also returns argmax hits (``echo_acc``)."""
+    alpha: float | None
+    """This step's coefficient (``LossInputs.echo_alpha``); None: the algorithm's constant one."""
+
+
+def echo_plan(batch: Batch, algo: Algorithm, echo_alpha: float | None) -> EchoPlan:
+    """The ECHO inputs a batch needs: none for single-turn rows (no echo tokens), hits only when alpha > 0.
+
+    Args:
+        batch: the step's batch.
+        algo: the algorithm (its config's ``echo_alpha`` when ``echo_alpha`` is None).
+        echo_alpha: this step's coefficient, or None.
+    """
+    echo = bool(np.any(batch.echo_mask > 0))
+    alpha = algo.cfg.echo_alpha if echo_alpha is None else echo_alpha
+    return EchoPlan(echo, echo and alpha > 0, echo_alpha)
+
+
+def loss_inputs(pk: Packed, logp: Any, batch: Batch, plan: EchoPlan, *, to: Callable[[np.ndarray], Any],
+                stop: Callable[[Any], Any], hits: Any = None) -> LossInputs[Any]:
+    """``LossInputs`` of one packed micro-batch, in a backend's arrays.
+
+    The old policy is ``pk.old_logp`` or, without it, this forward's own logprobs (stop-gradient); the
+    per-token (GiGPO) advantages and the echo fields come along when the batch has them.
+
+    Args:
+        pk: the packed micro-batch.
+        logp: [b, T] current-policy logprobs at every position (with gradient).
+        batch: the step's batch (the whole-batch normalisers).
+        plan: ``echo_plan`` of the batch.
+        to: numpy -> backend array.
+        stop: stop-gradient of a backend array.
+        hits: [b, T] argmax hits when ``plan.hits``.
+    """
+    return LossInputs(
+        logp=logp, behaviour_logp=stop(logp) if pk.old_logp is None else to(pk.old_logp),
+        ref_logp=None if pk.ref_logp is None else to(pk.ref_logp), advantages=to(pk.advantages),
+        mask=to(pk.mask), normalizer=batch.normalizer,
+        token_advantages=None if pk.token_advantages is None else to(pk.token_advantages),
+        echo_mask=to(pk.echo_mask) if plan.echo and pk.echo_mask is not None else None,
+        echo_normalizer=batch.echo_normalizer, echo_alpha=plan.alpha, echo_hits=hits if plan.hits else None)
 
 
 def choose_targets(layer_linears: Sequence[Sequence[str]], spec: str) -> list[list[str]]:

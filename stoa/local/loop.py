@@ -1,5 +1,5 @@
 """The backend-agnostic local loop: sample groups, score them, one optimizer step; metrics, evals, save and
-resume."""
+resume. Multi-turn tasks sample whole episodes with their tools (``stoa.local.episodes``)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,16 @@ from stoa.algorithms import Algorithm
 from stoa.algorithms.batch import Trajectory, filter_and_build, micro_batches
 from stoa.config import config_to_toml
 from stoa.config.local import LocalConfig
+from stoa.envs.base import Tools
 from stoa.local import checkpoint as ckpt
 from stoa.local.backend import Backend, derive_seed, make_backend
-from stoa.local.preflight import preflight, shape_for, shape_from_dir
+from stoa.local.episodes import collect_episodes, evaluate_multiturn, open_local_tools
+from stoa.local.preflight import episode_tokens, preflight, shape_for, shape_from_dir
 from stoa.local.smoke import check_only_adapters
 from stoa.metrics import MetricsWriter, read_metrics
 from stoa.stopflag import StopFlag
 from stoa.tasks import Prompt, Task, load_task
+from stoa.tasks.multiturn import is_multiturn
 
 EVAL_BATCH = 32
 """Held-out prompts decoded together."""
@@ -54,8 +57,8 @@ def collect_groups(backend: Backend, task: Task, codec: Any, prompts: Sequence[t
                    cfg: LocalConfig, seed: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
     """Single-turn rollout: G completions per prompt, rewarded by the task.
 
-    A multi-turn rollout returns the same thing: trajectories whose ``action_mask`` is 0 on environment
-    tokens; everything downstream (batch, old/ref logprobs, loss) is unchanged.
+    A multi-turn rollout (``stoa.local.episodes.collect_episodes``) returns the same thing: trajectories whose
+    ``action_mask`` is 0 on environment tokens; everything downstream (batch, old/ref logprobs, loss) is shared.
 
     Args:
         backend: the model.
@@ -78,8 +81,8 @@ def collect_groups(backend: Backend, task: Task, codec: Any, prompts: Sequence[t
 
 
 def rollout(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, rng: np.random.Generator,
-            step: int) -> tuple[list[list[Trajectory]], dict[str, Any]]:
-    """Draw ``groups_per_step`` prompts, sample ``n_samples`` completions each, score them.
+            step: int, tools: Tools | None = None) -> tuple[list[list[Trajectory]], dict[str, Any]]:
+    """Draw ``groups_per_step`` prompts, sample ``n_samples`` completions (or episodes) each, score them.
 
     Args:
         backend: the model.
@@ -88,12 +91,17 @@ def rollout(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, rng: np.
         cfg: the run's config.
         rng: the prompt sampler.
         step: the index of this step (seeds its sampling).
+        tools: a multi-turn task's tools (None: a single-turn task).
 
     Returns:
-        (the groups, the ``rollout/*`` metrics).
+        (the groups, the ``rollout/*`` metrics; multi-turn adds search rate, turns, tool seconds, end reasons).
     """
     prompts = draw_prompts(task, codec, rng, cfg.groups_per_step, cfg.max_prompt_tokens)
-    groups, rs = collect_groups(backend, task, codec, prompts, cfg, derive_seed(cfg.seed, step))
+    seed = derive_seed(cfg.seed, step)
+    if tools is not None:
+        groups, rs = collect_episodes(backend, task, codec, tools, prompts, cfg, seed)
+    else:
+        groups, rs = collect_groups(backend, task, codec, prompts, cfg, seed)
     rewards = np.array([[t.reward for t in g] for g in groups])
     lengths = np.array([[len(t.tokens) for t in g] for g in groups])
     row: dict[str, Any] = {f"rollout/{k}": v for k, v in rs.items()}
@@ -105,7 +113,7 @@ def rollout(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, rng: np.
 
 
 def train_step(backend: Backend, algo: Algorithm, groups: Sequence[Sequence[Trajectory]], cfg: LocalConfig,
-               started: float) -> dict[str, Any]:
+               started: float, step: int = 0) -> dict[str, Any]:
     """The group filter and the batch, old (and reference) logprobs by full forward, the micro-batched update.
 
     Args:
@@ -114,6 +122,7 @@ def train_step(backend: Backend, algo: Algorithm, groups: Sequence[Sequence[Traj
         groups: this step's groups.
         cfg: the run's config.
         started: ``time.perf_counter()`` when the step's rollout began (``train/step_s`` counts from it).
+        step: the index of this step (the ECHO schedule reads it with ``cfg.steps``).
 
     Returns:
         the ``train/*`` metrics (``train/skipped`` when the filter dropped every group) and
@@ -132,19 +141,24 @@ def train_step(backend: Backend, algo: Algorithm, groups: Sequence[Sequence[Traj
     if algo.cfg.kl_beta > 0:
         batch.ref_logp = backend.ref_logprobs(batch, micro)
     t3 = time.perf_counter()
-    m = backend.step(batch, micro, algo)
+    alpha = algo.echo_coefficient(step, cfg.steps)
+    m = backend.step(batch, micro, algo, alpha)
     t4 = time.perf_counter()
     assert batch.old_logp is not None  # the update fills it when it was not computed before
     gap = np.abs(batch.rollout_logp - batch.old_logp)[batch.mask > 0]
     row.update({f"train/{k}": v for k, v in m.items()})
+    if batch.echo_mask.any():
+        row["train/echo_alpha"] = alpha
     row.update({"train/old_logp_s": t2 - t1, "train/ref_logp_s": t3 - t2, "train/update_s": t4 - t3,
                 "train/step_s": t4 - started, "train/peak_memory_mb": backend.peak_memory_mb(),
                 "rollout/decode_vs_forward_logp_max": float(gap.max())})
     return row
 
 
-def evaluate(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, step: int) -> dict[str, float]:
-    """Greedy held-out accuracy and mean reward on the task's first ``eval_n`` held-out prompts.
+def evaluate(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, step: int,
+             tools: Tools | None = None) -> dict[str, float]:
+    """Greedy held-out accuracy and mean reward on the task's first ``eval_n`` held-out prompts; a multi-turn
+    task's EM, cover-EM, search rate, turns and pass@k (``stoa.local.episodes.evaluate_multiturn``).
 
     Args:
         backend: the model.
@@ -152,7 +166,10 @@ def evaluate(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, step: i
         codec: the tokenizer.
         cfg: the run's config.
         step: the step evaluated (seeds nothing: decoding is greedy).
+        tools: a multi-turn task's tools (None: a single-turn task).
     """
+    if tools is not None:
+        return evaluate_multiturn(backend, task, codec, tools, cfg)
     t0 = time.perf_counter()
     prompts = task.heldout(cfg.eval_n)
     correct, reward = 0, 0.0
@@ -179,7 +196,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def run_local(cfg: LocalConfig, *, echo: Callable[[str], Any] = print,
-              backend: Backend | None = None) -> dict[str, Any]:
+              backend: Backend | None = None, task: Task | None = None) -> dict[str, Any]:
     """Train ``cfg.steps`` steps (resuming from ``output_dir`` when it holds a saved state).
 
     Order: config checks, the output directory's saved state, the memory preflight (from config.json, before
@@ -190,27 +207,30 @@ def run_local(cfg: LocalConfig, *, echo: Callable[[str], Any] = print,
         cfg: validated config.
         echo: progress lines.
         backend: an already built backend (tests); default: built from the config.
+        task: an already built task (tests); default: ``load_task(cfg.task)``.
 
     Returns:
         summary: steps, evals, wall time, the output directory.
     """
-    return _LocalRun(cfg, echo, backend).run()
+    return _LocalRun(cfg, echo, backend, task).run()
 
 
 class _LocalRun:
     """One local run: its task, model, algorithm, output directory, metrics and counters."""
 
-    def __init__(self, cfg: LocalConfig, echo: Callable[[str], Any], backend: Backend | None) -> None:
+    def __init__(self, cfg: LocalConfig, echo: Callable[[str], Any], backend: Backend | None,
+                 task: Task | None) -> None:
         from stoa.algorithms import get_algorithm
         from stoa.tokenize import TextCodec
 
         self.cfg, self.echo, self.stop = cfg, echo, StopFlag()
         self.t_start = time.perf_counter()
         self.out = Path(cfg.output_dir)
-        self.task = load_task(cfg.task)
+        self.task = task if task is not None else load_task(cfg.task)
         self.saved = ckpt.find_latest(self.out)
         ckpt.check_resumable(cfg, self.saved)
         model_dir = self.preflight()
+        self.tools = open_local_tools(self.task, cfg.retriever, echo) if is_multiturn(self.task) else None
         self.codec = TextCodec(model_dir)
         self.backend = backend or make_backend(cfg, model_dir)
         check_only_adapters(self.backend.summary)
@@ -225,12 +245,13 @@ class _LocalRun:
         from stoa.models import resolve_model
 
         cfg = self.cfg
+        total = episode_tokens(self.task)
         shape = shape_for(cfg.model)
         if shape is not None:
-            self.echo(f"[local] preflight: {preflight(cfg, shape).message()}")
+            self.echo(f"[local] preflight: {preflight(cfg, shape, total).message()}")
         model_dir = resolve_model(cfg.model)
         if shape is None:
-            self.echo(f"[local] preflight: {preflight(cfg, shape_from_dir(model_dir, cfg.model)).message()}")
+            self.echo(f"[local] preflight: {preflight(cfg, shape_from_dir(model_dir, cfg.model), total).message()}")
         return model_dir
 
     def resume(self) -> None:
@@ -261,8 +282,8 @@ class _LocalRun:
                 self.evaluate("before")
             while self.step < cfg.steps and not self.stop.requested:
                 started = time.perf_counter()
-                groups, row = rollout(self.backend, self.task, self.codec, cfg, self.rng, self.step)
-                row.update(train_step(self.backend, self.algo, groups, cfg, started))
+                groups, row = rollout(self.backend, self.task, self.codec, cfg, self.rng, self.step, self.tools)
+                row.update(train_step(self.backend, self.algo, groups, cfg, started, self.step))
                 self.step += 1
                 self.log_step(row)
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
@@ -283,7 +304,9 @@ class _LocalRun:
         """Write the step's metrics row and its progress line."""
         self.metrics.log(row, step=self.step)
         self.summary["step_times"].append(row.get("train/step_s", row["rollout/rollout_s"]))
-        self.echo(f"[local] step {self.step}/{self.cfg.steps} | reward {row['rollout/reward_mean']:.3f} | "
+        turns = (f" | turns {row['rollout/turns_mean']:.2f}, search {row['rollout/search_rate']:.2f}"
+                 if "rollout/turns_mean" in row else "")
+        self.echo(f"[local] step {self.step}/{self.cfg.steps} | reward {row['rollout/reward_mean']:.3f}{turns} | "
                   f"loss {row.get('train/loss', 0.0):+.4f} | kl {row.get('train/kl', 0.0):.2e} | "
                   f"{row.get('train/step_s', 0.0):.2f}s ({row['rollout/tokens_per_s']:.0f} rollout tok/s)")
 
@@ -297,9 +320,11 @@ class _LocalRun:
         """Greedy held-out evaluation (skipped when ``eval_n`` is 0), logged at the current step."""
         if self.cfg.eval_n == 0:
             return
-        ev = evaluate(self.backend, self.task, self.codec, self.cfg, self.step)
+        ev = evaluate(self.backend, self.task, self.codec, self.cfg, self.step, self.tools)
         self.metrics.log(ev, step=self.step)
         self.summary["evals"].append({"step": self.step, "label": label, **ev})
-        self.echo(f"[local] eval ({label}, step {self.step}): accuracy {ev['eval/accuracy']:.3f}, reward "
-                  f"{ev['eval/reward_mean']:.3f} on {int(ev['eval/n'])} held-out prompts "
-                  f"({ev['eval/seconds']:.1f}s)")
+        figures = (f"cover-EM {ev['eval/cover_em']:.3f}, EM {ev['eval/em']:.3f}, search rate "
+                   f"{ev.get('eval/search_rate', 0.0):.2f}" if "eval/cover_em" in ev
+                   else f"reward {ev['eval/reward_mean']:.3f}")
+        self.echo(f"[local] eval ({label}, step {self.step}): accuracy {ev['eval/accuracy']:.3f}, {figures} on "
+                  f"{int(ev['eval/n'])} held-out prompts ({ev['eval/seconds']:.1f}s)")

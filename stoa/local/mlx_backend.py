@@ -11,72 +11,27 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten as _tree_flatten
 from mlx.utils import tree_map, tree_unflatten
 
-from stoa.algorithms import Algorithm, LossInputs, combine_metrics
+from stoa.algorithms import Algorithm, combine_metrics
 from stoa.algorithms.batch import Batch, Packed, group_rows, pack
-from stoa.algorithms.mlx_loss import MlxOps, token_logprobs
+from stoa.algorithms.mlx_loss import token_hits, token_logprobs
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats, engine_from_model
 from stoa.engines.mlx.quantized import use_blas_for_quantized
-from stoa.local.backend import ADAPTER_LEAVES, ModelSummary, check_same_arrays, choose_targets
+from stoa.local.backend import (
+    ADAPTER_LEAVES,
+    EchoPlan,
+    ModelSummary,
+    check_same_arrays,
+    choose_targets,
+    echo_plan,
+    loss_inputs,
+)
+from stoa.local.mlx_parts import DeferredDiagnostics, enable_layer_checkpointing, tree_flatten
 
 _SPLIT_HEAD_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 """Model classes whose ``__call__`` is exactly ``head(self.model(x))``: the head can run on the gathered positions."""
-
-
-def tree_flatten(tree: Any) -> list[tuple[str, Any]]:
-    """``mlx.utils.tree_flatten`` as a list of (name, leaf) pairs (typed for the checker).
-
-    Args:
-        tree: a parameter, gradient or optimizer-state tree.
-    """
-    flat: Any = _tree_flatten(tree)
-    return list(flat)
-
-
-def _enable_layer_checkpointing(layers: Sequence[nn.Module]) -> None:
-    """Make each layer's ``__call__`` an ``mx.checkpoint`` while its ``_stoa_checkpoint`` flag is set.
-
-    The class is patched once (like ``mlx_lm.tuner.trainer.grad_checkpoint``), but the wrapper only
-    checkpoints instances that carry the flag, so other models in the process are unaffected and rollout
-    (flag cleared) runs the plain layer.
-
-    Args:
-        layers: the decoder layers.
-    """
-    for cls in {type(layer) for layer in layers}:
-        if cls.__dict__.get("_stoa_checkpoint_patched", False):
-            continue
-        original = cls.__call__
-
-        def call(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            if not getattr(self, "_stoa_checkpoint", False):
-                return _original(self, *args, **kwargs)
-
-            def inner(params: Any, *a: Any, **k: Any) -> Any:
-                self.update(params)
-                return _original(self, *a, **k)
-
-            return mx.checkpoint(inner)(self.trainable_parameters(), *args, **kwargs)
-
-        cls.__call__ = call
-        setattr(cls, "_stoa_checkpoint_patched", True)  # noqa: B010 - a class flag, not a Module leaf
-
-
-class _DeferredDiagnostics(MlxOps):
-    """MLX ops whose ``to_floats`` does not evaluate: the loss inside ``value_and_grad`` stays one lazy graph.
-
-    ``Algorithm.loss`` reports diagnostics through ``to_floats``, which evaluates; inside ``value_and_grad``
-    that materialises the whole forward before the backward is even built, and every intermediate stays
-    alive (measured: twice the peak memory on SmolLM2). The gradient pass uses an algorithm built on these
-    ops (zeros for the diagnostics), and the real diagnostics are computed afterwards from the evaluated
-    logprobs, with no model forward.
-    """
-
-    def to_floats(self, xs: Sequence[Any]) -> list[float]:
-        return [0.0] * len(xs)
 
 
 class MLXBackend:
@@ -117,7 +72,7 @@ class MLXBackend:
         model.freeze()
         model.unfreeze(keys=list(ADAPTER_LEAVES), strict=False)
         if cfg.gradient_checkpointing:
-            _enable_layer_checkpointing(layers)
+            enable_layer_checkpointing(layers)
         mx.eval(model.parameters())
         self.model: Any = model
         self.layers = layers
@@ -143,8 +98,11 @@ class MLXBackend:
             for m, s in zip(self.loras, scales, strict=True):
                 m.scale = s
 
-    def _logp(self, ids: mx.array, pos: mx.array, targets: mx.array) -> mx.array:
-        """[b, T] logprobs of ``targets``; the LM head runs only on the gathered positions when it can."""
+    def _logp(self, ids: mx.array, pos: mx.array, targets: mx.array, hits: bool = False
+              ) -> tuple[mx.array, mx.array]:
+        """[b, T] logprobs of ``targets`` (every position: actions and observations) and, with ``hits``, whether
+        the argmax equals each target (zeros without); the LM head runs only on the gathered positions when it
+        can."""
         if self.split_head:
             h = self.model.model(ids)
             b, length, width = h.shape
@@ -156,13 +114,14 @@ class MLXBackend:
             b, length, vocab = logits.shape
             flat = (mx.arange(b)[:, None] * length + pos).reshape(-1)
             logits = logits.reshape(b * length, vocab)[flat].reshape(b, -1, vocab)
-        return token_logprobs(logits, targets, self.temperature)
+        logp = token_logprobs(logits, targets, self.temperature)
+        return logp, token_hits(logits, targets) if hits else mx.zeros(logp.shape)
 
     def _score(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
         out = np.zeros(batch.mask.shape, dtype=np.float32)
         for idx in micro:
             pk = pack(batch, idx)
-            lp = self._logp(mx.array(pk.input_ids), mx.array(pk.pos), mx.array(pk.targets))
+            lp, _ = self._logp(mx.array(pk.input_ids), mx.array(pk.pos), mx.array(pk.targets))
             out[idx] = np.array(lp.astype(mx.float32)) * pk.mask
         return out
 
@@ -191,18 +150,12 @@ class MLXBackend:
             hidden = mx.concatenate([hidden, rest], axis=1)
         return token_logprobs(self._head(hidden), mx.array(tokens), self.temperature)
 
-    @staticmethod
-    def _inputs(pk: Packed, logp: mx.array, normalizer: float) -> LossInputs[Any]:
-        old = mx.stop_gradient(logp) if pk.old_logp is None else mx.array(pk.old_logp)
-        ref = None if pk.ref_logp is None else mx.array(pk.ref_logp)
-        return LossInputs(logp=logp, behaviour_logp=old, ref_logp=ref,
-                          advantages=mx.array(pk.advantages), mask=mx.array(pk.mask), normalizer=normalizer)
-
-    def _loss(self, pk: Packed, normalizer: float, algo: Algorithm) -> tuple[mx.array, mx.array]:
-        """(loss, logprobs) of one micro-batch; ``algo`` runs on deferred-diagnostics ops (no eval here)."""
-        logp = self._logp(mx.array(pk.input_ids), mx.array(pk.pos), mx.array(pk.targets))
-        loss, _ = algo.loss(self._inputs(pk, logp, normalizer))
-        return loss, logp
+    def _loss(self, pk: Packed, batch: Batch, plan: EchoPlan, algo: Algorithm
+              ) -> tuple[mx.array, mx.array, mx.array]:
+        """(loss, logprobs, argmax hits) of one micro-batch; ``algo`` runs on deferred-diagnostics ops (no eval)."""
+        logp, hits = self._logp(mx.array(pk.input_ids), mx.array(pk.pos), mx.array(pk.targets), plan.hits)
+        loss, _ = algo.loss(loss_inputs(pk, logp, batch, plan, to=mx.array, stop=mx.stop_gradient, hits=hits))
+        return loss, logp, hits
 
     def _set_checkpointing(self, on: bool) -> None:
         if self.cfg.gradient_checkpointing:
@@ -210,6 +163,19 @@ class MLXBackend:
                 layer._stoa_checkpoint = on
 
     # ------------------------------------------------------------------------------------------ protocol
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """Nothing to switch: the engine samples this model as it is (checkpointing is off outside updates)."""
+        yield
+
+    def generator(self, seed: int) -> int:
+        """The seed itself (the MLX engine draws a key from it).
+
+        Args:
+            seed: the seed.
+        """
+        return seed
+
     def rollout(self, prompts: Sequence[Sequence[int]], n: int, *, max_new_tokens: int, temperature: float,
                 top_p: float, eos_ids: Sequence[int], seed: int, greedy: bool = False
                 ) -> tuple[list[list[Completion]], GenStats]:
@@ -257,18 +223,24 @@ class MLXBackend:
                 out[idx] = np.array(lp) * batch.mask[idx]
         return out
 
-    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
+    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm,
+                   echo_alpha: float | None = None) -> dict[str, float]:
         """Forward/backward each micro-batch under the whole-batch normaliser; gradients add up.
+
+        Multi-turn rows: ratio, clip, gate and KL see the action tokens only (``mask``); the ECHO term reads
+        the logprobs of the echo tokens, and GiGPO's per-token advantages replace the per-row ones.
 
         Args:
             batch: the step's batch (``ref_logp`` set when kl_beta > 0). Without ``old_logp`` the old policy
                 is this forward itself (stop-gradient; filled into ``batch.old_logp``).
             micro: row indices per micro-batch.
             algo: an MLX ``Algorithm``.
+            echo_alpha: this step's ECHO coefficient (``Algorithm.echo_coefficient``); None: the config's.
         """
         value_and_grad = nn.value_and_grad(self.model, self._loss)
         concrete: Any = type(algo)  # every algorithm class is built from (cfg, ops)
-        lazy: Algorithm = concrete(algo.cfg, _DeferredDiagnostics())
+        lazy: Algorithm = concrete(algo.cfg, DeferredDiagnostics())
+        plan = echo_plan(batch, algo, echo_alpha)
         reuse = batch.old_logp is None
         filled = np.zeros(batch.mask.shape, np.float32)
         parts, total = [], 0.0
@@ -276,11 +248,12 @@ class MLXBackend:
         try:
             for idx in micro:
                 pk = pack(batch, idx)
-                (loss, logp), grads = value_and_grad(pk, batch.normalizer, lazy)
+                (loss, logp, hits), grads = value_and_grad(pk, batch, plan, lazy)
                 self._grads = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
-                mx.eval(self._grads, loss, logp)
+                mx.eval(self._grads, loss, logp, hits)
                 total += float(loss.item())
-                parts.append(algo.loss(self._inputs(pk, logp, batch.normalizer))[1])
+                parts.append(algo.loss(loss_inputs(pk, logp, batch, plan, to=mx.array, stop=mx.stop_gradient,
+                                                   hits=hits))[1])
                 filled[idx] = np.array(logp) * pk.mask
         finally:
             self._set_checkpointing(False)
@@ -314,15 +287,17 @@ class MLXBackend:
         """Drop accumulated gradients without stepping."""
         self._grads = None
 
-    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
+    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm,
+             echo_alpha: float | None = None) -> dict[str, float]:
         """``accumulate`` then ``apply_update``.
 
         Args:
             batch: the step's batch.
             micro: row indices per micro-batch.
             algo: an MLX ``Algorithm``.
+            echo_alpha: this step's ECHO coefficient; None: the config's.
         """
-        out = self.accumulate(batch, micro, algo)
+        out = self.accumulate(batch, micro, algo, echo_alpha)
         out["grad_norm"] = self.apply_update()
         return out
 

@@ -12,13 +12,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from stoa.algorithms import Algorithm, LossInputs, combine_metrics
+from stoa.algorithms import Algorithm, combine_metrics
 from stoa.algorithms.batch import Batch, Packed, group_rows, pack
-from stoa.algorithms.torch_loss import token_logprobs
+from stoa.algorithms.torch_loss import token_hits, token_logprobs
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats
 from stoa.engines.torch import TorchEngine, resolve_device
-from stoa.local.backend import ModelSummary, check_same_arrays
+from stoa.local.backend import ModelSummary, check_same_arrays, echo_plan, loss_inputs
 from stoa.local.torch_lora import LoRALinear, QuantLinear, decoder_layers, quantize_and_add_lora
 
 
@@ -85,8 +85,9 @@ class TorchBackend:
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
 
-    def _logp(self, pk: Packed) -> torch.Tensor:
-        """[b, T] logprobs of the packed targets; the LM head runs only on the positions that predict them."""
+    def _logp(self, pk: Packed, hits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[b, T] logprobs of the packed targets (every position: actions and observations) and, with ``hits``,
+        whether the argmax equals each target; the LM head runs only on the positions that predict them."""
         decoder = self.model.get_decoder()
         head = self.model.get_output_embeddings()
         with self._autocast():
@@ -94,7 +95,8 @@ class TorchBackend:
             pos = self._t(pk.pos).long()
             h = torch.gather(hidden, 1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
             logits = head(h)
-        return token_logprobs(logits, self._t(pk.targets), self.temperature)
+        targets = self._t(pk.targets)
+        return token_logprobs(logits, targets, self.temperature), token_hits(logits, targets) if hits else None
 
     @torch.no_grad()
     def _group_logp(self, prompt: np.ndarray, tokens: np.ndarray) -> torch.Tensor:
@@ -125,10 +127,25 @@ class TorchBackend:
         out = np.zeros(batch.mask.shape, dtype=np.float32)
         for idx in micro:
             pk = pack(batch, idx)
-            out[idx] = self._logp(pk).float().cpu().numpy() * pk.mask
+            out[idx] = self._logp(pk)[0].float().cpu().numpy() * pk.mask
         return out
 
     # ------------------------------------------------------------------------------------------ protocol
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """Eval mode and the compute autocast, for ``self.engine``."""
+        self.model.eval()
+        with self._autocast():
+            yield
+
+    def generator(self, seed: int) -> torch.Generator:
+        """A ``torch.Generator`` on the model's device seeded with ``seed``.
+
+        Args:
+            seed: the seed.
+        """
+        return torch.Generator(device=self.device).manual_seed(seed)
+
     def rollout(self, prompts: Sequence[Sequence[int]], n: int, *, max_new_tokens: int, temperature: float,
                 top_p: float, eos_ids: Sequence[int], seed: int, greedy: bool = False
                 ) -> tuple[list[list[Completion]], GenStats]:
@@ -144,11 +161,10 @@ class TorchBackend:
             seed: sampling seed.
             greedy: argmax decoding (evaluation).
         """
-        self.model.eval()
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        with self._autocast():
+        with self.sampling():
             groups, stats = self.engine.generate(prompts, n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                 top_p=top_p, eos_ids=eos_ids, generator=gen, greedy=greedy)
+                                                 top_p=top_p, eos_ids=eos_ids, generator=self.generator(seed),
+                                                 greedy=greedy)
         return groups, stats  # type: ignore[return-value]
 
     def logprobs(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
@@ -178,28 +194,31 @@ class TorchBackend:
                 out[idx] = self._group_logp(prompt, tokens).float().cpu().numpy() * batch.mask[idx]
         return out
 
-    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
+    def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm,
+                   echo_alpha: float | None = None) -> dict[str, float]:
         """Forward/backward each micro-batch under the whole-batch normaliser; gradients add up.
+
+        Multi-turn rows: ratio, clip, gate and KL see the action tokens only (``mask``); the ECHO term reads
+        the logprobs of the echo tokens, and GiGPO's per-token advantages replace the per-row ones.
 
         Args:
             batch: the step's batch (``ref_logp`` set when kl_beta > 0). Without ``old_logp`` the old policy
                 is this forward itself (detached; filled into ``batch.old_logp``).
             micro: row indices per micro-batch.
             algo: a torch ``Algorithm``.
+            echo_alpha: this step's ECHO coefficient (``Algorithm.echo_coefficient``); None: the config's.
         """
         reuse = batch.old_logp is None
+        plan = echo_plan(batch, algo, echo_alpha)
         filled = np.zeros(batch.mask.shape, np.float32)
         self.model.train()
         parts, total = [], 0.0
         for idx in micro:
             pk = pack(batch, idx)
-            logp = self._logp(pk)
+            logp, hits = self._logp(pk, plan.hits)
             filled[idx] = logp.detach().float().cpu().numpy() * pk.mask
-            inp = LossInputs(
-                logp=logp, behaviour_logp=logp.detach() if pk.old_logp is None else self._t(pk.old_logp),
-                advantages=self._t(pk.advantages), ref_logp=None if pk.ref_logp is None else self._t(pk.ref_logp),
-                mask=self._t(pk.mask), normalizer=batch.normalizer)
-            loss, diag = algo.loss(inp)
+            loss, diag = algo.loss(loss_inputs(pk, logp, batch, plan, to=self._t, stop=torch.Tensor.detach,
+                                               hits=hits))
             loss.backward()
             total += float(loss.detach())
             parts.append(diag)
@@ -228,15 +247,17 @@ class TorchBackend:
         """Drop accumulated gradients without stepping."""
         self.opt.zero_grad(set_to_none=True)
 
-    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm) -> dict[str, float]:
+    def step(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm,
+             echo_alpha: float | None = None) -> dict[str, float]:
         """``accumulate`` then ``apply_update``.
 
         Args:
             batch: the step's batch.
             micro: row indices per micro-batch.
             algo: a torch ``Algorithm``.
+            echo_alpha: this step's ECHO coefficient; None: the config's.
         """
-        out = self.accumulate(batch, micro, algo)
+        out = self.accumulate(batch, micro, algo, echo_alpha)
         out["grad_norm"] = self.apply_update()
         return out
 
