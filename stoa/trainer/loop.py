@@ -22,7 +22,7 @@ from stoa.trainer.policy import Policy
 from stoa.trainer.pool import Entry, PoolStats, RecordPool
 from stoa.trainer.quarantine import Quarantine
 from stoa.trainer.setup import build_contract, ensure_contract, evaluate, reward_stats
-from stoa.trainer.step import train_step
+from stoa.trainer.step import episode_figures, train_step
 from stoa.trainer.tools import prepare_tools
 
 _T = TypeVar("_T")
@@ -318,7 +318,8 @@ class _Trainer:
         self.fence()
         ride_out(lambda: ckpt.write_journal(self.bucket, cfg.run, journal), "the journal", self.echo)
         m = train_step(self.policy, self.ref, self.opt, self.algo, entries, current_version=self.version,
-                       micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip, shared_prefix=cfg.shared_prefix)
+                       micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip, shared_prefix=cfg.shared_prefix,
+                       step=self.step, total_steps=cfg.steps)
         if self.lag0_trusted:
             for worker, values in m.disagreement.items():
                 self.quarantine.observe_disagreement(worker, values)
@@ -358,9 +359,11 @@ class _Trainer:
         row["rollout/keys"] = [rollout_label(e.key) for e in entries]
         for lag in range(cfg.staleness_bound + 1):
             row[f"rollout/staleness/{lag}"] = int((lags == lag).sum())
+        row.update(episode_figures(entries, ps, m["step_time_s"]))
         self.metrics.log(row, step=self.step)
         self.summary["step_times"].append(m["step_time_s"])
-        self.echo(f"[trainer] step {self.step} -> v{self.version} | reward {row['rollout/reward_mean']:.3f} | "
+        search = f" | search {row['rollout/search_rate']:.2f}" if "rollout/search_rate" in row else ""
+        self.echo(f"[trainer] step {self.step} -> v{self.version} | reward {row['rollout/reward_mean']:.3f}{search} | "
                   f"loss {m['loss']:+.4f} | kl {m.get('kl', 0.0):.2e} | {m['step_time_s']:.1f}s "
                   f"({m['tokens_per_s']:.0f} tok/s) | lag {lags.mean():.1f} | records {ps.accepted / since:.2f}/s, "
                   f"sampled {ps.tokens / since:.0f} tok/s")
@@ -377,3 +380,4 @@ class _Trainer:
         self.echo(f"[trainer] eval ({label}, v{self.version}): held-out accuracy {ev['accuracy']:.3f}{extra} on "
                   f"{int(ev['n'])} prompts ({ev['seconds']:.1f}s)")
         self.summary["evals"].append({"version": self.version, "label": label, **ev})
+

@@ -1,11 +1,16 @@
-"""The trainer's policy: fp32 master weights, completion logprobs for packed sequences, weight export."""
+"""The trainer's policy: fp32 master weights, logprobs of the tokens after the prompt, weight export.
+
+Multi-turn rows hold the policy's turns and the environment's observations: the forward scores the positions
+its ``mask`` marks (the trainer passes actions and echo tokens) and can also report, without gradient, whether
+the argmax equals each target (ECHO's accuracy).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -22,7 +27,27 @@ class Packed:
     attention_mask: torch.Tensor  # [B, L]
     pos: torch.Tensor  # [B, T]
     targets: torch.Tensor  # [B, T]
-    mask: torch.Tensor  # [B, T] float, 1 on real completion tokens
+    mask: torch.Tensor  # [B, T] float, 1 on the positions to score (every real token, by default)
+
+
+class Scores(NamedTuple):
+    """What a forward returns for the tokens after the prompt."""
+
+    logp: torch.Tensor
+    """[B, T] float32 logprobs of the targets (with gradient), 0 off the mask."""
+    hits: torch.Tensor | None
+    """[B, T] float32 0/1: the argmax equals the target (no gradient), 0 off the mask; None unless asked."""
+
+
+def _scores(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
+            hits: bool) -> Scores:
+    """Temperature-scaled logprobs of ``targets`` under ``logits`` [B, T, V], times ``mask``; argmax hits if asked."""
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    out = torch.gather(logp, -1, targets.unsqueeze(-1)).squeeze(-1) * mask
+    if not hits:
+        return Scores(out, None)
+    with torch.no_grad():
+        return Scores(out, (logits.argmax(dim=-1) == targets).float() * mask)
 
 
 def pack(prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], t_max: int, device: torch.device) -> Packed:
@@ -95,13 +120,23 @@ class Policy:
         return dict(self.model.named_parameters())
 
     def logprobs(self, batch: Packed) -> torch.Tensor:
-        """Log-probabilities [B, T] of each completion token under the temperature-scaled policy.
+        """Log-probabilities [B, T] of each token after the prompt under the temperature-scaled policy, 0 off
+        ``batch.mask`` (``score(batch).logp``).
 
-        The LM head runs only on the completion positions, which saves the vocabulary
+        Args:
+            batch: a packed micro-batch.
+        """
+        return self.score(batch).logp
+
+    def score(self, batch: Packed, *, hits: bool = False) -> Scores:
+        """Logprobs [B, T] of the masked positions and, with ``hits``, whether the argmax equals the target.
+
+        The LM head runs only on the positions after the prompt, which saves the vocabulary
         projection of every prompt token.
 
         Args:
             batch: a packed micro-batch.
+            hits: also return the argmax hits (no gradient).
         """
         decoder = self.model.get_decoder()
         head = self.model.get_output_embeddings()
@@ -110,20 +145,36 @@ class Policy:
             idx = batch.pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
             h = torch.gather(hidden, 1, idx)
             logits = head(h).float()
-        logp = torch.log_softmax(logits / self.temperature, dim=-1)
-        return torch.gather(logp, -1, batch.targets.unsqueeze(-1)).squeeze(-1) * batch.mask
+        return _scores(logits, batch.targets, batch.mask, self.temperature, hits)
 
-    def group_logprobs(self, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int) -> torch.Tensor:
-        """Logprobs [n, t_max] of one group's completions, running the shared prompt only once.
-
-        The prompt is forwarded once (with gradient) and its KV cache repeated for the ``n``
-        completions, which then attend to it; for short completions after a long prompt this
-        cuts the forward/backward FLOPs several-fold. Equal to ``logprobs(pack(...))`` (tested).
+    def group_logprobs(self, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
+                       mask: np.ndarray | None = None) -> torch.Tensor:
+        """Logprobs [n, t_max] of one group's rows, running the shared prompt only once
+        (``group_score(...).logp``).
 
         Args:
             prompt: the group's prompt token ids.
-            completions: the ``n`` completions (non-empty).
-            t_max: width of the completion axis.
+            completions: the ``n`` rows' tokens after the prompt (non-empty).
+            t_max: width of the token axis.
+            mask: [n, t_max] float, the positions to score; None: every real token.
+        """
+        return self.group_score(prompt, completions, t_max, mask).logp
+
+    def group_score(self, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
+                    mask: np.ndarray | None = None, *, hits: bool = False) -> Scores:
+        """Logprobs [n, t_max] of one group's rows (and argmax hits if asked), running the prompt only once.
+
+        The prompt is forwarded once (with gradient) and its KV cache repeated for the ``n`` rows, which
+        then attend to it; for short rows after a long prompt this cuts the forward/backward FLOPs
+        several-fold. Equal to ``score(pack(...))`` (tested). Every real token is attended to, whatever
+        ``mask`` says: it only selects the positions scored.
+
+        Args:
+            prompt: the group's prompt token ids.
+            completions: the ``n`` rows' tokens after the prompt (non-empty).
+            t_max: width of the token axis.
+            mask: [n, t_max] float, the positions to score; None: every real token.
+            hits: also return the argmax hits (no gradient).
         """
         from transformers import DynamicCache
 
@@ -131,11 +182,12 @@ class Policy:
         decoder = self.model.get_decoder()
         head = self.model.get_output_embeddings()
         comp = np.zeros((n, t_max), dtype=np.int64)
-        msk = np.zeros((n, t_max), dtype=np.float32)
+        real = np.zeros((n, t_max), dtype=np.float32)
         for i, c in enumerate(completions):
             comp[i, : len(c)] = c
-            msk[i, : len(c)] = 1.0
-        comp_t, mask_t = torch.from_numpy(comp).to(dev), torch.from_numpy(msk).to(dev)
+            real[i, : len(c)] = 1.0
+        scored = real if mask is None else np.asarray(mask, np.float32) * real
+        comp_t, real_t = torch.from_numpy(comp).to(dev), torch.from_numpy(real).to(dev)
         kw = {"cache" if "cache" in _forward_params(decoder) else "past_key_values": DynamicCache()}
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.autocast):
             pre = decoder(input_ids=torch.from_numpy(np.asarray(prompt, np.int64))[None].to(dev), use_cache=True, **kw)
@@ -143,15 +195,14 @@ class Policy:
             h_last = pre.last_hidden_state[:, -1:, :].expand(n, -1, -1)
             if t_max > 1:
                 cache.batch_repeat_interleave(n)
-                attn = torch.cat([torch.ones((n, plen), dtype=torch.long, device=dev), mask_t[:, :-1].long()], dim=1)
+                attn = torch.cat([torch.ones((n, plen), dtype=torch.long, device=dev), real_t[:, :-1].long()], dim=1)
                 pos = (plen + torch.arange(t_max - 1, device=dev)).expand(n, -1)
                 rest = decoder(input_ids=comp_t[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True, **kw)
                 hidden = torch.cat([h_last, rest.last_hidden_state], dim=1)
             else:
                 hidden = h_last
             logits = head(hidden).float()
-        logp = torch.log_softmax(logits / self.temperature, dim=-1)
-        return torch.gather(logp, -1, comp_t.unsqueeze(-1)).squeeze(-1) * mask_t
+        return _scores(logits, comp_t, torch.from_numpy(scored).to(dev), self.temperature, hits)
 
     def export_f32(self) -> dict[str, np.ndarray]:
         """The master weights as float32 numpy arrays (names as ``named_parameters``).

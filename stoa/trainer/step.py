@@ -1,19 +1,27 @@
-"""One optimizer step over a batch of groups, for any algorithm behind the Algorithm protocol."""
+"""One optimizer step over a batch of groups, for any algorithm behind the Algorithm protocol.
+
+Multi-turn groups (entries the pool replayed) become episodes with token roles: the forward scores every action
+and echo token, the algorithm's ratio, clip, gate and KL read the action tokens only (``LossInputs.mask``), GiGPO's
+per-token advantages come from the trainer's own replay (turns and anchor states, never the worker's claims),
+and the ECHO term reads the echo tokens with this step's coefficient.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from stoa.algorithms import Algorithm, LossInputs, combine_metrics
 from stoa.algorithms.batch import Batch, Packed, Trajectory, build_batch, group_indices, micro_batches, pack
+from stoa.envs.rollout import episode_metrics
 from stoa.layout import rollout_worker
 from stoa.trainer.policy import Packed as TorchPacked
-from stoa.trainer.policy import Policy
-from stoa.trainer.pool import Entry
+from stoa.trainer.policy import Policy, Scores
+from stoa.trainer.pool import Entry, PoolStats
 from stoa.trainer.quarantine import Disagreement, disagreement_values
 
 
@@ -41,17 +49,67 @@ def entries_batch(entries: Sequence[Entry], algo: Algorithm, current_version: in
     """The step's batch: one group per entry with the pool's rewards, each record's version lag and worker,
     and the workers' recorded logprobs as the old policy of the ratio.
 
+    Entries the pool replayed (multi-turn) become episodes (``Trajectory.multi_turn``): roles from the record,
+    turns and anchor states from the trainer's replay. Others are single-turn completions.
+
     Args:
         entries: the groups of this step (through the algorithm's group filter at intake).
         algo: the algorithm.
         current_version: the policy version being trained.
     """
-    groups = [[Trajectory.single_turn(e.record.prompt_tokens, s.tokens, s.logprobs, float(r), s.finish_reason)
-               for s, r in zip(e.record.samples, e.rewards, strict=True)] for e in entries]
     lags = [current_version - e.record.policy_version for e in entries]
-    batch = build_batch(groups, algo, version_lag=lags, sources=[entry_worker(e) for e in entries])
+    batch = build_batch([entry_trajectories(e) for e in entries], algo, version_lag=lags,
+                        sources=[entry_worker(e) for e in entries])
     batch.old_logp = batch.rollout_logp
     return batch
+
+
+def entry_trajectories(e: Entry) -> list[Trajectory]:
+    """An entry's group: its samples with the pool's rewards, as episodes when the pool replayed them.
+
+    Args:
+        e: a pool entry (``e.replayed``: one ``Replayed`` per sample, or None for a single-turn task).
+
+    Raises:
+        ValueError: a replay count that is not one per sample.
+    """
+    rec = e.record
+    if e.replayed is None:
+        return [Trajectory.single_turn(rec.prompt_tokens, s.tokens, s.logprobs, float(r), s.finish_reason)
+                for s, r in zip(rec.samples, e.rewards, strict=True)]
+    if len(e.replayed) != len(rec.samples):
+        raise ValueError(f"replayed: {len(e.replayed)} replays for {len(rec.samples)} samples of {e.key!r}")
+    return [Trajectory.multi_turn(rec.prompt_tokens, s.tokens, s.role_array(), s.logprobs, float(r), s.finish_reason,
+                                  rep.turn_of_token, rep.states)
+            for s, r, rep in zip(rec.samples, e.rewards, e.replayed, strict=True)]
+
+
+class EchoStep(NamedTuple):
+    """How a step treats echo tokens (``train_step``)."""
+
+    alpha: float | None
+    """This step's ECHO coefficient; None when the batch has no echo token (no echo term, no echo metrics)."""
+    scored: np.ndarray
+    """[B, T] float32: the positions the forward scores (actions, plus echo tokens when ``alpha`` is set)."""
+
+    @property
+    def hits(self) -> bool:
+        """Whether the forward reports argmax hits (only when the term is on: ``echo_acc``)."""
+        return bool(self.alpha)
+
+
+def echo_step(batch: Batch, algo: Algorithm, step: int, total_steps: int) -> EchoStep:
+    """The echo settings of a step: the algorithm's coefficient at ``step`` when the batch has echo tokens.
+
+    Args:
+        batch: the step's batch.
+        algo: the algorithm (``echo_coefficient``).
+        step: the optimizer step about to be taken (0 for the first).
+        total_steps: the run's total steps (the 'linear_taper_to_zero' schedule needs them).
+    """
+    if not batch.echo_mask.any():
+        return EchoStep(None, batch.mask)
+    return EchoStep(algo.echo_coefficient(step, total_steps), np.maximum(batch.mask, batch.echo_mask))
 
 
 def train_step(
@@ -65,6 +123,8 @@ def train_step(
     micro_batch: int,
     grad_clip: float,
     shared_prefix: bool = True,
+    step: int = 0,
+    total_steps: int = 0,
 ) -> StepMetrics:
     """Compute advantages, accumulate the loss over micro-batches, clip, and step the optimizer.
 
@@ -82,6 +142,8 @@ def train_step(
         grad_clip: max global gradient norm (0 disables).
         shared_prefix: run each group's prompt once and its completions on the shared KV cache
             (one group per micro-batch); otherwise pack whole sequences into micro-batches.
+        step: the optimizer step about to be taken (0 for the first), for the ECHO schedule.
+        total_steps: the run's total steps (0: unbounded), for the ECHO schedule.
 
     Returns:
         flat metrics without the ``train/`` prefix; ``.disagreement`` holds the lag-0 values per worker.
@@ -89,6 +151,7 @@ def train_step(
     shared_prefix = shared_prefix and not policy.gradient_checkpointing
     t0 = time.perf_counter()
     batch = entries_batch(entries, algo, current_version)
+    echo = echo_step(batch, algo, step, total_steps)
     if shared_prefix:
         micro = group_indices(batch)
     else:
@@ -97,49 +160,63 @@ def train_step(
     lag0: dict[str, list[np.ndarray]] = {}
     loss_total = 0.0
     for idx in micro:
-        logp, ref_lp = _forward(policy, ref, batch, idx, shared_prefix)
-        _collect_lag0(batch, idx, logp, lag0)
-        loss, diag = algo.loss(_loss_inputs(batch, idx, logp, ref_lp, policy.device))
+        fw, ref_lp = _forward(policy, ref, batch, idx, shared_prefix, echo)
+        _collect_lag0(batch, idx, fw.logp, lag0)
+        loss, diag = algo.loss(_loss_inputs(batch, idx, fw, ref_lp, policy.device, echo.alpha))
         loss.backward()
         loss_total += float(loss.detach())
         parts.append(diag)
     grad_norm = _apply_update(policy, opt, grad_clip)
     out = combine_metrics(parts)
     out.update(_step_figures(batch, loss_total, grad_norm, time.perf_counter() - t0))
+    if echo.alpha is not None:
+        out["echo_alpha"] = echo.alpha
     return StepMetrics(out, _disagreement(batch, lag0))
 
 
-def _forward(policy: Policy, ref: Policy | None, batch: Batch, idx: np.ndarray, shared_prefix: bool
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs [b, T] of a micro-batch's rows (with gradient) and the reference's (or None)."""
+def _forward(policy: Policy, ref: Policy | None, batch: Batch, idx: np.ndarray, shared_prefix: bool,
+             echo: EchoStep) -> tuple[Scores, torch.Tensor | None]:
+    """The policy's scores of a micro-batch's rows (logprobs [b, T] with gradient, argmax hits when the echo
+    term is on) and the reference's logprobs (or None), on the positions ``echo.scored`` marks."""
+    scored = echo.scored[idx]
     if shared_prefix:  # one group: its prompt runs once
         prompt, comps = batch.rows[int(idx[0])].prompt, [batch.rows[int(i)].tokens for i in idx]
-        logp = policy.group_logprobs(prompt, comps, batch.width)
+        if echo.hits:
+            fw = policy.group_score(prompt, comps, batch.width, scored, hits=True)
+        else:
+            fw = Scores(policy.group_logprobs(prompt, comps, batch.width, scored), None)
         with torch.no_grad():
-            return logp, ref.group_logprobs(prompt, comps, batch.width) if ref is not None else None
-    packed = _on_device(pack(batch, idx), policy.device)
+            return fw, ref.group_logprobs(prompt, comps, batch.width, scored) if ref is not None else None
+    packed = _on_device(pack(batch, idx), scored, policy.device)
     with torch.no_grad():
         ref_lp = ref.logprobs(packed) if ref is not None else None
-    return policy.logprobs(packed), ref_lp
+    return (policy.score(packed, hits=True) if echo.hits else Scores(policy.logprobs(packed), None)), ref_lp
 
 
-def _on_device(pk: Packed, device: torch.device) -> TorchPacked:
-    """The policy's tensors of a packed micro-batch."""
+def _on_device(pk: Packed, scored: np.ndarray, device: torch.device) -> TorchPacked:
+    """The policy's tensors of a packed micro-batch, scoring the positions ``scored`` [b, T] marks."""
     def long(a: np.ndarray) -> torch.Tensor:
         return _tensor(a, device).long()
 
     return TorchPacked(long(pk.input_ids), long(pk.attention_mask), long(pk.pos), long(pk.targets),
-                       _tensor(pk.mask, device))
+                       _tensor(scored, device))
 
 
-def _loss_inputs(batch: Batch, idx: np.ndarray, logp: torch.Tensor, ref_lp: torch.Tensor | None,
-                 device: torch.device) -> LossInputs[torch.Tensor]:
-    """The algorithm's inputs for the rows ``idx``: their old-policy logprobs, advantages, mask and lags."""
+def _loss_inputs(batch: Batch, idx: np.ndarray, fw: Scores, ref_lp: torch.Tensor | None, device: torch.device,
+                 echo_alpha: float | None) -> LossInputs[torch.Tensor]:
+    """The algorithm's inputs for the rows ``idx``: their old-policy logprobs, advantages (per token when the
+    algorithm makes them), action mask and lags, and the echo mask with this step's coefficient (when set)."""
     assert batch.old_logp is not None  # entries_batch sets the workers' logprobs
-    return LossInputs(logp=logp, behaviour_logp=_tensor(batch.old_logp[idx], device), ref_logp=ref_lp,
-                      advantages=_tensor(batch.advantages[idx], device),
-                      mask=_tensor(batch.mask[idx], device), normalizer=batch.normalizer,
-                      version_lag=batch.version_lag[idx])
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return _tensor(a[idx], device)
+
+    return LossInputs(logp=fw.logp, behaviour_logp=t(batch.old_logp), ref_logp=ref_lp,
+                      advantages=t(batch.advantages), mask=t(batch.mask), normalizer=batch.normalizer,
+                      version_lag=batch.version_lag[idx],
+                      token_advantages=None if batch.token_advantages is None else t(batch.token_advantages),
+                      echo_mask=None if echo_alpha is None else t(batch.echo_mask),
+                      echo_normalizer=batch.echo_normalizer, echo_alpha=echo_alpha, echo_hits=fw.hits)
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -185,3 +262,24 @@ def _disagreement(batch: Batch, lag0: dict[str, list[np.ndarray]]) -> dict[str, 
         if batch.version_lag[first] == 0:
             records[batch.sources[first]] = records.get(batch.sources[first], 0) + 1
     return {w: Disagreement(np.concatenate(v), records.get(w, 0)) for w, v in lag0.items()}
+
+
+def episode_figures(entries: list[Entry], ps: PoolStats, step_s: float) -> dict[str, float]:
+    """A multi-turn step's figures: its episodes' search rate, turns, tool calls and end reasons
+    (``rollout/*``), the replay's tool calls since the last step, and the share of the trainer's time spent
+    re-executing tool calls (``train/replay_share`` = replay seconds / (replay + step seconds)); {} for
+    single-turn entries.
+
+    Args:
+        entries: the step's groups (multi-turn ones carry the pool's ``replayed``).
+        ps: the pool's counters since the last step (``replay_s``, ``tool_calls``).
+        step_s: the optimizer step's seconds.
+    """
+    groups = [e.record.samples for e in entries if e.replayed is not None]
+    if not groups:
+        return {}
+    out = episode_metrics(groups, "rollout/")
+    total = ps.replay_s + step_s
+    out.update({"rollout/tool_calls": float(ps.tool_calls), "train/replay_s": ps.replay_s,
+                "train/replay_share": ps.replay_s / total if total > 0 else 0.0})
+    return out
