@@ -48,7 +48,8 @@ def open_local_tools(task: Any, retriever: str = "", echo: Callable[[str], Any] 
         return open_tools(task, retriever, note=echo)
     from stoa.trainer.tools import task_index
 
-    return open_tools(task, str(task_index(task, echo)), note=echo)
+    index = task_index(task, lambda line: echo(line.replace("[trainer]", "[local]", 1)))
+    return open_tools(task, str(index), note=echo)
 
 
 def turn_of_token(roles: Sequence[int], turn_starts: Sequence[int]) -> np.ndarray:
