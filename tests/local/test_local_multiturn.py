@@ -25,7 +25,7 @@ from stoa.tasks.search import SearchEnv, SearchTask
 from stoa.tasks.walk import WalkEnv, WalkTask
 
 WALK = "walk:max_turns=3,max_total_tokens=64"
-SEARCH = "search:entities=20,max_turns=2,max_obs_tokens=48,max_total_tokens=96,max_doc_chars=60,topk=1"
+SEARCH = "search:entities=20,shots=0,max_turns=2,max_obs_tokens=48,max_total_tokens=96,max_doc_chars=60,topk=1"
 
 
 class LetterWalkEnv(WalkEnv):
@@ -87,15 +87,16 @@ def _finite(row: dict[str, Any]) -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=pytest.mark.mlx)])
-def test_walk_gigpo_echo_two_steps(backend, make_cfg, tmp_path):
+@pytest.mark.parametrize(("backend", "old_logprobs"),
+                         [("torch", "forward"), pytest.param("mlx", "reuse", marks=pytest.mark.mlx)])
+def test_walk_gigpo_echo_two_steps(backend, old_logprobs, make_cfg, tmp_path):
     """GiGPO with a tapered ECHO term on a recurring-state walk: multi-turn rows, echo metrics, the schedule
-    read with the local step, multi-turn evaluation."""
+    read with the local step, the old policy of the multi-turn rows (ratio 1), multi-turn evaluation."""
     if backend == "mlx":
         pytest.importorskip("mlx.core", reason="needs mlx (mlx[cpu] on Linux)")
     out = tmp_path / backend
     cfg = _cfg(make_cfg, backend=backend, steps=2, algorithm="gigpo", eval_n=2, eval_k=2, output_dir=str(out),
-               algo={"echo_alpha": 0.5, "echo_schedule": "linear_taper_to_zero"})
+               old_logprobs=old_logprobs, algo={"echo_alpha": 0.5, "echo_schedule": "linear_taper_to_zero"})
     summary = run_local(cfg, echo=lambda _s: None, task=_walk())
     rows = _rows(out)
     assert summary["step"] == 2 and len(rows) == 2
@@ -109,6 +110,7 @@ def test_walk_gigpo_echo_two_steps(backend, make_cfg, tmp_path):
         assert 0.0 <= row["train/echo_acc"] <= 1.0
         assert row["train/tokens"] < row["rollout/completion_len"] * 8  # observations are not trained on
         assert row["rollout/decode_vs_forward_logp_max"] < 1e-3
+        assert row["train/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert [r["train/echo_alpha"] for r in rows] == pytest.approx([0.5, 0.25])
     evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval/cover_em" in r]
     assert [e["step"] for e in evals] == [0, 2]
