@@ -96,3 +96,21 @@ def test_micro_batches_are_the_forwards(tiny_dir, monkeypatch, shared_prefix, mi
     train_step(pol, None, opt, algo, make_entries(), current_version=1, micro_batch=micro_batch,
                grad_clip=0.0, shared_prefix=shared_prefix)
     assert len(sizes) == forwards and sum(sizes) == 12
+
+
+def test_single_turn_steps_ignore_the_echo_settings(tiny_dir):
+    """No echo token in the batch: an ECHO config (even a taper without total steps) changes nothing."""
+    def run(**knobs):
+        torch.manual_seed(0)
+        pol = Policy(tiny_dir, torch.device("cpu"))
+        opt = torch.optim.SGD(pol.model.parameters(), lr=1.0)
+        algo = get_algorithm(AlgoConfig.from_dict({"name": "grpo", "kl_beta": 0.0, **knobs}), "torch")
+        m = train_step(pol, None, opt, algo, make_entries(), current_version=2, micro_batch=5, grad_clip=0.0,
+                       shared_prefix=False, step=3)
+        return m, {k: v.detach().clone() for k, v in pol.model.named_parameters()}
+
+    plain_m, plain = run()
+    echo_m, echo = run(echo_alpha=0.5, echo_schedule="linear_taper_to_zero")
+    assert all(torch.equal(plain[k], echo[k]) for k in plain)
+    assert set(echo_m) == set(plain_m) and not {"echo_alpha", "loss_echo", "echo_acc"} & set(echo_m)
+    assert echo_m["loss"] == plain_m["loss"]
