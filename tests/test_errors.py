@@ -120,7 +120,8 @@ def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch
      "stoa: invalid setting config: . is a directory; give the path of a TOML file"),
     (["worker", "--config", "/dev/null/x"], "stoa: invalid setting config: file not found: /dev/null/x"),
     (["trainer", "--dry-run", "--task", "nosuch"],
-     "stoa: invalid setting task: unknown task 'nosuch'; known tasks: ['arithmetic', 'gsm8k', 'search', 'searchqa', 'toy', 'walk']"),
+     "stoa: invalid setting task: unknown task 'nosuch'; known tasks: ['arithmetic', 'gsm8k', 'search', 'searchqa', "
+     "'toy', 'walk']"),
 ])
 def test_bad_choices_say_did_you_mean(argv, message, capsys) -> None:
     assert _run(argv, capsys) == (2, message + "\n")

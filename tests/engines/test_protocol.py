@@ -45,6 +45,10 @@ class _FakeEngine:
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
 
+    def generate_episodes(self, prompts: Sequence[Sequence[int]], n: int, driver: Any, *, temperature: float = 1.0,
+                          top_p: float = 1.0, generator: Any = None, greedy: bool = False) -> Any:
+        raise AssertionError("single-turn evaluation never runs episodes")
+
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, eos_ids: Sequence[int] = (),
                  generator: Any = None, greedy: bool = False) -> tuple[list[list[Completion]], GenStats]:
