@@ -28,7 +28,7 @@ SEARCH_PRESETS = {
     "tiny": {"n_samples": 4, "groups_per_step": 2, "max_new_tokens": 8, "lr": 1e-3, "eval_n": 4,
              "micro_batch": 8, "checkpoint_every": 1},
 }
-SEARCH_TASKS = {"smollm2-135m": "search:max_turns=3,max_total_tokens=640",
+SEARCH_TASKS = {"smollm2-135m": "search:max_turns=3,max_total_tokens=640,format_reward=0.1",
                 "tiny": "search:entities=60,max_turns=2,max_total_tokens=256"}
 """``--task search`` per model: the built-in search task, sized for this machine (tiny: a small world, for CI)."""
 

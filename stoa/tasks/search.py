@@ -25,7 +25,15 @@ from stoa.tasks.base import (
     parse_prompt_id,
 )
 from stoa.tasks.multiturn import LIMIT_OPTIONS, limits_spec, task_limits
-from stoa.tasks.qa import QA_VERSION, QAScore, check_reward_kind, decode_golds, encode_golds, score
+from stoa.tasks.qa import (
+    QA_VERSION,
+    QAScore,
+    check_reward_kind,
+    decode_golds,
+    encode_golds,
+    extract_final_answer,
+    score,
+)
 from stoa.tasks.world import World, build_world
 
 __all__ = ["INSTRUCTIONS", "SEARCH_OPTIONS", "SearchEnv", "SearchTask", "SearchTaskBase", "search_messages"]
@@ -38,7 +46,8 @@ INSTRUCTIONS = (
 """Search-R1's protocol, told briefly enough for a small model."""
 
 SEARCH_OPTIONS: dict[str, type] = {
-    "reward": str, "topk": int, "max_doc_chars": int, "index": str, "system": str, "shots": int, **LIMIT_OPTIONS,
+    "reward": str, "topk": int, "max_doc_chars": int, "index": str, "system": str, "shots": int,
+    "format_reward": float, **LIMIT_OPTIONS,
 }
 """Options every search task declares."""
 
@@ -135,6 +144,9 @@ class SearchTaskBase:
             a searcher with another fingerprint.
         system: an optional system message.
         shots: worked examples before the question: 1 (default) or 0 (Search-R1's zero-shot prompt).
+        format_reward: reward of a wrong answer given in the protocol's form (at least one ``<search>`` call,
+            then an ``<answer>`` span), in [0, 1); 0 (default) rewards correct answers only. A small model that
+            never completes the protocol gets no signal without it.
         max_turns: model turns per episode.
         max_obs_tokens: tokens of one observation.
         max_total_tokens: tokens after the prompt.
@@ -145,8 +157,8 @@ class SearchTaskBase:
     reward_version: str = f"{_REWARD_REV}.{QA_VERSION}"
 
     def _init_search(self, reward: str = "cover_em", topk: int = 3, max_doc_chars: int = 480, index: str = "",
-                     system: str = "", shots: int = 1, max_turns: int = 4, max_obs_tokens: int = 512,
-                     max_total_tokens: int = 1024) -> None:
+                     system: str = "", shots: int = 1, format_reward: float = 0.0, max_turns: int = 4,
+                     max_obs_tokens: int = 512, max_total_tokens: int = 1024) -> None:
         self.reward_kind = check_reward_kind(self.id, reward)
         for name, value in (("topk", topk), ("max_doc_chars", max_doc_chars)):
             if value < 1:
@@ -154,12 +166,15 @@ class SearchTaskBase:
         if shots not in (0, 1):
             raise ValueError(f"{self.id}: option 'shots' must be 0 or 1, got {shots}")
         self.topk, self.max_doc_chars, self.index, self.system = topk, max_doc_chars, index, system
-        self.shots = shots
+        if not 0.0 <= format_reward < 1.0:
+            raise ValueError(f"{self.id}: option 'format_reward' must be in [0, 1), got {format_reward}")
+        self.shots, self.format_reward = shots, float(format_reward)
         self.limits = task_limits(self.id, max_turns, max_obs_tokens, max_total_tokens)
 
     def _search_spec(self) -> dict[str, object]:
         out: dict[str, object] = {"reward": self.reward_kind, "topk": self.topk,
                                   "max_doc_chars": self.max_doc_chars, "system": self.system, "shots": self.shots,
+                                  "format_reward": self.format_reward,
                                   **limits_spec(self.limits)}
         if self.index:
             out["index"] = self.index
@@ -203,22 +218,34 @@ class SearchTaskBase:
         return score(completion, decode_golds(prompt.answer))
 
     def reward(self, prompt: Prompt, completion: str) -> float:
-        """1.0 if the final answer matches by the ``reward`` metric, else 0.0.
+        """1.0 if the final answer matches by the ``reward`` metric; else ``format_reward`` when the episode
+        searched and then answered in the protocol's form; else 0.0.
 
         Args:
             prompt: the prompt.
             completion: the episode text.
         """
-        return self.score(prompt, completion).reward(self.reward_kind)
+        r = self.score(prompt, completion).reward(self.reward_kind)
+        if r < 1.0 and self.format_reward > 0 and _searched_then_answered(completion):
+            return self.format_reward
+        return r
 
     def is_correct(self, prompt: Prompt, completion: str) -> bool:
-        """Whether the final answer matches by the ``reward`` metric.
+        """Whether the final answer matches by the ``reward`` metric (a format reward is never correct).
 
         Args:
             prompt: the prompt.
             completion: the episode text.
         """
-        return self.reward(prompt, completion) == 1.0
+        return self.score(prompt, completion).reward(self.reward_kind) == 1.0
+
+
+def _searched_then_answered(text: str) -> bool:
+    """Whether an episode text holds a complete ``<search>`` call before its last ``<answer>`` span."""
+    if extract_final_answer(text) is None:
+        return False
+    call = text.find(_CLOSE)
+    return text.find(_OPEN) >= 0 and 0 <= call < text.rfind("<answer>")
 
 
 class SearchTask(SearchTaskBase):

@@ -68,7 +68,8 @@ def test_spec_round_trip_and_checks(task: SearchTask) -> None:
 
 @pytest.mark.parametrize(("options", "name"), [({"entities": 5}, "entities"), ({"seed": -1}, "seed"),
                                                ({"reward": "f1"}, "reward"), ({"topk": 0}, "topk"),
-                                               ({"max_turns": 0}, "max_turns"), ({"size": 3}, "size")])
+                                               ({"max_turns": 0}, "max_turns"), ({"size": 3}, "size"),
+                                               ({"shots": 2}, "shots"), ({"format_reward": 1.0}, "format_reward")])
 def test_bad_options_name_the_option(options: dict[str, object], name: str) -> None:
     with pytest.raises(ValueError, match=f"'{name}'"):
         get_task("search", **options)
@@ -213,3 +214,19 @@ def test_reward_option_and_is_correct_agree(task: SearchTask) -> None:
         assert strict.reward(prompt, text) == exact and strict.is_correct(prompt, text) is bool(exact)
         s = task.score(prompt, text)
         assert (s.cover_em, s.em) == (bool(cover), bool(exact))
+
+
+def test_format_reward_pays_a_searched_then_answered_episode_only(task: SearchTask) -> None:
+    prompt = task.get("train:3")
+    gold = decode_golds(prompt.answer)[0]
+    shaped = SearchTask(format_reward=0.1)
+    assert shaped.spec()["format_reward"] == 0.1 and task.spec()["format_reward"] == 0.0
+    for text, reward in [("<search> q </search>\n<answer> wrong </answer>", 0.1),  # the protocol, wrong answer
+                         (f"<search> q </search>\n<answer> {gold} </answer>", 1.0),  # correct wins
+                         ("<answer> wrong </answer>", 0.0),  # no search first
+                         ("<answer> wrong </answer>\n<search> q </search>", 0.0),  # search after the answer
+                         ("<search> q </search>\n<answer> unfinished", 0.0),  # no complete answer span
+                         ("<search> q </search>", 0.0)]:
+        assert shaped.reward(prompt, text) == reward, text
+        assert shaped.is_correct(prompt, text) is (reward == 1.0)
+        assert task.reward(prompt, text) == (1.0 if reward == 1.0 else 0.0)
