@@ -75,7 +75,8 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _dry_run(cfg: LocalConfig) -> int:
-    from stoa.local.preflight import check_fit, shape_for
+    from stoa.local.preflight import check_fit, episode_tokens, shape_for
+    from stoa.tasks import load_task
 
     print(config_to_toml(cfg), end="")
     print(f"\n# backend: {resolve_backend(cfg.backend)}")
@@ -85,7 +86,8 @@ def _dry_run(cfg: LocalConfig) -> int:
     if shape is None:
         print(f"# memory: no config.json for {cfg.model!r} without downloading it; estimated at train time")
     else:
-        print(f"# memory: {check_fit(cfg, shape).message()}")
+        total = episode_tokens(load_task(cfg.task))  # a multi-turn row: prompt + the episode's token budget
+        print(f"# memory: {check_fit(cfg, shape, total_tokens=total).message()}")
     return 0
 
 

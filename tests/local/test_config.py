@@ -247,3 +247,15 @@ def test_train_refuses_before_any_model_loads(make_cfg, monkeypatch, capsys):
         loop.run_local(dataclasses.replace(cfg, available_memory_gb=fits_with_ckpt + 0.001),
                        echo=lambda _s: None)
     assert e.value.field == "gradient_checkpointing", str(e.value)
+
+
+def test_dry_run_estimates_a_multi_turn_row_at_its_episode_budget(capsys):
+    def peak(task: str) -> float:
+        args = _parse(["local", "train", "--model", "tiny", "--task", task, "--backend", "torch", "--dry-run",
+                       "--available-memory-gb", "64"])
+        assert args.func(args) == 0
+        out = capsys.readouterr().out
+        return float(out.split("estimated peak memory ")[1].split(" GB")[0])
+
+    short, long = peak("walk:max_total_tokens=256"), peak("walk:max_total_tokens=1024")
+    assert peak("arithmetic") < short < long  # prompt + max_total_tokens, not max_new_tokens
