@@ -14,6 +14,7 @@ BENCHES = {
     "quarantine": ("stoa.bench.quarantine",
                    "lag-0 logprob disagreement of honest and lying workers vs threshold"),
     "retriever": ("stoa.bench.retriever", "BM25 queries/s (batched, single, HTTP) and index memory"),
+    "episodes": ("stoa.bench.episodes", "multi-turn episode tokens/s (torch, MLX) on a real task vs generate"),
 }
 
 

@@ -1,0 +1,340 @@
+"""``stoa bench episodes``: multi-turn rollout throughput of the torch and MLX engines on a real task with its
+real tools (the built-in ``search`` task and its BM25 index by default), against single-turn ``generate`` on
+the same prompts in the same run.
+
+Each repeat runs, per engine, one seeded batch of P prompts x N episodes (``stoa.envs.rollout.sample_episodes``:
+the engine's ``generate_episodes`` driven by ``EpisodeDriver``, every paused row's call in one tool request),
+then ``generate`` on the same prompt tokens with ``max_new_tokens`` = the per-turn cap (EOS ignored, so every row
+decodes all its tokens). Engines alternate within a repeat, so load changes hit both alike; the table gives
+medians over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("torch", "mlx")
+
+
+@dataclass
+class EpisodeBenchSpec:
+    """What to measure.
+
+    Args:
+        model: model name or directory (``resolve_model``: ``tiny``, ``smollm2-135m``, a directory).
+        engines: engines to run, in order (``torch``, ``mlx``).
+        task: a multi-turn task name (``get_task``).
+        options: the task's options (``KEY=VALUE`` strings converted by ``get_task``).
+        prompts: prompts per batch (P), drawn from the task's train split with ``seed``.
+        n: episodes per prompt (N).
+        turn_tokens: tokens one model turn may sample (T); also ``generate``'s ``max_new_tokens``.
+        repeats: timed batches per engine (R).
+        threads: torch CPU threads (0: torch's default); MLX ignores it.
+        dtype: compute dtype of both engines (``auto``, ``float32``, ``bfloat16``).
+        temperature: sampling temperature.
+        seed: the prompts' and the sampling seed (every repeat samples the same episodes).
+    """
+
+    model: str = "smollm2-135m"
+    engines: tuple[str, ...] = ENGINES
+    task: str = "search"
+    options: tuple[str, ...] = ()
+    prompts: int = 2
+    n: int = 4
+    turn_tokens: int = 48
+    repeats: int = 2
+    threads: int = 0
+    dtype: str = "auto"
+    temperature: float = 1.0
+    seed: int = 0
+
+    def check(self) -> None:
+        """Refuse unknown engines, dtypes and sizes below 1 (ValueError naming the field)."""
+        unknown = [e for e in self.engines if e not in ENGINES]
+        if unknown or not self.engines:
+            raise ValueError(f"engines: {list(self.engines)} is not a subset of {', '.join(ENGINES)}; "
+                             "pass e.g. --engines torch,mlx")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype: {self.dtype!r}; use auto, float32 or bfloat16")
+        for name in ("prompts", "n", "turn_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise ValueError(f"threads: must be >= 0 (0: torch's default), got {self.threads}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``stoa bench episodes``.
+
+    Args:
+        p: the subcommand's parser.
+    """
+    d = EpisodeBenchSpec()
+    p.add_argument("--model", default=d.model, help=f"tiny, smollm2-135m or a model directory [default: {d.model}]")
+    p.add_argument("--engines", default=",".join(d.engines), help="comma-separated: torch, mlx [default: torch,mlx]")
+    p.add_argument("--task", default=d.task, help=f"a multi-turn task [default: {d.task}]")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a task option (repeatable), e.g. --option shots=0")
+    p.add_argument("--prompts", type=int, default=d.prompts, help=f"prompts per batch P [default: {d.prompts}]")
+    p.add_argument("--n", type=int, default=d.n, help=f"episodes per prompt N [default: {d.n}]")
+    p.add_argument("--turn-tokens", type=int, default=d.turn_tokens,
+                   help=f"tokens per model turn T, and generate's max_new_tokens [default: {d.turn_tokens}]")
+    p.add_argument("--repeats", type=int, default=d.repeats, help=f"timed batches per engine R [default: {d.repeats}]")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--dtype", default=d.dtype, choices=("auto", "float32", "bfloat16"),
+                   help="compute dtype of both engines [default: auto]")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature [default: 1.0]")
+    p.add_argument("--seed", type=int, default=d.seed, help="prompt and sampling seed [default: 0]")
+    p.add_argument("--json", default="", metavar="PATH", help="also write the results here (JSON)")
+
+
+def bench_tools(task: Any, echo: Callable[[str], Any] = print) -> Any:
+    """The task's real tools: a search task's BM25 index built in-process from ``task.corpus()``, else the
+    task's own tools.
+
+    Args:
+        task: a multi-turn task.
+        echo: where the indexing line goes.
+
+    Raises:
+        ValueError: a single-turn task, or a search task without a corpus.
+    """
+    from stoa.tasks.multiturn import is_multiturn
+
+    if not is_multiturn(task):
+        raise ValueError(f"task: {task.id!r} is single-turn; pick a multi-turn task (search, searchqa, walk)")
+    if getattr(task, "tool_kind", "") != "search":
+        return task.make_tools(None)
+    if not hasattr(task, "corpus"):
+        raise ValueError(f"task: {task.id!r} has no corpus to index; give its corpus option (--option corpus=PATH)")
+    from stoa.retrieval import BM25Index
+
+    t0 = time.perf_counter()
+    index = BM25Index.build(task.corpus())
+    echo(f"[bench] indexed the {task.id} corpus in {time.perf_counter() - t0:.2f}s")
+    return task.make_tools(index)
+
+
+def _episode_figures(eb: Any) -> dict[str, float]:
+    """One episode batch's figures: tokens, rates, turns, tools and observation prefill."""
+    import numpy as np
+
+    from stoa.envs.base import ROLE_ACTION
+    from stoa.envs.rollout import episode_metrics
+
+    eps = [e for g in eb.groups for e in g]
+    action = float(sum(int(np.sum(np.asarray(e.roles) == ROLE_ACTION)) for e in eps))
+    obs = float(sum(len(e.tokens) for e in eps)) - action
+    wall = max(eb.seconds, 1e-9)
+    extra = eb.stats.extra
+    tool_s, obs_s = float(extra.get("tool_seconds", 0.0)), float(extra.get("obs_prefill_s", 0.0))
+    out = {"wall_s": eb.seconds, "action_tokens": action, "obs_tokens": obs,
+           "action_tokens_per_s": action / wall, "all_tokens_per_s": (action + obs) / wall,
+           "tool_calls": float(extra.get("tool_calls", 0.0)), "tool_s": tool_s, "tool_share": tool_s / wall,
+           "obs_prefill_s": obs_s, "obs_prefill_share": obs_s / wall, "rounds": float(extra.get("rounds", 0.0)),
+           "reward_mean": float(np.mean([r for rs in eb.rewards for r in rs]))}
+    out.update({k.removeprefix("rollout/"): v for k, v in episode_metrics(eb.groups).items()})
+    return out
+
+
+class EngineRun:
+    """One engine on the benchmark's model, task, tools and prompts, answering timed repeats.
+
+    Args:
+        name: ``torch`` or ``mlx``.
+        model_dir: the model directory.
+        spec: the benchmark's settings.
+        task: the task; tools: its tools; codec: the tokenizer; prompts: the batch's prompts.
+    """
+
+    def __init__(self, name: str, model_dir: Path, spec: EpisodeBenchSpec, task: Any, tools: Any, codec: Any,
+                 prompts: Sequence[Any]):
+        from stoa.engines.factory import make_engine
+
+        t0 = time.perf_counter()
+        self.engine: Any = make_engine(name, model_dir, dtype=spec.dtype, threads=spec.threads)
+        self.load_s = time.perf_counter() - t0
+        self.name, self.spec, self.task, self.tools, self.codec = name, spec, task, tools, codec
+        self.prompts = list(prompts)
+        self.prompt_tokens = [codec.encode_prompt(p.messages) for p in self.prompts]
+        self.engine.generate(self.prompt_tokens, 1, max_new_tokens=2)  # warm-up: lazy init, kernels, allocator
+
+    def info(self) -> dict[str, Any]:
+        """What ran: engine, dtype, threads or BLAS, load time, prompt tokens."""
+        out: dict[str, Any] = {"engine": self.name, "dtype": self.engine.dtype_name, "load_s": self.load_s,
+                               "prompt_tokens_mean": statistics.mean(len(p) for p in self.prompt_tokens)}
+        if self.name == "mlx":
+            from stoa.engines.mlx_blas import blas_status
+
+            out["blas"] = blas_status()
+        else:
+            import torch
+
+            out["threads"] = torch.get_num_threads()
+        return out
+
+    def episodes(self) -> dict[str, float]:
+        """One seeded batch of P x N episodes (the same episodes every repeat)."""
+        from stoa.envs.rollout import sample_episodes
+
+        eb = sample_episodes(self.engine, self.task, self.codec, self.tools, self.prompts, self.spec.n,
+                             max_turn_tokens=self.spec.turn_tokens, temperature=self.spec.temperature,
+                             generator=self.engine.make_generator(self.spec.seed))
+        return _episode_figures(eb)
+
+    def generate(self) -> dict[str, float]:
+        """Single-turn ``generate`` on the same prompt tokens: N rows each, T new tokens (EOS ignored)."""
+        t0 = time.perf_counter()
+        _, st = self.engine.generate(self.prompt_tokens, self.spec.n, max_new_tokens=self.spec.turn_tokens,
+                                     temperature=self.spec.temperature,
+                                     generator=self.engine.make_generator(self.spec.seed))
+        wall = time.perf_counter() - t0
+        return {"generate_wall_s": wall, "generate_tokens": float(st.new_tokens),
+                "generate_tokens_per_s": st.new_tokens / max(wall, 1e-9), "generate_prefill_s": st.prefill_s}
+
+
+def summarise(info: dict[str, Any], runs: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """An engine's row: its info, the median of every figure over the repeats, derived ratios, and ``runs``
+    (every repeat's figures).
+
+    Args:
+        info: ``EngineRun.info()``.
+        runs: one dict of figures per repeat (episodes and generate merged).
+    """
+    row: dict[str, Any] = dict(info) | {"repeats": len(runs)}
+    for key in runs[0]:
+        row[key] = statistics.median(r[key] for r in runs)
+    row["action_tokens_per_s_min"] = min(r["action_tokens_per_s"] for r in runs)
+    row["action_tokens_per_s_max"] = max(r["action_tokens_per_s"] for r in runs)
+    row["episodes_vs_generate"] = row["action_tokens_per_s"] / max(row["generate_tokens_per_s"], 1e-9)
+    row["runs"] = [dict(r) for r in runs]
+    return row
+
+
+def format_table(row: dict[str, Any], spec: EpisodeBenchSpec) -> str:
+    """The table of one engine's medians.
+
+    Args:
+        row: :func:`summarise`'s row.
+        spec: the settings.
+    """
+    runtime = f"BLAS {row['blas']}" if "blas" in row else f"torch threads {row.get('threads', '?')}"
+    ends = ", ".join(f"{k.removeprefix('end/')} {v:.2f}" for k, v in row.items() if k.startswith("end/") and v)
+    lines = [
+        f"{row['engine']} ({row['dtype']}, {runtime}): {spec.task}, {spec.prompts} prompts x {spec.n} episodes, "
+        f"{spec.turn_tokens} tokens/turn, median of {row['repeats']}",
+        f"  {'action tokens/s':<26}{row['action_tokens_per_s']:>10.1f}   "
+        f"(min {row['action_tokens_per_s_min']:.1f}, max {row['action_tokens_per_s_max']:.1f}; "
+        f"{row['action_tokens']:.0f} action tokens in {row['wall_s']:.2f}s)",
+        f"  {'all tokens/s':<26}{row['all_tokens_per_s']:>10.1f}   "
+        f"(+ {row['obs_tokens']:.0f} observation tokens)",
+        f"  {'turns per episode':<26}{row['turns_mean']:>10.2f}   ({row['rounds']:.0f} decode rounds)",
+        f"  {'search rate':<26}{row['search_rate']:>10.2f}",
+        f"  {'tool calls':<26}{row['tool_calls']:>10.0f}   ({row['tool_calls_mean']:.2f} per episode)",
+        f"  {'tool seconds':<26}{row['tool_s']:>10.4f}   ({100 * row['tool_share']:.2f}% of wall)",
+        f"  {'observation prefill s':<26}{row['obs_prefill_s']:>10.3f}   "
+        f"({100 * row['obs_prefill_share']:.1f}% of wall)",
+        f"  {'generate tokens/s':<26}{row['generate_tokens_per_s']:>10.1f}   "
+        f"(single turn, {row['generate_tokens']:.0f} tokens; episodes' actions at {row['episodes_vs_generate']:.2f}x)",
+        f"  {'end reasons':<26}{ends or '-':>10}   mean reward {row['reward_mean']:.3f}",
+    ]
+    return "\n".join(lines)
+
+
+def run_episode_bench(spec: EpisodeBenchSpec, task: Any = None, echo: Callable[[str], Any] = print
+                      ) -> dict[str, Any]:
+    """Measure every engine of ``spec``; print one table per engine and return the figures.
+
+    Args:
+        spec: the settings.
+        task: a task object to run instead of ``get_task(spec.task, **spec.options)`` (tests).
+        echo: where the tables and progress lines go.
+
+    Returns:
+        ``{"spec": ..., "engines": {name: row}, "load_avg": ..., "time": ...}``; each row holds the medians
+        of :func:`summarise`.
+    """
+    import numpy as np
+
+    from stoa.models import resolve_model
+    from stoa.tasks import get_task
+    from stoa.tokenize import TextCodec
+
+    spec.check()
+    if "mlx" in spec.engines:
+        from stoa.engines.mlx_blas import prepare_mlx_blas
+
+        prepare_mlx_blas()  # before anything imports mlx
+    model_dir = Path(resolve_model(spec.model))
+    task = task if task is not None else get_task(spec.task, **_options(spec.options))
+    tools = bench_tools(task, echo)
+    rng = np.random.default_rng(spec.seed)
+    prompts = [task.sample_train(rng) for _ in range(spec.prompts)]
+    codec = TextCodec(model_dir)
+    runs: list[EngineRun] = []
+    for name in spec.engines:
+        echo(f"[bench] starting {name} on {model_dir.name} ...")
+        runs.append(EngineRun(name, model_dir, spec, task, tools, codec, prompts))
+    figures: list[list[dict[str, float]]] = [[] for _ in runs]
+    load: list[float] = []
+    for rep in range(spec.repeats):
+        for run, figs in zip(runs, figures, strict=True):
+            figs.append(run.episodes() | run.generate())
+            load.append(_load_avg())
+            echo(f"[bench] repeat {rep + 1}/{spec.repeats} {run.name}: "
+                 f"{figs[-1]['action_tokens_per_s']:.1f} action tokens/s, "
+                 f"generate {figs[-1]['generate_tokens_per_s']:.1f} tokens/s")
+    rows = {run.name: summarise(run.info(), figs) for run, figs in zip(runs, figures, strict=True)}
+    for row in rows.values():
+        echo(format_table(row, spec))
+    return {"spec": asdict(spec), "model_dir": str(model_dir), "engines": rows,
+            "load_avg": statistics.median(load), "time": time.time()}
+
+
+def _options(items: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings as a dict (ValueError naming the bad item)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option {item!r}: write KEY=VALUE, e.g. --option shots=0")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _load_avg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return float("nan")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark with parsed flags.
+
+    Args:
+        args: parsed flags (see ``add_arguments``).
+    """
+    spec = EpisodeBenchSpec(model=args.model, engines=tuple(e for e in args.engines.split(",") if e),
+                            task=args.task, options=tuple(args.option), prompts=args.prompts, n=args.n,
+                            turn_tokens=args.turn_tokens, repeats=args.repeats, threads=args.threads,
+                            dtype=args.dtype, temperature=args.temperature, seed=args.seed)
+    result = run_episode_bench(spec, echo=lambda line: print(line, flush=True))
+    print(f"[bench] load average {result['load_avg']:.2f} on {_cpus()} CPUs", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(f"[bench] wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _cpus() -> int:
+    return os.cpu_count() or 1

@@ -1,0 +1,78 @@
+"""`stoa bench episodes` on the tiny model: both engines run the real search tools in multi-turn episodes and the
+returned figures add up (tokens, rates, shares, tool calls), beside single-turn generate on the same prompts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from stoa.bench.episodes import EpisodeBenchSpec, run_episode_bench
+from stoa.cli.bench import bench_parser
+from stoa.envs.base import ToolCall
+from stoa.tasks.search import SearchEnv, SearchTask
+
+ENGINES = ("torch", "mlx") if importlib.util.find_spec("mlx") else ("torch",)
+P, N, T = 2, 2, 8
+
+
+class LetterSearchEnv(SearchEnv):
+    """The random tiny model never writes ``<search>``: here 'a' or 'e' ends a turn and the turn is the query
+    (so episodes really call the task's BM25 tools and get its observations)."""
+
+    stop_strings = ("a", "e")
+
+    def parse(self, turn_text: str) -> ToolCall | None:
+        return ToolCall("search", turn_text.strip() or "x")
+
+
+class LetterSearchTask(SearchTask):
+    def make_env(self, prompt, seed):
+        return LetterSearchEnv()
+
+
+def test_bench_episodes_figures_add_up_on_both_engines_with_real_search_tools(tiny_dir):
+    task = LetterSearchTask(topk=2, max_doc_chars=40, max_turns=3, max_obs_tokens=200, max_total_tokens=400)
+    spec = EpisodeBenchSpec(model=str(tiny_dir), engines=ENGINES, prompts=P, n=N, turn_tokens=T, repeats=2,
+                            threads=1, dtype="float32")
+    out = run_episode_bench(spec, task=task, echo=lambda _: None)
+    assert list(out["engines"]) == list(ENGINES)
+    for row in out["engines"].values():
+        assert row["dtype"] == "float32" and row["repeats"] == 2
+        assert 0 < row["action_tokens"] <= P * N * 3 * T  # at most max_turns turns of T tokens per episode
+        assert row["tool_calls"] > 0 and row["obs_tokens"] > 0 and 0 < row["search_rate"] <= 1
+        assert row["tool_calls"] == row["tool_calls_mean"] * P * N  # counted by the driver and by the episodes
+        assert 1 < row["turns_mean"] <= 3 and row["rounds"] >= 2
+        assert row["action_tokens_per_s_min"] <= row["action_tokens_per_s"] <= row["action_tokens_per_s_max"]
+        assert row["all_tokens_per_s"] > row["action_tokens_per_s"] > 0
+        assert abs(row["all_tokens_per_s"] / row["action_tokens_per_s"]
+                   - (row["action_tokens"] + row["obs_tokens"]) / row["action_tokens"]) < 1e-6
+        assert 0 < row["tool_s"] < row["wall_s"] and 0 < row["tool_share"] < 1
+        assert 0 < row["obs_prefill_s"] < row["wall_s"] and 0 < row["obs_prefill_share"] < 1
+        assert abs(sum(v for k, v in row.items() if k.startswith("end/")) - 1) < 1e-9
+        assert row["generate_tokens"] == P * N * T and row["generate_tokens_per_s"] > 0  # EOS ignored
+        assert row["episodes_vs_generate"] > 0
+        first, second = row["runs"]
+        for key in ("action_tokens", "obs_tokens", "tool_calls", "turns_mean"):  # seeded: the same episodes
+            assert first[key] == second[key] == row[key]
+        for run in row["runs"]:
+            assert run["tool_share"] == run["tool_s"] / run["wall_s"]
+            assert run["obs_prefill_share"] == run["obs_prefill_s"] / run["wall_s"]
+            assert run["action_tokens_per_s"] == run["action_tokens"] / run["wall_s"]
+
+
+def test_stoa_bench_episodes_flags_run_the_builtin_search_task_and_write_json(tiny_dir, tmp_path):
+    from stoa.bench import episodes
+
+    path = tmp_path / "episodes.json"
+    parser = bench_parser("episodes")
+    assert parser is not None
+    args = parser.parse_args(["--model", str(tiny_dir), "--engines", "torch", "--prompts", "1", "--n", "2",
+                              "--turn-tokens", "4", "--repeats", "1", "--threads", "1", "--dtype", "float32",
+                              "--option", "shots=0", "--json", str(path)])
+    assert episodes.main(args) == 0
+    out = json.loads(path.read_text())
+    assert out["spec"]["task"] == "search" and out["spec"]["options"] == ["shots=0"]
+    row = out["engines"]["torch"]
+    assert row["action_tokens"] == 1 * 2 * 4  # the random model never closes a search: every turn runs to T
+    assert row["end/length"] == 1.0 and row["tool_calls"] == 0 and row["search_rate"] == 0
+    assert row["generate_tokens"] == 8 and row["threads"] == 1
