@@ -17,7 +17,8 @@ import traceback
 from collections.abc import Callable
 from typing import NamedTuple
 
-COMMANDS = ("trainer", "worker", "quickstart", "model", "bench", "local-e2e", "local", "export", "retriever")
+COMMANDS = ("trainer", "worker", "quickstart", "model", "bench", "local-e2e", "local", "export", "retriever",
+            "join-card", "join")
 
 EXIT_CODES: dict[int, str] = {
     0: "done",

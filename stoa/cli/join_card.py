@@ -1,0 +1,67 @@
+"""``stoa join-card``: print (and write) what a new worker needs to join a run; secrets only on request, 0600."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_REFUSED = 2
+"""Exit code of a refused card (``EXIT_CODES`` in stoa.cli: an invalid flag); the message names the fix."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``join-card`` command.
+
+    Args:
+        sub: the top-level subparsers.
+    """
+    p = sub.add_parser(
+        "join-card", help="print the card a new worker joins a run with (no secrets)",
+        description="Read the run's contract and print everything a joining machine needs except secrets: the "
+                    "bucket URL, run id, group size n, plane, task, the retriever (search tasks), the names of "
+                    "the credential variables to set, and the join command. --out writes the card file that "
+                    "'stoa join --card FILE' reads; --with-secrets writes this machine's credential values into "
+                    "a new 0600 env file to hand over apart from the card.")
+    p.add_argument("--bucket", required=True, help="bucket URL or local directory of the run")
+    p.add_argument("--run", required=True, help="run id")
+    p.add_argument("--retriever", default="", metavar="URL",
+                   help="search tasks: a shared endpoint (stoa retriever serve) joiners should use [default: the "
+                        "run's index, which workers download from the bucket]")
+    p.add_argument("--out", default="", metavar="FILE", help="write the card file here [default: print it]")
+    p.add_argument("--with-secrets", default="", metavar="FILE",
+                   help="also write the credential values of this machine into FILE (created 0600; refused if it "
+                        "exists) [default: no secrets anywhere]")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Make the card, write the files asked for, print the card.
+
+    Args:
+        args: parsed arguments.
+    """
+    from pathlib import Path
+
+    from stoa.bucket.credentials import resolve_env
+    from stoa.join.card import CardError, card_text, card_toml, make_card, write_secrets
+
+    env = resolve_env()
+    try:
+        card = make_card(args.bucket, args.run, args.retriever, env)
+        if args.with_secrets:
+            write_secrets(args.with_secrets, card.credentials, env)
+    except CardError as e:
+        print(f"stoa join-card: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    card_file = args.out or f"join-{card.run}.toml"
+    if args.out:
+        Path(args.out).write_text(card_toml(card), encoding="utf-8")
+    print(card_text(card, card_file, args.with_secrets))
+    if args.with_secrets:
+        print(f"[join-card] wrote the credentials to {args.with_secrets} (mode 0600): hand it over out of band, "
+              "never beside the card")
+    if args.out:
+        print(f"[join-card] wrote {args.out}")
+    else:
+        print(f"\n# save as {card_file}:\n{card_toml(card)}", end="")
+    return 0

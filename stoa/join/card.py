@@ -1,0 +1,271 @@
+"""The join card: what a new worker needs to join a run (bucket, run, n, plane, task, retriever), never secrets.
+
+``make_card`` reads the run's contract from the bucket; ``card_toml``/``read_card`` write and read the small
+TOML file ``stoa join`` takes; ``card_text`` is the screen ``stoa join-card`` prints. ``credential_names`` says
+which variables a joiner must set for the bucket's URL scheme (names only); ``write_secrets`` writes their
+values from this machine into a new 0600 env file for out-of-band hand-over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stoa.bucket import ObjectNotFound, open_bucket, parse_bucket_url
+from stoa.bucket.credentials import R2_VARS, resolve_env
+from stoa.contract import RunContract
+from stoa.layout import contract_key
+
+CARD_VERSION = 1
+"""Version of the card file; ``read_card`` refuses another."""
+R2_OPTIONAL = ("R2_ENDPOINT_URL",)
+"""R2 variables a joiner needs only when this machine sets them too (an EU jurisdiction endpoint)."""
+AWS_REQUIRED = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+AWS_OPTIONAL = ("AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+"""AWS-style variables a joiner needs only when this machine sets them (a non-AWS store's endpoint, a region)."""
+TUNING_OPTIONAL = ("STOA_S3_LISTING",)
+"""Bucket tuning a joiner must share with the trainer when set (``client`` listing for SeaweedFS)."""
+SEARCH_TASKS = ("search", "searchqa")
+"""Task ids whose workers need a retriever (the search tool)."""
+
+
+class CardError(ValueError):
+    """A join card that cannot be made, written or read; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class JoinCard:
+    """Everything a joining worker needs except secrets.
+
+    Attributes:
+        bucket: the bucket URL (a local path is made absolute).
+        run: the run id.
+        n_samples: the run's group size n.
+        plane: the run's weight plane.
+        task: the run's task id.
+        contract: the contract's fingerprint, so a run re-created under the same id is noticed.
+        search: whether the task searches (needs a retriever).
+        retriever: a shared retriever endpoint URL, or empty (the worker downloads the run's index).
+        credentials: names of the variables a joiner must set (never their values).
+        card_version: :data:`CARD_VERSION`.
+    """
+
+    bucket: str
+    run: str
+    n_samples: int
+    plane: str
+    task: str
+    contract: str
+    search: bool = False
+    retriever: str = ""
+    credentials: tuple[str, ...] = field(default_factory=tuple)
+    card_version: int = CARD_VERSION
+
+
+def credential_names(url: str, env: Mapping[str, str]) -> tuple[str, ...]:
+    """The variables a joiner must set to open ``url`` like this machine does (names only).
+
+    ``r2://`` takes the R2 variables; ``s3://`` the AWS ones when this machine uses them (as
+    ``open_bucket`` picks them), else the R2 ones. Optional variables (endpoint, region, session token, the
+    bucket name for a URL without one, listing mode) are named when this machine sets them.
+
+    Args:
+        url: the bucket URL.
+        env: this machine's variables (environment and env file merged).
+    """
+    where = parse_bucket_url(url)
+    if where.scheme == "file":
+        return ()
+    aws = where.scheme == "s3" and bool(env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_SECRET_ACCESS_KEY")
+                                        or not any(env.get(n) for n in R2_VARS))
+    required, optional, bucket_var = ((AWS_REQUIRED, AWS_OPTIONAL, "AWS_BUCKET") if aws
+                                      else (R2_VARS, R2_OPTIONAL, "R2_BUCKET"))
+    names = list(required) + [n for n in optional + TUNING_OPTIONAL if env.get(n)]
+    if not where.location:
+        names.append(bucket_var)
+    return tuple(names)
+
+
+def _card_bucket(url: str) -> str:
+    """A local bucket path made absolute (the card travels to another directory); other URLs unchanged."""
+    where = parse_bucket_url(url)
+    if where.scheme == "file" and "://" not in url:
+        return os.path.abspath(os.path.expanduser(url.strip()))
+    return url.strip()
+
+
+def read_contract(bucket_url: str, run: str, env: Mapping[str, str] | None = None) -> RunContract:
+    """The run's contract from its bucket.
+
+    Args:
+        bucket_url: the bucket URL.
+        run: the run id.
+        env: variables for the bucket's credentials (default: the environment and ``STOA_ENV_FILE``).
+
+    Raises:
+        ObjectNotFound: the run has no contract; the message names the fix.
+    """
+    bucket = open_bucket(bucket_url, env, create=False, retry_seconds=10.0)
+    try:
+        return RunContract.from_json(bucket.get(contract_key(run)))
+    except ObjectNotFound:
+        raise ObjectNotFound(f"run {run!r} has no contract in {bucket_url}; start the trainer first or check "
+                             "--run/--bucket") from None
+
+
+def make_card(bucket_url: str, run: str, retriever: str = "", env: Mapping[str, str] | None = None) -> JoinCard:
+    """Build the join card of a run from its contract.
+
+    Args:
+        bucket_url: the bucket URL.
+        run: the run id.
+        retriever: a shared retriever endpoint (``http(s)://``) for a search task; empty: workers download
+            the run's index from the bucket.
+        env: variables for the bucket's credentials (default: the environment and ``STOA_ENV_FILE``).
+
+    Raises:
+        CardError: a retriever for a task that has none, or one that is not a URL.
+        ObjectNotFound: the run has no contract.
+    """
+    variables = resolve_env(env)
+    contract = read_contract(bucket_url, run, variables)
+    search = contract.task_id in SEARCH_TASKS or bool(contract.retriever)
+    if retriever and not search:
+        raise CardError(f"--retriever: task {contract.task_id!r} uses no retriever; leave --retriever out")
+    if retriever and not retriever.startswith(("http://", "https://")):
+        raise CardError(f"--retriever {retriever!r}: give the URL of a shared endpoint (stoa retriever serve); "
+                        "a directory does not travel, and without --retriever workers use the run's index")
+    return JoinCard(bucket=_card_bucket(bucket_url), run=run, n_samples=contract.n_samples, plane=contract.plane,
+                    task=contract.task_id, contract=contract.fingerprint(), search=search, retriever=retriever,
+                    credentials=credential_names(bucket_url, variables))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def card_toml(card: JoinCard) -> str:
+    """The card file's text (TOML, one key per field; ``read_card`` reads it back).
+
+    Args:
+        card: the card.
+    """
+    join = (f"stoa join --card FILE --env ENVFILE  (ENVFILE sets {', '.join(card.credentials)})" if card.credentials
+            else "stoa join --card FILE")
+    lines = [f"# stoa join card for run {card.run!r}: no secrets here.", f"# Join with: {join}"]
+    lines += [f"{name} = {_toml_value(value)}" for name, value in asdict(card).items()]
+    return "\n".join(lines) + "\n"
+
+
+def read_card(path: str | os.PathLike[str]) -> JoinCard:
+    """Read a card file (TOML as ``card_toml`` writes it, or the same keys as JSON).
+
+    Args:
+        path: the card file.
+
+    Raises:
+        CardError: missing, unreadable, of another version, or with missing or mistyped keys.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise CardError(f"card {path}: {e.strerror or e}; ask the run's operator for it (stoa join-card "
+                        "--out)") from None
+    try:
+        data = json.loads(text) if text.lstrip().startswith("{") else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise CardError(f"card {path} is not a join card ({e}); write it with stoa join-card --out FILE") from None
+    if data.get("card_version") != CARD_VERSION:
+        raise CardError(f"card {path} has version {data.get('card_version')!r}, this stoa reads {CARD_VERSION}; "
+                        "make a new one with this stoa's join-card")
+    return _card_from(data, path)
+
+
+def _card_from(data: Mapping[str, Any], path: str | os.PathLike[str]) -> JoinCard:
+    kinds = {"bucket": str, "run": str, "n_samples": int, "plane": str, "task": str, "contract": str,
+             "search": bool, "retriever": str, "credentials": list}
+    for name, kind in kinds.items():
+        value = data.get(name)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise CardError(f"card {path}: {name!r} is missing or not a {kind.__name__}; make a new card with "
+                            "stoa join-card --out FILE")
+    names = tuple(data["credentials"])
+    if not all(isinstance(n, str) for n in names):
+        raise CardError(f"card {path}: 'credentials' must list variable names")
+    return JoinCard(bucket=data["bucket"], run=data["run"], n_samples=data["n_samples"], plane=data["plane"],
+                    task=data["task"], contract=data["contract"], search=data["search"],
+                    retriever=data["retriever"], credentials=names)
+
+
+def card_text(card: JoinCard, card_file: str, env_file: str = "") -> str:
+    """The screen ``stoa join-card`` prints: every value, the variables to set, the join command.
+
+    Args:
+        card: the card.
+        card_file: the card file's name as the joiner will have it.
+        env_file: the env file with the secrets, if one was written.
+    """
+    if not card.search:
+        retriever = "none (the task uses no search tool)"
+    elif card.retriever:
+        retriever = card.retriever
+    else:
+        retriever = "the worker downloads the run's index from the bucket (no endpoint needed)"
+    creds = ", ".join(card.credentials) if card.credentials else "none (a local bucket)"
+    env_arg = f" --env {env_file or 'ENVFILE'}" if card.credentials else ""
+    rows = [("bucket", card.bucket), ("run", card.run), ("group size n", str(card.n_samples)),
+            ("plane", card.plane), ("task", card.task), ("retriever", retriever), ("contract", card.contract),
+            ("set these", creds + (" (values handed over apart from this card)" if card.credentials else "")),
+            ("join with", f"stoa join --card {card_file}{env_arg}")]
+    return "\n".join([f"stoa join card for run {card.run!r}"] + [f"  {k + ':':<14}{v}" for k, v in rows])
+
+
+def _env_value(value: str) -> str:
+    """A value quoted so that stoa's env-file reader (which strips one pair of outer quotes) and a POSIX shell
+    both read it back unchanged."""
+    return f"'{value}'" if "'" not in value else f'"{value}"'
+
+
+def write_secrets(path: str | os.PathLike[str], names: tuple[str, ...], env: Mapping[str, str]) -> list[str]:
+    """Write ``NAME=value`` lines for ``names`` from ``env`` into a NEW file of mode 0600.
+
+    Args:
+        path: the env file to create (refused if it exists).
+        names: the variables (a card's ``credentials``).
+        env: where the values come from (this machine's environment and env file).
+
+    Returns:
+        The names written.
+
+    Raises:
+        CardError: nothing to write (a local bucket), a variable unset here, the file exists, or a value
+            that cannot be one line.
+    """
+    if not names:
+        raise CardError("--with-secrets: a local bucket needs no credentials; leave --with-secrets out")
+    missing = [n for n in names if not env.get(n)]
+    if missing:
+        raise CardError(f"--with-secrets: {', '.join(missing)} not set on this machine; set them (or STOA_ENV_FILE) "
+                        "and run join-card again")
+    if any("\n" in env[n] or "\r" in env[n] for n in names):
+        raise CardError("--with-secrets: a credential value holds a line break; fix the variable")
+    try:
+        fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise CardError(f"--with-secrets {path}: the file exists; remove it or name a new file") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)  # whatever the umask, never more and never less than 0600
+        f.write("# stoa bucket credentials: hand over out of band, keep mode 0600, never commit.\n")
+        f.writelines(f"{n}={_env_value(env[n])}\n" for n in names)
+    return list(names)
