@@ -21,11 +21,16 @@ from stoa.engines import make_engine as build_engine
 from stoa.envs.rollout import episode_sample
 from stoa.layout import rollout_key
 from stoa.lifecycle import RunWatch, Verdict
-from stoa.metrics import MetricsWriter, default_log_dir
+from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.records import RolloutRecord, Sample
 from stoa.worker.episodes import sample_episode_batch
 from stoa.worker.syncing import published_at as _published_at
 from stoa.worker.syncing import sync_weights as _sync
+
+METRICS_FLUSH_ROWS = 200
+"""A worker uploads its buffered metrics rows as a chunk once this many gathered ..."""
+METRICS_FLUSH_SECONDS = 60.0
+"""... or once the oldest is this old (and at exit); ``stoa status`` reads these chunks."""
 
 
 def worker_id(label: str) -> str:
@@ -106,28 +111,31 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
                   in_flight=cfg.groups_in_flight or _tier_groups(w.contract.n_samples))
     echo(f"[worker {w.wid}] engine {w.engine_name} ({w.engine.dtype_name}), run {cfg.run}, v{version}, "
          f"n={w.contract.n_samples}, {p.in_flight} groups in flight")
+    w.metrics.log({"worker/engine": w.engine_name, "worker/dtype": w.engine.dtype_name, "worker/version": version})
     t_start = time.perf_counter()
     p.versions_seen.add(version)
     finished = False
-    while cfg.max_groups == 0 or p.seq < cfg.max_groups:
-        _follow(w, p, echo)
-        verdict = _watch(w, p, echo)
-        if verdict.action == "exit":
-            finished = True
-            break
-        if verdict.action == "pause":  # backpressure lifts as soon as the trainer steps: re-read sooner
-            time.sleep(cfg.status_seconds if verdict.kind == "backpressure" else cfg.poll_seconds)
-            continue
-        k = p.in_flight if cfg.max_groups == 0 else min(p.in_flight, cfg.max_groups - p.seq)
-        wanted = w.watch.wanted()
-        k = min(k, wanted) if wanted is not None and wanted > 0 else k  # no batch beyond what the trainer uses
-        batch = _sample(w, p, k)
-        if batch is None:
-            time.sleep(cfg.poll_seconds)
-            continue
-        _upload(w, p, batch)
-        _log_batch(w, p, batch)
-    w.metrics.close()
+    try:  # the last metrics rows reach the bucket on a stop (Ctrl-C) or an error too
+        while cfg.max_groups == 0 or p.seq < cfg.max_groups:
+            _follow(w, p, echo)
+            verdict = _watch(w, p, echo)
+            if verdict.action == "exit":
+                finished = True
+                break
+            if verdict.action == "pause":  # backpressure lifts as soon as the trainer steps: re-read sooner
+                time.sleep(cfg.status_seconds if verdict.kind == "backpressure" else cfg.poll_seconds)
+                continue
+            k = p.in_flight if cfg.max_groups == 0 else min(p.in_flight, cfg.max_groups - p.seq)
+            wanted = w.watch.wanted()
+            k = min(k, wanted) if wanted is not None and wanted > 0 else k  # no batch beyond what the trainer uses
+            batch = _sample(w, p, k)
+            if batch is None:
+                time.sleep(cfg.poll_seconds)
+                continue
+            _upload(w, p, batch)
+            _log_batch(w, p, batch)
+    finally:
+        w.metrics.close()
     dt = time.perf_counter() - t_start
     return {"worker_id": w.wid, "groups": p.seq, "tokens": p.total_tokens,
             "tokens_per_s": p.total_tokens / dt if dt else 0.0, "versions": sorted(p.versions_seen),
@@ -218,7 +226,9 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     task = get_task(contract.task_id, **dict(contract.task_spec))
     sync = WeightSync(bucket, cfg.run, contract.plane)
     follower = WeightFollower(sync, contract.staleness_bound, base_delay_s=cfg.poll_seconds)
-    metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / f"worker-{wid}.jsonl", wid)
+    sink = BucketMetrics(bucket.inner, cfg.run, source=f"worker-{wid}", flush_rows=METRICS_FLUSH_ROWS,
+                         flush_seconds=METRICS_FLUSH_SECONDS)  # the raw bucket: a failed upload never waits
+    metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / f"worker-{wid}.jsonl", wid, sink)
     watch = RunWatch(bucket, cfg.run, stale_s=cfg.trainer_stale_seconds, min_interval_s=cfg.status_seconds,
                      backpressure=cfg.backpressure)
     tools = None
