@@ -1,0 +1,224 @@
+"""What ``stoa plot`` draws, read from a run's metrics chunks: the panels and each run's curves.
+
+Every metrics chunk is untrusted (any bucket writer can forge one): a row or value that is not a plain finite
+number where one is expected is skipped, never an exception. Plain data, no matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+MAX_CHUNK_BYTES = 64 << 20
+"""A metrics chunk larger than this is skipped (the trainer's are a few kB)."""
+MAX_ABS = 1e12
+"""A value whose magnitude exceeds this is skipped (no metric of stoa's gets near it)."""
+MAX_VERSION = 10**8 - 1
+"""The largest version a rollout key can spell (8 digits)."""
+TRAINER_SOURCE = "trainer"
+WORKER_SOURCE = "worker-"
+"""A worker's own metrics chunks are written by source ``worker-<worker id>``."""
+TIME_RANGE = (1e9, 1e10)
+"""Plausible unix times of a row (2001..2286); others are left off the wall-time axis."""
+WORKER_WINDOW = 4
+"""The worker count at version v counts the workers whose records were sampled at versions v-3..v."""
+
+
+class Metric(NamedTuple):
+    """One curve of a panel.
+
+    Args:
+        key: the metrics row key (``rollout/reward_mean``) or ``workers`` for the derived worker count.
+        label: its legend label inside the panel.
+    """
+
+    key: str
+    label: str
+
+
+class Panel(NamedTuple):
+    """One axes of the figure.
+
+    Args:
+        name: stable id (tests and callers address panels by it).
+        title: the axes title.
+        metrics: the curves it draws.
+        first_only: draw only the first metric a run has (eval: cover-EM for search tasks, else accuracy).
+    """
+
+    name: str
+    title: str
+    metrics: tuple[Metric, ...]
+    first_only: bool = False
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("reward", "rollout reward (mean)", (Metric("rollout/reward_mean", "reward"),)),
+    Panel("eval", "held-out eval", (Metric("eval/cover_em", "cover-EM"), Metric("eval/accuracy", "accuracy")),
+          first_only=True),
+    Panel("loss", "train loss", (Metric("train/loss", "loss"),)),
+    Panel("kl", "KL to the reference", (Metric("train/kl", "kl"),)),
+    Panel("clip", "clip / gate fractions", (Metric("train/clip_frac_low", "clip low"),
+                                            Metric("train/clip_frac_high", "clip high"),
+                                            Metric("train/gate_frac", "gate"))),
+    Panel("lag", "version lag of trained records", (Metric("rollout/lag_mean", "mean"),
+                                                    Metric("rollout/lag_max", "max"))),
+    Panel("records", "records accepted per second", (Metric("rollout/records_per_s", "records/s"),)),
+    Panel("workers", "workers seen (records sampled in the last 4 versions)", (Metric("workers", "workers"),)),
+)
+TRAINER_ONLY = ("train/", "rollout/")
+"""Metric prefixes read from the trainer's chunks only (``eval/*`` may come from any writer, e.g. an evaluator)."""
+
+
+@dataclass
+class Points:
+    """One curve's points: ``(version, unix time or None, value)``."""
+
+    rows: list[tuple[int, float | None, float]] = field(default_factory=list)
+
+
+@dataclass
+class RunCurves:
+    """Every curve of one run, ready to draw.
+
+    Args:
+        run_id: the run.
+        start: unix time of the run's first row (wall-time axis origin); None when no row had a time.
+        curves: metric key -> its points.
+    """
+
+    run_id: str
+    start: float | None
+    curves: dict[str, Points]
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a plausible finite float, else None (bools, strings, NaN, huge numbers).
+
+    Args:
+        value: an untrusted JSON value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:  # a huge JSON integer
+        return None
+    return f if math.isfinite(f) and abs(f) <= MAX_ABS else None
+
+
+def version_of(value: Any) -> int | None:
+    """``value`` as a policy version (an int in 0..MAX_VERSION), else None.
+
+    Args:
+        value: an untrusted JSON value.
+    """
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_VERSION else None
+
+
+def read_sourced_rows(bucket: Any, run_id: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every JSON-object row of a run's metrics chunks with the writer (``source``) of its chunk.
+
+    Chunks are read in writer, process start, chunk order; an oversized chunk, one deleted since the listing
+    and any line that is not a JSON object are skipped.
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run id.
+    """
+    from stoa.bucket import ObjectNotFound
+    from stoa.layout import metrics_prefix, parse_metrics_chunk_key
+
+    chunks = []
+    for info in bucket.list(metrics_prefix(run_id)):
+        parsed = parse_metrics_chunk_key(run_id, info.key)
+        if parsed is not None and info.size <= MAX_CHUNK_BYTES:
+            chunks.append((parsed.source, parsed.start, parsed.seq, info.key))
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for source, _, _, key in sorted(chunks):
+        try:
+            data = bucket.get(key)
+        except ObjectNotFound:
+            continue
+        for line in data.decode(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, RecursionError):
+                continue
+            if isinstance(row, dict):
+                rows.append((source, row))
+    return rows
+
+
+def worker_versions(run_id: str, source: str, row: dict[str, Any]) -> list[tuple[int, str]]:
+    """``(version, worker id)`` pairs one row attests: the trainer's ``rollout/keys`` (each record's sampling
+    version and worker), or a worker's own row (``worker/version`` in a ``worker-<id>`` chunk); other writers
+    (an evaluator) attest none.
+
+    Args:
+        run_id: the run (to parse the record labels with stoa.layout).
+        source: the writer of the row's chunk.
+        row: an untrusted metrics row.
+    """
+    from stoa.layout import parse_rollout_key, rollouts_prefix
+
+    if source.startswith(WORKER_SOURCE):
+        v = version_of(row.get("worker/version"))
+        return [(v, source[len(WORKER_SOURCE):])] if v is not None else []
+    if source != TRAINER_SOURCE:
+        return []
+    labels = row.get("rollout/keys")
+    if not isinstance(labels, list):
+        return []
+    parsed = (parse_rollout_key(run_id, rollouts_prefix(run_id) + lab) for lab in labels if isinstance(lab, str))
+    return [(k.version, k.worker_id) for k in parsed if k is not None]
+
+
+def run_curves(run_id: str, rows: Sequence[tuple[str, dict[str, Any]]]) -> RunCurves:
+    """Extract every panel's curves from a run's sourced rows, skipping whatever is malformed.
+
+    Args:
+        run_id: the run.
+        rows: ``(source, row)`` pairs (``read_sourced_rows``).
+    """
+    keys = [m.key for p in PANELS for m in p.metrics if m.key != "workers"]
+    curves: dict[str, Points] = defaultdict(Points)
+    seen: dict[int, set[str]] = defaultdict(set)
+    published: dict[int, float] = {}
+    first_seen: dict[int, float] = {}
+    times = []
+    for source, row in rows:
+        t = number(row.get("time"))
+        t = t if t is not None and TIME_RANGE[0] <= t <= TIME_RANGE[1] else None
+        times += [t] if t is not None else []
+        for v, wid in worker_versions(run_id, source, row):
+            seen[v].add(wid)
+            if t is not None:
+                first_seen[v] = min(first_seen.get(v, t), t)
+        v = version_of(row.get("version"))
+        if v is None:
+            continue
+        if source == TRAINER_SOURCE and t is not None and "train/loss" in row:
+            published.setdefault(v, t)
+        for key in keys:
+            value = number(row.get(key))
+            if value is not None and (source == TRAINER_SOURCE or not key.startswith(TRAINER_ONLY)):
+                curves[key].rows.append((v, t, value))
+    for v in sorted(seen):
+        ids = set().union(*(seen.get(u, ()) for u in range(v - WORKER_WINDOW + 1, v + 1)))
+        curves["workers"].rows.append((v, published.get(v, first_seen.get(v)), float(len(ids))))
+    return RunCurves(run_id, min(times) if times else None, dict(curves))
+
+
+def load_run(bucket: Any, run_id: str) -> RunCurves:
+    """Read one run's metrics from the bucket.
+
+    Args:
+        bucket: the bucket.
+        run_id: the run id.
+    """
+    return run_curves(run_id, read_sourced_rows(bucket, run_id))
