@@ -366,3 +366,12 @@ def retriever_file_key(run_id: str, fingerprint: str, name: str) -> str:
         name: the file name inside the index directory, no directories.
     """
     return retriever_prefix(run_id, fingerprint) + name
+
+
+def evaluator_key(run_id: str) -> str:
+    """Key of the follow-along evaluator's heartbeat, ``runs/<run>/evaluator.json`` (time, host; overwritten).
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/evaluator.json"
