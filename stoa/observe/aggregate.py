@@ -29,6 +29,17 @@ WORKER_SOURCE = "worker-"
 """Metrics chunks of a worker are written by source ``worker-<worker id>``."""
 
 
+def eval_points(rows: list[dict[str, Any]]) -> list[dict[str, float | None]]:
+    """The evaluation rows (``eval/accuracy`` or ``eval/cover_em``) as version + figures, in row order.
+
+    Args:
+        rows: metrics rows of the trainer or of an evaluator (``stoa eval``).
+    """
+    return [{"version": version_of(r.get("version")), **{
+        name: v for name in ("accuracy", "cover_em", "em", "n") if (v := num(r.get(f"eval/{name}"))) is not None}}
+        for r in rows if num(r.get("eval/accuracy")) is not None or num(r.get("eval/cover_em")) is not None]
+
+
 @dataclass(frozen=True)
 class WorkerView:
     """One worker seen in the window.
@@ -120,9 +131,7 @@ def training_view(snap: Snapshot, rows: list[dict[str, Any]]) -> None:
                 rejected[k[len("rollout/rejected/"):][:64]] += int(n)
     snap.lag = {str(k): lag[k] for k in sorted(lag)}
     snap.rejected = dict(sorted(rejected.items()))
-    snap.evals = [{"version": version_of(r.get("version")), **{
-        name: v for name in ("accuracy", "cover_em", "em", "n") if (v := num(r.get(f"eval/{name}"))) is not None}}
-        for r in rows if num(r.get("eval/accuracy")) is not None or num(r.get("eval/cover_em")) is not None]
+    snap.evals = eval_points(rows)
     quarantined = _col(steps[-1:], "quarantine/workers")
     snap.quarantined = int(quarantined[0]) if quarantined else 0
 

@@ -31,7 +31,7 @@ from stoa.layout import (
     status_key,
 )
 from stoa.lifecycle import RunStatus, read_status
-from stoa.observe.aggregate import WorkerView, num, training_view, worker_views
+from stoa.observe.aggregate import WorkerView, eval_points, num, training_view, worker_views
 from stoa.untrusted import loads_bounded
 
 PREFIXES = ("model", "weights", "rollouts", "trainer", "metrics", "retriever", "other")
@@ -319,6 +319,9 @@ def take_snapshot(bucket: Bucket, run_id: str, *, workers_minutes: float = 10.0,
     chunks = _chunks_by_source(run_id, objects)
     trainer_rows = [r for c in chunks.get("trainer", [])[-max_trainer_chunks:] for r in reader.rows(c.key, c.size)]
     training_view(snap, trainer_rows)
+    evaluator_rows = [r for c in chunks.get("eval", [])[-max_trainer_chunks:] for r in reader.rows(c.key, c.size)]
+    if evaluator_rows:  # an evaluator's figures (stoa eval) join the trainer's, in version order
+        snap.evals = sorted(snap.evals + eval_points(evaluator_rows), key=lambda e: e["version"] or 0)
     end = now if status is None or status.state == "running" else min(now, status.heartbeat_at)
     quarantine = _quarantine_rows(_small_json(b, journal_key(run_id), listed, MAX_JOURNAL_BYTES))
     records = [k for o in objects if (k := parse_rollout_key(run_id, o.key)) is not None]

@@ -108,6 +108,17 @@ def test_a_handwritten_run_reads_back_exactly_and_a_second_look_fetches_no_chunk
     assert sparkline(REWARDS) in screen and sparkline(REWARDS) == "▁▂▄█"
 
 
+def test_an_evaluators_rows_join_the_trainers_in_version_order(tmp_path):
+    bucket, now = open_bucket(str(tmp_path / "b")), time.time()
+    write_run(bucket, now)
+    _chunks(bucket, "eval", now - 20, [{"time": now - 15, "version": 4, "eval/accuracy": 0.375, "eval/n": 8},
+                                       {"time": now - 14, "version": 6, "eval/cover_em": 0.5, "eval/em": 0.25}])
+    s = take_snapshot(bucket, RUN, now=now).to_json()
+    assert [e["version"] for e in s["evals"]] == [3, 4, 5, 6]
+    assert s["evals"][1] == {"version": 4, "accuracy": 0.375, "n": 8.0}
+    assert s["evals"][3] == {"version": 6, "cover_em": 0.5, "em": 0.25}
+
+
 def test_a_finished_run_shows_the_workers_of_its_last_minutes(tmp_path):
     bucket, now = open_bucket(str(tmp_path / "b")), time.time()
     write_run(bucket, now - 3600)  # everything an hour old, then the trainer finished
