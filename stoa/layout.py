@@ -14,6 +14,7 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
     runs/<run>/status.json                               run status, heartbeat, wanted groups (trainer, overwritten)
     runs/<run>/metrics/<source>-<start>-<seq>.jsonl      metrics chunks (trainer, create-only)
     runs/<run>/retriever/<fingerprint>/<file>            search tasks' BM25 index (create-only, stoa-index.json last)
+    runs/<run>/trackers/<name>.json                      an experiment tracker's run id, e.g. W&B (trainer, overwritten)
     runs/<run>/{metrics,logs}/                           local buckets only: files written beside the run
 
 Versions and sequence numbers are zero-padded to 8 digits so listing order is numeric order.
@@ -366,6 +367,19 @@ def retriever_file_key(run_id: str, fingerprint: str, name: str) -> str:
         name: the file name inside the index directory, no directories.
     """
     return retriever_prefix(run_id, fingerprint) + name
+
+
+def tracker_key(run_id: str, name: str) -> str:
+    """Key of an experiment tracker's handle, ``runs/<run>/trackers/<name>.json`` (e.g. the W&B run id a
+    restarted trainer resumes).
+
+    Args:
+        run_id: the run id.
+        name: the tracker's name (``wandb``): letters, digits, '-' or '_'.
+    """
+    if not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise ValueError(f"tracker name {name!r} must be letters, digits, '-' or '_'")
+    return f"{run_prefix(run_id)}/trackers/{name}.json"
 
 
 def evaluator_key(run_id: str) -> str:

@@ -1,41 +1,41 @@
-"""Metrics as JSONL lines (``train/*``, ``rollout/*``, ``worker/*``, ``eval/*``), plus W&B when installed."""
+"""Metrics as JSONL lines (``train/*``, ``rollout/*``, ``worker/*``, ``eval/*``), bucket chunks and trackers."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stoa.trackers import Completion, Tracker
 
 log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
-    """Append one JSON object per ``log`` call to ``path``; mirror to W&B if ``WANDB_PROJECT`` is set.
+    """Append one JSON object per ``log`` call to ``path``; also hand each row to the bucket and the trackers.
 
     Args:
         path: the JSONL file (parent directories are created).
-        run_name: name for the optional W&B run.
+        run_name: a label for this writer (the run or worker id).
         sink: also hand every row to this :class:`BucketMetrics` (chunks in the bucket).
+        trackers: experiment trackers (``stoa.trackers.open_trackers``: W&B, TensorBoard); one that raises is
+            disabled with one warning and the JSONL file keeps every row.
     """
 
-    def __init__(self, path: str | Path, run_name: str = "stoa", sink: BucketMetrics | None = None):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, run_name: str = "stoa", sink: BucketMetrics | None = None,
+                 trackers: Iterable[Tracker] = ()):
+        from stoa.trackers import TrackerSet
+
+        self.path, self.run_name = Path(path), run_name
         self.sink = sink
+        self.trackers = TrackerSet(trackers)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
-        self._wandb = None
-        if os.environ.get("WANDB_PROJECT"):
-            try:
-                import wandb  # pyright: ignore[reportMissingImports]  # optional, imported only if present
-
-                self._wandb = wandb.init(project=os.environ["WANDB_PROJECT"], name=run_name, resume="allow")
-            except ImportError:
-                pass
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """Write one line; non-finite floats become null.
@@ -54,8 +54,20 @@ class MetricsWriter:
         self._fh.write(json.dumps(row) + "\n")
         if self.sink is not None:
             self.sink.add(row)
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=step)
+        self.trackers.log({k: v for k, v in row.items() if k not in ("time", "step")}, step)
+
+    def completions_due(self, step: int) -> bool:
+        """Whether a tracker wants a completions table at ``step`` (``STOA_WANDB_COMPLETIONS_EVERY``)."""
+        return self.trackers.completions_due(step)
+
+    def log_completions(self, rows: Sequence[Completion], step: int | None = None) -> None:
+        """Hand a few sampled completions (prompt id, text, reward) to the trackers that keep a table.
+
+        Args:
+            rows: the completions (``stoa.trackers.sample_completions``).
+            step: the trainer step.
+        """
+        self.trackers.log_completions(rows, step)
 
     def close(self, upload: bool = True) -> None:
         """Flush and close.
@@ -69,8 +81,7 @@ class MetricsWriter:
                 self.sink.flush()
         finally:
             self._fh.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+            self.trackers.close()
 
 
 class BucketMetrics:

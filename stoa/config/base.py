@@ -17,6 +17,8 @@ PLANES = ("bf16", "int8g64")
 """Weight planes the trainer can publish."""
 DTYPES = ("auto", "float32", "bfloat16")
 """Compute dtypes of a worker engine and of local mode."""
+TRACKERS = ("wandb", "tensorboard")
+"""Experiment trackers ``report_to`` may name (``stoa.trackers``)."""
 
 SECTIONS: dict[str, type[BaseConfig]] = {}
 """TOML section name -> the config class that reads it (filled as the classes are defined)."""
@@ -77,6 +79,20 @@ def one_of(cfg: Any, name: str, choices: tuple[Any, ...]) -> None:
         raise ConfigError(name, f"{value!r} is not one of {', '.join(map(str, choices))}")
 
 
+def report_to_names(value: str) -> list[str]:
+    """The tracker names of a ``report_to`` value, in order, without blanks or repeats.
+
+    Args:
+        value: a comma-separated list such as ``"wandb,tensorboard"``.
+    """
+    names: list[str] = []
+    for part in value.split(","):
+        name = part.strip().lower()
+        if name and name not in names:
+            names.append(name)
+    return names
+
+
 @dataclass(frozen=True)
 class BaseConfig:
     """Settings every command has: the model, the group size, the seed, the torch device."""
@@ -96,6 +112,8 @@ class BaseConfig:
     retriever: str = setting("", "Search tasks' retriever: the URL of a shared endpoint ('stoa retriever serve'), "
                                  "or a local index directory ('stoa retriever index'); empty: the run's index "
                                  "from the bucket (fleet) or one built from the task's corpus.")
+    report_to: str = setting("", "Experiment trackers the metrics also go to, comma-separated: wandb, tensorboard "
+                                 "(a TOML list also works); empty: only the metrics JSONL.", join=",")
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -108,6 +126,9 @@ class BaseConfig:
             raise ConfigError("n_samples", f"must be >= 0, got {self.n_samples}")
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError("device", f"{self.device!r}: use auto, cpu, cuda or cuda:N")
+        for name in report_to_names(self.report_to):
+            if name not in TRACKERS:
+                raise ConfigError("report_to", f"{name!r} is not one of {', '.join(TRACKERS)}")
         return self
 
 

@@ -25,6 +25,7 @@ from stoa.metrics import MetricsWriter, read_metrics
 from stoa.stopflag import StopFlag
 from stoa.tasks import Prompt, Task, load_task
 from stoa.tasks.multiturn import is_multiturn
+from stoa.trackers import open_trackers
 
 EVAL_BATCH = 32
 """Held-out prompts decoded together."""
@@ -265,7 +266,8 @@ class _LocalRun:
             _truncate_metrics(out / "metrics.jsonl", self.step)
             self.echo(f"[local] resumed {out} at step {self.step}")
         (out / "config.toml").write_text(config_to_toml(cfg))
-        self.metrics = MetricsWriter(out / "metrics.jsonl", run_name=out.name)
+        self.metrics = MetricsWriter(out / "metrics.jsonl", run_name=out.name, trackers=open_trackers(
+            cfg.report_to, run_id=out.name, source="local", log_dir=out, config=cfg))
         self.summary["start_step"] = self.step
         s = self.backend.summary
         self.echo(f"[local] {s.backend}: {cfg.model}, {s.layers} layers, {s.quant_bits}-bit base, "

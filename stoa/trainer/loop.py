@@ -15,6 +15,7 @@ from stoa.config import TrainerConfig
 from stoa.layout import checkpoint_key, rollout_label
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.stopflag import StopFlag
+from stoa.trackers import open_trackers, sample_completions
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.lease import FencedBucket, Lease
 from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, wanted_groups
@@ -143,7 +144,10 @@ class _Trainer:
                                      temperature=cfg.temperature, top_p=cfg.top_p)
         self.pool = RecordPool(self.bucket, self.contract, self.task, self.codec, staleness_bound=cfg.staleness_bound,
                                reuse_cap=cfg.reuse_cap, gate=self.quarantine, tools=self.tools.tools)
-        self.metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / "trainer.jsonl", cfg.run)
+        log_dir = default_log_dir(cfg.bucket, cfg.run, cfg.log_dir)
+        trackers = open_trackers(cfg.report_to, run_id=cfg.run, source="trainer", bucket=self.bucket,
+                                 log_dir=log_dir, config=cfg)
+        self.metrics = MetricsWriter(log_dir / "trainer.jsonl", cfg.run, trackers=trackers)
         self.summary: dict[str, Any] = {"run": cfg.run, "evals": [], "step_times": []}
         self.version = self.step = 0
         self.lag0_trusted = True  # see resume(): whether lag-0 records can be judged against our weights
@@ -336,6 +340,8 @@ class _Trainer:
         self.deleted_objects += deleted
         self.last_step_s = m["step_time_s"]
         self.log_step(entries, m, self.pool.drain_stats(), time.perf_counter() - t_pub, pub, deleted)
+        if self.metrics.completions_due(self.step):
+            self.metrics.log_completions(sample_completions(entries, self.codec.decode), self.step)
 
     def log_step(self, entries: list[Entry], m: dict[str, float], ps: PoolStats, publish_s: float, pub: Any,
                  deleted: int = 0) -> None:

@@ -23,6 +23,7 @@ from stoa.layout import rollout_key
 from stoa.lifecycle import RunWatch, Verdict
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.records import RolloutRecord, Sample
+from stoa.trackers import open_trackers
 from stoa.worker.episodes import sample_episode_batch
 from stoa.worker.syncing import published_at as _published_at
 from stoa.worker.syncing import sync_weights as _sync
@@ -228,7 +229,10 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     follower = WeightFollower(sync, contract.staleness_bound, base_delay_s=cfg.poll_seconds)
     sink = BucketMetrics(bucket.inner, cfg.run, source=f"worker-{wid}", flush_rows=METRICS_FLUSH_ROWS,
                          flush_seconds=METRICS_FLUSH_SECONDS)  # the raw bucket: a failed upload never waits
-    metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / f"worker-{wid}.jsonl", wid, sink)
+    log_dir = default_log_dir(cfg.bucket, cfg.run, cfg.log_dir)
+    trackers = open_trackers(cfg.report_to, run_id=cfg.run, source=f"worker-{wid}", bucket=bucket.inner,
+                             log_dir=log_dir, config=cfg)
+    metrics = MetricsWriter(log_dir / f"worker-{wid}.jsonl", wid, sink, trackers=trackers)
     watch = RunWatch(bucket, cfg.run, stale_s=cfg.trainer_stale_seconds, min_interval_s=cfg.status_seconds,
                      backpressure=cfg.backpressure)
     tools = None
