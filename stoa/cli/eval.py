@@ -50,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="torch device [default: auto]")
     p.add_argument("--dtype", default="auto", help="compute dtype [default: auto]")
     p.add_argument("--log-dir", default="", help="directory of the local metrics JSONL [default: beside the run]")
+    p.add_argument("--report-to", default="", help="trackers the eval rows also go to: wandb, tensorboard (comma "
+                                                   "list) [default: none]")
     p.set_defaults(func=run)
 
 
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                      every=args.every, max_versions=args.max_versions, backfill=args.backfill,
                      max_new_tokens=args.max_new_tokens, retriever=args.retriever, poll_seconds=args.poll_seconds,
                      wait_seconds=args.wait_seconds, threads=args.threads, device=args.device, dtype=args.dtype,
-                     log_dir=args.log_dir)
+                     log_dir=args.log_dir, report_to=args.report_to)
     try:
         summary = run_evaluator(cfg, echo=lambda line: print(line, flush=True))
     except RunNotFound as e:

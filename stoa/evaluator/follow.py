@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stoa.bucket import Bucket, BucketError, ObjectNotFound, open_bucket
-from stoa.config.base import ConfigError
+from stoa.config.base import TRACKERS, ConfigError, report_to_names
 from stoa.contract import ContractMismatch, RunContract, digest_hex, download_model_files
 from stoa.evaluator.chain import ChainRefused, at_version, chain_hashes, rebase
 from stoa.evaluator.heartbeat import write_heartbeat
 from stoa.layout import contract_key
 from stoa.lifecycle import read_status
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir, read_bucket_metrics
+from stoa.trackers import open_trackers
 from stoa.weights.errors import SyncError
 from stoa.weights.pointer import Pointer
 from stoa.weights.sync import WeightSync
@@ -59,6 +60,7 @@ class EvalConfig:
         device: torch device.
         dtype: compute dtype.
         log_dir: where the local metrics JSONL goes (default: beside a local bucket's metrics).
+        report_to: trackers the ``eval/*`` rows also go to (``wandb``, ``tensorboard``; the run's W&B group).
     """
 
     bucket: str
@@ -79,6 +81,7 @@ class EvalConfig:
     device: str = "auto"
     dtype: str = "auto"
     log_dir: str = ""
+    report_to: str = ""
 
     def __post_init__(self) -> None:
         for name in ("n", "k", "every"):
@@ -87,6 +90,9 @@ class EvalConfig:
         for name in ("max_versions", "max_new_tokens", "threads", "poll_seconds", "wait_seconds"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be at least 0, got {getattr(self, name)}")
+        unknown = [t for t in report_to_names(self.report_to) if t not in TRACKERS]
+        if unknown:
+            raise ConfigError("report_to", f"unknown tracker {unknown[0]!r}; choose from {', '.join(TRACKERS)}")
         if self.engine not in ("auto", "torch", "mlx"):
             raise ConfigError("engine", f"must be auto, torch or mlx, got {self.engine!r}")
 
@@ -220,7 +226,10 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     tools = (open_tools(task, cfg.retriever, bucket=bucket, run_id=cfg.run, spec=contract.retriever, note=echo)
              if is_multiturn(task) else None)
     sink = BucketMetrics(bucket, cfg.run, source=SOURCE, flush_rows=1 << 30, flush_seconds=float("inf"))
-    metrics = MetricsWriter(default_log_dir(cfg.bucket, cfg.run, cfg.log_dir) / f"{SOURCE}.jsonl", SOURCE, sink)
+    log_dir = default_log_dir(cfg.bucket, cfg.run, cfg.log_dir)
+    trackers = open_trackers(report_to_names(cfg.report_to), run_id=cfg.run, source=SOURCE, bucket=bucket,
+                             log_dir=log_dir)
+    metrics = MetricsWriter(log_dir / f"{SOURCE}.jsonl", SOURCE, sink, trackers=trackers)
     summary = EvalSummary(already=sorted(done))
     echo(f"[eval] run {cfg.run}: task {contract.task_id}, engine {name}, {cfg.n} held-out prompts"
          + (f", pass@{cfg.k}" if tools is not None and cfg.k > 1 else "")

@@ -28,6 +28,7 @@ from stoa.trainer.tools import prepare_tools
 
 _T = TypeVar("_T")
 RETRY_MAX_SLEEP_S = 30.0
+EVALUATOR_MAX_AGE_S = 90.0  # an evaluator beating this recently (every 30 s; clocks may differ) does the evals
 """Longest wait between two tries of a bucket write during an outage."""
 
 
@@ -309,7 +310,7 @@ class _Trainer:
                 continue
             self.train(entries)
             steps_here += 1
-            if cfg.eval_every and self.step % cfg.eval_every == 0:
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and not self.evaluator_running():
                 self.evaluate(f"step {self.step}")
             waited_since = time.monotonic()
         return steps_here
@@ -373,6 +374,16 @@ class _Trainer:
                   f"loss {m['loss']:+.4f} | kl {m.get('kl', 0.0):.2e} | {m['step_time_s']:.1f}s "
                   f"({m['tokens_per_s']:.0f} tok/s) | lag {lags.mean():.1f} | records {ps.accepted / since:.2f}/s, "
                   f"sampled {ps.tokens / since:.0f} tok/s")
+
+    def evaluator_running(self) -> bool:
+        """Whether a follow-along evaluator (``stoa eval --follow``) beats on this run: the periodic evals are
+        then its job (the trainer keeps its before/after evals)."""
+        from stoa.evaluator import evaluator_present
+
+        try:
+            return evaluator_present(self.bucket, self.cfg.run, EVALUATOR_MAX_AGE_S)
+        except BucketError:
+            return False
 
     def evaluate(self, label: str) -> None:
         cfg = self.cfg

@@ -143,3 +143,42 @@ def test_the_heartbeat_says_whether_an_evaluator_is_present(tmp_path):
     for bad in (b"\xff", b"[]", b'{"time": "now", "host": "h", "pid": 1}', b'{"time": 1e999}', b"{" * 5000):
         bucket.put(evaluator_key(RUN), bad)
         assert read_heartbeat(bucket, RUN) is None and not evaluator_present(bucket, RUN, 1e12)
+
+
+def test_the_trainer_leaves_periodic_evals_to_a_live_evaluator(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from stoa.bucket import open_bucket
+    from stoa.evaluator import write_heartbeat
+    from stoa.trainer.loop import _Trainer
+
+    bucket = open_bucket(str(tmp_path / "b"))
+    trainer = SimpleNamespace(bucket=bucket, cfg=SimpleNamespace(run="r"))
+    assert not _Trainer.evaluator_running(trainer)  # type: ignore[arg-type]  # no evaluator yet
+    write_heartbeat(bucket, "r", 3)
+    assert _Trainer.evaluator_running(trainer)  # type: ignore[arg-type]
+    write_heartbeat(bucket, "r", 3, stopped=True)
+    assert not _Trainer.evaluator_running(trainer)  # type: ignore[arg-type]
+
+
+def test_a_trainer_with_a_live_evaluator_keeps_only_its_first_eval(tmp_path, stoa_cache) -> None:
+    from stoa.config import TrainerConfig, WorkerConfig, load_config
+    from stoa.evaluator import write_heartbeat
+    from stoa.metrics import read_bucket_metrics
+    from stoa.trainer.loop import run_trainer
+    from stoa.worker.loop import run_worker
+
+    url = str(tmp_path / "b")
+    write_heartbeat(open_bucket(url), RUN, None)  # an evaluator follows the run from its start
+    tcfg = TrainerConfig(bucket=url, run=RUN, model="tiny", task="toy", n_samples=4, eval_n=2, eval_every=1,
+                         kl_beta=0.0, groups_per_step=2, poll_seconds=0.05, steps=3, max_new_tokens=8,
+                         status_seconds=0.5, max_wait_seconds=120).validate()
+    wcfg = load_config(WorkerConfig, env={}, overrides={
+        "bucket": url, "run": RUN, "name": "w0", "engine": "torch", "threads": 1, "groups_in_flight": 2,
+        "poll_seconds": 0.05, "wait_seconds": 60, "seed": 1, "status_seconds": 0.2, "log_dir": str(tmp_path / "l")})
+    worker = threading.Thread(target=lambda: run_worker(wcfg, echo=lambda *_: None))
+    worker.start()
+    summary = run_trainer(tcfg, echo=lambda *_: None)
+    worker.join(timeout=60)
+    evals = [r for r in read_bucket_metrics(open_bucket(url), RUN) if "eval/accuracy" in r]
+    assert summary["step"] == 3 and [r["version"] for r in evals] == [1]  # eval_every=1 left to the evaluator
