@@ -12,7 +12,7 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
     runs/<run>/trainer/{checkpoint.safetensors,journal.json}   trainer state (trainer, overwritten)
     runs/<run>/trainer/lease.json                        the holding trainer (trainer, compare-and-swap)
     runs/<run>/status.json                               run status, heartbeat, wanted groups (trainer, overwritten)
-    runs/<run>/metrics/<source>-<start>-<seq>.jsonl      metrics chunks (trainer, create-only)
+    runs/<run>/metrics/<source>-<start>-<seq>.jsonl      metrics chunks (trainer, worker-<id>, eval; create-only)
     runs/<run>/retriever/<fingerprint>/<file>            search tasks' BM25 index (create-only, stoa-index.json last)
     runs/<run>/trackers/<name>.json                      an experiment tracker's run id, e.g. W&B (trainer, overwritten)
     runs/<run>/{metrics,logs}/                           local buckets only: files written beside the run
@@ -320,7 +320,7 @@ def metrics_chunk_key(run_id: str, source: str, start: int, seq: int) -> str:
 
     Args:
         run_id: the run id.
-        source: who wrote it (``trainer``), letters, digits, ``.``, ``_``, ``-``.
+        source: who wrote it (``trainer``, ``worker-<id>``, ``eval``), letters, digits, ``.``, ``_``, ``-``.
         start: the writing process's start, unix seconds (10 digits).
         seq: the chunk's number within that process (8 digits).
     """
