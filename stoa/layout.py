@@ -15,6 +15,7 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
     runs/<run>/metrics/<source>-<start>-<seq>.jsonl      metrics chunks (trainer, worker-<id>, eval; create-only)
     runs/<run>/retriever/<fingerprint>/<file>            search tasks' BM25 index (create-only, stoa-index.json last)
     runs/<run>/trackers/<name>.json                      an experiment tracker's run id, e.g. W&B (trainer, overwritten)
+    runs/<run>/data/<sha256>/<name>                      task data files, e.g. a GSM8K jsonl (trainer, create-only)
     runs/<run>/{metrics,logs}/                           local buckets only: files written beside the run
 
 Versions and sequence numbers are zero-padded to 8 digits so listing order is numeric order.
@@ -389,3 +390,19 @@ def evaluator_key(run_id: str) -> str:
         run_id: the run id.
     """
     return f"{run_prefix(run_id)}/evaluator.json"
+
+
+def task_data_key(run_id: str, digest: str, name: str) -> str:
+    """Key of one task data file the trainer uploaded, ``runs/<run>/data/<digest>/<name>`` (create-only,
+    content-addressed: ``digest`` is the file's SHA-256, so a key never changes meaning).
+
+    Args:
+        run_id: the run id.
+        digest: the file's SHA-256, 64 lowercase hex digits.
+        name: the file's name: letters, digits, '.', '_' or '-', not starting with '.'.
+    """
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"task data digest {digest!r} must be 64 lowercase hex digits (a SHA-256)")
+    if not name or name.startswith(".") or not all(c.isascii() and (c.isalnum() or c in "._-") for c in name):
+        raise ValueError(f"task data name {name!r} must be letters, digits, '.', '_' or '-', not starting with '.'")
+    return f"{run_prefix(run_id)}/data/{digest}/{name}"

@@ -204,6 +204,7 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     from stoa.engines import default_engine, make_engine
     from stoa.envs.tools import open_tools
     from stoa.models import default_cache_dir, model_fingerprint
+    from stoa.taskdata import localize_options
     from stoa.tasks import get_task
     from stoa.tasks.multiturn import is_multiturn
     from stoa.tokenize import TextCodec
@@ -222,7 +223,7 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     name = default_engine() if cfg.engine == "auto" else cfg.engine
     engine = make_engine(name, model_dir, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads,
                          plane=contract.plane)
-    task = get_task(contract.task_id, **dict(contract.task_spec))
+    task = get_task(contract.task_id, **localize_options(bucket, cfg.run, contract.task_id, contract.task_spec))
     tools = (open_tools(task, cfg.retriever, bucket=bucket, run_id=cfg.run, spec=contract.retriever, note=echo)
              if is_multiturn(task) else None)
     sink = BucketMetrics(bucket, cfg.run, source=SOURCE, flush_rows=1 << 30, flush_seconds=float("inf"))

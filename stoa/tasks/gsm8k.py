@@ -176,6 +176,9 @@ class GSM8KTask:
         "train_sha256": str,
         "test_sha256": str,
     }
+    FILE_OPTIONS: ClassVar[tuple[str, ...]] = ("path", "test_path")
+    """Options naming local files: the trainer uploads them and the contract names them ``bucket:<sha256>/<name>``
+    (``stoa.taskdata``), so workers elsewhere need no copy."""
 
     def __init__(
         self,

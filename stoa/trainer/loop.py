@@ -119,22 +119,24 @@ class _Trainer:
         from stoa.algorithms import get_algorithm
         from stoa.engines.torch import resolve_device
         from stoa.models import resolve_model
+        from stoa.taskdata import localize_options, portable_task_data
         from stoa.tasks import get_task, parse_task_spec
         from stoa.tokenize import TextCodec
         from stoa.weights.publish import WeightPublisher
 
         torch.manual_seed(cfg.seed)
         name, opts = parse_task_spec(cfg.task)
-        self.task = get_task(name, **opts)
+        self.task = get_task(name, **localize_options(self.bucket, cfg.run, name, opts))  # a resumed run's data
         model_dir = resolve_model(cfg.model)
         self.codec = TextCodec(model_dir)
         device = resolve_device(cfg.device)
         self.policy = Policy(model_dir, device, temperature=cfg.temperature,
                              gradient_checkpointing=cfg.gradient_checkpointing)
         self.tools = prepare_tools(self.task, cfg.retriever, self.bucket, cfg.run, self.echo)
+        data = portable_task_data(self.task)  # its files go up before the contract, which names them by digest
         contract = build_contract(cfg, model_dir, self.task, self.codec, self.policy.vocab_size,
-                                  self.tools.retriever)
-        self.contract = ensure_contract(self.bucket, contract, model_dir)
+                                  self.tools.retriever, task_data=data)
+        self.contract = ensure_contract(self.bucket, contract, model_dir, task_files=data.files)
         self.algo = get_algorithm(cfg.algo_config(), "torch")
         self.ref = (Policy(model_dir, device, temperature=cfg.temperature, trainable=False)
                     if self.algo.cfg.kl_beta > 0 else None)

@@ -23,13 +23,17 @@ from stoa.contract import (
 )
 from stoa.engines import Engine
 from stoa.layout import contract_key
+from stoa.taskdata import TaskData, TaskFile, file_options, localize_options, portable_task_data, upload_task_files
 from stoa.tasks.base import Task
 from stoa.tokenize import TextCodec
 
 
 def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextCodec, vocab_size: int,
-                   retriever: Mapping[str, Any] | None = None) -> RunContract:
+                   retriever: Mapping[str, Any] | None = None, task_data: TaskData | None = None) -> RunContract:
     """Assemble the run contract from the resolved config, model and task.
+
+    The task's spec goes in portable: each file option names its ``bucket:<sha256>/<name>`` copy, never the
+    trainer's local path (``stoa.taskdata``), so the contract is the same on every machine.
 
     Args:
         cfg: resolved trainer config.
@@ -38,6 +42,8 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
         codec: the model's tokenizer.
         vocab_size: embedding rows of the model.
         retriever: a search task's index (``fingerprint``), from ``stoa.trainer.tools.prepare_tools``.
+        task_data: ``portable_task_data(task)`` when the caller already has it (its files go to
+            :func:`ensure_contract`); computed here otherwise.
     """
     from stoa.models import model_fingerprint
 
@@ -55,7 +61,7 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
         n_samples=cfg.n_samples,
         plane=cfg.plane,
         task_id=task.id,
-        task_spec=dict(task.spec()),
+        task_spec=(task_data or portable_task_data(task)).spec,
         reward_version=task.reward_version,
         sampling=SamplingSpec(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens),
         staleness_bound=cfg.staleness_bound,
@@ -66,23 +72,27 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
     )
 
 
-def ensure_contract(bucket: Bucket, contract: RunContract, model_dir: Path | None = None) -> RunContract:
+def ensure_contract(bucket: Bucket, contract: RunContract, model_dir: Path | None = None,
+                    task_files: tuple[TaskFile, ...] = ()) -> RunContract:
     """Write the contract create-only, or verify the existing one matches (restart).
 
-    A new run gets its model files first and the contract last, so a worker that sees the contract
-    finds the files; a restart checks the contract before touching the model files.
+    A new run gets its model files and task data files first and the contract last, so a worker that sees
+    the contract finds the files; a restart checks the contract before touching the files.
 
     Args:
         bucket: the run's bucket.
         contract: the contract this trainer would write.
         model_dir: the base model directory whose config and tokenizer files workers download.
+        task_files: the files the task's options name (``portable_task_data(task).files``).
 
     Raises:
         ContractMismatch: the run exists with different settings (or model files); names the fields.
     """
     key = contract_key(contract.run_id)
-    if not bucket.exists(key) and model_dir is not None:
-        upload_model_files(bucket, contract.run_id, model_dir)
+    if not bucket.exists(key):
+        if model_dir is not None:
+            upload_model_files(bucket, contract.run_id, model_dir)
+        upload_task_files(bucket, contract.run_id, task_files)
     try:
         bucket.put_create(key, contract.to_json())
         return contract
@@ -94,6 +104,7 @@ def ensure_contract(bucket: Bucket, contract: RunContract, model_dir: Path | Non
                                          "use a new --run or the original settings") from None
         if model_dir is not None:
             upload_model_files(bucket, contract.run_id, model_dir)
+        upload_task_files(bucket, contract.run_id, task_files)
         return existing
 
 
@@ -143,25 +154,27 @@ def resume_config(cfg: TrainerConfig, given: Mapping[str, str], echo=print) -> T
         if name in given and getattr(cfg, name) != run_value:
             raise _contradiction(cfg.run, name, run_value, given[name], getattr(cfg, name))
         values[name] = run_value
-    values["task"] = _resume_task(cfg, given, contract)
+    values["task"] = _resume_task(cfg, given, contract, bucket)
     cfg = dataclasses.replace(cfg, **values)
     cfg = dataclasses.replace(cfg, **_resume_algorithm(cfg, given, contract))
     cfg = dataclasses.replace(cfg, model=_resume_model(cfg, given, contract, bucket, echo))
     return cfg.validate()
 
 
-def _resume_task(cfg: TrainerConfig, given: Mapping[str, str], contract: RunContract) -> str:
+def _resume_task(cfg: TrainerConfig, given: Mapping[str, str], contract: RunContract, bucket: Bucket) -> str:
+    """The run's task spec string; a given ``--task`` must build the contract's task (compared portably)."""
     from stoa.tasks import TASKS, get_task, parse_task_spec
 
     if "task" in given:
         name, opts = parse_task_spec(cfg.task)
-        task = get_task(name, **opts)
-        if task.id != contract.task_id or canonical_json(task.spec()) != canonical_json(contract.task_spec):
+        task = get_task(name, **localize_options(bucket, cfg.run, name, opts))
+        spec = portable_task_data(task).spec
+        if task.id != contract.task_id or canonical_json(spec) != canonical_json(contract.task_spec):
             raise _contradiction(contract.run_id, "task", f"{contract.task_id} {dict(contract.task_spec)}",
-                                 given["task"], f"{task.id} {task.spec()}")
+                                 given["task"], f"{task.id} {spec}")
         return cfg.task
-    try:
-        default = get_task(contract.task_id).spec()
+    try:  # a task with file options has no data-free default (gsm8k's would load the hub)
+        default = {} if file_options(contract.task_id) else get_task(contract.task_id).spec()
     except ValueError:
         default = {}
     opts = TASKS[contract.task_id].OPTIONS if contract.task_id in TASKS else {}

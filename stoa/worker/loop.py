@@ -205,6 +205,7 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
         echo: where progress lines go.
     """
     from stoa.envs.tools import open_tools
+    from stoa.taskdata import localize_options
     from stoa.tasks import get_task
     from stoa.tasks.multiturn import is_multiturn
     from stoa.tokenize import TextCodec
@@ -224,7 +225,7 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     engine_name = default_engine() if cfg.engine == "auto" else cfg.engine
     engine = make_engine(engine_name, model_dir, cfg, contract.plane)
     codec = TextCodec(model_dir)
-    task = get_task(contract.task_id, **dict(contract.task_spec))
+    task = get_task(contract.task_id, **localize_options(bucket, cfg.run, contract.task_id, contract.task_spec))
     sync = WeightSync(bucket, cfg.run, contract.plane)
     follower = WeightFollower(sync, contract.staleness_bound, base_delay_s=cfg.poll_seconds)
     sink = BucketMetrics(bucket.inner, cfg.run, source=f"worker-{wid}", flush_rows=METRICS_FLUSH_ROWS,
