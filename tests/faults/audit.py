@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,10 @@ def short_key(key: str) -> str:
     return rollout_label(key)
 
 
+_CHUNK_TAIL = re.compile(r"-[0-9]{10}-[0-9]{8}$")
+"""The ``-<start>-<seq>`` tail of a bucket metrics chunk's name (``stoa.layout.metrics_chunk_key``)."""
+
+
 def acknowledged_keys(log_dir: Path, run: str) -> dict[str, list[str]]:
     """Worker id -> keys of the records it reported as uploaded (one metrics row per successful put).
 
@@ -58,6 +63,8 @@ def acknowledged_keys(log_dir: Path, run: str) -> dict[str, list[str]]:
     """
     out: dict[str, list[str]] = {}
     for path in sorted(log_dir.glob("worker-*.jsonl")):
+        if _CHUNK_TAIL.search(path.stem):  # the worker's metrics chunk in a local bucket, not its own log
+            continue
         wid = path.stem.removeprefix("worker-")
         rows = [r for r in read_metrics(path) if "worker/reward_mean" in r and "step" in r]
         out[wid] = [rollout_key(run, int(r["worker/version"]), wid, int(r["step"]) - 1) for r in rows]
