@@ -150,10 +150,15 @@ def test_extraction_roundtrip(n: int, style: str) -> None:
     ],
 )
 def test_extraction_is_fast_on_adversarial_input(completion: str) -> None:
-    # The trainer runs extraction on untrusted completions; it must not go quadratic.
-    start = time.perf_counter()
-    extract_answer(completion)
-    assert time.perf_counter() - start < 0.5
+    # The trainer runs extraction on untrusted completions; it must not go quadratic (linear: ~0.05 s here;
+    # quadratic on these 32k-character inputs: many seconds). Best of three, so one pause of a busy machine
+    # does not fail it.
+    def once() -> float:
+        start = time.perf_counter()
+        extract_answer(completion)
+        return time.perf_counter() - start
+
+    assert min(once() for _ in range(3)) < 0.5
 
 
 def test_no_torch_or_mlx_import() -> None:
