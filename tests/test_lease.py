@@ -175,6 +175,19 @@ def test_a_second_trainer_is_refused_and_one_after_a_sigkill_resumes_without_fla
     assert "n_samples (run 'r' has 4, --n-samples says 6; leave --n-samples out" in procs.log("t4")
 
 
+def _settled(url: str, quiet_s: float = 1.5):
+    """A predicate: the run's journal step has not moved for ``quiet_s`` seconds."""
+    seen = {"step": -1, "since": time.monotonic()}
+
+    def settled() -> bool:
+        step = journal_step(url, "r")
+        if step != seen["step"]:
+            seen.update(step=step, since=time.monotonic())
+        return time.monotonic() - seen["since"] >= quiet_s
+
+    return settled
+
+
 @pytest.mark.slow
 def test_a_paused_trainer_that_lost_its_lease_exits_without_a_single_write(procs, tmp_path):  # noqa: F811
     from tests.integration.conftest import wait_for
@@ -186,9 +199,15 @@ def test_a_paused_trainer_that_lost_its_lease_exits_without_a_single_write(procs
     w0 = procs.start("w0", "worker", *run, "--name", "w0", "--engine", "torch", "--threads", "1",
                      "--poll-seconds", "0.2", "--wait-seconds", "120", "--groups-in-flight", "2")
     wait_for(lambda: journal_step(url, "r") >= 2, 240, "two steps of the first trainer")
-    t1.send_signal(signal.SIGSTOP)  # paused wherever it is, maybe mid-step
+    # A stop that lands after a write's fence check but before the write commits cannot be fenced on a local
+    # directory (no conditional writes): that write completes on SIGCONT. So the first trainer is paused while
+    # it idles between polls: the worker pauses first and the trainer's step count has settled.
+    w0.send_signal(signal.SIGSTOP)
+    wait_for(_settled(url), 60, "the first trainer to finish the steps its pool allows")
+    t1.send_signal(signal.SIGSTOP)
     time.sleep(4)  # past the 3 s TTL
     target = journal_step(url, "r") + 2
+    w0.send_signal(signal.SIGCONT)
     t2 = procs.start("t2", "trainer", *run, "--take-over", "--lease-ttl-seconds", "3", "--steps", str(target))
     assert t2.wait(timeout=240) == 0, procs.log("t2")
     assert "took over run 'r'" in procs.log("t2")
