@@ -41,6 +41,9 @@ def test_reward_rises_and_a_killed_worker_does_not_stop_training(procs, tmp_path
     rollouts = tmp_path / "bucket" / "runs" / "r1" / "rollouts"
     trainer = procs.start("trainer", "trainer", "--bucket", bucket, "--run", "r1", "--steps", "20", *TRAIN_ARGS)
     w0 = procs.start("w0", *worker_args(bucket, "r1", "w0"))
+    # w1 starts once w0 uploads: a w0 that starts late (a busy machine) would otherwise join only after w1
+    # carried the run for many steps, and too few steps would be left after its records fall out of the window.
+    wait_for(lambda: records_of(rollouts, "w0"), 180, "w0 uploading")
     procs.start("w1", *worker_args(bucket, "r1", "w1"))
     wait_for(lambda: len(train_rows(metrics)) >= 3 and records_of(rollouts, "w0"), 180, "three steps, w0 uploading")
     assert w0.poll() is None  # alive and uploading until the kill
