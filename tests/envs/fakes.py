@@ -76,9 +76,12 @@ class CharCodec:
 
 
 def honest_sample(turns: Sequence[str], codec, tools=None, *, seed: int = 0, reward: float = 0.0,
-                  end: str = "stop", lp: float = -0.5) -> Sample:
-    """A sample recorded as the engines' driver records it: each turn's tokens, then its observation."""
-    env, tools = SearchEnv(seed), tools or FakeTools()
+                  end: str = "stop", lp: float = -0.5, env=None) -> Sample:
+    """A sample recorded as the engines' driver records it: each turn's tokens, then its observation.
+
+    ``env`` defaults to this module's ``SearchEnv(seed)``; any ``Environment`` (a real task's) works.
+    """
+    env, tools = env or SearchEnv(seed), tools or FakeTools()
     tokens: list[int] = []
     roles: list[int] = []
     starts: list[int] = []

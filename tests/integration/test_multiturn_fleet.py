@@ -20,12 +20,13 @@ import pytest
 from stoa.bucket import open_bucket
 from stoa.config import TrainerConfig
 from stoa.contract import RunContract
-from stoa.envs import ROLE_ACTION, ROLE_ECHO, ToolCall, observation_tokens
+from stoa.envs import ROLE_ECHO
 from stoa.layout import contract_key, rollout_key
 from stoa.records import RolloutRecord, Sample
 from stoa.tasks import get_task, parse_task_spec
 from stoa.tokenize import TextCodec
 from stoa.trainer.loop import run_trainer
+from tests.envs.fakes import honest_sample
 from tests.integration.conftest import train_rows, wait_for
 
 WALK = "walk:size=3,max_turns=3,max_total_tokens=128"
@@ -46,28 +47,7 @@ def start_worker(procs, bucket: str, run: str):
 
 def episode(env, tools, codec, turns: Sequence[str], lp: float = -0.7) -> Sample:
     """A sample recorded the way the engines' driver records it: each turn, then its observation."""
-    tokens: list[int] = []
-    roles: list[int] = []
-    starts: list[int] = []
-    calls: list[ToolCall] = []
-    digests: list[str] = []
-    for k, text in enumerate(turns):
-        starts.append(len(tokens))
-        ids = codec.encode_text(text)
-        tokens += ids
-        roles += [ROLE_ACTION] * len(ids)
-        call = env.parse(codec.decode(ids))
-        if call is None or k == len(turns) - 1:
-            break
-        result = tools.run([call])[0]
-        obs_ids, obs_roles = observation_tokens(env.observe(call, result), codec)
-        tokens += obs_ids
-        roles += obs_roles
-        calls.append(call)
-        digests.append(result.digest)
-    r = np.array(roles, np.uint8)
-    return Sample(np.array(tokens, np.int32), np.where(r == ROLE_ACTION, lp, 0.0).astype(np.float32), 0.0, "stop",
-                  roles=r, turn_starts=starts, calls=calls, digests=digests, end_reason="stop")
+    return honest_sample(turns, codec, tools, env=env, lp=lp)
 
 
 def tampered(s: Sample, codec) -> Sample:
