@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=16, help="packed-mode micro-batch [default: 16]")
     p.add_argument("--device", default="auto", help="torch device [default: auto]")
     p.add_argument("--out", default="", help="append JSONL rows to this file")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--preflight", action="store_true",
+                   help="compare the memory preflight's estimate with the measured peak of PREFLIGHT_GRID's "
+                        "settings (packed mode, each in a fresh process)")
 
 
 def _entries(groups: int, n: int, prompt_tokens: int, tokens: int, vocab: int, seed: int):
@@ -53,6 +57,8 @@ def main(args: argparse.Namespace) -> int:
     Args:
         args: parsed flags (see ``add_arguments``).
     """
+    if args.preflight:
+        return preflight(args)
     import torch
 
     from stoa.algorithms import AlgoConfig, get_algorithm
@@ -63,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     model_dir = resolve_model(args.model)
-    policy = Policy(model_dir, device)
+    policy = Policy(model_dir, device, gradient_checkpointing=args.gradient_checkpointing)
     ref = Policy(model_dir, device, trainable=False) if args.kl_beta > 0 else None
     opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-6)
     algo = get_algorithm(AlgoConfig.from_dict({"name": args.algorithm, "kl_beta": args.kl_beta,
@@ -88,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
         row = {"bench": "trainer", "mode": mode, "model": args.model, "groups": args.groups, "n": args.n,
                "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "step_s_median": med,
                "step_s_min": min(times), "step_s_max": max(times), "tokens_per_s": tokens_per_step / med,
-               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
+               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+               "peak_cuda_gb": torch.cuda.max_memory_reserved() / 1e9 if device.type == "cuda" else 0.0}
         rows.append(row)
     print(f"\n{'mode':8} {'step s (median)':>16} {'min-max':>14} {'trained tok/s':>14} {'peak RSS GB':>12}")
     for r in rows:
@@ -100,4 +107,43 @@ def main(args: argparse.Namespace) -> int:
         with Path(args.out).open("a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
+    return 0
+
+
+PREFLIGHT_GRID = ((16, False, 0.0), (4, False, 0.0), (16, True, 0.0), (16, False, 0.04))
+"""(micro_batch, gradient_checkpointing, kl_beta) settings that ``--preflight`` measures."""
+
+
+def preflight(args: argparse.Namespace) -> int:
+    """Run each ``PREFLIGHT_GRID`` setting as its own ``stoa bench trainer`` process (a peak is per process) and
+    print its measured peak (CPU: RSS; CUDA: the allocator's reserved peak) next to ``estimate_peak``'s.
+
+    Args:
+        args: parsed flags (model, groups, n, prompt and completion tokens, device).
+    """
+    import subprocess
+    import sys
+    import tempfile
+
+    from stoa.local.shapes import shape_from_dir
+    from stoa.models import resolve_model
+    from stoa.trainer.memory import Workload, estimate_peak, is_cuda
+
+    shape, cuda = shape_from_dir(resolve_model(args.model), args.model), is_cuda(args.device)
+    rows = args.groups * args.n
+    print(f"model {args.model}, {rows} rows, prompt {args.prompt_tokens} + completion {args.tokens} tokens")
+    print(f"{'micro':>5} {'ckpt':>5} {'kl':>5} {'measured GB':>12} {'estimated GB':>13}  parts")
+    for micro, ckpt, kl in PREFLIGHT_GRID:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "row.jsonl"
+            cmd = [sys.executable, "-m", "stoa", "bench", "trainer", "--model", args.model, "--groups",
+                   str(args.groups), "--n", str(args.n), "--prompt-tokens", str(args.prompt_tokens), "--tokens",
+                   str(args.tokens), "--modes", "packed", "--repeats", "1", "--micro-batch", str(micro),
+                   "--kl-beta", str(kl), "--device", args.device, "--out", str(out)]
+            subprocess.run(cmd + (["--gradient-checkpointing"] if ckpt else []), check=True, capture_output=True)
+            row = json.loads(out.read_text().splitlines()[-1])
+        work = Workload(min(micro, rows), args.prompt_tokens, args.tokens, ckpt, kl > 0, 1, cuda)
+        est = estimate_peak(shape, work)
+        measured = row["peak_cuda_gb"] or row["peak_rss_gb"]
+        print(f"{micro:5d} {ckpt!s:>5} {kl:5.2f} {measured:12.2f} {est.total:13.2f}  {est.describe()}")
     return 0

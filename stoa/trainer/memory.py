@@ -1,0 +1,360 @@
+"""Memory preflight of the trainer: the estimated peak memory PER RANK, from config.json, before any weight loads.
+
+The parts (``estimate_peak``; P parameters, W ranks, b rows per micro-batch, S = prompt + completion tokens):
+
+- parameters: fp32 master weights sharded 1/W (FSDP2), plus what compute holds unsharded: with W > 1 the
+  all-gathered block and the next one (prefetch) in the compute dtype (bf16 on CUDA, fp32 on CPU); with
+  W = 1 on CUDA autocast's bf16 copy of every weight (kept for backward); nothing more on CPU at W = 1.
+- gradients: fp32, sharded (P x 4 / W); optimizer: AdamW's two fp32 moments, sharded (P x 8 / W).
+- activations: per layer b x S x (ACT_H x hidden + ACT_I x intermediate + ACT_ATTN x heads x S) values in the
+  activation dtype (bf16 on CUDA, fp32 on CPU), times ACT_SCALE; with gradient checkpointing the block inputs
+  (layers x b x S x hidden) plus one block's.
+- logits: the LM head runs only on the completion positions: b x T x vocab x 4 bytes, LOGIT_COPIES of them
+  (logits, log-softmax, and the gradient of one of them in backward).
+- reference: the frozen reference policy's weights (fp32, sharded) when kl_beta > 0; its forward keeps no
+  activations.
+- overhead: interpreter, torch, transformers, tokenizer (CPU: measured resident set before the model); the CUDA
+  context and allocator slack on CUDA (not measured here).
+
+Calibration (``stoa bench trainer --preflight``: each setting in a fresh process, peak RSS on this project's
+2-core Linux CPU box, torch 2.13, packed micro-batches, groups x n rows, prompt 48 + completion 64 tokens):
+
+==============  ====  ===  =====  ====  ============  =============
+model           rows  mb   ckpt   KL    measured GB   estimated GB
+==============  ====  ===  =====  ====  ============  =============
+smollm2-135m    16    8    off    0     CALIB         CALIB
+==============  ====  ===  =====  ====  ============  =============
+
+CUDA figures are estimates from the same constants (bf16 activations); check them with ``--preflight`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from stoa.config.base import ConfigError
+from stoa.local.shapes import ModelShape
+
+__all__ = ["Budget", "FitReport", "MemoryPreflightError", "PeakEstimate", "Workload", "check_fit",
+           "device_budget", "estimate_peak", "prompt_length", "workload"]
+
+GB = 1e9
+RUNTIME_GB = {"cpu": 0.40, "cuda": 1.0}
+"""Framework overhead per rank: the process baseline on CPU (measured with the tiny model); the CUDA context and
+cuBLAS workspaces on CUDA (not measured)."""
+STEP_BYTES_PER_PARAM = 4.0
+"""Overhead per (sharded) parameter: the optimizer step's temporaries and, on CPU, the heap glibc keeps after
+them; measured on SmolLM2-135M as one fp32 copy of the weights (0.5 GB) above the tiny model's baseline."""
+ACT_H, ACT_I, ACT_ATTN = 10.0, 5.0, 2.0
+"""Saved values per token and layer: ACT_H x hidden + ACT_I x intermediate + ACT_ATTN x heads x S (scores)."""
+ACT_SCALE = 0.7
+"""Multiplier on the activation model fitted to the measurements (0.67, 0.73 and 0.40 with checkpointing; the
+larger figure keeps the estimate on the safe side)."""
+LOGIT_COPIES = 2.0
+"""float32 [b, T, vocab] buffers alive at the LM head's peak."""
+DEFAULT_PROMPT_TOKENS = 256
+"""Prompt length assumed when the task's held-out prompts cannot be rendered offline (give --prompt-tokens)."""
+
+
+class Workload(NamedTuple):
+    """The shape of one rank's training work."""
+
+    micro_batch: int
+    """Rows per forward/backward."""
+    prompt_tokens: int
+    completion_tokens: int
+    """Tokens after the prompt (max_new_tokens, or a multi-turn task's max_total_tokens)."""
+    gradient_checkpointing: bool
+    reference: bool
+    """Whether a frozen reference policy is held (kl_beta > 0)."""
+    world_size: int = 1
+    cuda: bool = False
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """Estimated peak memory per rank in GB, by part (see the module docstring)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    reference: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        """The sum of the parts."""
+        return sum(self.parts().values())
+
+    def parts(self) -> dict[str, float]:
+        """Part name -> GB."""
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """One line: the total and its parts."""
+        return f"{self.total:.2f} GB (" + ", ".join(f"{k} {v:.2f}" for k, v in self.parts().items()) + ")"
+
+
+def _largest_unit(shape: ModelShape) -> int:
+    """Parameters of the largest FSDP unit: one decoder block, or the embedding (the LM head when untied)."""
+    block = sum(a * b for a, b in shape.block_linears().values()) + 2 * shape.hidden
+    return max(block, shape.vocab * shape.hidden)
+
+
+def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
+    """The estimated peak memory of one trainer rank (nothing is loaded).
+
+    Args:
+        shape: the model's config.json figures (``stoa.local.shapes.shape_for``).
+        work: the rank's workload.
+    """
+    p, w = shape.params(), max(1, work.world_size)
+    cb = 2 if work.cuda else 4  # compute / activation bytes: bf16 autocast on CUDA, fp32 on CPU
+    if w > 1:
+        gathered = 2 * _largest_unit(shape) * cb
+    else:
+        gathered = p * cb if work.cuda else 0
+    b, seq, t = work.micro_batch, work.prompt_tokens + work.completion_tokens, work.completion_tokens
+    per_layer = b * seq * (ACT_H * shape.hidden + ACT_I * shape.intermediate + ACT_ATTN * shape.heads * seq) * cb
+    if work.gradient_checkpointing:
+        acts = shape.layers * b * seq * shape.hidden * cb + per_layer
+    else:
+        acts = shape.layers * per_layer
+    return PeakEstimate(
+        parameters=(p * 4 / w + gathered) / GB, gradients=p * 4 / w / GB, optimizer=p * 8 / w / GB,
+        activations=acts * ACT_SCALE / GB, logits=b * t * shape.vocab * 4 * LOGIT_COPIES / GB,
+        reference=(p * 4 / w if work.reference else 0) / GB,
+        overhead=RUNTIME_GB["cuda" if work.cuda else "cpu"] + STEP_BYTES_PER_PARAM * p / w / GB)
+
+
+def workload(cfg: Any, prompt_tokens: int, completion_tokens: int, world_size: int, cuda: bool) -> Workload:
+    """A trainer config's workload per rank.
+
+    Args:
+        cfg: the ``TrainerConfig`` (or any ``TrainingConfig`` with ``shared_prefix``).
+        prompt_tokens: the longest prompt (``prompt_length``).
+        completion_tokens: tokens after the prompt.
+        world_size: ranks.
+        cuda: whether the ranks compute on CUDA.
+    """
+    rows = cfg.groups_per_step * cfg.n_samples
+    micro = min(cfg.micro_batch or rows, rows)
+    if getattr(cfg, "shared_prefix", False) and not cfg.gradient_checkpointing:
+        micro = cfg.n_samples  # one group per forward, its prompt once
+    return Workload(micro, prompt_tokens, completion_tokens, cfg.gradient_checkpointing,
+                    cfg.algo_config().kl_beta > 0, world_size, cuda)
+
+
+class Budget(NamedTuple):
+    """The memory a rank may use."""
+
+    gb: float
+    """Device memory in GB (CPU: the machine's RAM, which its ranks share)."""
+    source: str
+    shared_by: int = 1
+    """Ranks on this machine sharing ``gb`` (CPU); 1 for a GPU per rank or a per-rank override."""
+
+    def per_rank(self, world_size: int) -> float:
+        """GB one rank may use when ``world_size`` ranks run (CPU: split among this machine's ranks).
+
+        Args:
+            world_size: ranks of the run.
+        """
+        return self.gb / (world_size if self.shared_by > 1 else 1)
+
+
+def device_budget(cfg: Any, world_size: int) -> Budget:
+    """The memory per rank: ``available_memory_gb`` when set, the free memory of this rank's GPU, or the RAM.
+
+    Args:
+        cfg: the trainer config (``available_memory_gb``, ``device``).
+        world_size: ranks on this machine (CPU ranks share the RAM).
+    """
+    if cfg.available_memory_gb > 0:
+        return Budget(cfg.available_memory_gb, "available_memory_gb")
+    if is_cuda(cfg.device):
+        import torch
+
+        index = int(cfg.device.split(":")[1]) if ":" in cfg.device else int(os.environ.get("LOCAL_RANK", "0"))
+        free, _ = torch.cuda.mem_get_info(index)
+        return Budget(free / GB, f"free memory of cuda:{index}")
+    from stoa.machine import system_memory
+
+    gb, source = system_memory()
+    return Budget(gb, source, shared_by=max(1, world_size))
+
+
+def is_cuda(device: str) -> bool:
+    """Whether the trainer computes on CUDA (``auto`` resolves as the trainer does).
+
+    Args:
+        device: the ``device`` setting.
+    """
+    if device.startswith("cuda"):
+        return True
+    if device != "auto":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class PromptLength(NamedTuple):
+    """The longest prompt and where the figure came from."""
+
+    tokens: int
+    source: str
+
+
+def prompt_length(task: Any, model_dir: Path | None, n: int = 256) -> PromptLength:
+    """The longest of the task's first ``n`` held-out prompts, rendered with the model's chat template.
+
+    Args:
+        task: the run's task.
+        model_dir: the model's directory (its tokenizer); None: ``DEFAULT_PROMPT_TOKENS``.
+        n: held-out prompts to render.
+    """
+    if model_dir is None:
+        return PromptLength(DEFAULT_PROMPT_TOKENS, "a guess: no tokenizer offline, give --prompt-tokens")
+    from stoa.tokenize import TextCodec
+
+    codec = TextCodec(model_dir)
+    prompts = task.heldout(n)
+    return PromptLength(max(len(codec.encode_prompt(p.messages)) for p in prompts),
+                        f"longest of {len(prompts)} held-out prompts")
+
+
+class MemoryPreflightError(ConfigError):
+    """The estimate exceeds the memory per rank; ``field`` names the knob that would make it fit."""
+
+
+class Fix(NamedTuple):
+    """A change that makes the estimate fit: the field, its flag(s), and the estimate after it."""
+
+    knob: str
+    flags: str
+    estimate: PeakEstimate
+    available_gb: float
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """The estimate of a config against the memory per rank, and the preferred fix when it does not fit."""
+
+    estimate: PeakEstimate
+    work: Workload
+    budget: Budget
+    fix: Fix | None = None
+
+    @property
+    def available_gb(self) -> float:
+        """GB one rank may use."""
+        return self.budget.per_rank(self.work.world_size)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the estimate is within the memory per rank."""
+        return self.estimate.total <= self.available_gb
+
+    def message(self) -> str:
+        """One line: the estimate, the memory, and the verdict with the fix."""
+        head = (f"estimated peak per rank {self.estimate.describe()} at {self.work.world_size} rank(s); "
+                f"{self.available_gb:.2f} GB per rank ({self.budget.source})")
+        if self.fits:
+            return head + ": fits"
+        if self.fix is None:
+            return (head + ": does not fit even at micro-batch 1 with gradient checkpointing, no reference and "
+                    "the most ranks here; use more GPUs or a smaller model (preflight = false skips this check)")
+        return head + f": does not fit; {self.fix.flags} would ({self.fix.estimate.total:.2f} GB of " \
+                      f"{self.fix.available_gb:.2f})"
+
+
+class _Try(NamedTuple):
+    knob: str
+    flags: str
+    work: Workload
+
+
+def _halvings(value: int) -> list[int]:
+    out, v = [], value // 2
+    while v >= 1:
+        out.append(v)
+        v //= 2
+    return out
+
+
+def _candidates(cfg: Any, base: Workload, max_world: int) -> list[_Try]:
+    """Single changes in order of preference: a smaller micro-batch, gradient checkpointing, more ranks, no
+    reference."""
+    out = []
+    if not (getattr(cfg, "shared_prefix", False) and not cfg.gradient_checkpointing):  # else one group per pass
+        out += [_Try("micro_batch", f"--micro-batch {m}", base._replace(micro_batch=m))
+                for m in _halvings(base.micro_batch)]
+    if not cfg.gradient_checkpointing:
+        ckpt = workload(dataclasses.replace(cfg, gradient_checkpointing=True), base.prompt_tokens,
+                        base.completion_tokens, base.world_size, base.cuda)
+        out.append(_Try("gradient_checkpointing", "--gradient-checkpointing", ckpt._replace(reference=base.reference)))
+    w = base.world_size * 2
+    while w <= max_world:
+        out.append(_Try("nproc", f"--nproc {w}", base._replace(world_size=w)))
+        w *= 2
+    if base.reference:
+        out.append(_Try("kl_beta", "--kl-beta 0", base._replace(reference=False)))
+    return out
+
+
+def _combined(tries: list[_Try], base: Workload) -> _Try | None:
+    """The last (strongest) candidate of every knob applied together."""
+    last = {t.knob: t for t in tries}
+    if len(last) < 2:
+        return None
+    w = base
+    for t in last.values():
+        w = w._replace(**{f: getattr(t.work, f) for f in Workload._fields if getattr(t.work, f) != getattr(base, f)})
+    return _Try(next(iter(last)), " ".join(t.flags for t in last.values()), w)
+
+
+def check_fit(cfg: Any, shape: ModelShape, base: Workload, budget: Budget, max_world: int = 8) -> FitReport:
+    """Estimate ``base`` and, when it does not fit, find the preferred change that does (each re-estimated).
+
+    Single changes are tried in order: a smaller micro-batch (the largest that fits), gradient checkpointing,
+    more ranks (up to ``max_world``), kl_beta 0; then all of them at their strongest together.
+
+    Args:
+        cfg: the trainer config ``base`` was built from (``workload``).
+        shape: the model's shape.
+        base: the rank's workload.
+        budget: the memory per rank (``device_budget``).
+        max_world: the most ranks a fix may name.
+    """
+    est = estimate_peak(shape, base)
+    report = FitReport(est, base, budget)
+    if report.fits:
+        return report
+    tries = _candidates(cfg, base, max_world)
+    combo = _combined(tries, base)
+    for t in tries + ([combo] if combo else []):
+        e, avail = estimate_peak(shape, t.work), budget.per_rank(t.work.world_size)
+        if e.total <= avail:
+            return FitReport(est, base, budget, Fix(t.knob, t.flags, e, avail))
+    return report
+
+
+def preflight(cfg: Any, report: FitReport) -> None:
+    """Raise when the estimate does not fit and ``cfg.preflight`` is on.
+
+    Args:
+        cfg: the trainer config.
+        report: its ``check_fit``.
+
+    Raises:
+        MemoryPreflightError: naming the knob of the fix (``preflight`` when none fits).
+    """
+    if cfg.preflight and not report.fits:
+        raise MemoryPreflightError(report.fix.knob if report.fix else "preflight", report.message())
