@@ -7,7 +7,7 @@ Two sources:
   plane is written as bfloat16 bit for bit. An ``int8g64`` plane is dequantized exactly as MLX dequantizes it
   (every value is a bfloat16 number) and written as bfloat16 too: lossless, and both loaders open a plain
   bfloat16 checkpoint, while mlx-lm's quantized layout would not load in transformers.
-- ``checkpoint``: the trainer's fp32 master weights (``trainer/checkpoint.safetensors``), written as float32;
+- ``checkpoint``: the trainer's fp32 master weights (its sharded checkpoint under ``trainer/``), written as float32;
   the AdamW moments stay behind.
 
 Tensor names are the model's ``named_parameters`` names, which are the Hugging Face checkpoint names; tied
@@ -186,7 +186,8 @@ def published_state(bucket: Bucket, run_id: str, version: int | None,
 
 
 def checkpoint_tensors(bucket: Bucket, run_id: str) -> tuple[int, dict[str, Any]]:
-    """The trainer's fp32 master weights (``param/`` prefix stripped, optimizer moments dropped).
+    """The trainer's fp32 master weights (optimizer moments dropped): its sharded checkpoint, else the
+    single-file one of an older trainer (``param/`` prefix stripped).
 
     Args:
         bucket: the run's bucket.
@@ -197,6 +198,11 @@ def checkpoint_tensors(bucket: Bucket, run_id: str) -> tuple[int, dict[str, Any]
     """
     from safetensors import safe_open
 
+    from stoa.trainer.checkpoint import checkpoint_params
+
+    sharded = checkpoint_params(bucket, run_id)
+    if sharded is not None:
+        return sharded
     fd, tmp = tempfile.mkstemp(suffix=".safetensors")
     os.close(fd)
     try:

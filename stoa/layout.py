@@ -9,7 +9,10 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
     runs/<run>/weights/anchors/v<k>/{model.safetensors,manifest.json}   full checkpoint, manifest last
     runs/<run>/weights/versions/v<k>.patch               PULSE patch v<k-1> -> v<k>
     runs/<run>/rollouts/v<version>/<worker>-<seq>.rec    one record per group (workers, create-only)
-    runs/<run>/trainer/{checkpoint.safetensors,journal.json}   trainer state (trainer, overwritten)
+    runs/<run>/trainer/journal.json                      per-step journal (trainer, overwritten)
+    runs/<run>/trainer/checkpoint.json                   the sharded checkpoint's pointer (trainer, overwritten, last)
+    runs/<run>/trainer/checkpoints/<tag>/<file>          a sharded checkpoint (every rank a shard, rank 0 metadata)
+    runs/<run>/trainer/checkpoint.safetensors            the single-file checkpoint of older trainers (read only)
     runs/<run>/trainer/lease.json                        the holding trainer (trainer, compare-and-swap)
     runs/<run>/status.json                               run status, heartbeat, wanted groups (trainer, overwritten)
     runs/<run>/metrics/<source>-<start>-<seq>.jsonl      metrics chunks (trainer, worker-<id>, eval; create-only)
@@ -33,7 +36,9 @@ ANCHOR_FILE = "model.safetensors"
 ANCHOR_MANIFEST = "manifest.json"
 """Object name of an anchor's manifest inside its prefix (written last: it marks the anchor complete)."""
 CHECKPOINT_NAME = "checkpoint.safetensors"
-"""Object name of the trainer's heavy checkpoint (fp32 master weights + AdamW)."""
+"""Object name of the single-file checkpoint older trainers wrote (fp32 master weights + AdamW; still read)."""
+CHECKPOINT_POINTER = "checkpoint.json"
+"""Object name of the pointer to the trainer's current sharded checkpoint (written after all its files)."""
 JOURNAL_NAME = "journal.json"
 """Object name of the trainer's per-step journal."""
 LEASE_NAME = "lease.json"
@@ -268,6 +273,26 @@ def checkpoint_key(run_id: str) -> str:
         run_id: the run id.
     """
     return trainer_prefix(run_id) + CHECKPOINT_NAME
+
+
+def checkpoint_pointer_key(run_id: str) -> str:
+    """Key of the pointer to the current sharded checkpoint, ``runs/<run>/trainer/checkpoint.json``.
+
+    Args:
+        run_id: the run id.
+    """
+    return trainer_prefix(run_id) + CHECKPOINT_POINTER
+
+
+def checkpoint_files_prefix(run_id: str, tag: str | None = None) -> str:
+    """Prefix of the sharded checkpoints (``runs/<run>/trainer/checkpoints/``), or of the one named ``tag``.
+
+    Args:
+        run_id: the run id.
+        tag: a checkpoint's tag (``s<step>-<nonce>``); None for the prefix of all of them.
+    """
+    base = trainer_prefix(run_id) + "checkpoints/"
+    return base if tag is None else f"{base}{tag}/"
 
 
 def journal_key(run_id: str) -> str:

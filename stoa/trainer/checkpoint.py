@@ -1,24 +1,44 @@
-"""Trainer state in the bucket: a heavy checkpoint (master weights + AdamW) and a light per-step journal.
+"""Trainer state in the bucket: a sharded checkpoint (master weights + AdamW) and a light per-step journal.
 
 The journal (version, step, reuse counts) is written every step *before* the new version is
 published, so a crash can only over-count a use, never let a record exceed the reuse cap.
-The heavy checkpoint is written every ``checkpoint_every`` steps; on restart the trainer resumes
-from it and continues the version sequence after the newest published pointer.
+The heavy checkpoint is written every ``checkpoint_every`` steps with ``torch.distributed.checkpoint``: every
+rank writes its shard under a fresh ``trainer/checkpoints/<tag>/`` prefix, rank 0 adds the metadata and then
+the pointer ``trainer/checkpoint.json`` (last), so a half-written checkpoint is never named and never loaded.
+Any world size loads any checkpoint (DCP reshards). The single-file checkpoint of older trainers still loads at
+world size 1. On restart the trainer resumes from it and continues the version sequence after the newest
+published pointer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import secrets
 import tempfile
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from stoa.bucket import Bucket, ObjectNotFound
-from stoa.layout import checkpoint_key, journal_key
+from stoa.bucket import Bucket, BucketError, ObjectNotFound
+from stoa.layout import checkpoint_files_prefix, checkpoint_key, checkpoint_pointer_key, journal_key
+from stoa.trainer.dist import SINGLE, Dist
+from stoa.trainer.retry import ride_out
+
+FORMAT = "dcp-1"
+"""The pointer's format tag."""
+_FILE = re.compile(r"(?:\.metadata|__\d{1,6}_\d{1,6}\.distcp)")
+_TAG = re.compile(r"s\d{10}-[0-9a-f]{8}")
+
+
+class CheckpointError(ValueError):
+    """The named checkpoint cannot be read; the message names the fix."""
 
 
 @dataclass
@@ -29,77 +49,226 @@ class Restored:
     step: int
 
 
+@dataclass(frozen=True)
+class CheckpointRef:
+    """The pointer ``trainer/checkpoint.json``: which files make the current checkpoint, and what it is."""
+
+    tag: str
+    version: int
+    step: int
+    world_size: int
+    files: dict[str, int]
+    """File name -> bytes."""
+
+    def to_json(self) -> bytes:
+        """The pointer's bytes."""
+        return json.dumps({"format": FORMAT, "tag": self.tag, "version": self.version, "step": self.step,
+                           "world_size": self.world_size, "files": self.files}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> CheckpointRef:
+        """Parse a pointer strictly (it sits in a bucket others can write).
+
+        Raises:
+            CheckpointError: not a pointer this trainer wrote.
+        """
+        try:
+            d = json.loads(data)
+            files = d["files"]
+            ok = (d.get("format") == FORMAT and isinstance(d["tag"], str) and _TAG.fullmatch(d["tag"])
+                  and all(type(d[k]) is int and d[k] >= 0 for k in ("version", "step", "world_size"))
+                  and isinstance(files, dict) and ".metadata" in files
+                  and all(isinstance(f, str) and _FILE.fullmatch(f) and type(n) is int and n >= 0
+                          for f, n in files.items()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            ok = False
+        if not ok:
+            raise CheckpointError("trainer/checkpoint.json is not a checkpoint pointer; delete it to continue from "
+                                  "the published weights (the optimizer state restarts)")
+        return cls(d["tag"], d["version"], d["step"], d["world_size"], dict(files))
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's note that a world of one saves and loads in a single process (that is the intent)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a checkpoint holds: the parameters by ``named_parameters`` name and the optimizer's state."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return {"model": {k: p.detach() for k, p in model.named_parameters()},
+            "optim": get_optimizer_state_dict(model, opt)}
+
+
 def save_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    *, version: int, step: int) -> int:
-    """Write master weights and AdamW moments as one safetensors object; return its size in bytes.
+                    *, version: int, step: int, dist: Dist = SINGLE, echo=print) -> int:
+    """Write this rank's shard (rank 0 also the metadata, then the pointer, then drop older checkpoints).
+
+    Every rank calls it. Returns the checkpoint's bytes on rank 0 (this rank's elsewhere).
 
     Args:
-        bucket: the run's bucket.
+        bucket: the run's bucket (rank 0's is lease-fenced).
         run_id: the run.
-        model: the policy model (fp32 master weights).
+        model: the policy model (fp32 master weights, sharded or not).
         opt: its AdamW optimizer.
         version: the published version these weights are.
         step: optimizer steps taken so far.
+        dist: the ranks.
+        echo: where outage notes go.
     """
-    tensors: dict[str, torch.Tensor] = {}
-    opt_steps: dict[str, float] = {}
-    for name, p in model.named_parameters():
-        tensors[f"param/{name}"] = p.detach().float().cpu().contiguous()
-        st = opt.state.get(p, {})
-        if "exp_avg" in st:
-            tensors[f"exp_avg/{name}"] = st["exp_avg"].detach().cpu().contiguous()
-            tensors[f"exp_avg_sq/{name}"] = st["exp_avg_sq"].detach().cpu().contiguous()
-            opt_steps[name] = float(st["step"])
-    meta = {"version": str(version), "step": str(step), "opt_steps": json.dumps(opt_steps)}
-    fd, tmp = tempfile.mkstemp(suffix=".safetensors")
-    os.close(fd)
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    tag = dist.broadcast(f"s{step:010d}-{secrets.token_hex(4)}" if dist.main else None)
+    prefix = checkpoint_files_prefix(run_id, tag)
+    sizes: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="stoa-ckpt-") as tmp:
+        with _single_process_quiet():
+            dcp_save(_state(model, opt), checkpoint_id=tmp, no_dist=not dist.sharded)
+        for name in sorted(os.listdir(tmp)):
+            path = os.path.join(tmp, name)
+            ride_out(lambda p=path, n=name: bucket.put_file(prefix + n, p, create_only=False),
+                     f"checkpoint file {name}", echo)
+            sizes[name] = os.path.getsize(path)
+    everyone = dist.gather(sizes)  # also the barrier: every shard is in the bucket before the pointer
+    if not dist.main:
+        return sum(sizes.values())
+    files = {k: v for part in everyone for k, v in part.items()}
+    ref = CheckpointRef(tag, version, step, dist.world_size, files)
+    ride_out(lambda: bucket.put(checkpoint_pointer_key(run_id), ref.to_json()), "the checkpoint pointer", echo)
     try:
-        save_file(tensors, tmp, metadata=meta)
-        size = os.path.getsize(tmp)
-        bucket.put_file(checkpoint_key(run_id), tmp, create_only=False)
-    finally:
-        os.unlink(tmp)
-    return size
+        for info in list(bucket.list(checkpoint_files_prefix(run_id))):
+            if not info.key.startswith(prefix):
+                bucket.delete(info.key)
+    except BucketError as e:  # older files only cost storage; the next checkpoint collects them
+        echo(f"[trainer] could not delete older checkpoint files ({e}); the next checkpoint retries")
+    return sum(files.values())
 
 
-def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module,
-                    opt: torch.optim.Optimizer) -> Restored | None:
-    """Restore weights and optimizer state in place; ``None`` when the run has no checkpoint.
+def read_pointer(bucket: Bucket, run_id: str) -> CheckpointRef | None:
+    """The current sharded checkpoint's pointer, or None when the run has none.
+
+    Raises:
+        CheckpointError: the pointer is not one this trainer wrote.
+    """
+    try:
+        return CheckpointRef.from_json(bucket.get(checkpoint_pointer_key(run_id)))
+    except ObjectNotFound:
+        return None
+
+
+def _fetch(bucket: Bucket, key: str, path: str, what: str) -> None:
+    try:
+        bucket.get_file(key, path)
+    except ObjectNotFound:
+        raise CheckpointError(f"{what} is missing; delete trainer/checkpoint.json to continue from the published "
+                              "weights") from None
+
+
+def _download(bucket: Bucket, run_id: str, ref: CheckpointRef, dest: str, echo=print) -> None:
+    """Fetch every file the pointer names into ``dest`` (outages ridden out), checking each size."""
+    prefix = checkpoint_files_prefix(run_id, ref.tag)
+    for name, size in ref.files.items():
+        path = os.path.join(dest, name)
+        ride_out(lambda n=name, p=path: _fetch(bucket, prefix + n, p, f"checkpoint file {n} of {ref.tag}"),
+                 f"(reading) checkpoint file {name}", echo)
+        if os.path.getsize(path) != size:
+            raise CheckpointError(f"checkpoint file {name} of {ref.tag} is not the size its pointer says; delete "
+                                  "trainer/checkpoint.json to continue from the published weights")
+
+
+def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    dist: Dist = SINGLE, echo=print) -> Restored | None:
+    """Restore weights and optimizer state in place, at any world size; None when the run has no checkpoint.
+
+    Every rank calls it; rank 0 reads the pointer and every rank fetches the files it names.
 
     Args:
         bucket: the run's bucket.
         run_id: the run.
-        model: the freshly loaded policy model.
-        opt: its (fresh) optimizer.
-    """
-    fd, tmp = tempfile.mkstemp(suffix=".safetensors")
-    os.close(fd)
-    try:
-        try:
-            bucket.get_file(checkpoint_key(run_id), tmp)
-        except ObjectNotFound:
-            return None
-        from safetensors import safe_open
+        model: the freshly loaded (and sharded) policy model.
+        opt: its fresh optimizer.
+        dist: the ranks.
+        echo: where outage notes go.
 
-        with safe_open(tmp, "pt") as f:
+    Raises:
+        CheckpointError: the checkpoint cannot be read (the message names the fix).
+    """
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    plan: Any = None
+    if dist.main:
+        plan = ride_out(lambda: read_pointer(bucket, run_id) or (
+            "legacy" if bucket.exists(checkpoint_key(run_id)) else None), "(reading) the checkpoint pointer", echo)
+    plan = dist.broadcast(plan)
+    if plan is None:
+        return None
+    if plan == "legacy":
+        if dist.sharded:
+            raise CheckpointError(f"run {run_id!r} has a single-file checkpoint of an older trainer: resume once at "
+                                  "world size 1 (it then writes a sharded one), or delete it")
+        return _load_legacy(bucket, run_id, model, opt)
+    with tempfile.TemporaryDirectory(prefix="stoa-ckpt-") as tmp:
+        _download(bucket, run_id, plan, tmp, echo)
+        state = _state(model, opt)
+        try:
+            with _single_process_quiet():
+                dcp_load(state, checkpoint_id=tmp, no_dist=not dist.sharded)
+        except Exception as e:  # noqa: BLE001 - DCP raises many types for a bad file
+            raise CheckpointError(f"checkpoint {plan.tag} does not load ({type(e).__name__}); delete "
+                                  "trainer/checkpoint.json to continue from the published weights") from e
+        set_optimizer_state_dict(model, opt, state["optim"])
+    return Restored(version=plan.version, step=plan.step)
+
+
+def _load_legacy(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Restored:
+    """The single-file checkpoint of older trainers (``param/``, ``exp_avg/``, ``exp_avg_sq/`` tensors)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory(prefix="stoa-ckpt-") as tmp:
+        path = str(Path(tmp) / "checkpoint.safetensors")
+        ride_out(lambda: _fetch(bucket, checkpoint_key(run_id), path, "the single-file checkpoint"),
+                 "(reading) the checkpoint", print)
+        with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
-        tensors = load_file(tmp)
-    finally:
-        os.unlink(tmp)
+        tensors = load_file(path)
     opt_steps = json.loads(meta.get("opt_steps", "{}"))
     params = dict(model.named_parameters())
     if set(params) != {k.split("/", 1)[1] for k in tensors if k.startswith("param/")}:
-        raise ValueError("trainer checkpoint does not match the model's parameters")
+        raise CheckpointError("trainer checkpoint does not match the model's parameters")
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(tensors[f"param/{name}"].to(p.device))
             if name in opt_steps:
-                opt.state[p] = {
-                    "step": torch.tensor(opt_steps[name]),
-                    "exp_avg": tensors[f"exp_avg/{name}"].to(p.device),
-                    "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(p.device),
-                }
+                opt.state[p] = {"step": torch.tensor(opt_steps[name]),
+                                "exp_avg": tensors[f"exp_avg/{name}"].to(p.device),
+                                "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(p.device)}
     return Restored(version=int(meta["version"]), step=int(meta["step"]))
+
+
+def checkpoint_params(bucket: Bucket, run_id: str) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """The checkpoint's full fp32 master weights without a model (for export); None when the run has none.
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ref = read_pointer(bucket, run_id)
+    if ref is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="stoa-ckpt-") as tmp:
+        _download(bucket, run_id, ref, tmp)
+        out = os.path.join(tmp, "full.pt")
+        dcp_to_torch_save(tmp, out)
+        state = torch.load(out, map_location="cpu", weights_only=True)
+    return ref.version, {k: v.float() for k, v in state["model"].items()}
 
 
 def write_journal(bucket: Bucket, run_id: str, state: dict[str, Any]) -> None:

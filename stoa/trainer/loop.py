@@ -2,59 +2,31 @@
 
 from __future__ import annotations
 
-import random
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
-from stoa.bucket import BucketError, ObjectExists, PreconditionFailed, open_bucket
+from stoa.bucket import BucketError, open_bucket
 from stoa.config import TrainerConfig
 from stoa.layout import checkpoint_key, rollout_label
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.stopflag import StopFlag
 from stoa.trackers import open_trackers, sample_completions
 from stoa.trainer import checkpoint as ckpt
+from stoa.trainer.dist import SINGLE, Dist
 from stoa.trainer.lease import FencedBucket, Lease
 from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, wanted_groups
-from stoa.trainer.policy import Policy
 from stoa.trainer.pool import Entry, PoolStats, RecordPool
 from stoa.trainer.quarantine import Quarantine
+from stoa.trainer.ranks import Driver, RankOps, serve
+from stoa.trainer.retry import RETRY_MAX_SLEEP_S, ride_out  # noqa: F401 - re-exported
 from stoa.trainer.setup import build_contract, ensure_contract, evaluate, reward_stats
-from stoa.trainer.step import episode_figures, train_step
+from stoa.trainer.step import episode_figures
 from stoa.trainer.tools import prepare_tools
 
-_T = TypeVar("_T")
-RETRY_MAX_SLEEP_S = 30.0
 EVALUATOR_MAX_AGE_S = 90.0  # an evaluator beating this recently (every 30 s; clocks may differ) does the evals
-"""Longest wait between two tries of a bucket write during an outage."""
-
-
-def ride_out(fn: Callable[[], _T], what: str, echo=print, max_sleep_s: float = RETRY_MAX_SLEEP_S) -> _T:
-    """Call ``fn`` until it does not raise a transient ``BucketError`` (jittered exponential backoff).
-
-    The trainer's writes (journal, patch, anchor, pointer, checkpoint) are safe to repeat, so a bucket
-    outage delays the run instead of stopping it. Conflicts (``PreconditionFailed``, ``ObjectExists``)
-    are not outages and propagate.
-
-    Args:
-        fn: the write.
-        what: what it writes, for the log line.
-        echo: where the waiting note goes.
-        max_sleep_s: cap of the backoff.
-    """
-    delay = 1.0
-    while True:
-        try:
-            return fn()
-        except (PreconditionFailed, ObjectExists):
-            raise
-        except BucketError as e:
-            echo(f"[trainer] bucket error while writing {what}, retrying in {delay:.0f}s: {e}")
-            time.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(max_sleep_s, delay * 2)
 
 
 def run_trainer(cfg: TrainerConfig, echo=print, take_over: bool = False) -> dict[str, Any]:
@@ -75,19 +47,40 @@ def run_trainer(cfg: TrainerConfig, echo=print, take_over: bool = False) -> dict
         LeaseHeld: another live trainer holds the run.
         LeaseLost: another trainer took the run over while this one ran; nothing more was written.
     """
-    stop = StopFlag()
-    with stop.installed():
-        trainer = _Trainer(cfg, echo, stop, take_over=take_over)
-        try:
-            return trainer.run()
-        finally:
-            trainer.close()
+    from stoa.trainer.dist import close_dist, init_dist
+
+    dist, device = init_dist(cfg.device)
+    try:
+        cfg = dist.broadcast(cfg)  # every rank runs rank 0's resolved config
+        stop = StopFlag()
+        with stop.installed():  # other ranks too: a signal ends the run through rank 0's stop, between steps
+            if not dist.main:
+                return _follow(cfg, dist, device, echo)
+            trainer = _Trainer(cfg, echo, stop, take_over=take_over, dist=dist, device=device)
+            try:
+                summary = trainer.run()
+            finally:
+                trainer.close()
+            trainer.ranks.stop()  # after a failure the other ranks are ended by torchrun instead
+            return summary
+    finally:
+        close_dist(dist)
+
+
+def _follow(cfg: TrainerConfig, dist: Dist, device: torch.device, echo) -> dict[str, Any]:
+    """A rank other than 0: build its shard of the model and run rank 0's commands until it says stop."""
+    from stoa.models import resolve_model
+
+    torch.manual_seed(cfg.seed)
+    ops = RankOps(cfg, dist, device, resolve_model(cfg.model), open_bucket(cfg.bucket), echo)
+    return {"run": cfg.run, "rank": dist.rank, "follower": True, "step": serve(ops), "version": None}
 
 
 class _Trainer:
     """One trainer process: its model, optimizer, pool, publisher and counters."""
 
-    def __init__(self, cfg: TrainerConfig, echo, stop: StopFlag | None = None, take_over: bool = False) -> None:
+    def __init__(self, cfg: TrainerConfig, echo, stop: StopFlag | None = None, take_over: bool = False,
+                 dist: Dist = SINGLE, device: torch.device | None = None) -> None:
         """Take the run's lease (before any write), then build the model, contract, optimizer and pool.
 
         Args:
@@ -95,18 +88,20 @@ class _Trainer:
             echo: where progress lines go.
             stop: the SIGINT/SIGTERM flag.
             take_over: take a lease whose heartbeat is older than ``cfg.lease_ttl_seconds``.
+            dist: the trainer's ranks (this is rank 0).
+            device: this rank's device (default: ``cfg.device`` resolved).
 
         Raises:
             LeaseHeld: another live trainer holds the run (nothing was written).
         """
-        self.cfg, self.echo, self.stop = cfg, echo, stop or StopFlag()
+        self.cfg, self.echo, self.stop, self.dist = cfg, echo, stop or StopFlag(), dist
         raw = open_bucket(cfg.bucket)
         self.lease = Lease(raw, cfg.run, cfg.lease_ttl_seconds, model=cfg.model, echo=echo)
         ride_out(lambda: self.lease.acquire(take_over), "the lease", echo)
         self.bucket = FencedBucket(raw, self.lease)  # every write checks the lease first
         self.lease.start_heartbeat()
         try:
-            self._build(cfg)
+            self._build(cfg, device)
         except BaseException:
             self.close()
             raise
@@ -115,8 +110,7 @@ class _Trainer:
         """Release the lease (a lost one stays with its new holder); the next trainer starts at once."""
         self.lease.release()
 
-    def _build(self, cfg: TrainerConfig) -> None:
-        from stoa.algorithms import get_algorithm
+    def _build(self, cfg: TrainerConfig, device: torch.device | None) -> None:
         from stoa.engines.torch import resolve_device
         from stoa.models import resolve_model
         from stoa.taskdata import localize_options, portable_task_data
@@ -129,18 +123,14 @@ class _Trainer:
         self.task = get_task(name, **localize_options(self.bucket, cfg.run, name, opts))  # a resumed run's data
         model_dir = resolve_model(cfg.model)
         self.codec = TextCodec(model_dir)
-        device = resolve_device(cfg.device)
-        self.policy = Policy(model_dir, device, temperature=cfg.temperature,
-                             gradient_checkpointing=cfg.gradient_checkpointing)
+        self.ops = RankOps(cfg, self.dist, device or resolve_device(cfg.device), model_dir, self.bucket, self.echo)
+        self.ranks = Driver(self.ops)  # the model side, on every rank together
+        self.policy, self.ref, self.opt, self.algo = self.ops.policy, self.ops.ref, self.ops.opt, self.ops.algo
         self.tools = prepare_tools(self.task, cfg.retriever, self.bucket, cfg.run, self.echo)
         data = portable_task_data(self.task)  # its files go up before the contract, which names them by digest
         contract = build_contract(cfg, model_dir, self.task, self.codec, self.policy.vocab_size,
                                   self.tools.retriever, task_data=data)
         self.contract = ensure_contract(self.bucket, contract, model_dir, task_files=data.files)
-        self.algo = get_algorithm(cfg.algo_config(), "torch")
-        self.ref = (Policy(model_dir, device, temperature=cfg.temperature, trainable=False)
-                    if self.algo.cfg.kl_beta > 0 else None)
-        self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.publisher = WeightPublisher(self.bucket, cfg.run, cfg.plane, anchor_every=cfg.anchor_every)
         self.quarantine = Quarantine(enabled=cfg.quarantine, disagreement=cfg.quarantine_disagreement,
                                      reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
@@ -159,7 +149,7 @@ class _Trainer:
         from stoa.weights.planes import state_from_f32
 
         self.fence()
-        state = state_from_f32(self.policy.export_f32(), self.cfg.plane)
+        state = state_from_f32(self.ranks("export"), self.cfg.plane)
         return ride_out(lambda: self.publisher.publish(version, state), f"v{version}", self.echo)
 
     def fence(self) -> None:
@@ -170,8 +160,7 @@ class _Trainer:
         """Continue after the newest published version: weights, optimizer, reuse counts, quarantine."""
         cfg = self.cfg
         pointer = ride_out(self.publisher.resume, "(reading) the published weights", self.echo)
-        restored = ride_out(lambda: ckpt.load_checkpoint(self.bucket, cfg.run, self.policy.model, self.opt),
-                            "(reading) the checkpoint", self.echo)
+        restored = self.ranks("load")
         journal = ride_out(lambda: ckpt.read_journal(self.bucket, cfg.run), "(reading) the journal", self.echo) or {}
         self.pool.restore(journal.get("pool", {}))
         self.quarantine.restore(journal.get("quarantine", {}))
@@ -196,7 +185,7 @@ class _Trainer:
             from stoa.weights.planes import state_to_f32
 
             assert self.publisher.published_state is not None
-            self.policy.load_f32(state_to_f32(self.publisher.published_state, cfg.plane))
+            self.ranks("load_full", main_only=state_to_f32(self.publisher.published_state, cfg.plane))
             if restored is not None:
                 self.echo(f"[trainer] checkpoint v{restored.version} is behind the published v{pointer.version}: "
                           "continuing from the published weights (optimizer state from the checkpoint)")
@@ -218,7 +207,7 @@ class _Trainer:
         except SyncError as e:
             raise SystemExit(f"stoa: run {cfg.run!r} has no trainer checkpoint and no published weights verify "
                              f"({e}); restore {checkpoint_key(cfg.run)} or start a new run") from None
-        self.policy.load_f32(state_to_f32(state, cfg.plane))
+        self.ranks("load_full", main_only=state_to_f32(state, cfg.plane))
         self.echo(f"[trainer] no checkpoint: continuing from the newest verified weights, v{at}")
 
     def run(self) -> dict[str, Any]:
@@ -324,9 +313,7 @@ class _Trainer:
                    "quarantine": self.quarantine.state()}
         self.fence()
         ride_out(lambda: ckpt.write_journal(self.bucket, cfg.run, journal), "the journal", self.echo)
-        m = train_step(self.policy, self.ref, self.opt, self.algo, entries, current_version=self.version,
-                       micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip, shared_prefix=cfg.shared_prefix,
-                       step=self.step, total_steps=cfg.steps)
+        m = self.ranks("step", entries, self.version, self.step)
         if self.lag0_trusted:
             for worker, values in m.disagreement.items():
                 self.quarantine.observe_disagreement(worker, values)
@@ -337,8 +324,7 @@ class _Trainer:
         ride_out(lambda: self.publisher.gc(cfg.keep_versions), "(collecting) old weights", self.echo)
         if self.step % cfg.checkpoint_every == 0:
             self.fence()
-            ride_out(lambda: ckpt.save_checkpoint(self.bucket, cfg.run, self.policy.model, self.opt,
-                                                  version=self.version, step=self.step), "the checkpoint", self.echo)
+            self.ranks("save", self.version, self.step)
         deleted = self.retention.collect(self.version)
         self.deleted_objects += deleted
         self.last_step_s = m["step_time_s"]
@@ -390,6 +376,11 @@ class _Trainer:
     def evaluate(self, label: str) -> None:
         cfg = self.cfg
         if cfg.eval_n == 0:
+            return
+        if self.dist.sharded:  # generation on a sharded model would need every rank in step; a follower does it
+            if label == "before":
+                self.echo(f"[trainer] {self.dist.world_size} ranks: the trainer does not evaluate; run "
+                          f"'stoa eval --follow --bucket {cfg.bucket} --run {cfg.run}' for held-out figures")
             return
         ev = evaluate(self.policy.model, self.codec, self.task, cfg.eval_n, cfg.max_new_tokens,
                       tools=self.tools.tools, k=cfg.eval_k)

@@ -7,13 +7,16 @@ the argmax equals each target (ECHO's accuracy).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from stoa.trainer.dist import SINGLE, Dist, full_arrays, load_full, shard
 
 
 @dataclass
@@ -79,6 +82,31 @@ def pack(prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], t_max
     return Packed(t(ids), t(am), t(pos), t(tgt), t(msk))
 
 
+class _Root(torch.nn.Module):
+    """The module every score runs through: under FSDP2 its forward gathers the parameters outside the decoder
+    blocks (embeddings, final norm, a tied head) around the whole computation, which calls the decoder and the
+    head separately (the head runs only on the scored positions)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, fn: Callable[[Any], Any]) -> Any:
+        return fn(self.lm)
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder blocks of an HF causal LM (FSDP2's and activation checkpointing's unit).
+
+    Args:
+        model: the model.
+    """
+    layers = getattr(model.get_decoder(), "layers", None)  # type: ignore[operator]
+    if layers is not None:
+        return list(layers)
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
 def _forward_params(module: torch.nn.Module) -> set[str]:
     import inspect
 
@@ -92,28 +120,36 @@ class Policy:
         model_dir: HF directory (config + safetensors).
         device: torch device.
         temperature: logits are divided by it before log-softmax (must match the workers').
-        gradient_checkpointing: recompute activations during backward.
+        gradient_checkpointing: recompute each decoder block's activations during backward.
         trainable: whether parameters get gradients (False for the frozen reference).
+        dist: the trainer's ranks; with more than one the model is sharded (FSDP2) over them.
+        param_dtype: what a sharded model computes in (default: bf16 on CUDA, fp32 on CPU); master weights and
+            the loss stay fp32.
     """
 
     def __init__(self, model_dir: str | Path, device: torch.device, *, temperature: float = 1.0,
-                 gradient_checkpointing: bool = False, trainable: bool = True):
+                 gradient_checkpointing: bool = False, trainable: bool = True, dist: Dist = SINGLE,
+                 param_dtype: torch.dtype | None = None):
         from transformers import AutoModelForCausalLM
 
-        self.device = device
-        self.temperature = temperature
+        self.device, self.temperature, self.dist = device, temperature, dist
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model: Any = model.to(device)
         self.model.config.use_cache = False
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train(trainable)
         for p in self.model.parameters():
             p.requires_grad_(trainable)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        # Autocast to bf16 on CUDA; master weights and the loss stay fp32.
-        self.autocast = device.type == "cuda"
+        self.root = _Root(self.model)
+        if param_dtype is None:
+            param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if dist.sharded:
+            shard(self.root, decoder_blocks(self.model), dist, param_dtype)
+        # Unsharded: autocast to bf16 on CUDA (sharded: the gathered parameters already compute in param_dtype).
+        self.autocast = device.type == "cuda" and not dist.sharded
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """Trainable parameters by name (tied weights appear once)."""
@@ -138,8 +174,11 @@ class Policy:
             batch: a packed micro-batch.
             hits: also return the argmax hits (no gradient).
         """
-        decoder = self.model.get_decoder()
-        head = self.model.get_output_embeddings()
+        return self.root(functools.partial(self._score, batch=batch, hits=hits))
+
+    def _score(self, lm: Any, *, batch: Packed, hits: bool) -> Scores:
+        decoder = lm.get_decoder()
+        head = lm.get_output_embeddings()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
             idx = batch.pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
@@ -176,11 +215,16 @@ class Policy:
             mask: [n, t_max] float, the positions to score; None: every real token.
             hits: also return the argmax hits (no gradient).
         """
+        return self.root(functools.partial(self._group_score, prompt=prompt, completions=completions, t_max=t_max,
+                                           mask=mask, hits=hits))
+
+    def _group_score(self, lm: Any, *, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
+                     mask: np.ndarray | None, hits: bool) -> Scores:
         from transformers import DynamicCache
 
         dev, n, plen = self.device, len(completions), len(prompt)
-        decoder = self.model.get_decoder()
-        head = self.model.get_output_embeddings()
+        decoder = lm.get_decoder()
+        head = lm.get_output_embeddings()
         comp = np.zeros((n, t_max), dtype=np.int64)
         real = np.zeros((n, t_max), dtype=np.float32)
         for i, c in enumerate(completions):
@@ -205,22 +249,22 @@ class Policy:
         return _scores(logits, comp_t, torch.from_numpy(scored).to(dev), self.temperature, hits)
 
     def export_f32(self) -> dict[str, np.ndarray]:
-        """The master weights as float32 numpy arrays (names as ``named_parameters``).
+        """The master weights as float32 numpy arrays (names as ``named_parameters``), on rank 0 (``{}`` on other
+        ranks, which must call it too: a sharded model's parameters are gathered).
 
         On CPU the arrays share memory with the live parameters: consume them (e.g. with
         ``state_from_f32``) before the next optimizer step, or copy them.
         """
-        return {k: p.detach().float().cpu().numpy() for k, p in self.model.named_parameters()}
+        return full_arrays(self.named_parameters(), self.dist)
 
-    def load_f32(self, named: dict[str, np.ndarray]) -> None:
-        """Overwrite the parameters from float32 arrays (e.g. when resuming).
+    def load_f32(self, named: dict[str, np.ndarray] | None) -> None:
+        """Overwrite the parameters from float32 arrays (e.g. when resuming); every rank calls it, rank 0 with
+        the arrays (other ranks: None).
 
         Args:
-            named: parameter name -> array.
+            named: parameter name -> full array (rank 0).
+
+        Raises:
+            ValueError: the names are not the model's parameters.
         """
-        params = self.named_parameters()
-        if set(params) != set(named):
-            raise ValueError("checkpoint tensors do not match the model's parameters")
-        with torch.no_grad():
-            for k, p in params.items():
-                p.copy_(torch.from_numpy(named[k]).to(p.device))
+        load_full(self.named_parameters(), named, self.dist)

@@ -19,6 +19,7 @@ from stoa.algorithms import Algorithm, LossInputs, combine_metrics
 from stoa.algorithms.batch import Batch, Packed, Trajectory, build_batch, group_indices, micro_batches, pack
 from stoa.envs.rollout import episode_metrics
 from stoa.layout import rollout_worker
+from stoa.trainer.dist import SINGLE, Dist, split_groups
 from stoa.trainer.policy import Packed as TorchPacked
 from stoa.trainer.policy import Policy, Scores
 from stoa.trainer.pool import Entry, PoolStats
@@ -125,11 +126,14 @@ def train_step(
     shared_prefix: bool = True,
     step: int = 0,
     total_steps: int = 0,
+    dist: Dist = SINGLE,
 ) -> StepMetrics:
     """Compute advantages, accumulate the loss over micro-batches, clip, and step the optimizer.
 
     The loss normaliser comes from the whole batch, so the sum over micro-batches equals the
-    whole-batch loss exactly (tested).
+    whole-batch loss exactly (tested). With several ranks every rank builds the same batch, runs its share of the
+    groups (``rank_micro_batches``) and the sharded gradients are summed, so the step equals the single-process
+    one; the metrics are gathered on rank 0.
 
     Args:
         policy: the trainable policy.
@@ -144,18 +148,17 @@ def train_step(
             (one group per micro-batch); otherwise pack whole sequences into micro-batches.
         step: the optimizer step about to be taken (0 for the first), for the ECHO schedule.
         total_steps: the run's total steps (0: unbounded), for the ECHO schedule.
+        dist: the trainer's ranks (every rank calls this with the same entries).
 
     Returns:
-        flat metrics without the ``train/`` prefix; ``.disagreement`` holds the lag-0 values per worker.
+        flat metrics without the ``train/`` prefix; ``.disagreement`` holds the lag-0 values per worker (on rank 0;
+        other ranks return empty metrics).
     """
     shared_prefix = shared_prefix and not policy.gradient_checkpointing
     t0 = time.perf_counter()
     batch = entries_batch(entries, algo, current_version)
     echo = echo_step(batch, algo, step, total_steps)
-    if shared_prefix:
-        micro = group_indices(batch)
-    else:
-        micro = micro_batches(len(batch), micro_batch, lengths=batch.seq_lengths)
+    micro, padding = rank_micro_batches(batch, dist, micro_batch, shared_prefix)
     parts: list[dict[str, float]] = []
     lag0: dict[str, list[np.ndarray]] = {}
     loss_total = 0.0
@@ -166,12 +169,53 @@ def train_step(
         loss.backward()
         loss_total += float(loss.detach())
         parts.append(diag)
+    for _ in range(padding):  # an empty share still joins every all-gather and reduce-scatter
+        fw, _ref = _forward(policy, ref, batch, group_indices(batch)[0][:1], shared_prefix, echo)
+        (fw.logp.sum() * 0.0).backward()
     grad_norm = _apply_update(policy, opt, grad_clip)
+    shares = dist.gather((parts, loss_total, lag0))
+    if not dist.main:
+        return StepMetrics({}, {})
+    parts = [d for share in shares for d in share[0]]
+    loss_total = sum(share[1] for share in shares)
+    for share in shares[1:]:
+        for worker, values in share[2].items():
+            lag0.setdefault(worker, []).extend(values)
     out = combine_metrics(parts)
     out.update(_step_figures(batch, loss_total, grad_norm, time.perf_counter() - t0))
     if echo.alpha is not None:
         out["echo_alpha"] = echo.alpha
     return StepMetrics(out, _disagreement(batch, lag0))
+
+
+def rank_micro_batches(batch: Batch, dist: Dist, micro_batch: int, shared_prefix: bool
+                       ) -> tuple[list[np.ndarray], int]:
+    """This rank's micro-batches (row indices) and how many empty ones it adds so every rank runs as many.
+
+    At world size 1: every row, in micro-batches of ``micro_batch`` rows (or one group each with
+    ``shared_prefix``). With more ranks the groups are first split by tokens (``split_groups``); every rank computes
+    the same split, so no message is needed.
+
+    Args:
+        batch: the step's batch.
+        dist: the ranks.
+        micro_batch: rows per micro-batch (packed mode).
+        shared_prefix: one group per micro-batch.
+    """
+    groups = group_indices(batch)
+
+    def chunks(gs: Sequence[int]) -> list[np.ndarray]:
+        if shared_prefix:
+            return [groups[g] for g in gs]
+        rows = np.concatenate([groups[g] for g in gs]) if gs else np.zeros(0, np.int64)
+        return [rows[m] for m in micro_batches(len(rows), micro_batch, lengths=batch.seq_lengths[rows])]
+
+    if not dist.sharded:
+        return chunks(range(len(groups))), 0
+    tokens = [int(batch.seq_lengths[g].sum()) for g in groups]
+    shares = [chunks(gs) for gs in split_groups(tokens, dist.world_size)]
+    mine = shares[dist.rank]
+    return mine, max(len(s) for s in shares) - len(mine)
 
 
 def _forward(policy: Policy, ref: Policy | None, batch: Batch, idx: np.ndarray, shared_prefix: bool,
@@ -230,7 +274,8 @@ def _apply_update(policy: Policy, opt: torch.optim.Optimizer, grad_clip: float) 
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(norm)
+    full = getattr(norm, "full_tensor", None)  # a sharded model's norm is a DTensor
+    return float(full() if full is not None else norm)
 
 
 def _step_figures(batch: Batch, loss: float, grad_norm: float, seconds: float) -> dict[str, float]:

@@ -1,0 +1,127 @@
+"""What every rank of the trainer does with its shard of the model, and how rank 0 makes them do it together.
+
+Rank 0 runs the trainer loop (bucket, pool, lease, journal, publishing). Each time it needs the model it calls
+``Driver(kind, *args)``: the command goes to every rank (``Dist.broadcast``) and every rank runs the same
+``RankOps`` method, so their collectives (FSDP2's all-gathers and reduce-scatters, the checkpoint's) line up.
+The other ranks sit in ``serve`` until rank 0 says ``stop``. At world size 1 the broadcast is a no-op and
+``Driver`` simply calls the method: one code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from stoa.algorithms import Algorithm
+from stoa.bucket import Bucket
+from stoa.config import TrainerConfig
+from stoa.trainer import checkpoint as ckpt
+from stoa.trainer.dist import Dist
+from stoa.trainer.policy import Policy
+from stoa.trainer.pool import Entry
+from stoa.trainer.step import StepMetrics, train_step
+
+
+class Command(NamedTuple):
+    """One instruction from rank 0 to every rank."""
+
+    kind: str
+    """A ``RankOps`` method name, or ``stop``."""
+    args: tuple
+    """Its arguments (picklable; the same on every rank)."""
+
+
+class RankOps:
+    """One rank's model side: policy (sharded when there are several ranks), reference, optimizer, algorithm.
+
+    Args:
+        cfg: the resolved trainer config (rank 0's).
+        dist: the ranks.
+        device: this rank's device.
+        model_dir: the base model (on every rank's machine).
+        bucket: the run's bucket (rank 0's is lease-fenced); the checkpoint's shards are written by every rank.
+        echo: where notes go.
+    """
+
+    def __init__(self, cfg: TrainerConfig, dist: Dist, device: torch.device, model_dir: Path, bucket: Bucket,
+                 echo=print):
+        from stoa.algorithms import get_algorithm
+
+        self.cfg, self.dist, self.bucket, self.echo = cfg, dist, bucket, echo
+        self.policy = Policy(model_dir, device, temperature=cfg.temperature,
+                             gradient_checkpointing=cfg.gradient_checkpointing, dist=dist)
+        self.algo: Algorithm = get_algorithm(cfg.algo_config(), "torch")
+        self.ref = (Policy(model_dir, device, temperature=cfg.temperature, trainable=False, dist=dist)
+                    if self.algo.cfg.kl_beta > 0 else None)
+        self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def step(self, entries: Sequence[Entry], current_version: int, step: int) -> StepMetrics:
+        """One optimizer step on the step's groups (every rank gets all of them and runs its share)."""
+        cfg = self.cfg
+        return train_step(self.policy, self.ref, self.opt, self.algo, entries, current_version=current_version,
+                          micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip, shared_prefix=cfg.shared_prefix,
+                          step=step, total_steps=cfg.steps, dist=self.dist)
+
+    def export(self) -> dict[str, np.ndarray]:
+        """The full fp32 master weights on rank 0 (``{}`` elsewhere)."""
+        return self.policy.export_f32()
+
+    def save(self, version: int, step: int) -> int:
+        """Write the sharded checkpoint (rank 0 writes its pointer last); its bytes."""
+        return ckpt.save_checkpoint(self.bucket, self.cfg.run, self.policy.model, self.opt, version=version,
+                                    step=step, dist=self.dist, echo=self.echo)
+
+    def load(self) -> ckpt.Restored | None:
+        """Load the run's checkpoint at this world size; None when it has none."""
+        return ckpt.load_checkpoint(self.bucket, self.cfg.run, self.policy.model, self.opt, self.dist, self.echo)
+
+    def load_full(self, arrays: dict[str, np.ndarray] | None = None) -> None:
+        """Overwrite the weights from rank 0's full arrays (the published ones when resuming)."""
+        self.policy.load_f32(arrays)
+
+
+class Driver:
+    """Rank 0's handle on every rank's ``RankOps``.
+
+    Args:
+        ops: rank 0's own ``RankOps``.
+    """
+
+    def __init__(self, ops: RankOps):
+        self.ops = ops
+
+    def __call__(self, kind: str, *args: Any, main_only: Any = None) -> Any:
+        """Run ``ops.<kind>(*args)`` on every rank and return rank 0's result.
+
+        Args:
+            kind: the method.
+            *args: its arguments, sent to every rank.
+            main_only: a last argument only rank 0 passes (other ranks use the method's default), e.g. the full
+                arrays of ``load_full``, which would be wasteful to pickle to every rank.
+        """
+        self.ops.dist.broadcast(Command(kind, args))
+        fn = getattr(self.ops, kind)
+        return fn(*args) if main_only is None else fn(*args, main_only)
+
+    def stop(self) -> None:
+        """Let the other ranks return from ``serve``."""
+        self.ops.dist.broadcast(Command("stop", ()))
+
+
+def serve(ops: RankOps) -> int:
+    """A rank other than 0: run rank 0's commands until it says stop; return how many steps it took.
+
+    Args:
+        ops: this rank's ``RankOps``.
+    """
+    steps = 0
+    while True:
+        cmd = ops.dist.broadcast()
+        if not isinstance(cmd, Command) or cmd.kind == "stop":
+            return steps
+        getattr(ops, cmd.kind)(*cmd.args)
+        steps += cmd.kind == "step"
