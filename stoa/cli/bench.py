@@ -15,6 +15,7 @@ BENCHES = {
                    "lag-0 logprob disagreement of honest and lying workers vs threshold"),
     "retriever": ("stoa.bench.retriever", "BM25 queries/s (batched, single, HTTP) and index memory"),
     "episodes": ("stoa.bench.episodes", "multi-turn episode tokens/s (torch, MLX) on a real task vs generate"),
+    "fleet": ("stoa.bench.fleet", "trainer intake (LIST/GET per step, seconds) vs simulated workers and window"),
 }
 
 

@@ -11,6 +11,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -27,6 +28,11 @@ from stoa.tasks.multiturn import MultiTurnTask, episode_limits, is_multiturn
 from stoa.tokenize import TextCodec
 
 log = logging.getLogger(__name__)
+
+FETCH_THREADS = 16
+"""Concurrent requests of one refresh: LISTs (one per version of the window), then GETs of new records."""
+FETCH_BATCH = 64
+"""New records fetched before they are checked: bounds the bytes held at once to FETCH_BATCH x MAX_RECORD_BYTES."""
 
 
 @dataclass
@@ -144,20 +150,58 @@ class RecordPool:
         accepted = 0
         # Keys sort by worker, not arrival, so a start-after cursor would skip late records of
         # early-sorting workers; each version inside the window is listed whole instead (cost grows
-        # with the window, never with history).
+        # with the window, never with history). The versions are listed concurrently, and new records
+        # fetched FETCH_THREADS at a time, FETCH_BATCH per batch, then checked one by one in listing order.
+        new = [(v, info) for v, infos in self._list_window(low, current_version)
+               for info in infos if info.key not in self.seen]
         try:
-            for v in range(low, current_version + 1):
-                for info in self.bucket.list(rollout_version_prefix(self.contract.run_id, v)):
-                    if info.key not in self.seen:
-                        self.seen[info.key] = v
-                        accepted += self._ingest(info, v, current_version)
-        except BucketError as e:
-            log.warning("listing records failed, retrying on the next poll: %s", e)
+            for start in range(0, len(new), FETCH_BATCH):
+                batch = new[start:start + FETCH_BATCH]
+                fetched = self._fetch([info.key for v, info in batch if self._fetchable(info, v)])
+                for v, info in batch:
+                    self.seen[info.key] = v
+                    accepted += self._ingest(info, v, current_version, fetched.get(info.key))
         except ToolUnavailable as e:
             if not self.tools_down:
                 log.warning("the trainer's tools cannot replay records, retrying on the next poll: %s", e)
             self.tools_down = True
         return accepted
+
+    def _list_window(self, low: int, high: int) -> list[tuple[int, list[ObjectInfo]]]:
+        """List the record prefixes of versions ``low..high`` concurrently; a listing that fails (bucket
+        outage) is left out with a warning, and listed again on the next poll."""
+        versions = range(low, high + 1)
+        if not versions:
+            return []
+        with ThreadPoolExecutor(min(FETCH_THREADS, len(versions))) as ex:
+            futures = [(v, ex.submit(lambda p: list(self.bucket.list(p)),
+                                     rollout_version_prefix(self.contract.run_id, v))) for v in versions]
+        listed = []
+        for v, future in futures:
+            try:
+                listed.append((v, future.result()))
+            except BucketError as e:
+                log.warning("listing records of v%d failed, retrying on the next poll: %s", v, e)
+        return listed
+
+    def _fetchable(self, info: ObjectInfo, version: int) -> bool:
+        """Whether ``_ingest`` would read this listed object (its key, size and worker admit it)."""
+        parsed = parse_rollout_key(self.contract.run_id, info.key)
+        return (parsed is not None and parsed.version == version and info.size <= MAX_RECORD_BYTES
+                and not (self.gate is not None and self.gate.is_quarantined(parsed.worker_id)))
+
+    def _fetch(self, keys: list[str]) -> dict[str, bytes | BucketError]:
+        """GET ``keys`` concurrently; a failed read maps to its error."""
+        if len(keys) <= 1:
+            return {k: self._get(k) for k in keys}
+        with ThreadPoolExecutor(min(FETCH_THREADS, len(keys))) as ex:
+            return dict(zip(keys, ex.map(self._get, keys), strict=True))
+
+    def _get(self, key: str) -> bytes | BucketError:
+        try:
+            return self.bucket.get(key)
+        except BucketError as e:
+            return e
 
     def _reject(self, key: str, worker: str | None, reason: str, detail: Any) -> int:
         self.stats.rejected[reason] += 1
@@ -168,7 +212,8 @@ class RecordPool:
         log.warning("rejected %r: %s: %s", key, reason, detail)
         return 0
 
-    def _ingest(self, info: ObjectInfo, version: int, current_version: int) -> int:
+    def _ingest(self, info: ObjectInfo, version: int, current_version: int,
+                fetched: bytes | BucketError | None = None) -> int:
         parsed = parse_rollout_key(self.contract.run_id, info.key)
         if parsed is None or parsed.version != version:
             return self._reject(info.key, None, "key", "not a record key of this run")
@@ -176,10 +221,9 @@ class RecordPool:
             return self._reject(info.key, parsed.worker_id, "oversize", f"{info.size} bytes listed")
         if self.gate is not None and self.gate.is_quarantined(parsed.worker_id):
             return self._reject(info.key, parsed.worker_id, "quarantined", parsed.worker_id)
-        try:
-            data = self.bucket.get(info.key)
-        except BucketError as e:
-            log.warning("could not read %r: %s", info.key, e)
+        data = self._get(info.key) if fetched is None else fetched  # None: not prefetched
+        if isinstance(data, BucketError):
+            log.warning("could not read %r: %s", info.key, data)
             del self.seen[info.key]  # retry on the next refresh
             return 0
         try:
