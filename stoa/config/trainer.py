@@ -51,6 +51,12 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     eval_k: int = setting(1, "Multi-turn tasks: sampled episodes per held-out prompt for eval/pass@k (1 = greedy "
                              "EM and cover-EM only).")
     quarantine_min_records: int = setting(8, "Records a worker must have sent before its rates are judged.")
+    preflight: bool = setting(True, "Refuse to start when the estimated peak memory per rank exceeds the device's "
+                                    "(stoa.trainer.memory; the error names the knob that would fit); false: "
+                                    "only report it.")
+    available_memory_gb: float = setting(0.0, "Memory per rank for the preflight, in GB (0 = detect: the free "
+                                              "memory of the rank's GPU, or the RAM shared by this machine's "
+                                              "ranks).")
 
     def validate(self) -> TrainerConfig:
         """Raise ``ConfigError`` naming the first invalid field; return self."""
@@ -59,7 +65,7 @@ class TrainerConfig(TrainingConfig, FleetConfig):
             raise ConfigError("plane", f"{self.plane!r} is not one of {PLANES}")
         at_least(self, 1, ("micro_batch", "anchor_every", "checkpoint_every", "keep_versions", "reuse_cap",
                            "quarantine_min_records", "eval_k"))
-        at_least(self, 0, ("staleness_bound",))
+        at_least(self, 0, ("staleness_bound", "available_memory_gb"))
         at_least(self, -1, ("keep_rollout_versions",))
         at_least(self, 1, ("metrics_flush_rows",))
         if not (self.status_seconds > 0 and self.metrics_flush_seconds > 0):

@@ -3,27 +3,36 @@
 The parts (``estimate_peak``; P parameters, W ranks, b rows per micro-batch, S = prompt + completion tokens):
 
 - parameters: fp32 master weights sharded 1/W (FSDP2), plus what compute holds unsharded: with W > 1 the
-  all-gathered block and the next one (prefetch) in the compute dtype (bf16 on CUDA, fp32 on CPU); with
-  W = 1 on CUDA autocast's bf16 copy of every weight (kept for backward); nothing more on CPU at W = 1.
+  all-gathered root (embedding, LM head), the block that computes and the next one (prefetch) in the compute
+  dtype (bf16 on CUDA, fp32 on CPU); with W = 1 on CUDA autocast's bf16 copy of every weight (kept for
+  backward); nothing more on CPU at W = 1. Loading (a full fp32 copy per rank before sharding) is not the peak.
 - gradients: fp32, sharded (P x 4 / W); optimizer: AdamW's two fp32 moments, sharded (P x 8 / W).
 - activations: per layer b x S x (ACT_H x hidden + ACT_I x intermediate + ACT_ATTN x heads x S) values in the
   activation dtype (bf16 on CUDA, fp32 on CPU), times ACT_SCALE; with gradient checkpointing the block inputs
   (layers x b x S x hidden) plus one block's.
-- logits: the LM head runs only on the completion positions: b x T x vocab x 4 bytes, LOGIT_COPIES of them
-  (logits, log-softmax, and the gradient of one of them in backward).
+- logits: the LM head runs only on the completion positions: b x T x vocab x 4 bytes, LOGIT_COPIES (2) of
+  them: logits and log-softmax.
 - reference: the frozen reference policy's weights (fp32, sharded) when kl_beta > 0; its forward keeps no
   activations.
-- overhead: interpreter, torch, transformers, tokenizer (CPU: measured resident set before the model); the CUDA
-  context and allocator slack on CUDA (not measured here).
+- overhead: interpreter, torch, transformers, tokenizer (CPU: the tiny model's measured peak); the CUDA context
+  and workspaces on CUDA (not measured); plus STEP_BYTES_PER_PARAM x P / W for the optimizer step's temporaries
+  and the heap glibc keeps after them (measured: one fp32 copy of the weights).
 
-Calibration (``stoa bench trainer --preflight``: each setting in a fresh process, peak RSS on this project's
-2-core Linux CPU box, torch 2.13, packed micro-batches, groups x n rows, prompt 48 + completion 64 tokens):
+Calibration (docs/memory.md): peak RSS of a fresh ``stoa bench trainer`` process (packed micro-batches, 16 rows
+except the 128-token rows: 8) on this project's 2-core Linux CPU box, torch 2.13, fp32; fitted on the first
+three SmolLM2 rows and the tiny model, the rest held out:
 
-==============  ====  ===  =====  ====  ============  =============
-model           rows  mb   ckpt   KL    measured GB   estimated GB
-==============  ====  ===  =====  ====  ============  =============
-smollm2-135m    16    8    off    0     CALIB         CALIB
-==============  ====  ===  =====  ====  ============  =============
+============  =====  =========  ====  ===  ===========  ============  =====
+model         micro  tokens     ckpt  KL   measured GB  estimate GB   error
+============  =====  =========  ====  ===  ===========  ============  =====
+smollm2-135m  16     48 + 64    no    no   5.71         5.82          +2%
+smollm2-135m  4      48 + 64    no    no   3.79         3.77          -0%
+smollm2-135m  16     48 + 64    yes   no   3.58         3.66          +2%
+smollm2-135m  16     48 + 64    no    yes  6.18         6.36          +3%
+smollm2-135m  8      128 + 128  no    no   5.92         6.60          +11%
+smollm2-135m  8      128 + 128  yes   yes  4.24         4.23          -0%
+tiny          16     48 + 64    no    no   0.41         0.43          +4%
+============  =====  =========  ====  ===  ===========  ============  =====
 
 CUDA figures are estimates from the same constants (bf16 activations); check them with ``--preflight`` on a GPU.
 """
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,8 +49,8 @@ from typing import Any, NamedTuple
 from stoa.config.base import ConfigError
 from stoa.local.shapes import ModelShape
 
-__all__ = ["Budget", "FitReport", "MemoryPreflightError", "PeakEstimate", "Workload", "check_fit",
-           "device_budget", "estimate_peak", "prompt_length", "workload"]
+__all__ = ["Budget", "FitReport", "MemoryPreflightError", "PeakEstimate", "PromptLength", "Workload", "check_fit",
+           "device_budget", "estimate_peak", "is_cuda", "preflight", "prompt_length", "workload"]
 
 GB = 1e9
 RUNTIME_GB = {"cpu": 0.40, "cuda": 1.0}
@@ -101,10 +111,12 @@ class PeakEstimate:
         return f"{self.total:.2f} GB (" + ", ".join(f"{k} {v:.2f}" for k, v in self.parts().items()) + ")"
 
 
-def _largest_unit(shape: ModelShape) -> int:
-    """Parameters of the largest FSDP unit: one decoder block, or the embedding (the LM head when untied)."""
+def _gathered(shape: ModelShape) -> int:
+    """Parameters all-gathered at once under FSDP2 (``stoa.trainer.dist``: one unit per decoder block, then the
+    root): the root's (embedding, final norm, the LM head when untied; kept through forward and backward), the
+    block that computes and the next one (prefetch)."""
     block = sum(a * b for a, b in shape.block_linears().values()) + 2 * shape.hidden
-    return max(block, shape.vocab * shape.hidden)
+    return shape.vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden + 2 * block
 
 
 def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
@@ -117,7 +129,7 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
     p, w = shape.params(), max(1, work.world_size)
     cb = 2 if work.cuda else 4  # compute / activation bytes: bf16 autocast on CUDA, fp32 on CPU
     if w > 1:
-        gathered = 2 * _largest_unit(shape) * cb
+        gathered = _gathered(shape) * cb
     else:
         gathered = p * cb if work.cuda else 0
     b, seq, t = work.micro_batch, work.prompt_tokens + work.completion_tokens, work.completion_tokens
@@ -263,16 +275,15 @@ class FitReport:
         return self.estimate.total <= self.available_gb
 
     def message(self) -> str:
-        """One line: the estimate, the memory, and the verdict with the fix."""
-        head = (f"estimated peak per rank {self.estimate.describe()} at {self.work.world_size} rank(s); "
+        """One line: the estimate against the memory per rank, and the fix when it does not fit."""
+        head = (f"estimated peak memory per rank {self.estimate.total:.2f} GB at {self.work.world_size} rank(s), "
                 f"{self.available_gb:.2f} GB per rank ({self.budget.source})")
         if self.fits:
             return head + ": fits"
         if self.fix is None:
             return (head + ": does not fit even at micro-batch 1 with gradient checkpointing, no reference and "
-                    "the most ranks here; use more GPUs or a smaller model (preflight = false skips this check)")
-        return head + f": does not fit; {self.fix.flags} would ({self.fix.estimate.total:.2f} GB of " \
-                      f"{self.fix.available_gb:.2f})"
+                    "the most ranks here; use more GPUs or a smaller model (--no-preflight skips this check)")
+        return head + f": does not fit; {self.fix.flags} would ({self.fix.estimate.total:.2f} GB)"
 
 
 class _Try(NamedTuple):
@@ -309,15 +320,25 @@ def _candidates(cfg: Any, base: Workload, max_world: int) -> list[_Try]:
     return out
 
 
-def _combined(tries: list[_Try], base: Workload) -> _Try | None:
-    """The last (strongest) candidate of every knob applied together."""
-    last = {t.knob: t for t in tries}
-    if len(last) < 2:
-        return None
-    w = base
-    for t in last.values():
-        w = w._replace(**{f: getattr(t.work, f) for f in Workload._fields if getattr(t.work, f) != getattr(base, f)})
-    return _Try(next(iter(last)), " ".join(t.flags for t in last.values()), w)
+def _combined(tries: list[_Try], base: Workload, fits: Callable[[Workload], bool]) -> _Try | None:
+    """Knobs together, in order: each at its first setting that fits with the ones before, else its strongest."""
+    by_knob: dict[str, list[_Try]] = {}
+    for t in tries:
+        by_knob.setdefault(t.knob, []).append(t)
+    work, flags = base, []
+    for group in by_knob.values():
+        moved = [t._replace(work=work._replace(**_changes(t.work, base))) for t in group]
+        pick = next((t for t in moved if fits(t.work)), moved[-1])
+        work = pick.work
+        flags.append(pick.flags)
+        if fits(work):
+            return _Try(next(iter(by_knob)), " ".join(flags), work) if len(flags) > 1 else None
+    return None
+
+
+def _changes(work: Workload, base: Workload) -> dict[str, Any]:
+    """The fields of ``work`` that differ from ``base``."""
+    return {f: getattr(work, f) for f in Workload._fields if getattr(work, f) != getattr(base, f)}
 
 
 def check_fit(cfg: Any, shape: ModelShape, base: Workload, budget: Budget, max_world: int = 8) -> FitReport:
@@ -337,13 +358,15 @@ def check_fit(cfg: Any, shape: ModelShape, base: Workload, budget: Budget, max_w
     report = FitReport(est, base, budget)
     if report.fits:
         return report
+    def fits(w: Workload) -> bool:
+        return estimate_peak(shape, w).total <= budget.per_rank(w.world_size)
+
     tries = _candidates(cfg, base, max_world)
-    combo = _combined(tries, base)
-    for t in tries + ([combo] if combo else []):
-        e, avail = estimate_peak(shape, t.work), budget.per_rank(t.work.world_size)
-        if e.total <= avail:
-            return FitReport(est, base, budget, Fix(t.knob, t.flags, e, avail))
-    return report
+    fix = next((t for t in tries if fits(t.work)), None) or _combined(tries, base, fits)
+    if fix is None:
+        return report
+    return FitReport(est, base, budget, Fix(fix.knob, fix.flags, estimate_peak(shape, fix.work),
+                                            budget.per_rank(fix.work.world_size)))
 
 
 def preflight(cfg: Any, report: FitReport) -> None:

@@ -1,0 +1,150 @@
+"""The trainer's memory preflight: the estimate's arithmetic, the knob a refusal names, the dry run's breakdown,
+and the torchrun command of ``--nproc``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from stoa.cli.trainer import memory_report, torchrun_argv, world_size
+from stoa.config import TrainerConfig
+from stoa.local.shapes import KNOWN_SHAPES, ModelShape
+from stoa.trainer import memory
+from stoa.trainer.memory import Budget, MemoryPreflightError, Workload, check_fit, estimate_peak, preflight, workload
+
+GB = 1e9
+TINY = ModelShape.from_config("tiny", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                                       "vocab_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                       "tie_word_embeddings": True})
+SMOL = ModelShape.from_config("smollm2-135m", KNOWN_SHAPES["smollm2-135m"])
+# by hand: q 64x64, k and v 64x32, o 64x64, gate/up/down 64x128 -> 36864, plus two norms of 64 per block
+TINY_BLOCK = 4096 + 2048 + 2048 + 4096 + 3 * 8192 + 2 * 64
+TINY_PARAMS = 512 * 64 + 2 * TINY_BLOCK + 64  # tied embedding, two blocks, final norm: 106816 (the built model's)
+
+
+def test_parameter_count_is_exact():
+    assert TINY.params() == TINY_PARAMS == 106816
+
+
+def test_states_are_fp32_and_shard_over_ranks():
+    one = estimate_peak(TINY, Workload(4, 10, 6, False, False))
+    four = estimate_peak(TINY, Workload(4, 10, 6, False, False, world_size=4))
+    assert one.parameters == pytest.approx(TINY_PARAMS * 4 / GB)  # CPU, one rank: the master weights only
+    assert (one.gradients, one.optimizer) == pytest.approx((TINY_PARAMS * 4 / GB, TINY_PARAMS * 8 / GB))
+    assert (four.gradients, four.optimizer) == pytest.approx((one.gradients / 4, one.optimizer / 4))
+    gathered = (512 * 64 + 64 + 2 * TINY_BLOCK) * 4  # root (embedding, norm) + the block and the prefetched one
+    assert four.parameters == pytest.approx((TINY_PARAMS * 4 / 4 + gathered) / GB)
+    assert four.activations == one.activations and four.logits == one.logits
+
+
+def test_cuda_computes_in_bf16():
+    cpu = estimate_peak(TINY, Workload(4, 10, 6, False, False))
+    cuda = estimate_peak(TINY, Workload(4, 10, 6, False, False, cuda=True))
+    assert cuda.parameters == pytest.approx(cpu.parameters * 1.5)  # autocast's bf16 copy next to the fp32 master
+    assert cuda.activations == pytest.approx(cpu.activations / 2)
+    assert cuda.logits == cpu.logits  # the loss stays fp32
+
+
+def test_activations_and_logits_by_hand():
+    b, s, t = 4, 16, 6
+    est = estimate_peak(TINY, Workload(b, s - t, t, False, False))
+    per_layer = b * s * (memory.ACT_H * 64 + memory.ACT_I * 128 + memory.ACT_ATTN * 4 * s) * 4
+    assert est.activations == pytest.approx(2 * per_layer * memory.ACT_SCALE / GB)
+    assert est.logits == pytest.approx(b * t * 512 * 4 * memory.LOGIT_COPIES / GB)  # completion positions only
+    ckpt = estimate_peak(TINY, Workload(b, s - t, t, True, False))
+    assert ckpt.activations == pytest.approx((2 * b * s * 64 * 4 + per_layer) * memory.ACT_SCALE / GB)
+    big = Workload(16, 256, 256, False, False)
+    assert estimate_peak(SMOL, big._replace(gradient_checkpointing=True)).activations < \
+        estimate_peak(SMOL, big).activations / 5
+
+
+def test_kl_adds_the_sharded_reference():
+    base = Workload(4, 10, 6, False, False, world_size=2)
+    off, on = estimate_peak(TINY, base), estimate_peak(TINY, base._replace(reference=True))
+    assert off.reference == 0 and on.reference == pytest.approx(TINY_PARAMS * 4 / 2 / GB)
+    assert on.total == pytest.approx(off.total + on.reference)
+
+
+def _cfg(**kw) -> TrainerConfig:
+    base = {"model": "smollm2-135m", "groups_per_step": 4, "n_samples": 8, "micro_batch": 16, "kl_beta": 0.04}
+    return TrainerConfig(**{**base, **kw}).validate()
+
+
+def _fix(cfg: TrainerConfig, gb: float, *, world: int = 1, max_world: int = 1, cuda: bool = False):
+    base = workload(cfg, 128, 128, world, cuda)
+    return check_fit(cfg, SMOL, base, Budget(gb, "test"), max_world=max_world)
+
+
+def _total(cfg: TrainerConfig, **changes) -> float:
+    return estimate_peak(SMOL, workload(cfg, 128, 128, 1, False)._replace(**changes)).total
+
+
+def test_refusal_names_the_largest_micro_batch_that_fits():
+    cfg = _cfg()
+    budget = (_total(cfg, micro_batch=4) + _total(cfg, micro_batch=8)) / 2
+    report = _fix(cfg, budget)
+    assert not report.fits and report.fix is not None
+    assert (report.fix.knob, report.fix.flags) == ("micro_batch", "--micro-batch 4")
+    with pytest.raises(MemoryPreflightError) as e:
+        preflight(cfg, report)
+    assert e.value.field == "micro_batch" and "--micro-batch 4" in str(e.value)
+
+
+def test_refusal_prefers_checkpointing_then_ranks_then_kl():
+    cfg = _cfg(micro_batch=1)  # no smaller micro-batch
+    ckpt = _total(cfg, gradient_checkpointing=True)
+    assert _fix(cfg, ckpt + 0.01).fix.knob == "gradient_checkpointing"  # type: ignore[union-attr]
+    cfg = _cfg(micro_batch=1, gradient_checkpointing=True)
+    w1 = estimate_peak(SMOL, workload(cfg, 128, 128, 1, True))
+    w2 = estimate_peak(SMOL, workload(cfg, 128, 128, 2, True))
+    report = _fix(cfg, (w1.total + w2.total) / 2, max_world=8, cuda=True)
+    assert report.fix is not None and report.fix.flags == "--nproc 2"
+    report = _fix(cfg, _total(cfg, reference=False) + 0.01)
+    assert report.fix is not None and report.fix.flags == "--kl-beta 0"
+
+
+def test_cpu_ranks_share_the_ram():
+    budget = Budget(16.0, "RAM", shared_by=4)
+    assert budget.per_rank(4) == 4.0 and Budget(16.0, "override").per_rank(4) == 16.0
+
+
+def test_nothing_fits_names_preflight_and_off_only_reports():
+    cfg = _cfg()
+    report = _fix(cfg, 0.1)
+    assert report.fix is None
+    with pytest.raises(MemoryPreflightError) as e:
+        preflight(cfg, report)
+    assert e.value.field == "preflight"
+    preflight(dataclasses.replace(cfg, preflight=False), report)  # no raise
+
+
+def test_dry_run_breakdown_for_nproc_ranks(stoa_cache, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = TrainerConfig(model="tiny", device="cpu", available_memory_gb=64.0, kl_beta=0.0).validate()
+    report = memory_report(cfg, 4, 0, offline=True)
+    assert report is not None and report.fits
+    assert report.work.world_size == 4 and report.work.completion_tokens == cfg.max_new_tokens
+    assert 10 < report.work.prompt_tokens < 200  # the arithmetic task's held-out prompts, rendered
+    assert report.estimate.gradients == pytest.approx(TINY_PARAMS * 4 / 4 / GB)
+    assert report.available_gb == 64.0
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert memory_report(cfg, 0, 77, offline=True).work[:3] == (16, 77, cfg.max_new_tokens)  # type: ignore
+    assert world_size(0, {"WORLD_SIZE": "2"}) == 2 and world_size(3, {"WORLD_SIZE": "2"}) == 3
+
+
+def test_cli_refuses_with_exit_2(stoa_cache, tmp_path, monkeypatch, capsys):
+    from stoa.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("os.execvp", lambda *a: pytest.fail("a dry run never execs"))
+    assert main(["trainer", "--dry-run", "--device", "cpu", "--nproc", "2", "--available-memory-gb", "64"]) == 0
+    assert main(["trainer", "--dry-run", "--device", "cpu", "--available-memory-gb", "0.01"]) == 2
+    assert "does not fit" in capsys.readouterr().err
+
+
+def test_torchrun_argv_drops_nproc():
+    argv = ["--debug", "trainer", "--nproc", "4", "--run", "r", "--nproc=4", "--micro-batch", "2"]
+    assert torchrun_argv(argv, 4, "/py") == ["/py", "-m", "torch.distributed.run", "--standalone",
+                                             "--nproc-per-node", "4", "-m", "stoa", "--debug", "trainer",
+                                             "--run", "r", "--micro-batch", "2"]
