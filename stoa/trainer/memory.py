@@ -193,7 +193,8 @@ def device_budget(cfg: Any, world_size: int) -> Budget:
     if is_cuda(cfg.device):
         import torch
 
-        index = int(cfg.device.split(":")[1]) if ":" in cfg.device else int(os.environ.get("LOCAL_RANK", "0"))
+        local = os.environ.get("LOCAL_RANK") if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else None
+        index = int(local) if local else int(cfg.device.split(":")[1]) if ":" in cfg.device else 0  # as init_dist
         free, _ = torch.cuda.mem_get_info(index)
         return Budget(free / GB, f"free memory of cuda:{index}")
     from stoa.machine import system_memory
