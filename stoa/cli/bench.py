@@ -8,6 +8,7 @@ import importlib
 BENCHES = {
     "rollout": ("stoa.bench.rollout", "new tokens/s of our engines vs mlx-lm and HF generate"),
     "trainer": ("stoa.bench.trainer", "trainer step time and tokens/s"),
+    "dist": ("stoa.bench.dist", "FSDP2 data-parallel step: time, memory per rank, MFU, planes equal to 1 process"),
     "pulse": ("stoa.bench.pulse", "PULSE patch size, encode/apply speed, bit-exactness"),
     "local": ("stoa.bench.local", "single-process local mode vs mlxrl"),
     "logprobs": ("stoa.bench.logprobs", "MLX vs torch logprob gap (bf16/int8 report)"),
