@@ -76,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = overrides_from_args(args, TrainerConfig)
     cfg = load_config(TrainerConfig, toml_path=args.config, overrides=overrides)
+    if int(os.environ.get("RANK", "0") or 0) > 0 and not args.dry_run:
+        return _follow(cfg, args)
     cfg = resume_config(cfg, given_places(args, overrides))
     report = memory_report(cfg, args.nproc, args.prompt_tokens, offline=args.dry_run)
     if args.dry_run:
@@ -125,8 +127,17 @@ def torchrun_argv(argv: list[str], nproc: int, python: str) -> list[str]:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
+    # '--': torchrun's own parser would otherwise take a later --run for its --run-path
     return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "stoa",
-            *rest]
+            "--", *rest]
+
+
+def _follow(cfg: TrainerConfig, args: argparse.Namespace) -> int:
+    """A rank other than 0 under torchrun: rank 0 resolves the run's config (and checks memory) and sends it."""
+    from stoa.trainer.loop import run_trainer
+
+    run_trainer(cfg, take_over=args.take_over)
+    return 0
 
 
 def _model_dir(model: str, offline: bool) -> Path | None:

@@ -58,11 +58,9 @@ def run_trainer(cfg: TrainerConfig, echo=print, take_over: bool = False) -> dict
                 return _follow(cfg, dist, device, echo)
             trainer = _Trainer(cfg, echo, stop, take_over=take_over, dist=dist, device=device)
             try:
-                summary = trainer.run()
+                return trainer.run()
             finally:
                 trainer.close()
-            trainer.ranks.stop()  # after a failure the other ranks are ended by torchrun instead
-            return summary
     finally:
         close_dist(dist)
 
@@ -219,6 +217,7 @@ class _Trainer:
         try:
             self.resume()
             steps_here = self.loop()
+            self.ranks.stop()  # raises if a rank died: the run then reads failed, not finished
         except BaseException as e:
             self.close_lifecycle("failed", e)
             raise

@@ -108,8 +108,10 @@ class Driver:
         return fn(*args) if main_only is None else fn(*args, main_only)
 
     def stop(self) -> None:
-        """Let the other ranks return from ``serve``."""
+        """Let the other ranks return from ``serve``; each answers first, so a dead rank raises here (a gloo or
+        NCCL error) rather than letting rank 0 call a broken job finished."""
         self.ops.dist.broadcast(Command("stop", ()))
+        self.ops.dist.gather(True)
 
 
 def serve(ops: RankOps) -> int:
@@ -122,6 +124,7 @@ def serve(ops: RankOps) -> int:
     while True:
         cmd = ops.dist.broadcast()
         if not isinstance(cmd, Command) or cmd.kind == "stop":
+            ops.dist.gather(True)
             return steps
         getattr(ops, cmd.kind)(*cmd.args)
         steps += cmd.kind == "step"

@@ -145,6 +145,11 @@ def test_cli_refuses_with_exit_2(stoa_cache, tmp_path, monkeypatch, capsys):
 
 def test_torchrun_argv_drops_nproc():
     argv = ["--debug", "trainer", "--nproc", "4", "--run", "r", "--nproc=4", "--micro-batch", "2"]
-    assert torchrun_argv(argv, 4, "/py") == ["/py", "-m", "torch.distributed.run", "--standalone",
-                                             "--nproc-per-node", "4", "-m", "stoa", "--debug", "trainer",
-                                             "--run", "r", "--micro-batch", "2"]
+    cmd = torchrun_argv(argv, 4, "/py")
+    assert cmd == ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "stoa",
+                   "--", "--debug", "trainer", "--run", "r", "--micro-batch", "2"]
+    from torch.distributed.run import parse_args
+
+    parsed = parse_args(cmd[3:])  # torchrun's own parser must not take --run for its --run-path
+    assert parsed.training_script == "stoa" and parsed.module and parsed.nproc_per_node == "4"
+    assert parsed.training_script_args == ["--debug", "trainer", "--run", "r", "--micro-batch", "2"]
