@@ -216,3 +216,17 @@ def test_a_worker_paused_by_backpressure_uploads_nothing_until_the_trainer_wants
     assert len(batches) == 2  # 2 groups (the want), then 1 (max_groups), never a batch of 3
     assert any("paused: the trainer wants no more groups" in line for line in lines)
     assert any("resumed sampling (backpressure over" in line for line in lines)
+
+
+def test_an_idle_trainer_lists_less_often_the_longer_nothing_lands():
+    from stoa.trainer.lifecycle import poll_delay
+
+    assert [poll_delay(0.5, k) for k in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]  # capped at 5 s
+    assert poll_delay(0.2, 50) == pytest.approx(2.0)  # 10x a short poll: tests stay quick
+    assert poll_delay(30.0, 5) == 30.0  # never below the configured wait
+    # An hour of waiting at window 8 (9 LIST per poll): 6.5k Class A requests instead of 65k.
+    waited, polls = 0.0, 0
+    while waited < 3600:
+        waited += poll_delay(0.5, polls)
+        polls += 1
+    assert polls * 9 < 6600

@@ -2,7 +2,7 @@
 workers uploading valid records to a local bucket or to an S3 endpoint on 127.0.0.1 (moto).
 
 Time is simulated: a step advances the clock by ``--step-seconds`` (plus the intake's own measured seconds and
-``poll_seconds`` per wait, as the trainer loop does), and every active worker lands ``--groups-per-min`` records
+the trainer loop's wait between polls: ``poll_delay``), and every active worker lands ``--groups-per-min`` records
 a minute on its own schedule, each at the trainer's version minus a lag (most at lag 0, fewer at each older
 version of the window). Per step it counts LIST pages (1,000 keys each, R2 Class A) and GETs (Class B) and
 times listing, reading and checking (decode, validation, prompt re-rendering, rewards) separately.
@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--groups-per-step", type=int, default=8, help="groups the trainer takes a step [default: 8]")
     p.add_argument("--reuse-cap", type=int, default=2, help="the pool's reuse cap [default: 2]")
     p.add_argument("--poll-seconds", type=float, default=0.5, help="simulated wait between polls [default: 0.5]")
+    p.add_argument("--no-backoff", action="store_true",
+                   help="wait --poll-seconds after every empty poll (the trainer backs off: poll_delay)")
     p.add_argument("--lag-decay", type=float, default=0.5,
                    help="P(lag k+1) / P(lag k) of a record's version lag inside the window [default: 0.5]")
     p.add_argument("--rtt-ms", type=float, default=0.0,
@@ -307,14 +309,16 @@ def run_scenario(sc: Scenario, bucket: Bucket, run: Run, args: argparse.Namespac
 
 def _step(pool: Any, metered: MeteredBucket, fleet: Fleet, start: float, version: int, window: int,
           args: argparse.Namespace) -> StepFigures:
-    """One trainer-loop step: refresh (and wait ``poll_seconds`` between polls) until a batch is there, take
+    """One trainer-loop step: refresh (and wait between polls as the trainer does) until a batch is there, take
     it, train for ``step_seconds``; the clock also advances by the intake's measured seconds."""
-    f, now = StepFigures(), start
+    from stoa.trainer.lifecycle import poll_delay
+
+    f, now, empty = StepFigures(), start, 0
     while True:
         f.new_records += fleet.land(now, version, window)
         lists, gets = metered.lists, metered.gets
         t0 = time.perf_counter()
-        pool.refresh(version)
+        empty = 0 if pool.refresh(version) or args.no_backoff else empty + 1
         dt = time.perf_counter() - t0
         list_s, get_s = metered.busy_s("list", t0), metered.busy_s("get", t0)
         f.polls += 1
@@ -326,7 +330,7 @@ def _step(pool: Any, metered: MeteredBucket, fleet: Fleet, start: float, version
         if now - start > 3600:
             raise RuntimeError(f"v{version}: under {args.groups_per_step} groups after an hour of simulated "
                                "waiting; add workers or lower --groups-per-step")
-        now += args.poll_seconds
+        now += poll_delay(args.poll_seconds, empty)
     t0 = time.perf_counter()
     pool.take(args.groups_per_step)
     f.take_s = time.perf_counter() - t0

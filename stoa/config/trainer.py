@@ -22,7 +22,8 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     shared_prefix: bool = setting(False, "Run each group's prompt once in forward/backward (fewer FLOPs, "
                                          "~30% less memory, but one group per micro-batch); off packs whole "
                                          "sequences.")
-    poll_seconds: float = setting(0.5, "Sleep between bucket listings while waiting for records.")
+    poll_seconds: float = setting(0.5, "Sleep between bucket listings while waiting for records; it doubles "
+                                       "with each listing that brings nothing, up to min(5 s, 10x this).")
     max_wait_seconds: float = setting(0.0, "Exit with an error if no usable record arrives for this long "
                                            "(0 = wait forever).")
     lease_ttl_seconds: float = setting(120.0, "One trainer per run: another trainer may take the run over "

@@ -3,8 +3,9 @@
 Cost per published version: one status PUT, and, once a version leaves the window plus
 ``keep_rollout_versions``, one listing and one bulk delete of that version's prefix (never again: the
 oldest kept version is carried in the status, so a restart does not re-list deleted versions). While the
-trainer waits for records it rewrites the status every ``status_seconds`` (its heartbeat). A status
-write that fails is logged and retried at the next beat: it never stops training.
+trainer waits for records it rewrites the status every ``status_seconds`` (its heartbeat), and lists the window
+less often the longer nothing lands (``poll_delay``). A status write that fails is logged and retried at the
+next beat: it never stops training.
 """
 
 from __future__ import annotations
@@ -18,6 +19,24 @@ from stoa.layout import rollout_version_prefix, status_key
 from stoa.lifecycle import RunStatus, read_status
 
 log = logging.getLogger(__name__)
+
+POLL_BACKOFF_MAX_S = 5.0
+"""Longest wait between two listings of an idle trainer (unless ``poll_seconds`` is longer)."""
+
+
+def poll_delay(poll_seconds: float, empty_polls: int) -> float:
+    """Seconds before the next listing while the trainer waits for records.
+
+    Every listing of the window costs one LIST per version (R2's Class A); a trainer that waits on a quiet fleet
+    would otherwise pay them every ``poll_seconds``. The wait doubles with each listing that brought no new record,
+    up to ``min(5 s, 10 x poll_seconds)`` (never below ``poll_seconds``), and falls back once records land.
+
+    Args:
+        poll_seconds: the configured wait.
+        empty_polls: listings in a row that accepted nothing (0: the last one did).
+    """
+    cap = max(poll_seconds, min(POLL_BACKOFF_MAX_S, 10 * poll_seconds))
+    return min(cap, poll_seconds * 2 ** min(empty_polls, 30))
 
 
 def wanted_groups(groups_per_step: int, staleness_bound: int, available: int) -> int:

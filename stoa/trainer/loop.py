@@ -17,7 +17,7 @@ from stoa.trackers import open_trackers, sample_completions
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.dist import SINGLE, Dist
 from stoa.trainer.lease import FencedBucket, Lease
-from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, wanted_groups
+from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, poll_delay, wanted_groups
 from stoa.trainer.pool import Entry, PoolStats, RecordPool
 from stoa.trainer.quarantine import Quarantine
 from stoa.trainer.ranks import Driver, RankOps, serve
@@ -278,10 +278,10 @@ class _Trainer:
     def loop(self) -> int:
         """Refresh the pool, beat, wait or step, until the run's total steps or a stop; return steps taken."""
         cfg = self.cfg
-        steps_here, waited_since, last_note = 0, time.monotonic(), 0.0
+        steps_here, waited_since, last_note, empty = 0, time.monotonic(), 0.0, 0
         self.last_step_at = time.monotonic()
         while not self.stop.requested and (cfg.steps == 0 or self.step < cfg.steps):  # steps: run total
-            self.pool.refresh(self.version)
+            empty = 0 if self.pool.refresh(self.version) else empty + 1
             self.beat()
             if self.pool.available() < cfg.groups_per_step:
                 idle = time.monotonic() - waited_since
@@ -292,7 +292,7 @@ class _Trainer:
                     self.echo(f"[trainer] v{self.version}: waiting for records "
                               f"({self.pool.available()}/{cfg.groups_per_step} groups)")
                     last_note = idle
-                time.sleep(cfg.poll_seconds)
+                time.sleep(poll_delay(cfg.poll_seconds, empty))
                 continue
             entries = self.pool.take(cfg.groups_per_step,
                                      keep=lambda r: bool(self.algo.keep_groups(r[None, :])[0]))
