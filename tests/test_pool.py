@@ -333,3 +333,20 @@ def test_a_header_worker_other_than_the_keys_is_a_key_rejection(setup):
     pool = make_pool(*setup)
     pool.refresh(1)
     assert pool.drain_stats().rejected == {"key": 1}
+
+
+def test_groups_whose_rewards_all_agree_are_skipped_before_training_and_not_charged(setup):
+    pool = make_pool(*setup)
+    put(*setup, seq=0, text=("aaa", "aaa"))  # equal rewards: no advantage
+    put(*setup, seq=1, text=("aaa", "xyz"))
+    put(*setup, seq=2, text=("xyz", "xyz"), lp=-3.0)
+    assert pool.refresh(1) == 3
+    taken = pool.take(3, skip_uniform=True)
+    assert [e.key.rsplit("-", 1)[1] for e in taken] == ["00000001.rec"]
+    stats = pool.drain_stats()
+    assert stats.skipped_uniform == 2 and stats.filtered == 0
+    assert pool.available() == 1  # the informative group stays for its second use; the uniform ones are gone
+    # Keeping them (KL-only steps): all three are trained on.
+    kept = make_pool(*setup)
+    kept.refresh(1)
+    assert len(kept.take(3)) == 3 and kept.drain_stats().skipped_uniform == 0

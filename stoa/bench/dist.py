@@ -276,8 +276,7 @@ def _make_policy(args: argparse.Namespace, model_dir: Path, dist: Any, device: A
     bf16 = _dtype(args, device) == "bf16"
     ckpt = args.model == "llama-1b" if args.gradient_checkpointing is None else args.gradient_checkpointing
     policy = Policy(model_dir, device, gradient_checkpointing=ckpt, dist=dist,
-                    param_dtype=torch.bfloat16 if bf16 else torch.float32)
-    policy.autocast = bf16 and not dist.sharded
+                    compute_dtype=torch.bfloat16 if bf16 else torch.float32)
     return policy
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from stoa.config.base import PLANES, ConfigError, FleetConfig, at_least, setting
+from stoa.config.base import DTYPES, PLANES, ConfigError, FleetConfig, at_least, one_of, setting
 from stoa.config.training import TrainingConfig
 
 
@@ -58,6 +58,14 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     available_memory_gb: float = setting(0.0, "Memory per rank for the preflight, in GB (0 = detect: the free "
                                               "memory of the rank's GPU, or the RAM shared by this machine's "
                                               "ranks).")
+    dtype: str = setting("auto", "Compute dtype of the trainer's forward and backward: auto (bfloat16 on CUDA and "
+                                 "on CPUs with native bf16, else float32), float32 or bfloat16; master weights, "
+                                 "AdamW state and the log-softmax stay float32.")
+    skip_uniform_groups: bool = setting(True, "Skip groups whose rewards all agree (no advantage, so no policy "
+                                              "gradient) before any forward pass; they do not count toward "
+                                              "groups_per_step (rollout/skipped_uniform). False trains on them "
+                                              "(KL-only gradient). GiGPO and ECHO runs keep them (their step "
+                                              "advantages and echo term carry signal).")
 
     def validate(self) -> TrainerConfig:
         """Raise ``ConfigError`` naming the first invalid field; return self."""
@@ -67,6 +75,7 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         at_least(self, 1, ("micro_batch", "anchor_every", "checkpoint_every", "keep_versions", "reuse_cap",
                            "quarantine_min_records", "eval_k"))
         at_least(self, 0, ("staleness_bound", "available_memory_gb"))
+        one_of(self, "dtype", DTYPES)
         at_least(self, -1, ("keep_rollout_versions",))
         at_least(self, 1, ("metrics_flush_rows",))
         if not (self.status_seconds > 0 and self.metrics_flush_seconds > 0):

@@ -140,6 +140,8 @@ class _Trainer:
                                  log_dir=log_dir, config=cfg)
         self.metrics = MetricsWriter(log_dir / "trainer.jsonl", cfg.run, trackers=trackers)
         self.summary: dict[str, Any] = {"run": cfg.run, "evals": [], "step_times": []}
+        acfg = self.algo.cfg  # GiGPO's step advantages and ECHO's echo term train on groups of equal rewards
+        self.skip_uniform = cfg.skip_uniform_groups and acfg.name != "gigpo" and not acfg.echo_alpha
         self.version = self.step = 0
         self.lag0_trusted = True  # see resume(): whether lag-0 records can be judged against our weights
 
@@ -294,8 +296,8 @@ class _Trainer:
                     last_note = idle
                 time.sleep(poll_delay(cfg.poll_seconds, empty))
                 continue
-            entries = self.pool.take(cfg.groups_per_step,
-                                     keep=lambda r: bool(self.algo.keep_groups(r[None, :])[0]))
+            entries = self.pool.take(cfg.groups_per_step, keep=lambda r: bool(self.algo.keep_groups(r[None, :])[0]),
+                                     skip_uniform=self.skip_uniform)
             if not entries:
                 continue
             self.train(entries)
@@ -349,6 +351,7 @@ class _Trainer:
         row.update({f"rollout/rejected/{k}": v for k, v in ps.rejected.items()})
         row.update(self.quarantine.metrics())
         row["rollout/filtered"] = ps.filtered
+        row["rollout/skipped_uniform"] = ps.skipped_uniform
         row["rollout/deleted_objects"] = deleted
         row["rollout/keys"] = [rollout_label(e.key) for e in entries]
         for lag in range(cfg.staleness_bound + 1):

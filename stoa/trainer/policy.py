@@ -42,15 +42,43 @@ class Scores(NamedTuple):
     """[B, T] float32 0/1: the argmax equals the target (no gradient), 0 off the mask; None unless asked."""
 
 
-def _scores(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
-            hits: bool) -> Scores:
-    """Temperature-scaled logprobs of ``targets`` under ``logits`` [B, T, V], times ``mask``; argmax hits if asked."""
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    out = torch.gather(logp, -1, targets.unsqueeze(-1)).squeeze(-1) * mask
-    if not hits:
-        return Scores(out, None)
+LOGITS_CHUNK_ELEMENTS = 1 << 24
+"""Most logits (positions x vocabulary) alive at once while scoring: 64 MB in fp32. Longer micro-batches are scored
+in chunks whose logits are recomputed in backward, so the full [B, T, V] tensor is never materialised."""
+
+
+def _chunk_scores(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs [N] of ``targets`` [N] under ``head(h)`` [N, V] / temperature, and the argmax hits (no gradient)."""
+    logits = head(h).float() / temperature
+    lp = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     with torch.no_grad():
-        return Scores(out, (logits.argmax(dim=-1) == targets).float() * mask)
+        hit = (logits.argmax(dim=-1) == targets).float()
+    return lp, hit
+
+
+def _scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+            temperature: float, hits: bool, chunk_elements: int | None = None) -> Scores:
+    """Temperature-scaled logprobs of ``targets`` [B, T] under ``head(hidden)`` ([B, T, H] -> [B, T, V]), times
+    ``mask``; argmax hits if asked.
+
+    Up to ``chunk_elements`` logits at a time: each chunk of positions goes through the head, log-softmax and gather
+    under activation checkpointing, so backward keeps only the chunk's hidden states and recomputes its logits.
+    """
+    b, t, width = hidden.shape
+    vocab = int(head.weight.shape[0])  # type: ignore[index]
+    flat_h, flat_t = hidden.reshape(b * t, width), targets.reshape(b * t)
+    step = max(1, (chunk_elements or LOGITS_CHUNK_ELEMENTS) // vocab)
+    if b * t <= step:
+        lp, hit = _chunk_scores(head, flat_h, flat_t, temperature)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        parts = [checkpoint(_chunk_scores, head, flat_h[i : i + step], flat_t[i : i + step], temperature,
+                            use_reentrant=False) for i in range(0, b * t, step)]
+        lp, hit = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    out = lp.reshape(b, t) * mask
+    return Scores(out, hit.reshape(b, t) * mask if hits else None)
 
 
 def pack(prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], t_max: int, device: torch.device) -> Packed:
@@ -95,6 +123,22 @@ class _Root(torch.nn.Module):
         return fn(self.lm)
 
 
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The trainer's compute dtype for the ``dtype`` setting: ``auto`` is bf16 on CUDA and on a CPU that
+    multiplies bf16 in hardware (2-3x the fp32 matmul rate), fp32 elsewhere.
+
+    Args:
+        name: ``auto``, ``float32`` or ``bfloat16``.
+        device: the trainer's device.
+    """
+    if name == "auto":
+        from stoa.engines.torch import cpu_has_native_bf16
+
+        native = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+        return torch.bfloat16 if native else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder blocks of an HF causal LM (FSDP2's and activation checkpointing's unit).
 
@@ -123,13 +167,14 @@ class Policy:
         gradient_checkpointing: recompute each decoder block's activations during backward.
         trainable: whether parameters get gradients (False for the frozen reference).
         dist: the trainer's ranks; with more than one the model is sharded (FSDP2) over them.
-        param_dtype: what a sharded model computes in (default: bf16 on CUDA, fp32 on CPU); master weights and
-            the loss stay fp32.
+        compute_dtype: what the forward and backward compute in (default: fp32): bf16 autocasts the matmuls
+            (sharded: the gathered parameters are bf16); master weights, optimizer state and the log-softmax stay
+            fp32.
     """
 
     def __init__(self, model_dir: str | Path, device: torch.device, *, temperature: float = 1.0,
                  gradient_checkpointing: bool = False, trainable: bool = True, dist: Dist = SINGLE,
-                 param_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
 
         self.device, self.temperature, self.dist = device, temperature, dist
@@ -144,12 +189,11 @@ class Policy:
             p.requires_grad_(trainable)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.root = _Root(self.model)
-        if param_dtype is None:
-            param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.compute_dtype = compute_dtype
         if dist.sharded:
-            shard(self.root, decoder_blocks(self.model), dist, param_dtype)
-        # Unsharded: autocast to bf16 on CUDA (sharded: the gathered parameters already compute in param_dtype).
-        self.autocast = device.type == "cuda" and not dist.sharded
+            shard(self.root, decoder_blocks(self.model), dist, compute_dtype)
+        # Unsharded bf16: autocast (sharded: the gathered parameters already compute in bf16).
+        self.autocast = compute_dtype == torch.bfloat16 and not dist.sharded
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """Trainable parameters by name (tied weights appear once)."""
@@ -183,8 +227,7 @@ class Policy:
             hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
             idx = batch.pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
             h = torch.gather(hidden, 1, idx)
-            logits = head(h).float()
-        return _scores(logits, batch.targets, batch.mask, self.temperature, hits)
+            return _scores(head, h, batch.targets, batch.mask, self.temperature, hits)
 
     def group_logprobs(self, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
                        mask: np.ndarray | None = None) -> torch.Tensor:
@@ -245,8 +288,7 @@ class Policy:
                 hidden = torch.cat([h_last, rest.last_hidden_state], dim=1)
             else:
                 hidden = h_last
-            logits = head(hidden).float()
-        return _scores(logits, comp_t, torch.from_numpy(scored).to(dev), self.temperature, hits)
+            return _scores(head, hidden, comp_t, torch.from_numpy(scored).to(dev), self.temperature, hits)
 
     def export_f32(self) -> dict[str, np.ndarray]:
         """The master weights as float32 numpy arrays (names as ``named_parameters``), on rank 0 (``{}`` on other

@@ -58,6 +58,8 @@ class PoolStats:
     dropped_stale: int = 0
     reward_mismatch: int = 0
     filtered: int = 0
+    skipped_uniform: int = 0
+    """Groups whose rewards all agreed, dropped before training (``take(skip_uniform=True)``)."""
     tokens: int = 0
     replay_s: float = 0.0
     """Seconds spent replaying multi-turn records (tool calls included)."""
@@ -295,13 +297,16 @@ class RecordPool:
         """Number of groups that can still be used."""
         return sum(1 for e in self.entries.values() if e.uses < self.reuse_cap)
 
-    def take(self, count: int, keep: Callable[[np.ndarray], bool] | None = None) -> list[Entry]:
+    def take(self, count: int, keep: Callable[[np.ndarray], bool] | None = None, *,
+             skip_uniform: bool = False) -> list[Entry]:
         """Take up to ``count`` groups: least used first, then freshest; charge one use each.
 
         Args:
             count: groups wanted.
             keep: the algorithm's group filter on a group's rewards [n]; groups it rejects are
                 dropped from the pool (counted as ``filtered``) and not charged.
+            skip_uniform: drop groups whose rewards all agree (counted as ``skipped_uniform``, not charged):
+                they carry no advantage, so no policy gradient, and never will (rewards are fixed).
         """
         ranked = sorted((e for e in self.entries.values() if e.uses < self.reuse_cap),
                         key=lambda e: (e.uses, -e.record.policy_version, e.key))
@@ -312,6 +317,10 @@ class RecordPool:
             if self.gate is not None and self.gate.is_quarantined(e.record.worker_id):
                 del self.entries[e.content_id]  # accepted before its worker was quarantined
                 self.stats.rejected["quarantined"] += 1
+                continue
+            if skip_uniform and np.ptp(e.rewards) == 0:
+                del self.entries[e.content_id]
+                self.stats.skipped_uniform += 1
                 continue
             if keep is not None and not keep(e.rewards):
                 del self.entries[e.content_id]

@@ -21,7 +21,7 @@ from stoa.bucket import Bucket
 from stoa.config import TrainerConfig
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.dist import Dist
-from stoa.trainer.policy import Policy
+from stoa.trainer.policy import Policy, compute_dtype
 from stoa.trainer.pool import Entry
 from stoa.trainer.step import StepMetrics, train_step
 
@@ -52,11 +52,12 @@ class RankOps:
         from stoa.algorithms import get_algorithm
 
         self.cfg, self.dist, self.bucket, self.echo = cfg, dist, bucket, echo
+        dtype = compute_dtype(cfg.dtype, device)
         self.policy = Policy(model_dir, device, temperature=cfg.temperature,
-                             gradient_checkpointing=cfg.gradient_checkpointing, dist=dist)
+                             gradient_checkpointing=cfg.gradient_checkpointing, dist=dist, compute_dtype=dtype)
         self.algo: Algorithm = get_algorithm(cfg.algo_config(), "torch")
-        self.ref = (Policy(model_dir, device, temperature=cfg.temperature, trainable=False, dist=dist)
-                    if self.algo.cfg.kl_beta > 0 else None)
+        self.ref = (Policy(model_dir, device, temperature=cfg.temperature, trainable=False, dist=dist,
+                           compute_dtype=dtype) if self.algo.cfg.kl_beta > 0 else None)
         self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def step(self, entries: Sequence[Entry], current_version: int, step: int) -> StepMetrics:
