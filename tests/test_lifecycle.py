@@ -117,7 +117,7 @@ def fake_steps(t, fail_at: int | None = None):
     """Replace intake and the step: two groups always available; each step publishes the next version."""
     t.pool.refresh = lambda v: 0
     t.pool.available = lambda: 2
-    t.pool.take = lambda n, keep=None: ["g"] * n
+    t.pool.take = lambda n, keep=None, skip_uniform=False: ["g"] * n
 
     def train(entries):
         if t.step + 1 == fail_at:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from stoa.bucket import BucketError, open_bucket
 from stoa.config import TrainerConfig
-from stoa.layout import checkpoint_key, rollout_label
+from stoa.layout import checkpoint_key
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.stopflag import StopFlag
 from stoa.trackers import open_trackers, sample_completions
@@ -18,12 +17,13 @@ from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.dist import SINGLE, Dist
 from stoa.trainer.lease import FencedBucket, Lease
 from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, poll_delay, wanted_groups
-from stoa.trainer.pool import Entry, PoolStats, RecordPool
+from stoa.trainer.overlap import Background, Done
+from stoa.trainer.pool import Entry, RecordPool
 from stoa.trainer.quarantine import Quarantine
 from stoa.trainer.ranks import Driver, RankOps, serve
 from stoa.trainer.retry import RETRY_MAX_SLEEP_S, ride_out  # noqa: F401 - re-exported
-from stoa.trainer.setup import build_contract, ensure_contract, evaluate, reward_stats
-from stoa.trainer.step import episode_figures
+from stoa.trainer.setup import build_contract, ensure_contract, evaluate
+from stoa.trainer.steplog import step_line, step_row
 from stoa.trainer.tools import prepare_tools
 
 EVALUATOR_MAX_AGE_S = 90.0  # an evaluator beating this recently (every 30 s; clocks may differ) does the evals
@@ -143,14 +143,36 @@ class _Trainer:
         acfg = self.algo.cfg  # GiGPO's step advantages and ECHO's echo term train on groups of equal rewards
         self.skip_uniform = cfg.skip_uniform_groups and acfg.name != "gigpo" and not acfg.echo_alpha
         self.version = self.step = 0
+        self.publishing: Background[Any] | None = None
+        self.last_publish: Done[Any] | None = None
         self.lag0_trusted = True  # see resume(): whether lag-0 records can be judged against our weights
 
     def publish(self, version: int) -> Any:
+        """Publish ``version`` now (its pointer written when this returns)."""
+        self.start_publish(version)
+        return self.settle_publish()
+
+    def start_publish(self, version: int) -> None:
+        """Convert the weights to the plane now (every rank: a sharded model is gathered), then encode, upload and
+        write the pointer on a thread; ``settle_publish`` waits for it."""
         from stoa.weights.planes import state_from_f32
 
+        cfg = self.cfg
         self.fence()
-        state = state_from_f32(self.ranks("export"), self.cfg.plane)
-        return ride_out(lambda: self.publisher.publish(version, state), f"v{version}", self.echo)
+        state = state_from_f32(self.ranks("export"), cfg.plane)  # a copy: the next step may move the weights
+
+        def upload() -> Any:
+            pub = ride_out(lambda: self.publisher.publish(version, state), f"v{version}", self.echo)
+            ride_out(lambda: self.publisher.gc(cfg.keep_versions), "(collecting) old weights", self.echo)
+            return pub
+
+        self.publishing = Background(upload, f"stoa-publish-v{version}")
+
+    def settle_publish(self) -> Any:
+        """Wait for the version being uploaded (if any); its ``PublishResult``, also kept in ``last_publish``."""
+        job, self.publishing = self.publishing, None
+        self.last_publish = job.join() if job is not None else None
+        return self.last_publish.value if self.last_publish is not None else None
 
     def fence(self) -> None:
         """Renew the lease by CAS right before a group of writes; ``LeaseLost`` if another trainer took over."""
@@ -176,7 +198,10 @@ class _Trainer:
         bad = self.publisher.resume_error
         # Lag-0 records were sampled from the published weights: judge workers by them only once this
         # trainer's weights are those (after its own first publish, or when they verifiably are).
-        self.lag0_trusted = bad is None or (restored is not None and restored.version == pointer.version)
+        # A checkpoint ahead of the pointer (killed while its version uploaded) holds weights no worker has.
+        ahead = restored is not None and restored.version > pointer.version
+        same = restored is not None and restored.version == pointer.version
+        self.lag0_trusted = (bad is None and not ahead) or same
         if bad is not None:
             self.echo(f"[trainer] the published v{pointer.version} does not verify ({bad}); the next version is "
                       "published as a fresh anchor so workers recover")
@@ -219,6 +244,7 @@ class _Trainer:
         try:
             self.resume()
             steps_here = self.loop()
+            self.settle_publish()  # the last version's pointer before the run reads finished
             self.ranks.stop()  # raises if a rank died: the run then reads failed, not finished
         except BaseException as e:
             self.close_lifecycle("failed", e)
@@ -263,6 +289,11 @@ class _Trainer:
         from stoa.trainer.lease import LeaseLost
 
         lost = isinstance(error, LeaseLost)
+        if error is not None and self.publishing is not None:
+            try:  # no upload may outlive the status that ends the run
+                self.settle_publish()
+            except Exception as e:  # noqa: BLE001 - the original error is the one to report
+                self.echo(f"[trainer] the last upload failed too ({type(e).__name__}: {e})")
         if not lost:
             try:
                 self.run_status.write(state, self.version, None, step_s=self.last_step_s,
@@ -308,62 +339,45 @@ class _Trainer:
         return steps_here
 
     def train(self, entries: list[Entry]) -> None:
-        """One step: journal the uses, train, publish the new version, checkpoint, log."""
+        """One step: train (the next step's intake and the last version's upload run meanwhile), journal the uses,
+        publish the new version (its upload in the background), checkpoint, log."""
         cfg = self.cfg
         journal = {"version": self.version + 1, "step": self.step + 1, "pool": self.pool.state(),
-                   "quarantine": self.quarantine.state()}
+                   "quarantine": self.quarantine.state()}  # this step's uses, before the intake below moves on
+        intake = Background(lambda: self.pool.refresh(self.version), "stoa-intake")
+        try:
+            m = self.ranks("step", entries, self.version, self.step)
+        finally:
+            intake.join()
+        self.settle_publish()  # the last version's pointer is in before this step's journal
         self.fence()
         ride_out(lambda: ckpt.write_journal(self.bucket, cfg.run, journal), "the journal", self.echo)
-        m = self.ranks("step", entries, self.version, self.step)
         if self.lag0_trusted:
             for worker, values in m.disagreement.items():
                 self.quarantine.observe_disagreement(worker, values)
         self.lag0_trusted = True  # from now on lag 0 means "sampled from weights this trainer published"
         self.version, self.step = self.version + 1, self.step + 1
-        t_pub = time.perf_counter()
-        pub = self.publish(self.version)
-        ride_out(lambda: self.publisher.gc(cfg.keep_versions), "(collecting) old weights", self.echo)
+        self.start_publish(self.version)
         if self.step % cfg.checkpoint_every == 0:
             self.fence()
             self.ranks("save", self.version, self.step)
         deleted = self.retention.collect(self.version)
         self.deleted_objects += deleted
         self.last_step_s = m["step_time_s"]
-        self.log_step(entries, m, self.pool.drain_stats(), time.perf_counter() - t_pub, pub, deleted)
+        self.log_step(entries, m, deleted)
         if self.metrics.completions_due(self.step):
             self.metrics.log_completions(sample_completions(entries, self.codec.decode), self.step)
 
-    def log_step(self, entries: list[Entry], m: dict[str, float], ps: PoolStats, publish_s: float, pub: Any,
-                 deleted: int = 0) -> None:
-        cfg = self.cfg
-        rewards = np.stack([e.rewards for e in entries])
-        lags = np.array([self.version - 1 - e.record.policy_version for e in entries])
+    def log_step(self, entries: list[Entry], m: dict[str, float], deleted: int) -> None:
         since, self.last_step_at = time.monotonic() - self.last_step_at, time.monotonic()
-        row: dict[str, Any] = {f"train/{k}": v for k, v in m.items()}
-        row.update({f"rollout/{k}": v for k, v in reward_stats(rewards).items()})
-        row.update({"version": self.version, "train/publish_s": publish_s,
-                    "train/patch_bytes": float(getattr(pub, "bytes_patch", 0)),
-                    "rollout/accepted": ps.accepted, "rollout/records_per_s": ps.accepted / since,
-                    "rollout/sampled_tokens_per_s": ps.tokens / since, "rollout/dropped_stale": ps.dropped_stale,
-                    "rollout/reward_mismatch": ps.reward_mismatch, "rollout/lag_mean": float(lags.mean()),
-                    "rollout/lag_max": int(lags.max()),
-                    "rollout/reuse_mean": float(np.mean([e.uses for e in entries]))})
-        row.update({f"rollout/rejected/{k}": v for k, v in ps.rejected.items()})
+        pub = self.last_publish
+        row = step_row(entries, m, self.pool.drain_stats(), version=self.version, since_s=since,
+                       staleness_bound=self.cfg.staleness_bound, deleted=deleted,
+                       publish=pub.value if pub else None, publish_s=pub.seconds if pub else 0.0)
         row.update(self.quarantine.metrics())
-        row["rollout/filtered"] = ps.filtered
-        row["rollout/skipped_uniform"] = ps.skipped_uniform
-        row["rollout/deleted_objects"] = deleted
-        row["rollout/keys"] = [rollout_label(e.key) for e in entries]
-        for lag in range(cfg.staleness_bound + 1):
-            row[f"rollout/staleness/{lag}"] = int((lags == lag).sum())
-        row.update(episode_figures(entries, ps, m["step_time_s"]))
         self.metrics.log(row, step=self.step)
         self.summary["step_times"].append(m["step_time_s"])
-        search = f" | search {row['rollout/search_rate']:.2f}" if "rollout/search_rate" in row else ""
-        self.echo(f"[trainer] step {self.step} -> v{self.version} | reward {row['rollout/reward_mean']:.3f}{search} | "
-                  f"loss {m['loss']:+.4f} | kl {m.get('kl', 0.0):.2e} | {m['step_time_s']:.1f}s "
-                  f"({m['tokens_per_s']:.0f} tok/s) | lag {lags.mean():.1f} | records {ps.accepted / since:.2f}/s, "
-                  f"sampled {ps.tokens / since:.0f} tok/s")
+        self.echo(step_line(row, self.step))
 
     def evaluator_running(self) -> bool:
         """Whether a follow-along evaluator (``stoa eval --follow``) beats on this run: the periodic evals are
