@@ -123,7 +123,10 @@ def test_fp32_worker_logprobs_equal_the_trainer_recompute_at_the_published_weigh
     bucket, run = str(tmp_path / "bucket"), "lp"
     newest = tmp_path / "bucket" / "runs" / run / "rollouts" / "v00000003"
     t = procs.start("trainer", "trainer", "--bucket", bucket, "--run", run, *TRAIN_ARGS, "--steps", "2")
-    w = procs.start("w0", *worker_args(bucket, run, "w0"), "--dtype", "float32", "--seed", "3")
+    # The worker must still sample at v3 after the trainer finished: it reads the run status (finished) rarely
+    # and samples whatever the trainer wants.
+    w = procs.start("w0", *worker_args(bucket, run, "w0"), "--dtype", "float32", "--seed", "3",
+                    "--status-seconds", "60", "--no-backpressure")
     assert t.wait(timeout=240) == 0, procs.log("trainer")
     wait_for(lambda: len(list(newest.glob("*.rec"))) >= 4, 120, "records sampled at the final version v3")
     w.kill()
