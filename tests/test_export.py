@@ -200,7 +200,7 @@ def test_quickstart_summary_names_the_model_and_an_export_command_that_works(run
     _print_summary({"step": 2, "version": 3}, 60.0, root, "r")
     lines = capsys.readouterr().out.splitlines()
     model = next(line for line in lines if line.strip().startswith("model"))
-    assert "v3" in model and str(root.resolve()) in model and "checkpoint.safetensors" in model
+    assert "v3" in model and str(root.resolve()) in model and "trainer/checkpoints" in model
     command = next(line for line in lines if line.strip().startswith("export")).split("export", 1)[1]
     argv = shlex.split(command.split("(")[0])
     assert argv[0] == "stoa"

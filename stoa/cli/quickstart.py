@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from stoa.config import TrainerConfig, load_config
-from stoa.layout import checkpoint_key, logs_prefix, metrics_prefix, run_prefix, weights_prefix
+from stoa.layout import checkpoint_files_prefix, logs_prefix, metrics_prefix, run_prefix, weights_prefix
 
 # Defaults sized so the whole run finishes within ~20 minutes on a 2-core CPU with SmolLM2-135M.
 DEFAULTS = {"model": "smollm2-135m", "task": "arithmetic", "steps": 12, "workers": 2}
@@ -18,8 +18,9 @@ PRESETS = {
     # Short completions and small batches: arithmetic answers need few tokens.
     "smollm2-135m": {"n_samples": 8, "groups_per_step": 4, "max_new_tokens": 16, "lr": 3e-6, "eval_n": 100,
                      "micro_batch": 16, "checkpoint_every": 4, "kl_beta": 0.0},
+    # A random model never solves arithmetic: its groups all score 0, so it trains on them (the loop is the point).
     "tiny": {"n_samples": 4, "groups_per_step": 4, "max_new_tokens": 8, "lr": 1e-3, "eval_n": 16,
-             "micro_batch": 16, "checkpoint_every": 1},
+             "micro_batch": 16, "checkpoint_every": 1, "skip_uniform_groups": False},
 }
 SEARCH_PRESETS = {
     # Multi-turn episodes (up to 3 model turns of 48 tokens, ~180-token observations): fewer, longer rows.
@@ -142,6 +143,6 @@ def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
               f"{b['em']:.3f}, search rate {a['search_rate']:.3f} -> {b['search_rate']:.3f}")
     where = root.resolve()
     print(f"  model          v{summary.get('version')} published under {where / weights_prefix(run_id)}; "
-          f"fp32 master weights in {where / checkpoint_key(run_id)}")
+          f"fp32 master weights (sharded checkpoint) in {where / checkpoint_files_prefix(run_id)}")
     print(f"  export         stoa export --bucket {root} --run {run_id} {run_id}-hf  (a Hugging Face "
           "directory for transformers and mlx-lm; --source checkpoint for the fp32 weights)")

@@ -322,8 +322,11 @@ class _Trainer:
                     raise TimeoutError(f"no usable records for {idle:.0f}s (have {self.pool.available()} groups, "
                                        f"need {cfg.groups_per_step}); are workers running for run {cfg.run!r}?")
                 if idle - last_note > 30:
+                    skipped = self.pool.stats.skipped_uniform
+                    why = (f"; {skipped} skipped since the last step, all their rewards equal "
+                           "(--no-skip-uniform-groups trains on them)" if skipped else "")
                     self.echo(f"[trainer] v{self.version}: waiting for records "
-                              f"({self.pool.available()}/{cfg.groups_per_step} groups)")
+                              f"({self.pool.available()}/{cfg.groups_per_step} groups{why})")
                     last_note = idle
                 time.sleep(poll_delay(cfg.poll_seconds, empty))
                 continue
