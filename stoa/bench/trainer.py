@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preflight", action="store_true",
                    help="compare the memory preflight's estimate with the measured peak of PREFLIGHT_GRID's "
                         "settings (packed mode, each in a fresh process)")
+    from stoa.bench.trl import add_compare_arguments
+
+    add_compare_arguments(p)
 
 
 def _entries(groups: int, n: int, prompt_tokens: int, tokens: int, vocab: int, seed: int):
@@ -59,6 +62,10 @@ def main(args: argparse.Namespace) -> int:
     """
     if args.preflight:
         return preflight(args)
+    if args.compare == "trl":
+        from stoa.bench.trl import main as compare_trl
+
+        return compare_trl(args)
     import torch
 
     from stoa.algorithms import AlgoConfig, get_algorithm

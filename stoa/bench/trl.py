@@ -1,0 +1,319 @@
+"""``stoa bench trainer --compare trl``: our ``train_step`` and TRL's ``GRPOTrainer`` side by side.
+
+Both run the same model, batch shape (B prompts x n generations, T new tokens, ~P-token prompts), KL weight and
+thread count, full fine-tune in fp32 on the CPU. They alternate (ours, TRL, ours, TRL, ...), each repeat in a fresh
+subprocess so each peak RSS is its own. TRL runs in its own pinned venv under ``$STOA_CACHE/venvs`` (made on first
+use from the pip index) through ``trl_driver.py``, which prints a ``RESULT {json}`` line; our side runs
+``python -m stoa.bench.trl --child``. TRL's generation time is reported apart; the last line printed is
+``ratio_step=X ratio_mem=Y`` (X: TRL's seconds per step without generation / ours, Y: our peak RSS / TRL's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TRL_DRIVER = Path(__file__).with_name("trl_driver.py")
+"""The TRL timing driver: a script run by the python of TRL's own venv."""
+
+TRL_REQUIREMENTS = ("torch==2.13.0", "trl==1.13.0", "transformers==5.17.0", "accelerate==1.15.0",
+                    "datasets==5.0.1")
+"""What TRL's venv holds (pinned; torch equal to stoa's so both sides run the same kernels)."""
+
+
+def trl_venv_dir() -> Path:
+    """Where TRL's venv lives: ``$STOA_CACHE/venvs/trl-<hash of TRL_REQUIREMENTS>`` (a new pin, a new venv)."""
+    from stoa.models import default_cache_dir
+
+    digest = hashlib.sha256("\n".join(TRL_REQUIREMENTS).encode()).hexdigest()[:10]
+    return default_cache_dir() / "venvs" / f"trl-{digest}"
+
+
+def ensure_trl_venv(echo: Any = print) -> Path:
+    """TRL's venv python, creating the venv (``python -m venv`` + ``pip install`` of the pins) when absent.
+
+    Args:
+        echo: progress callback.
+    """
+    venv = trl_venv_dir()
+    python, done = venv / "bin" / "python", venv / ".stoa-ready"
+    if done.exists():
+        return python
+    echo(f"[bench] creating TRL's venv at {venv} ({' '.join(TRL_REQUIREMENTS)}); this takes a few minutes")
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--clear", str(venv)], check=True)
+    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL_REQUIREMENTS], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip install into {venv} failed (fix the pins in stoa/bench/trl.py TRL_REQUIREMENTS "
+                           f"or the pip index, then rerun): {proc.stderr.strip()[-1500:]}")
+    done.write_text("\n".join(TRL_REQUIREMENTS) + "\n")
+    return python
+
+DEFAULT_BETA = 0.001
+"""The KL weight compared when ``--kl-beta`` is left at 0 (both sides then run a reference forward)."""
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side's medians over its repeats: seconds per step (TRL: without generation), trained tokens/s, peak RSS
+    (GB) and, for TRL, the generation seconds and whole-step seconds per step (0 for ours)."""
+
+    step_s: float
+    tokens_per_s: float
+    peak_rss_gb: float
+    gen_s: float = 0.0
+    full_step_s: float = 0.0
+
+
+def add_compare_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--compare`` flags of ``stoa bench trainer``.
+
+    Args:
+        p: the subcommand's parser.
+    """
+    p.add_argument("--compare", default="", choices=("", "trl"),
+                   help="trl: our packed train_step vs TRL's GRPOTrainer (own venv), interleaved per --repeats; "
+                        f"--kl-beta 0 compares at {DEFAULT_BETA}")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="--compare: our Policy's compute dtype (TRL stays fp32) [default: fp32]")
+    p.add_argument("--threads", type=int, default=2, help="--compare: torch threads on both sides [default: 2]")
+    p.add_argument("--steps", type=int, default=1,
+                   help="--compare: timed steps per process, after one warm-up step [default: 1]")
+
+
+def child_spec(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    """The shape both sides run, as the JSON a child reads.
+
+    Args:
+        args: parsed ``stoa bench trainer`` flags.
+        model_dir: the resolved model directory.
+    """
+    return {"model_dir": str(model_dir), "prompts": args.groups, "generations": args.n, "tokens": args.tokens,
+            "prompt_tokens": args.prompt_tokens, "micro_batch": args.micro_batch,
+            "beta": args.kl_beta or DEFAULT_BETA, "lr": 1e-6, "warmup": 1, "steps": args.steps, "seed": 0,
+            "threads": args.threads, "dtype": args.dtype}
+
+
+def ours_argv(spec: dict[str, Any]) -> list[str]:
+    """Our side's child command (stoa's python).
+
+    Args:
+        spec: :func:`child_spec`'s JSON.
+    """
+    return [sys.executable, "-m", "stoa.bench.trl", "--child", json.dumps(spec)]
+
+
+def trl_argv(python: Path, spec: dict[str, Any]) -> list[str]:
+    """TRL's child command: its venv's python on ``trl_driver.py``.
+
+    Args:
+        python: TRL's venv python.
+        spec: :func:`child_spec`'s JSON.
+    """
+    return [str(python), str(TRL_DRIVER), json.dumps(spec)]
+
+
+def parse_result(stdout: str) -> dict[str, Any]:
+    """The JSON of a child's ``RESULT {json}`` line (the last one).
+
+    Args:
+        stdout: the child's standard output.
+    """
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        raise ValueError(f"no RESULT line in the child's output (its tail: {stdout[-500:]!r}); run it by hand")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def summarize(results: list[dict[str, Any]], warmup: int, trl: bool) -> Side:
+    """Medians over every timed step of every repeat of one side, and the median peak RSS.
+
+    Args:
+        results: the side's child RESULTs, one per repeat.
+        warmup: unmeasured first steps of each child.
+        trl: TRL's RESULTs (``train_s`` = step without generation) rather than ours.
+    """
+    rows = [r for res in results for r in res["rows"][warmup:]]
+    rss = statistics.median(res["peak_rss_kb"] for res in results) / 1e6
+    step = statistics.median(r["train_s" if trl else "step_s"] for r in rows)
+    tokens = statistics.median(r["tokens"] for r in rows)
+    if not trl:
+        return Side(step, tokens / step, rss)
+    return Side(step, tokens / step, rss, statistics.median(r["gen_s"] for r in rows),
+                statistics.median(r["step_s"] for r in rows))
+
+
+def ratio_line(ours: Side, trl: Side) -> str:
+    """``ratio_step=X ratio_mem=Y``: X = TRL's s/step without generation / ours, Y = our peak RSS / TRL's.
+
+    Args:
+        ours: our side.
+        trl: TRL's side.
+    """
+    return f"ratio_step={trl.step_s / ours.step_s:.2f} ratio_mem={ours.peak_rss_gb / trl.peak_rss_gb:.2f}"
+
+
+def policy_kwargs(dtype: str) -> dict[str, Any]:
+    """Our Policy's dtype keyword for ``--dtype`` (``compute_dtype``), checked against its signature.
+
+    Args:
+        dtype: ``fp32`` or ``bf16``.
+    """
+    import inspect
+
+    import torch
+
+    from stoa.trainer.policy import Policy
+
+    if dtype == "fp32":
+        return {}
+    if "compute_dtype" not in inspect.signature(Policy).parameters:
+        raise ValueError("--dtype bf16: this stoa's Policy has no compute_dtype; run --dtype fp32")
+    return {"compute_dtype": torch.bfloat16}
+
+
+def on_policy(entries: list[Any], policy: Any, tokens: int) -> list[Any]:
+    """The entries with each sample's behaviour logprobs set to the policy's own (as TRL's single-iteration GRPO
+    has it: ratio 1). With made-up logprobs the clipped ratio zeroes nearly every gradient, and AdamW on ~1e-20
+    gradients runs on denormal floats, several times slower on x86.
+
+    Args:
+        entries: synthetic groups (``stoa.bench.trainer._entries``).
+        policy: our Policy.
+        tokens: completion length.
+    """
+    import dataclasses
+
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for e in entries:
+            rec = e.record
+            lp = policy.group_logprobs(rec.prompt_tokens, [s.tokens for s in rec.samples], tokens).float().numpy()
+            samples = [dataclasses.replace(s, logprobs=lp[i, :len(s.tokens)].astype("float32"))
+                       for i, s in enumerate(rec.samples)]
+            out.append(dataclasses.replace(e, record=dataclasses.replace(rec, samples=samples)))
+    return out
+
+
+def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
+    """Our side in this (child) process: ``warmup + steps`` packed ``train_step``s on synthetic groups.
+
+    Args:
+        spec: :func:`child_spec`'s JSON.
+    """
+    import resource
+
+    import torch
+
+    from stoa.algorithms import AlgoConfig, get_algorithm
+    from stoa.bench.trainer import _entries
+    from stoa.trainer.policy import Policy
+    from stoa.trainer.step import train_step
+
+    torch.set_num_threads(spec["threads"])
+    device = torch.device("cpu")
+    policy = Policy(spec["model_dir"], device, **policy_kwargs(spec["dtype"]))
+    ref = Policy(spec["model_dir"], device, trainable=False, **policy_kwargs(spec["dtype"]))
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=spec["lr"])
+    algo = get_algorithm(AlgoConfig.from_dict({"name": "grpo", "kl_beta": spec["beta"],
+                                               "max_tokens": spec["tokens"]}), "torch")
+    rows = []
+    for r in range(spec["warmup"] + spec["steps"]):
+        entries = on_policy(_entries(spec["prompts"], spec["generations"], spec["prompt_tokens"], spec["tokens"],
+                                     policy.vocab_size, spec["seed"] + r), policy, spec["tokens"])
+        t0 = time.perf_counter()
+        train_step(policy, ref, opt, algo, entries, current_version=1, micro_batch=spec["micro_batch"],
+                   grad_clip=1.0, shared_prefix=False)
+        rows.append({"step_s": time.perf_counter() - t0,
+                     "tokens": float(spec["prompts"] * spec["generations"] * spec["tokens"])})
+    return {"rows": rows, "threads": torch.get_num_threads(),
+            "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+
+
+def run_child(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """Run one child to the end and return its RESULT.
+
+    Args:
+        cmd: the child's argv.
+        env: its environment.
+    """
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} {cmd[1]} failed (exit {proc.returncode}); its stderr ends: "
+                           f"{proc.stderr.strip()[-1500:]}")
+    return parse_result(proc.stdout)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Interleave our side and TRL's (``--repeats`` times each, every run a fresh process); print the table and,
+    last, the ratio line.
+
+    Args:
+        args: parsed ``stoa bench trainer`` flags (with ``--compare trl``).
+    """
+    from stoa.models import resolve_model
+
+    model_dir = resolve_model(args.model)
+    python = ensure_trl_venv()
+    spec = child_spec(args, model_dir)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
+    load = os.getloadavg()[0]
+    ours: list[dict[str, Any]] = []
+    theirs: list[dict[str, Any]] = []
+    for r in range(args.repeats):
+        for name, cmd, out in (("ours", ours_argv(spec), ours), ("TRL", trl_argv(python, spec), theirs)):
+            t0 = time.perf_counter()
+            out.append(run_child(cmd, env))
+            print(f"[bench] repeat {r + 1}/{args.repeats} {name}: {time.perf_counter() - t0:.0f}s", flush=True)
+    if args.out:
+        with Path(args.out).open("a") as f:
+            f.write(json.dumps({"bench": "trainer-vs-trl", "spec": spec, "ours": ours, "trl": theirs}) + "\n")
+    print(table(spec, summarize(ours, spec["warmup"], False), summarize(theirs, spec["warmup"], True),
+                theirs[0]["versions"], (load, os.getloadavg()[0])))
+    print(ratio_line(summarize(ours, spec["warmup"], False), summarize(theirs, spec["warmup"], True)))
+    return 0
+
+
+def table(spec: dict[str, Any], ours: Side, trl: Side, versions: dict[str, str], load: tuple[float, float]) -> str:
+    """The printed comparison: a settings line and a markdown table.
+
+    Args:
+        spec: the shape both sides ran.
+        ours: our side.
+        trl: TRL's side.
+        versions: TRL's venv versions.
+        load: the 1-minute load average before and after.
+    """
+    rows = spec["prompts"] * spec["generations"]
+    head = (f"{spec['prompts']} prompts x {spec['generations']} generations, ~{spec['prompt_tokens']}-token prompts + "
+            f"{spec['tokens']} new tokens, micro-batch {spec['micro_batch']} of {rows} rows, beta {spec['beta']}, "
+            f"full fine-tune, ours {spec['dtype']} / TRL fp32, CPU, {spec['threads']} threads; "
+            f"trl {versions['trl']}, transformers {versions['transformers']}, torch {versions['torch']}; "
+            f"load {load[0]:.1f} -> {load[1]:.1f}")
+    return "\n".join([
+        head, "| side | s/step | trained tok/s | peak RSS GB | generation s/step |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        f"| stoa train_step (packed) | {ours.step_s:.2f} | {ours.tokens_per_s:.0f} | {ours.peak_rss_gb:.2f} | - |",
+        f"| TRL GRPOTrainer without generation | {trl.step_s:.2f} | {trl.tokens_per_s:.0f} | {trl.peak_rss_gb:.2f} "
+        f"| {trl.gen_s:.2f} |",
+        f"| TRL GRPOTrainer whole step | {trl.full_step_s:.2f} | "
+        f"{trl.tokens_per_s * trl.step_s / trl.full_step_s:.0f} | {trl.peak_rss_gb:.2f} | {trl.gen_s:.2f} |"])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print("RESULT " + json.dumps(run_ours(json.loads(sys.argv[2]))), flush=True)
+        sys.exit(0)
+    sys.exit("usage: stoa bench trainer --compare trl [flags]")

@@ -1,0 +1,114 @@
+"""`stoa bench trainer --compare trl`: the ratio line, the children's RESULT parsing, their argv and the order they
+run in (the TRL venv is never created here: the children are replaced)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from stoa.bench import trl
+from stoa.bench.trainer import add_arguments
+
+RATIO = re.compile(r"^ratio_step=(\d+\.\d\d) ratio_mem=(\d+\.\d\d)$")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _ours(*step_s: float, rss_kb: int = 2_000_000) -> dict:
+    return {"rows": [{"step_s": s, "tokens": 4096.0} for s in step_s], "peak_rss_kb": rss_kb}
+
+
+def _trl(*steps: tuple[float, float], rss_kb: int = 4_000_000) -> dict:
+    return {"rows": [{"step_s": s, "gen_s": g, "train_s": s - g, "tokens": 4096.0, "prompt_tokens": 48.0}
+                     for s, g in steps], "peak_rss_kb": rss_kb, "versions": {"trl": "1", "transformers": "2",
+                                                                            "torch": "3"}}
+
+
+def test_ratio_line_divides_trl_without_generation_by_ours_and_our_rss_by_trls():
+    line = trl.ratio_line(trl.Side(2.0, 2048.0, 1.5), trl.Side(5.0, 819.2, 6.0, gen_s=9.0, full_step_s=14.0))
+    m = RATIO.match(line)
+    assert m is not None
+    assert (float(m[1]), float(m[2])) == (2.5, 0.25)
+
+
+def test_summarize_drops_warmup_takes_medians_and_trls_step_without_generation():
+    ours = trl.summarize([_ours(99.0, 2.0, 4.0, rss_kb=1_000_000), _ours(99.0, 3.0, rss_kb=3_000_000)], 1, False)
+    assert (ours.step_s, ours.tokens_per_s, ours.peak_rss_gb) == (3.0, 4096.0 / 3.0, 2.0)
+    theirs = trl.summarize([_trl((99.0, 50.0), (10.0, 6.0)), _trl((99.0, 50.0), (12.0, 6.0))], 1, True)
+    assert (theirs.step_s, theirs.gen_s, theirs.full_step_s, theirs.peak_rss_gb) == (5.0, 6.0, 11.0, 4.0)
+    assert theirs.tokens_per_s == 4096.0 / 5.0
+
+
+def test_parse_result_takes_the_last_result_line_among_noise():
+    out = 'loading\nRESULT {"a": 1}\n{"loss": 0.1}\nRESULT {"a": 2, "rows": []}\n'
+    assert trl.parse_result(out) == {"a": 2, "rows": []}
+    with pytest.raises(ValueError, match="no RESULT line"):
+        trl.parse_result("Traceback ...\n")
+
+
+def test_children_argv_and_the_spec_the_driver_reads():
+    args = _args("--compare", "trl", "--dtype", "bf16", "--threads", "3")
+    spec = trl.child_spec(args, Path("/m"))
+    assert (spec["prompts"], spec["generations"], spec["tokens"], spec["prompt_tokens"]) == (8, 8, 64, 48)
+    assert (spec["beta"], spec["threads"], spec["dtype"], spec["micro_batch"]) == (0.001, 3, "bf16", 16)
+    assert trl.child_spec(_args("--compare", "trl", "--kl-beta", "0.04"), Path("/m"))["beta"] == 0.04
+    argv = trl.trl_argv(Path("/v/bin/python"), spec)
+    assert argv[:2] == ["/v/bin/python", str(trl.TRL_DRIVER)] and json.loads(argv[2]) == spec
+    assert trl.ours_argv(spec)[:4] == [sys.executable, "-m", "stoa.bench.trl", "--child"]
+    # The driver runs in TRL's venv: it must compile, and read only keys the spec has.
+    source = trl.TRL_DRIVER.read_text()
+    compile(source, str(trl.TRL_DRIVER), "exec")
+    assert set(re.findall(r'spec\["(\w+)"\]', source)) <= set(spec)
+
+
+def test_main_interleaves_fresh_children_and_prints_the_ratio_line_last(monkeypatch, capsys, tmp_path):
+    calls: list[str] = []
+
+    def child(cmd: list[str], env: dict[str, str]) -> dict:
+        assert env["OMP_NUM_THREADS"] == "2"
+        calls.append("trl" if cmd[1] == str(trl.TRL_DRIVER) else "ours")
+        return _ours(99.0, 2.0) if calls[-1] == "ours" else _trl((99.0, 50.0), (14.0, 9.0))
+
+    monkeypatch.setattr(trl, "run_child", child)
+    monkeypatch.setattr(trl, "ensure_trl_venv", lambda: tmp_path / "python")
+    monkeypatch.setattr("stoa.models.resolve_model", lambda name: tmp_path)
+    assert trl.main(_args("--compare", "trl", "--repeats", "2")) == 0
+    assert calls == ["ours", "trl", "ours", "trl"]
+    m = RATIO.match(capsys.readouterr().out.splitlines()[-1])
+    assert m is not None and (float(m[1]), float(m[2])) == (2.5, 0.5)
+
+
+def test_venv_dir_changes_with_the_pins(monkeypatch, tmp_path):
+    monkeypatch.setenv("STOA_CACHE", str(tmp_path))
+    first = trl.trl_venv_dir()
+    monkeypatch.setattr(trl, "TRL_REQUIREMENTS", (*trl.TRL_REQUIREMENTS, "extra==1"))
+    assert first.parent == tmp_path / "venvs" and first.name.startswith("trl-") and trl.trl_venv_dir() != first
+
+
+def test_on_policy_sets_behaviour_logprobs_to_the_policys_own():
+    import numpy as np
+    import torch
+
+    from stoa.bench.trainer import _entries
+    from stoa.models import resolve_model
+    from stoa.trainer.policy import Policy
+
+    policy = Policy(resolve_model("tiny"), torch.device("cpu"))
+    raw = _entries(2, 3, 5, 4, policy.vocab_size, 0)
+    entries = trl.on_policy(raw, policy, 4)
+    assert [e.key for e in entries] == [e.key for e in raw]
+    for e in entries:
+        rec = e.record
+        want = policy.group_logprobs(rec.prompt_tokens, [s.tokens for s in rec.samples], 4).detach().numpy()
+        got = np.stack([s.logprobs for s in rec.samples])
+        assert got.dtype == np.float32 and np.abs(got - want).max() < 1e-6
+        assert not np.allclose(got, -2.0)
