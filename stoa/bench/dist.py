@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from stoa.bench.trainer import synthetic_entries
+
 PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
 """Dense bf16 peak TFLOP/s by device-name substring (SXM figures); others need ``--peak-tflops``."""
 
@@ -164,32 +166,6 @@ def mfu(params: int, model_tokens: int, step_s: float, peak_flops: float, world:
         world: devices.
     """
     return 6.0 * params * model_tokens / step_s / (peak_flops * world)
-
-
-def synthetic_entries(groups: int, n: int, prompt_tokens: int, tokens: int, vocab: int, seed: int) -> list:
-    """Pool entries of random prompts and completions (lag 0, logprob -2 per token, random rewards); the same
-    seed gives the same entries on every rank. (A copy of ``stoa.bench.trainer``'s private builder.)
-
-    Args:
-        groups: groups (records).
-        n: samples per group.
-        prompt_tokens: prompt length.
-        tokens: completion length.
-        vocab: token ids are drawn from [10, vocab).
-        seed: numpy seed.
-    """
-    from stoa.records import RolloutRecord, Sample
-    from stoa.trainer.pool import Entry
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for g in range(groups):
-        prompt = rng.integers(10, vocab, size=prompt_tokens).astype(np.int32)
-        samples = [Sample(rng.integers(10, vocab, size=tokens).astype(np.int32),
-                          np.full(tokens, -2.0, np.float32), float(rng.random()), "length") for _ in range(n)]
-        rec = RolloutRecord("bench", g, 1, "f", "bench", f"train:{g}", prompt, samples)
-        out.append(Entry(f"k{g}", rec, np.array([s.reward for s in samples], np.float32)))
-    return out
 
 
 def plane_digests(named: Mapping[str, np.ndarray]) -> dict[str, str]:

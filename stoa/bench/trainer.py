@@ -39,7 +39,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_compare_arguments(p)
 
 
-def _entries(groups: int, n: int, prompt_tokens: int, tokens: int, vocab: int, seed: int):
+def synthetic_entries(groups: int, n: int, prompt_tokens: int, tokens: int, vocab: int, seed: int) -> list:
+    """Random groups of the given shape (behaviour logprobs -2.0), as the pool would hand them to the step.
+
+    Args:
+        groups: groups.
+        n: samples per group.
+        prompt_tokens: prompt length.
+        tokens: completion length.
+        vocab: token ids are drawn below it.
+        seed: random seed.
+    """
     from stoa.records import RolloutRecord, Sample
     from stoa.trainer.pool import Entry
 
@@ -89,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         times = []
         for r in range(args.repeats + 1):  # the first step warms up and is not counted
-            entries = _entries(args.groups, args.n, args.prompt_tokens, args.tokens, policy.vocab_size, r)
+            entries = synthetic_entries(args.groups, args.n, args.prompt_tokens, args.tokens, policy.vocab_size, r)
             t0 = time.perf_counter()
             train_step(policy, ref, opt, algo, entries, current_version=1, micro_batch=args.micro_batch,
                        grad_clip=1.0, shared_prefix=(mode == "shared"))

@@ -188,7 +188,7 @@ def on_policy(entries: list[Any], policy: Any, tokens: int) -> list[Any]:
     gradients runs on denormal floats, several times slower on x86.
 
     Args:
-        entries: synthetic groups (``stoa.bench.trainer._entries``).
+        entries: synthetic groups (``stoa.bench.trainer.synthetic_entries``).
         policy: our Policy.
         tokens: completion length.
     """
@@ -218,7 +218,7 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from stoa.algorithms import AlgoConfig, get_algorithm
-    from stoa.bench.trainer import _entries
+    from stoa.bench.trainer import synthetic_entries
     from stoa.trainer.policy import Policy
     from stoa.trainer.step import train_step
 
@@ -231,8 +231,9 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
                                                "max_tokens": spec["tokens"]}), "torch")
     rows = []
     for r in range(spec["warmup"] + spec["steps"]):
-        entries = on_policy(_entries(spec["prompts"], spec["generations"], spec["prompt_tokens"], spec["tokens"],
-                                     policy.vocab_size, spec["seed"] + r), policy, spec["tokens"])
+        raw = synthetic_entries(spec["prompts"], spec["generations"], spec["prompt_tokens"], spec["tokens"],
+                                policy.vocab_size, spec["seed"] + r)
+        entries = on_policy(raw, policy, spec["tokens"])
         t0 = time.perf_counter()
         train_step(policy, ref, opt, algo, entries, current_version=1, micro_batch=spec["micro_batch"],
                    grad_clip=1.0, shared_prefix=False)

@@ -98,12 +98,12 @@ def test_on_policy_sets_behaviour_logprobs_to_the_policys_own():
     import numpy as np
     import torch
 
-    from stoa.bench.trainer import _entries
+    from stoa.bench.trainer import synthetic_entries
     from stoa.models import resolve_model
     from stoa.trainer.policy import Policy
 
     policy = Policy(resolve_model("tiny"), torch.device("cpu"))
-    raw = _entries(2, 3, 5, 4, policy.vocab_size, 0)
+    raw = synthetic_entries(2, 3, 5, 4, policy.vocab_size, 0)
     entries = trl.on_policy(raw, policy, 4)
     assert [e.key for e in entries] == [e.key for e in raw]
     for e in entries:
