@@ -15,6 +15,8 @@ from stoa.layout import checkpoint_files_prefix, logs_prefix, metrics_prefix, ru
 # Defaults sized for learning per minute on a 2-core CPU with SmolLM2-135M: 30 steps of ~10 s (bf16 trainer,
 # groups without signal skipped) reach held-out 0.68 from 0.13 in ~9 min (docs/speed.md); 12 steps reached 0.48.
 DEFAULTS = {"model": "smollm2-135m", "task": "arithmetic", "steps": 30, "workers": 2}
+SEARCH_STEPS = 12
+"""``--task search``'s default steps: multi-turn steps take minutes here (docs/search.md)."""
 PRESETS = {
     # Short completions and small batches: arithmetic answers need few tokens.
     "smollm2-135m": {"n_samples": 8, "groups_per_step": 4, "max_new_tokens": 16, "lr": 3e-6, "eval_n": 100,
@@ -43,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     """
     p = sub.add_parser("quickstart", help="run trainer + workers on a local bucket", description=__doc__)
     p.add_argument("--workers", type=int, default=DEFAULTS["workers"], help="worker processes [default: 2]")
-    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps [default: 12]")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps [default: {DEFAULTS['steps']}; {SEARCH_STEPS} with --task search]")
     p.add_argument("--model", default=DEFAULTS["model"], help="model name or path [default: smollm2-135m]")
     p.add_argument("--task", default=DEFAULTS["task"],
                    help="task spec, e.g. gsm8k or search (multi-turn: a search agent with a BM25 retriever) "
@@ -67,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise ConfigError("workers", "must be >= 1")
+    if args.steps is None:
+        args.steps = SEARCH_STEPS if args.task == "search" else DEFAULTS["steps"]
     if args.steps < 1:
         raise ConfigError("steps", "must be >= 1")
     run_id = args.run or time.strftime("quickstart-%Y%m%d-%H%M%S")
