@@ -8,16 +8,14 @@ inputs but never produced by the tokenizer), which is all a training-step benchm
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stoa.models.registry import _dir_lock
 from stoa.models.tiny import MARKER_FILE, tiny_config, tiny_weights
 
 RANDOM_LLAMA_VERSION = 1
@@ -52,18 +50,6 @@ def llama_param_count(config: dict[str, Any]) -> int:
     layer = attn + mlp + 2 * h  # two RMSNorms
     head = 0 if config.get("tie_word_embeddings", True) else vocab * h
     return vocab * h + config["num_hidden_layers"] * layer + h + head
-
-
-@contextlib.contextmanager
-def _locked(target: Path) -> Iterator[None]:
-    """An exclusive lock beside ``target``: concurrent builders (several ranks) wait for the first."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def _marker(name: str, seed: int) -> dict[str, Any]:
@@ -116,7 +102,7 @@ def ensure_random_llama(name: str, cache_dir: Path | None = None, seed: int = 0)
     if _ready(final, name, seed):
         return final
     tok = resolve_model("tiny", cache_dir)
-    with _locked(final):
+    with _dir_lock(final):
         if _ready(final, name, seed):
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
