@@ -161,8 +161,9 @@ def test_search_fleet_index_travels_by_fingerprint_and_records_replay(procs, tmp
     question = task.world.train[0]
     turns = [f"<search>{question.text}</search>", f"<answer>{question.golds[0]}</answer>"]
     t0 = time.time()
+    # The tiny random model never answers: its groups all score 0, so they are trained on, not skipped.
     rows, summary = run_fleet(procs, tmp_path, tiny_dir, "search", SEARCH, 2, "train:0", turns,
-                              _searcher_tools(tmp_path / "mine"), max_new_tokens=48)
+                              _searcher_tools(tmp_path / "mine"), max_new_tokens=48, skip_uniform_groups=False)
     assert_replayed_fleet(rows, tmp_path, "search")
     contract = RunContract.from_json(open_bucket(str(tmp_path / "bucket")).get(contract_key("search")))
     fp = contract.retriever["fingerprint"]
