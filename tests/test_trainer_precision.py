@@ -71,6 +71,17 @@ def test_bf16_logprobs_stay_close_to_fp32(tiny_dir):
     assert abs(float(torch.exp(d).mean()) - 1.0) < 2e-2  # on-policy ratios stay well inside the gate
 
 
+def test_a_bf16_reference_is_stored_in_bf16_and_scores_like_the_fp32_one(tiny_dir):
+    _, batch = packed_rows()
+    ref = Policy(tiny_dir, torch.device("cpu"), trainable=False, compute_dtype=torch.bfloat16)
+    assert {p.dtype for p in ref.model.parameters()} == {torch.bfloat16}  # half the memory of fp32 masters
+    trained = Policy(tiny_dir, torch.device("cpu"), compute_dtype=torch.bfloat16)
+    assert {p.dtype for p in trained.model.parameters()} == {torch.float32}  # masters stay fp32
+    fp32 = Policy(tiny_dir, torch.device("cpu"), trainable=False).logprobs(batch)
+    d = (ref.logprobs(batch).float() - fp32)[batch.mask > 0]
+    assert float(d.abs().mean()) < 2e-2 and abs(float(torch.exp(d).mean()) - 1.0) < 2e-2
+
+
 def test_micro_batches_equal_the_whole_batch_in_bf16(tiny_dir):
     def delta(micro_batch: int) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)

@@ -169,7 +169,8 @@ class Policy:
         dist: the trainer's ranks; with more than one the model is sharded (FSDP2) over them.
         compute_dtype: what the forward and backward compute in (default: fp32): bf16 autocasts the matmuls
             (sharded: the gathered parameters are bf16); master weights, optimizer state and the log-softmax stay
-            fp32.
+            fp32. An unsharded frozen policy (the reference) is stored in this dtype: it has no master weights to
+            keep, so bf16 halves its memory and skips the per-forward casts.
     """
 
     def __init__(self, model_dir: str | Path, device: torch.device, *, temperature: float = 1.0,
@@ -178,7 +179,8 @@ class Policy:
         from transformers import AutoModelForCausalLM
 
         self.device, self.temperature, self.dist = device, temperature, dist
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        stored = compute_dtype if not trainable and not dist.sharded else torch.float32
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=stored)
         self.model: Any = model.to(device)
         self.model.config.use_cache = False
         self.gradient_checkpointing = gradient_checkpointing
