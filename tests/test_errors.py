@@ -12,6 +12,10 @@ from stoa.cli import main
 
 FORMS = "a directory path, file://DIR, s3://BUCKET[/PREFIX] or r2://BUCKET[/PREFIX]"
 
+NAMES = ("tiny, tiny-qwen2, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3.5, tiny-qwen3.5-moe, tiny-lfm2, tiny-lfm2-moe, "
+         "smollm2-135m")
+"""The built-in model names as the errors list them."""
+
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     code = main(argv)
@@ -85,14 +89,14 @@ def test_worker_goes_on_once_the_trainer_creates_the_directory(tmp_path, monkeyp
 
 
 def test_unknown_model_lists_the_names_on_one_line(tmp_path, capsys) -> None:
-    known = ("use a built-in name (tiny, tiny-qwen2, smollm2-135m), a local model directory, or a hub id "
+    known = (f"use a built-in name ({NAMES}), a local model directory, or a hub id "
              "ORG/NAME")
     assert _run(["worker", "--bucket", str(tmp_path), "--model", "smollm"], capsys) == (
         2, f"stoa: unknown model 'smollm'; {known}\n")
     assert _run(["worker", "--bucket", str(tmp_path), "--model", "./models/x"], capsys) == (
         2, f"stoa: model directory './models/x' does not exist; {known}\n")
     assert _run(["model", "pull", "gpt-17"], capsys) == (
-        2, "stoa: unknown model 'gpt-17'; known models: tiny, tiny-qwen2, smollm2-135m\n")
+        2, f"stoa: unknown model 'gpt-17'; known models: {NAMES}\n")
 
 
 def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch, capsys) -> None:
@@ -213,7 +217,7 @@ def test_a_hub_failure_is_one_line_exit_11(monkeypatch, capsys) -> None:
     assert _run(argv, capsys) == (
         11, "stoa: cannot fetch model 'someorg/some-model' from the Hugging Face Hub (OSError: connection "
             "refused); if the hub is unreachable, download the model elsewhere and pass its local directory, "
-            "or use a built-in name: tiny, tiny-qwen2, smollm2-135m\n")
+            f"or use a built-in name: {NAMES}\n")
 
 
 def test_an_unreadable_or_binary_config_is_one_line(tmp_path, capsys) -> None:

@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     imp.add_argument("outdir", help="directory to create")
     imp.set_defaults(func=lambda a: _import(a))
     pull = msub.add_parser("pull", help="fetch and convert a known model into the cache (e.g. smollm2-135m)")
-    pull.add_argument("name", help="model name, e.g. smollm2-135m or tiny")
+    pull.add_argument("name", help="a built-in name: smollm2-135m, or a tiny random model per family: tiny (llama), "
+                                   "tiny-qwen2, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3.5, tiny-qwen3.5-moe, tiny-lfm2, "
+                                   "tiny-lfm2-moe")
     pull.set_defaults(func=lambda a: _pull(a))
 
 

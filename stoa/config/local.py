@@ -65,8 +65,8 @@ class LocalConfig(TrainingConfig):
     SECTION: ClassVar[str] = "local"
     ALIASES: ClassVar[Mapping[str, str]] = OLD_NAMES
 
-    model: str = setting("tiny", "Model: 'tiny', 'tiny-qwen2', 'smollm2-135m', a local HF directory or a "
-                                 "hub id.")
+    model: str = setting("tiny", "Model: a built-in name ('tiny', 'tiny-qwen3', 'tiny-lfm2-moe', 'smollm2-135m', ...; "
+                                 "see stoa model pull --help), a local HF directory or a hub id.")
     seed: int = setting(0, "Seed of LoRA initialisation, prompt order and sampling.")
     groups_per_step: int = setting(2, "Prompt groups sampled and trained on per optimizer step.")
     kl_beta: float | None = setting(None, "KL-to-reference weight; 0 skips the reference forward (default: "
