@@ -237,10 +237,11 @@ class TorchEngine:
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = DynamicCache(config=self.model.config)  # the config gives conv / linear-attention layers their kind
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: cache})
-        cache.batch_repeat_interleave(n)  # share the prompt's KV: one prefill per group, then n rows
+        # share the prompt's state: one prefill per group, then n rows (reorder_cache: every layer kind has it)
+        cache.reorder_cache(torch.arange(k, device=self.device).repeat_interleave(n))
         return DecodeBatch(active=list(range(k * n)), cache=cache, mask=mask.repeat_interleave(n, dim=0),
                            next_pos=pos[:, -1:].repeat_interleave(n, dim=0) + 1,
                            logits=out.logits[:, -1, :].float().repeat_interleave(n, dim=0))

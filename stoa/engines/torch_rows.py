@@ -41,18 +41,33 @@ class DecodeBatch:
             ``keep`` as an index tensor on the batch's device (to select the same rows elsewhere).
         """
         sel = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        self.cache.batch_select_indices(sel)
+        self.cache.reorder_cache(sel)  # conv / linear-attention layers have no batch_select_indices
         self.active = [self.active[i] for i in keep]
         self.mask, self.next_pos = self.mask[sel], self.next_pos[sel]
         return sel
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One layer's state of one row, outside any batch: attention keys/values without the left padding, and/or
+    the fixed-size states of a conv / linear-attention layer (hybrids: lfm2, qwen3.5), which have no length axis."""
+
+    keys: torch.Tensor | None
+    """[1, heads, length, head_dim] (attention layers), else None."""
+    values: torch.Tensor | None
+    """Same shape as ``keys``."""
+    conv: tuple[torch.Tensor | None, ...] = ()
+    """Per state index, the [1, channels, kernel] conv state (conv / linear-attention layers)."""
+    recurrent: tuple[torch.Tensor | None, ...] = ()
+    """Per state index, the recurrent state (gated-delta layers; None for lfm2's short convolutions)."""
 
 
 @dataclass
 class RowKV:
     """One paused row's cache, outside any batch."""
 
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per layer (keys, values), each [1, heads, length, head_dim], without padding."""
+    layers: list[LayerRow]
+    """Per layer, the row's state."""
     length: int
     """Tokens in the cache (the position of the token fed next)."""
     last: int
@@ -61,25 +76,59 @@ class RowKV:
     """[V] float32 logits after the last feed (None until fed)."""
 
 
-def _layer_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) of every layer of a ``DynamicCache`` (transformers >= 4.56 keeps them in ``layers``)."""
+def _linear_mixin() -> type | None:
+    """transformers' conv / linear-attention cache layer base (None before transformers 5 had hybrid caches)."""
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:
+        return None
+    return LinearAttentionCacheLayerMixin
+
+
+def _states(states: Mapping[int, Any], ready: Mapping[int, bool], rows: slice) -> tuple[torch.Tensor | None, ...]:
+    return tuple(states[s][rows].clone() if ready[s] else None for s in sorted(states))
+
+
+def _layer_rows(cache: Any, rows: slice, width: int, length: int) -> list[LayerRow]:
+    """Every layer's state of ``rows`` of a cache; keys and values keep their last ``length`` positions of ``width``."""
     layers = getattr(cache, "layers", None)
-    if layers is None:
-        return [(cache.key_cache[i], cache.value_cache[i]) for i in range(len(cache.key_cache))]
-    return [(layer.keys, layer.values) for layer in layers]
+    if layers is None:  # transformers < 4.56: key_cache / value_cache lists, attention only
+        return [LayerRow(k[rows, :, width - length:].clone(), v[rows, :, width - length:].clone())
+                for k, v in zip(cache.key_cache, cache.value_cache, strict=True)]
+    linear = _linear_mixin()
+    out = []
+    for layer in layers:
+        keys = values = None
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            keys, values = layer.keys[rows, :, width - length:].clone(), layer.values[rows, :, width - length:].clone()
+        conv: tuple[torch.Tensor | None, ...] = ()
+        rec: tuple[torch.Tensor | None, ...] = ()
+        if linear is not None and isinstance(layer, linear):
+            conv = _states(layer.conv_states, layer.is_conv_states_initialized, rows)
+            rec = _states(layer.recurrent_states, layer.is_recurrent_states_initialized, rows)
+        out.append(LayerRow(keys, values, conv, rec))
+    return out
 
 
-def make_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """A ``DynamicCache`` holding the given per-layer keys and values.
+def make_cache(config: Any, layers: Sequence[LayerRow]) -> Any:
+    """A ``DynamicCache`` (of the model's layer kinds) holding the given per-layer states, ready to decode on.
 
     Args:
-        layers: per layer (keys, values), each [batch, heads, length, head_dim].
+        config: the model's config (None: attention layers only).
+        layers: per layer, its state ([batch, ...] tensors).
     """
     from transformers import DynamicCache
 
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(layers):
-        cache.update(k, v, i)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    for i, layer in enumerate(layers):
+        if layer.keys is not None and layer.values is not None:
+            cache.update(layer.keys, layer.values, i)
+        for s, conv in enumerate(layer.conv):
+            if conv is not None:  # a first update stores the state as it is and marks the layer as having one
+                cache.layers[i].update_conv_state(conv, s, conv_kernel_size=conv.shape[-1])
+        for s, rec in enumerate(layer.recurrent):
+            if rec is not None:
+                cache.layers[i].update_recurrent_state(rec, s)
     return cache
 
 
@@ -94,13 +143,11 @@ def take_rows(batch: DecodeBatch, positions: Sequence[int], tokens: Sequence[int
     Returns:
         row number -> its cache.
     """
-    kv = _layer_kv(batch.cache)
     width = int(batch.mask.shape[1])
     out: dict[int, RowKV] = {}
     for i, tok in zip(positions, tokens, strict=True):
         length = int(batch.next_pos[i, 0])
-        layers = [(k[i:i + 1, :, width - length:].clone(), v[i:i + 1, :, width - length:].clone()) for k, v in kv]
-        out[batch.active[i]] = RowKV(layers, length, int(tok))
+        out[batch.active[i]] = RowKV(_layer_rows(batch.cache, slice(i, i + 1), width, length), length, int(tok))
     return out
 
 
@@ -113,22 +160,55 @@ def feed_row(model: Any, cache_kw: str, row: RowKV, ids: Sequence[int]) -> None:
         row: the row's cache; its layers, length and logits are updated.
         ids: the tokens to feed (the last sampled token, then the observation).
     """
-    cache = make_cache(row.layers)
-    dev = row.layers[0][0].device
+    config = getattr(model, "config", None)
+    cache = make_cache(config, row.layers)
+    dev = _device(row.layers)
     width = row.length + len(ids)
     inp = torch.tensor([list(ids)], dtype=torch.long, device=dev)
     pos = torch.arange(row.length, width, dtype=torch.long, device=dev)[None]
     mask = torch.ones((1, width), dtype=torch.long, device=dev)
     out = model(input_ids=inp, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                 **{cache_kw: cache})
-    row.layers, row.length, row.logits = _layer_kv(cache), width, out.logits[0, -1, :].float()
+    row.layers, row.length = _layer_rows(cache, slice(0, 1), width, width), width
+    row.logits = out.logits[0, -1, :].float()
 
 
-def merge_rows(rows: Mapping[int, RowKV]) -> DecodeBatch:
+def _device(layers: Sequence[LayerRow]) -> torch.device:
+    for layer in layers:
+        for t in (layer.keys, *layer.conv, *layer.recurrent):
+            if t is not None:
+                return t.device
+    raise ValueError("a row with no cached state: prefill it first")
+
+
+def _pad_left(t: torch.Tensor, pad: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, 0, pad, 0)) if pad else t
+
+
+def _cat(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if any(p is None for p in parts) else torch.cat(list(parts), dim=0)  # type: ignore[arg-type]
+
+
+def _merge_layer(parts: Sequence[LayerRow], pads: Sequence[int]) -> LayerRow:
+    """One layer of several rows as one batch: keys/values left-padded to one length, states stacked."""
+    keys = values = None
+    if parts[0].keys is not None:
+        keys = _cat([_pad_left(p.keys, pad) for p, pad in zip(parts, pads, strict=True)])  # type: ignore[arg-type]
+        values = _cat([_pad_left(p.values, pad) for p, pad in zip(parts, pads, strict=True)])  # type: ignore[arg-type]
+    conv = tuple(_cat([p.conv[s] for p in parts]) for s in range(len(parts[0].conv)))
+    rec = tuple(_cat([p.recurrent[s] for p in parts]) for s in range(len(parts[0].recurrent)))
+    return LayerRow(keys, values, conv, rec)
+
+
+def merge_rows(rows: Mapping[int, RowKV], config: Any = None) -> DecodeBatch:
     """One left-padded decoding batch from fed rows (row order), positions continuing each row's length.
+
+    Attention keys and values are left-padded (mask zeros); conv / recurrent states have no length axis and are
+    stacked as they are, so the padding never reaches them.
 
     Args:
         rows: row number -> its fed cache (``logits`` set).
+        config: the model's config, for the cache's layer kinds (None: attention layers only).
 
     Raises:
         ValueError: no rows, or a row was never fed.
@@ -137,26 +217,19 @@ def merge_rows(rows: Mapping[int, RowKV]) -> DecodeBatch:
         raise ValueError("merge_rows: no rows to merge")
     order = sorted(rows)
     width = max(rows[r].length for r in order)
-    first = rows[order[0]].layers[0][0]
-    mask = torch.zeros((len(order), width), dtype=torch.long, device=first.device)
-    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for li in range(len(rows[order[0]].layers)):
-        ks, vs = [], []
-        for r in order:
-            k, v = rows[r].layers[li]
-            pad = width - rows[r].length
-            ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
-            vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
-        layers.append((torch.cat(ks, dim=0), torch.cat(vs, dim=0)))
+    dev = _device(rows[order[0]].layers)
+    pads = [width - rows[r].length for r in order]
+    layers = [_merge_layer([rows[r].layers[li] for r in order], pads) for li in range(len(rows[order[0]].layers))]
+    mask = torch.zeros((len(order), width), dtype=torch.long, device=dev)
     logits = []
     for b, r in enumerate(order):
-        mask[b, width - rows[r].length:] = 1
+        mask[b, pads[b]:] = 1
         lg = rows[r].logits
         if lg is None:
             raise ValueError(f"merge_rows: row {r} was never fed; feed_row it first")
         logits.append(lg)
-    next_pos = torch.tensor([[rows[r].length] for r in order], dtype=torch.long, device=first.device)
-    return DecodeBatch(active=order, cache=make_cache(layers), mask=mask, next_pos=next_pos,
+    next_pos = torch.tensor([[rows[r].length] for r in order], dtype=torch.long, device=dev)
+    return DecodeBatch(active=order, cache=make_cache(config, layers), mask=mask, next_pos=next_pos,
                        logits=torch.stack(logits))
 
 
@@ -176,4 +249,4 @@ def resume_rows(model: Any, cache_kw: str, paused: Mapping[int, RowKV],
     rows = {r: paused[r] for r in fed}
     for r, obs in fed.items():
         feed_row(model, cache_kw, rows[r], [rows[r].last, *obs])
-    return merge_rows(rows) if rows else None
+    return merge_rows(rows, getattr(model, "config", None)) if rows else None

@@ -151,6 +151,40 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
+def prefix_cache(config: Any) -> Any:
+    """A ``DynamicCache`` for the shared-prefix forward that backward can run through, on every layer kind.
+
+    The config gives hybrids' conv / linear-attention layers their cache kind. transformers updates a
+    linear-attention layer's recurrent state in place (``copy_``, to keep a static address for cudagraphs), but the
+    completions' forward saves that state for backward (qwen3.5's gated delta rule multiplies by it), so backward
+    would fail on a modified tensor: here those layers keep each new state by assignment instead.
+
+    Args:
+        config: the model's config.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    try:
+        from transformers.cache_utils import LinearAttentionLayer
+    except ImportError:  # transformers without hybrid caches: nothing to replace
+        return cache
+
+    class AssigningLayer(LinearAttentionLayer):
+        """Keeps each recurrent state by assignment (autograd-safe) instead of ``copy_``."""
+
+        def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0,
+                                   **kwargs: Any) -> torch.Tensor:
+            self.recurrent_states[state_idx] = recurrent_states
+            self.is_recurrent_states_initialized[state_idx] = True
+            return recurrent_states
+
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is LinearAttentionLayer:
+            cache.layers[i] = AssigningLayer(number_of_states=layer.number_of_states)
+    return cache
+
+
 def _forward_params(module: torch.nn.Module) -> set[str]:
     import inspect
 
@@ -265,8 +299,6 @@ class Policy:
 
     def _group_score(self, lm: Any, *, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
                      mask: np.ndarray | None, hits: bool) -> Scores:
-        from transformers import DynamicCache
-
         dev, n, plen = self.device, len(completions), len(prompt)
         decoder = lm.get_decoder()
         head = lm.get_output_embeddings()
@@ -277,13 +309,14 @@ class Policy:
             real[i, : len(c)] = 1.0
         scored = real if mask is None else np.asarray(mask, np.float32) * real
         comp_t, real_t = torch.from_numpy(comp).to(dev), torch.from_numpy(real).to(dev)
-        kw = {"cache" if "cache" in _forward_params(decoder) else "past_key_values": DynamicCache()}
+        kw = {"cache" if "cache" in _forward_params(decoder) else "past_key_values": prefix_cache(lm.config)}
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.autocast):
             pre = decoder(input_ids=torch.from_numpy(np.asarray(prompt, np.int64))[None].to(dev), use_cache=True, **kw)
             cache = next(iter(kw.values()))
             h_last = pre.last_hidden_state[:, -1:, :].expand(n, -1, -1)
             if t_max > 1:
-                cache.batch_repeat_interleave(n)
+                # reorder_cache: every layer kind has it (linear-attention layers lack batch_repeat_interleave)
+                cache.reorder_cache(torch.zeros(n, dtype=torch.long, device=dev))
                 attn = torch.cat([torch.ones((n, plen), dtype=torch.long, device=dev), real_t[:, :-1].long()], dim=1)
                 pos = (plen + torch.arange(t_max - 1, device=dev)).expand(n, -1)
                 rest = decoder(input_ids=comp_t[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True, **kw)
