@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from stoa.engines.base import Completion, GenStats, RowLog
 from stoa.engines.episodes import Episode, EpisodeDriver
+from stoa.engines.mlx.caches import cache_arrays, check_cache_kinds
 from stoa.engines.mlx.episodes import Batch, Sampler, check_driver, run_rounds
 from stoa.engines.mlx.kv import compact, feed, merge_rows
 from stoa.engines.mlx.quantized import use_blas_for_quantized
@@ -68,18 +69,13 @@ class MLXEngine:
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto"):
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
         from mlx_lm.utils import load_model
 
         name = _dtype_name(dtype)
         model_dir = Path(model_dir)
         has_weights = any(model_dir.glob("model*.safetensors"))
         model, config = load_model(model_dir, lazy=True, strict=has_weights)
-        kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
-        if kinds:
-            kind = config.get("model_type")
-            raise ValueError(f"{kind!r} models use {', '.join(kinds)} caches; the MLX engine supports "
-                             "full-attention models (plain KVCache per layer), e.g. llama and qwen2")
+        check_cache_kinds(model, config.get("model_type"))
         model.set_dtype(DTYPES[name])
         model.eval()
         mx.eval(model.parameters())
@@ -103,7 +99,8 @@ class MLXEngine:
     def _setup(self, model: nn.Module, config: Mapping[str, Any], dtype_name: str) -> None:
         self.model: Any = model
         self.config: Mapping[str, Any] = config
-        self.vocab_size = int(config["vocab_size"])
+        text = config.get("text_config") or {}  # qwen3.5 nests the language model's fields
+        self.vocab_size = int(config.get("vocab_size") or text["vocab_size"])
         self.dtype_name = dtype_name
         self.dtype = DTYPES[dtype_name]
 
@@ -273,7 +270,7 @@ class MLXEngine:
         t0 = time.perf_counter()
         cache, logits = self._prefill_groups(prompts, n, share_prefix, stats)
         first = sample(logits, key)
-        mx.eval(first.tokens, first.logprobs, [c.state for c in cache])
+        mx.eval(first.tokens, first.logprobs, cache_arrays(cache))
         stats.prefill_s = time.perf_counter() - t0
         return cache, first
 

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from stoa.engines.base import GenStats
 from stoa.engines.episodes import EpisodeDriver
+from stoa.engines.mlx.caches import cache_arrays, snapshot
 from stoa.engines.mlx.kv import compact, feed, merge_rows, take_row
 from stoa.engines.mlx.sampling import Draw
 
@@ -67,6 +68,7 @@ def decode_round(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDrive
     cache, active, cur = batch
     paused: dict[int, PausedRow] = {}
     while True:
+        before = snapshot(cache)
         nxt = sample(model(cur.tokens[:, None], cache=cache)[:, -1, :], cur.key)
         mx.async_eval(nxt.tokens, nxt.logprobs)
         tokens = cast(list, cur.tokens.tolist())
@@ -77,7 +79,7 @@ def decode_round(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDrive
             waiting, kept = set(driver.paused), set(keep)
             for i, r in enumerate(active):
                 if i not in kept and r in waiting:
-                    paused[r] = PausedRow(take_row(cache, i, drop_last=1), int(tokens[i]))
+                    paused[r] = PausedRow(take_row(cache, i, drop_last=1, before=before), int(tokens[i]))
         if not keep:
             return paused, nxt.key
         if len(keep) < len(active):
@@ -118,7 +120,7 @@ def resume_batch(model: Any, paused: dict[int, PausedRow], observations: dict[in
     layers = len(paused[rows[0]].cache)
     cache = [merge_rows([paused[r].cache[layer] for r in rows]) for layer in range(layers)]
     first = sample(mx.concatenate(logits, axis=0), key)
-    mx.eval(first.tokens, first.logprobs, [c.state for c in cache])
+    mx.eval(first.tokens, first.logprobs, cache_arrays(cache))
     stats.extra["obs_prefill_s"] = stats.extra.get("obs_prefill_s", 0.0) + time.perf_counter() - t0
     return Batch(cache, rows, first)
 

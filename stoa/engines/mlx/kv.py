@@ -1,5 +1,9 @@
-"""The decode batch's KV cache: per-prompt caches merged into one left-padded batch, finished rows dropped,
-single rows taken out of the batch (a paused episode) and fed more tokens at batch 1."""
+"""The decode batch's cache: per-prompt caches merged into one left-padded batch, finished rows dropped,
+single rows taken out of the batch (a paused episode) and fed more tokens at batch 1.
+
+Attention layers hold KV (handled here); conv / linear-attention layers hold a fixed-size state
+(``stoa.engines.mlx.caches``, which says why a state needs no padding).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +12,25 @@ from typing import Any
 
 import mlx.core as mx
 
+from stoa.engines.mlx.caches import Snapshot, cache_arrays, is_state, merge_states, state_row
 from stoa.engines.mlx.sampling import Draw
 
 
 def merge_rows(caches: Sequence[Any], repeat: int = 1) -> Any:
-    """One ``BatchKVCache`` from ``KVCache``s (any batch and length each): left-padded, rows repeated.
+    """One batch cache for one layer from per-row caches (any batch each), rows repeated ``repeat`` times.
 
-    Merges per-prompt prefill caches, and the single-row caches of resumed episodes (``take_row``).
+    ``KVCache``s (any length each) become a left-padded ``BatchKVCache``; state caches (``ArraysCache``)
+    stack their rows (``caches.merge_states``). Merges per-prompt prefill caches, and the single-row caches
+    of resumed episodes (``take_row``).
 
     Args:
         caches: one cache for one layer each, in batch order.
         repeat: copies of each row (the group size n when one prefill is shared by the group).
     """
     from mlx_lm.models.cache import BatchKVCache
+
+    if is_state(caches[0]):
+        return merge_states(caches, repeat)
 
     width = max(c.offset for c in caches)
     keys, values, pad = [], [], []
@@ -44,10 +54,10 @@ def merge_rows(caches: Sequence[Any], repeat: int = 1) -> Any:
 
 
 def compact(cache: Sequence[Any], active: list[int], keep: list[int], nxt: Draw) -> tuple[list[int], Draw]:
-    """Drop finished rows from the batch, its KV cache and the step already queued.
+    """Drop finished rows from the batch, its cache (KV and state layers) and the step already queued.
 
     Args:
-        cache: the batch's per-layer ``BatchKVCache`` (filtered in place).
+        cache: the batch's per-layer ``BatchKVCache`` / ``ArraysCache`` (filtered in place).
         active: row numbers still decoding, in batch order.
         keep: batch positions of the rows that go on.
         nxt: the next step's draw (queued before this step was read).
@@ -61,24 +71,31 @@ def compact(cache: Sequence[Any], active: list[int], keep: list[int], nxt: Draw)
     return [active[i] for i in keep], Draw(nxt.tokens[idx], nxt.logprobs[idx], nxt.key)
 
 
-def take_row(cache: Sequence[Any], i: int, drop_last: int = 0) -> list[Any]:
-    """Row ``i`` of the batch's per-layer ``BatchKVCache`` as single-row ``KVCache``s, without its left padding.
+def take_row(cache: Sequence[Any], i: int, drop_last: int = 0, before: Snapshot | None = None) -> list[Any]:
+    """Row ``i`` of the batch's per-layer cache as single-row caches, without its left padding.
 
     The copies are queued for evaluation at once, so the batch's buffers are not kept alive by them.
 
     Args:
-        cache: the batch's per-layer ``BatchKVCache``.
+        cache: the batch's per-layer ``BatchKVCache`` / ``ArraysCache``.
         i: the row's batch position.
         drop_last: positions to leave out at the end (1: the token a queued decode step already fed).
+        before: state layers' arrays before that step (``caches.snapshot``); needed when ``drop_last`` is 1
+            and the model has state layers (a state cannot drop a token).
 
     Returns:
-        per layer, a ``KVCache`` with keys/values ``[1, H, L, D]`` and ``offset`` = L, the row's true length.
+        per layer, a ``KVCache`` with keys/values ``[1, H, L, D]`` and ``offset`` = L, the row's true length,
+        or a single-row ``ArraysCache``.
     """
     from mlx_lm.models.cache import KVCache
 
-    pad = int(cache[0].left_padding[i].item())
+    kv = [c for c in cache if not is_state(c)]
+    pad = int(kv[0].left_padding[i].item()) if kv else 0
     rows: list[Any] = []
-    for c in cache:
+    for layer, c in enumerate(cache):
+        if is_state(c):
+            rows.append(state_row(_state_before(c, layer, drop_last, before), i))
+            continue
         end = c._idx - drop_last
         if end < pad:
             raise ValueError(f"drop_last={drop_last}: row {i} holds only {c._idx - pad} positions")
@@ -87,8 +104,19 @@ def take_row(cache: Sequence[Any], i: int, drop_last: int = 0) -> list[Any]:
         row.values = mx.contiguous(c.values[i : i + 1, :, pad:end, :])
         row.offset = end - pad
         rows.append(row)
-    mx.async_eval([a for r in rows for a in (r.keys, r.values)])
+    mx.async_eval(cache_arrays(rows))
     return rows
+
+
+def _state_before(c: Any, layer: int, drop_last: int, before: Snapshot | None) -> list[Any]:
+    """A state layer's arrays ``drop_last`` tokens ago: now (0) or the snapshot's (1)."""
+    if drop_last == 0:
+        return c.cache
+    held = before[layer] if before is not None and drop_last == 1 else None
+    if held is None:
+        raise ValueError(f"drop_last={drop_last}: a state layer (conv / linear attention) can only give back "
+                         "the last token, from a snapshot made before that step (caches.snapshot)")
+    return held
 
 
 def feed(model: Any, cache: Sequence[Any], ids: Sequence[int] | mx.array, chunk: int) -> mx.array:
@@ -112,5 +140,5 @@ def feed(model: Any, cache: Sequence[Any], ids: Sequence[int] | mx.array, chunk:
         raise ValueError("ids: feed needs at least one token")
     for start in range(0, x.shape[1] - 1, chunk):
         model(x[:, start : min(start + chunk, x.shape[1] - 1)], cache=cache)
-        mx.eval([c.state for c in cache])
+        mx.eval(cache_arrays(cache))
     return model(x[:, -1:], cache=cache)[:, -1, :]
