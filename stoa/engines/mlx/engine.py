@@ -11,24 +11,20 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
 from stoa.engines.base import Completion, GenStats, RowLog
 from stoa.engines.episodes import Episode, EpisodeDriver
 from stoa.engines.mlx.caches import cache_arrays, check_cache_kinds
 from stoa.engines.mlx.episodes import Batch, Sampler, check_driver, run_rounds
 from stoa.engines.mlx.kv import compact, feed, merge_rows
-from stoa.engines.mlx.quantized import use_blas_for_quantized
+from stoa.engines.mlx.loading import QUANT_SUFFIXES, install, quant_prefix
 from stoa.engines.mlx.sampling import Draw, draw, make_key
 from stoa.engines.mlx_blas import warn_if_slow_blas
-from stoa.weights.planes import BITS, GROUP_SIZE, check_plane
+from stoa.weights.planes import check_plane
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 PREFILL_CHUNK = 2048
 """Prompt tokens per prefill forward (bounds the attention scores' memory on long prompts)."""
-_IGNORED_BUFFERS = ("rotary_emb.inv_freq",)
-"""Names a model's ``sanitize`` may drop without the state being wrong (recomputed buffers)."""
-_QUANT_SUFFIXES = (".scales", ".biases")
 
 
 def default_dtype() -> str:
@@ -124,7 +120,8 @@ class MLXEngine:
         bf16 plane: uint16 bits become ``bfloat16`` arrays (widened to float32 when the engine runs in
         fp32). int8g64 plane: ``<p>.weight`` (uint32 codes), ``<p>.scales`` and ``<p>.biases`` (bf16 bits)
         go into quantized layers (``nn.quantize(group_size=64, bits=8)``), the layout of ``mx.quantize``;
-        everything else is bf16 bits as above.
+        a fused 3-D expert tensor ``<p>.experts.gate_up_proj`` quantizes likewise, its scales named
+        ``<p>.experts.gate_up_proj.scales`` (``stoa.engines.mlx.loading``); everything else is bf16 bits.
 
         Args:
             state: tensor name (torch/HF ``named_parameters`` naming) -> stored bits.
@@ -138,13 +135,14 @@ class MLXEngine:
         arrays: dict[str, mx.array] = {}
         for name, a in state.items():
             a = np.asarray(a)
-            if plane == "int8g64" and name.endswith(".weight") and f"{name[:-7]}.scales" in state:
+            codes = not name.endswith(QUANT_SUFFIXES) and f"{quant_prefix(name)}.scales" in state
+            if plane == "int8g64" and codes:
                 if a.dtype != np.uint32:
                     raise ValueError(f"{name}: int8g64 codes must be uint32, got {a.dtype}")
                 arrays[name] = mx.array(a)
             elif a.dtype == np.uint16:
                 bits = mx.array(a).view(mx.bfloat16)
-                keep_bf16 = plane == "int8g64" and name.endswith(_QUANT_SUFFIXES)
+                keep_bf16 = plane == "int8g64" and name.endswith(QUANT_SUFFIXES)
                 arrays[name] = bits if keep_bf16 else bits.astype(self.dtype)
             else:
                 raise ValueError(f"{name}: dtype {a.dtype} is not stored bits of plane {plane!r} "
@@ -168,67 +166,9 @@ class MLXEngine:
             arrays[name] = mx.array(a.astype(np.float32, copy=False)).astype(self.dtype)
         self._install(arrays)
 
-    def _sanitize(self, arrays: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Map torch/HF names onto the model's with its ``sanitize``; a dropped real tensor is an error."""
-        if not hasattr(self.model, "sanitize"):
-            return arrays
-        out = self.model.sanitize(dict(arrays))
-        dropped = sorted(k for k in set(arrays) - set(out) if not k.endswith(_IGNORED_BUFFERS))
-        if dropped and not set(out) - set(arrays):
-            tied = " (the model ties its embeddings)" if "lm_head.weight" in dropped else ""
-            raise ValueError(f"unexpected tensor {dropped[0]!r}{tied}; unexpected: {dropped[:5]}")
-        return out
-
-    def _expected(self, quant: set[str]) -> tuple[dict[str, tuple[tuple[int, ...], str]], set[str]]:
-        """Shape and kind (``uint32`` or ``float``) of every tensor the model takes once the layers named in
-        ``quant`` are quantized, and which layers still have to be quantized."""
-        expected: dict[str, tuple[tuple[int, ...], str]] = {
-            k: (tuple(v.shape), "uint32" if v.dtype == mx.uint32 else "float")
-            for k, v in cast(list[tuple[str, mx.array]], tree_flatten(self.model.parameters()))
-        }
-        to_quantize: set[str] = set()
-        for path, module in self.model.named_modules():
-            is_q = isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
-            if path in quant and not is_q:
-                if not hasattr(module, "to_quantized"):
-                    raise ValueError(f"{path}.scales: layer {path!r} ({type(module).__name__}) cannot be "
-                                     "quantized")
-                rows, cols = module.weight.shape
-                if cols % GROUP_SIZE:
-                    raise ValueError(f"{path}.weight: input dimension {cols} is not a multiple of "
-                                     f"{GROUP_SIZE}")
-                expected[f"{path}.weight"] = ((rows, cols * BITS // 32), "uint32")
-                for suffix in _QUANT_SUFFIXES:
-                    expected[path + suffix] = ((rows, cols // GROUP_SIZE), "float")
-                to_quantize.add(path)
-            elif is_q and path not in quant:
-                raise ValueError(f"{path}.scales: missing; this engine already holds int8g64 layers "
-                                 "(build a new engine to load another plane)")
-        return expected, to_quantize
-
     def _install(self, arrays: dict[str, mx.array]) -> None:
-        """Check every name, shape and dtype against the model, then load all at once."""
-        arrays = self._sanitize(arrays)
-        quant = {k[: -len(".scales")] for k in arrays if k.endswith(".scales")}
-        expected, to_quantize = self._expected(quant)
-        missing = sorted(set(expected) - set(arrays))
-        extra = sorted(set(arrays) - set(expected))
-        if missing or extra:
-            first = f"missing tensor {missing[0]!r}" if missing else f"unexpected tensor {extra[0]!r}"
-            raise ValueError(f"weights do not match the model: {first}; missing={missing[:5]} "
-                             f"unexpected={extra[:5]}")
-        for name, (shape, kind) in expected.items():
-            a = arrays[name]
-            if tuple(a.shape) != shape:
-                raise ValueError(f"{name}: shape {tuple(a.shape)} != model {shape}")
-            if (a.dtype == mx.uint32) != (kind == "uint32"):
-                raise ValueError(f"{name}: dtype {a.dtype} does not fit the model's layer ({kind})")
-        if to_quantize:
-            nn.quantize(self.model, group_size=GROUP_SIZE, bits=BITS,
-                        class_predicate=lambda p, m: p in to_quantize)
-            use_blas_for_quantized(self.model)
-        self.model.load_weights(list(arrays.items()), strict=True)
-        mx.eval(self.model.parameters())
+        """Check every name, shape and dtype against the model, then load all at once (``loading.install``)."""
+        install(self.model, arrays)
 
     # -------------------------------------------------------------------------------------- generation
     def _prefill(self, prompt: Sequence[int], rows: int) -> tuple[list[Any], mx.array]:
