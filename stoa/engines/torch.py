@@ -237,7 +237,7 @@ class TorchEngine:
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)  # the config gives conv / linear-attention layers their kind
+        cache: Any = DynamicCache(config=self.model.config)  # the config: conv / linear-attention layer kinds
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: cache})
         # share the prompt's state: one prefill per group, then n rows (reorder_cache: every layer kind has it)

@@ -5,6 +5,10 @@ padding) and its last sampled token, which was never fed. At the round boundary 
 ``[last token] + observation`` at batch 1 on its own cache, with positions continuing the row's length,
 and the rows are merged into one left-padded ``DecodeBatch`` (mask zeros on the padding, explicit positions),
 so every row's positions stay contiguous: prompt, then every token, as the trainer's full forward sees them.
+
+Hybrids (lfm2's short convolutions, qwen3.5's gated-delta linear attention) also hold per-layer conv / recurrent
+states with no length axis: a row takes its own slice of them and rows are stacked back as they are, so left
+padding never reaches them (``LayerRow``).
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def make_cache(config: Any, layers: Sequence[LayerRow]) -> Any:
     """
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    cache: Any = DynamicCache(config=config) if config is not None else DynamicCache()
     for i, layer in enumerate(layers):
         if layer.keys is not None and layer.values is not None:
             cache.update(layer.keys, layer.values, i)
