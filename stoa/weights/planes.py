@@ -79,15 +79,34 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
 def is_quantized_name(name: str, shape: tuple[int, ...]) -> bool:
     """Whether the int8g64 plane quantizes this tensor.
 
-    The rule mirrors what ``mlx.nn.quantize`` does for Linear and Embedding layers: a 2-D tensor whose
-    name ends in ``.weight`` and whose input (last) dimension is a multiple of 64. Norm weights are 1-D
-    and biases do not end in ``.weight``, so both stay bf16.
+    The rule mirrors what ``mlx.nn.quantize`` does for Linear, Embedding and SwitchLinear layers: a 2-D
+    tensor whose name ends in ``.weight``, or a 3-D stacked-experts tensor ``[experts, out, in]`` (a name
+    with an ``experts`` or ``switch_mlp`` part, e.g. transformers' fused ``mlp.experts.gate_up_proj``),
+    whose input (last) dimension is a multiple of 64. Norm weights are 1-D, biases do not end in
+    ``.weight`` and convolution kernels ``[C, 1, K]`` are not expert tensors, so all of them stay bf16.
 
     Args:
         name: tensor name, e.g. ``model.layers.0.mlp.up_proj.weight``.
         shape: the tensor's shape.
     """
-    return name.endswith(".weight") and len(shape) == 2 and shape[1] % GROUP_SIZE == 0 and shape[1] > 0
+    if not shape or shape[-1] % GROUP_SIZE != 0 or shape[-1] == 0:
+        return False
+    if len(shape) == 2:
+        return name.endswith(".weight")
+    parts = name.split(".")
+    return len(shape) == 3 and ("experts" in parts or "switch_mlp" in parts)
+
+
+def quant_stem(name: str) -> str:
+    """The prefix a quantized tensor's ``.scales`` and ``.biases`` hang off.
+
+    ``<p>.weight`` gives ``<p>`` (mlx-lm's layout); a tensor without the ``.weight`` suffix, such as
+    transformers' fused ``mlp.experts.gate_up_proj``, keeps its whole name (``mlp.experts.gate_up_proj.scales``).
+
+    Args:
+        name: the quantized tensor's name.
+    """
+    return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
 def _as_bf16_bits(w: np.ndarray) -> np.ndarray:
@@ -99,25 +118,27 @@ def _as_bf16_bits(w: np.ndarray) -> np.ndarray:
 
 
 def quantize_int8g64(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Quantize a [out, in] matrix exactly like ``mx.quantize(mx.array(w, dtype=bfloat16), 64, 8)``.
+    """Quantize a [..., out, in] array exactly like ``mx.quantize(mx.array(w, dtype=bfloat16), 64, 8)``.
 
-    Reproduces MLX's affine quantizer bit for bit: per group of 64 along the input dimension, in float32,
-    scale = max((max - min) / 255, 1e-7), signed so that the edge with the larger magnitude maps to an
-    integer code exactly (scale = edge / rint(edge / scale), bias = edge) unless that code is 0 (then
+    Reproduces MLX's affine quantizer bit for bit: per group of 64 along the input (last) dimension, in
+    float32, scale = max((max - min) / 255, 1e-7), signed so that the edge with the larger magnitude maps
+    to an integer code exactly (scale = edge / rint(edge / scale), bias = edge) unless that code is 0 (then
     bias = 0); codes = clip(rint((w - bias) / scale), 0, 255), four per uint32, little end first;
-    scale and bias are rounded to bf16.
+    scale and bias are rounded to bf16. Leading dimensions are rows, as for MLX: a 3-D experts tensor
+    ``[E, out, in]`` gives the ``[E, out, in / 4]`` codes ``QuantizedSwitchLinear`` holds.
 
     Args:
-        w: float32 values (rounded to bf16 first, as MLX would) or uint16 bf16 bits, shape [out, in] with
-            in % 64 == 0. Values must be finite.
+        w: float32 values (rounded to bf16 first, as MLX would) or uint16 bf16 bits, shape [..., out, in]
+            (at least 2-D) with in % 64 == 0. Values must be finite.
 
     Returns:
-        (packed uint32 [out, in / 4], scales as bf16 bits uint16 [out, in / 64], biases likewise).
+        (packed uint32 [..., out, in / 4], scales as bf16 bits uint16 [..., out, in / 64], biases likewise).
     """
-    if w.ndim != 2 or w.shape[1] % GROUP_SIZE != 0:
-        raise ValueError(f"int8g64 needs a 2-D [out, in] matrix with in % 64 == 0, got shape {w.shape}")
-    bits = _as_bf16_bits(w)
-    out_dim, in_dim = bits.shape
+    if w.ndim < 2 or w.shape[-1] % GROUP_SIZE != 0 or w.shape[-1] == 0:
+        raise ValueError(f"int8g64 needs a [..., out, in] array with in % 64 == 0, got shape {w.shape}")
+    lead, in_dim = w.shape[:-1], w.shape[-1]
+    bits = _as_bf16_bits(w).reshape(-1, in_dim)
+    out_dim = bits.shape[0]
     packed = np.empty((out_dim, in_dim // 4), np.uint32)
     scales = np.empty((out_dim, in_dim // GROUP_SIZE), np.uint16)
     biases = np.empty_like(scales)
@@ -127,7 +148,7 @@ def quantize_int8g64(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         packed[r : r + rows] = p
         scales[r : r + rows] = s
         biases[r : r + rows] = b
-    return packed, scales, biases
+    return packed.reshape(*lead, -1), scales.reshape(*lead, -1), biases.reshape(*lead, -1)
 
 
 def _quantize_rows(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -163,27 +184,27 @@ def dequantize_int8g64(packed: np.ndarray, scales: np.ndarray, biases: np.ndarra
     """Dequantize like ``mx.dequantize(..., group_size=64, bits=8)`` with bf16 scales, as float32.
 
     MLX computes ``scale * code`` and then ``+ bias`` each rounded to bf16; the result is those bf16
-    values widened to float32.
+    values widened to float32. Leading dimensions (experts) are rows, as in :func:`quantize_int8g64`.
 
     Args:
-        packed: uint32 [out, in / 4] codes, four per word, little end first.
-        scales: uint16 bf16 bits [out, in / 64].
-        biases: uint16 bf16 bits [out, in / 64].
+        packed: uint32 [..., out, in / 4] codes, four per word, little end first.
+        scales: uint16 bf16 bits [..., out, in / 64].
+        biases: uint16 bf16 bits [..., out, in / 64].
     """
-    if packed.dtype != np.uint32 or packed.ndim != 2:
-        raise TypeError(f"expected 2-D uint32 packed codes, got {packed.dtype} {packed.shape}")
-    out_dim, words = packed.shape
+    if packed.dtype != np.uint32 or packed.ndim < 2:
+        raise TypeError(f"expected uint32 packed codes [..., out, in / 4], got {packed.dtype} {packed.shape}")
+    lead, words = packed.shape[:-1], packed.shape[-1]
     groups = words * 4 // GROUP_SIZE
-    if scales.shape != (out_dim, groups) or biases.shape != (out_dim, groups) or words * 4 % GROUP_SIZE:
+    if scales.shape != (*lead, groups) or biases.shape != (*lead, groups) or words * 4 % GROUP_SIZE:
         raise ValueError(f"scales/biases shape {scales.shape}/{biases.shape} do not fit codes {packed.shape}")
     codes = np.ascontiguousarray(packed).astype("<u4", copy=False).view(np.uint8)
-    codes = codes.reshape(out_dim, groups, GROUP_SIZE).astype(np.float32)
-    s = bf16_bits_to_f32(scales)[..., None]
-    b = bf16_bits_to_f32(biases)[..., None]
+    codes = codes.reshape(-1, groups, GROUP_SIZE).astype(np.float32)
+    s = bf16_bits_to_f32(np.ascontiguousarray(scales)).reshape(-1, groups)[..., None]
+    b = bf16_bits_to_f32(np.ascontiguousarray(biases)).reshape(-1, groups)[..., None]
     with np.errstate(over="ignore", invalid="ignore"):
         prod = bf16_bits_to_f32(f32_to_bf16_bits(codes * s))
         res = bf16_bits_to_f32(f32_to_bf16_bits(prod + b))
-    return res.reshape(out_dim, groups * GROUP_SIZE)
+    return res.reshape(*lead, groups * GROUP_SIZE)
 
 
 def state_from_f32(named: Mapping[str, np.ndarray], plane: str) -> State:
@@ -191,7 +212,8 @@ def state_from_f32(named: Mapping[str, np.ndarray], plane: str) -> State:
 
     bf16 plane: every tensor becomes uint16 bf16 bits (round to nearest even). int8g64 plane: tensors
     selected by :func:`is_quantized_name` become ``<p>.weight`` (uint32 packed codes), ``<p>.scales`` and
-    ``<p>.biases`` (bf16 bits), the layout of an mlx-lm quantized checkpoint; the rest stay bf16 bits.
+    ``<p>.biases`` (bf16 bits), the layout of an mlx-lm quantized checkpoint (a fused experts tensor
+    without ``.weight`` keeps its name for the codes: see :func:`quant_stem`); the rest stay bf16 bits.
 
     Args:
         named: tensor name -> float32 (or any float) array.
@@ -204,7 +226,9 @@ def state_from_f32(named: Mapping[str, np.ndarray], plane: str) -> State:
         if plane == "int8g64" and name.endswith(_QUANT_SUFFIXES):
             raise ValueError(f"tensor name {name!r} collides with the int8g64 scales/biases naming")
         if plane == "int8g64" and is_quantized_name(name, a.shape):
-            stem = name[: -len(".weight")]
+            stem = quant_stem(name)
+            if stem + ".scales" in state:
+                raise ValueError(f"tensors {name!r} and another both quantize to {stem + '.scales'!r}")
             packed, scales, biases = quantize_int8g64(np.asarray(a, dtype=np.float32))
             state[name] = packed
             state[stem + ".scales"] = scales
@@ -228,8 +252,8 @@ def state_to_f32(state: Mapping[str, np.ndarray], plane: str) -> dict[str, np.nd
             continue
         if arr.dtype == np.uint16:
             out[name] = bf16_bits_to_f32(arr)
-        elif plane == "int8g64" and arr.dtype == np.uint32 and name.endswith(".weight"):
-            stem = name[: -len(".weight")]
+        elif plane == "int8g64" and arr.dtype == np.uint32:
+            stem = quant_stem(name)
             try:
                 scales, biases = state[stem + ".scales"], state[stem + ".biases"]
             except KeyError as e:
