@@ -17,7 +17,8 @@ from stoa.engines.episodes import Episode, EpisodeDriver
 from stoa.engines.mlx.caches import cache_arrays, check_cache_kinds
 from stoa.engines.mlx.episodes import Batch, Sampler, check_driver, run_rounds
 from stoa.engines.mlx.kv import compact, feed, merge_rows
-from stoa.engines.mlx.loading import QUANT_SUFFIXES, install, quant_prefix
+from stoa.engines.mlx.loading import QUANT_SUFFIXES, cast_model, install, quant_prefix
+from stoa.engines.mlx.quantized import use_float32_gather
 from stoa.engines.mlx.sampling import Draw, draw, make_key
 from stoa.engines.mlx_blas import warn_if_slow_blas
 from stoa.weights.planes import check_plane
@@ -72,7 +73,8 @@ class MLXEngine:
         has_weights = any(model_dir.glob("model*.safetensors"))
         model, config = load_model(model_dir, lazy=True, strict=has_weights)
         check_cache_kinds(model, config.get("model_type"))
-        model.set_dtype(DTYPES[name])
+        cast_model(model, DTYPES[name])
+        use_float32_gather(model)
         model.eval()
         mx.eval(model.parameters())
         self._setup(model, config, name)
@@ -89,6 +91,7 @@ class MLXEngine:
                 and later loads.
         """
         self = cls.__new__(cls)
+        use_float32_gather(model)
         self._setup(model, config, _dtype_name(dtype))
         return self
 

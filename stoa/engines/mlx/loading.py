@@ -63,15 +63,24 @@ def unfuse_experts(arrays: dict[str, mx.array]) -> dict[str, mx.array]:
 
 def to_model_names(model: Any, arrays: dict[str, mx.array]) -> dict[str, mx.array]:
     """Map torch/HF names onto the model's (fused experts, then its ``sanitize``); a dropped real tensor is an
-    error."""
+    error.
+
+    ``sanitize`` renames and stacks ``.weight`` tensors only (lfm2's ``w1`` -> ``gate_proj``, per-expert
+    stacks), so int8g64 scales and biases go through it a second and third time, named as weights.
+    """
     arrays = unfuse_experts(arrays)
     if not hasattr(model, "sanitize"):
         return arrays
-    out = model.sanitize(dict(arrays))
-    dropped = sorted(k for k in set(arrays) - set(out) if not k.endswith(IGNORED_BUFFERS))
-    if dropped and not set(out) - set(arrays):
+    main = {k: v for k, v in arrays.items() if not k.endswith(QUANT_SUFFIXES)}
+    out = model.sanitize(dict(main))
+    dropped = sorted(k for k in set(main) - set(out) if not k.endswith(IGNORED_BUFFERS))
+    if dropped and not set(out) - set(main):
         tied = " (the model ties its embeddings)" if "lm_head.weight" in dropped else ""
         raise ValueError(f"unexpected tensor {dropped[0]!r}{tied}; unexpected: {dropped[:5]}")
+    for suffix in QUANT_SUFFIXES:
+        side = {f"{k[: -len(suffix)]}.weight": v for k, v in arrays.items() if k.endswith(suffix)}
+        if side:
+            out |= {f"{k.removesuffix('.weight')}{suffix}": v for k, v in model.sanitize(side).items()}
     return out
 
 
@@ -130,3 +139,12 @@ def install(model: Any, arrays: dict[str, mx.array]) -> None:
         use_blas_for_quantized(model)
     model.load_weights(list(arrays.items()), strict=len(arrays) == len(expected))
     mx.eval(model.parameters())
+
+
+def cast_model(model: Any, dtype: mx.Dtype) -> None:
+    """Cast the model's float parameters to ``dtype``, except those its ``cast_predicate`` keeps (qwen3.5's
+    ``A_log``, lfm2-moe's ``expert_bias`` stay float32, as mlx-lm's own conversion leaves them)."""
+    keep = getattr(model, "cast_predicate", lambda _: True)
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    model.load_weights([(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and keep(k) else v)
+                        for k, v in params], strict=False)

@@ -117,3 +117,45 @@ def use_blas_for_quantized(model: nn.Module) -> int:
             m.__class__ = BlasQuantizedEmbedding
             n += 1
     return n
+
+
+def _switch_linear_class() -> type:
+    """mlx-lm's ``SwitchLinear`` with a CPU product in float32 (built on first use: mlx-lm loads lazily)."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    class Float32SwitchLinear(SwitchLinear):
+        """MoE experts whose gathered product runs in float32: MLX's CPU ``gather_mm`` takes float32 only, so a
+        bf16 MoE fails on the CPU without this. Every call widens the layer's expert weights (one pass over
+        them); bf16 is not the CPU default (fp32 is), so this path serves checks, not throughput."""
+
+        def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+            w = self["weight"].swapaxes(-1, -2).astype(mx.float32)
+            y = mx.gather_mm(x.astype(mx.float32), w, rhs_indices=indices, sorted_indices=sorted_indices)
+            y = y.astype(x.dtype)
+            return y + mx.expand_dims(self["bias"][indices], -2) if "bias" in self else y
+
+    return Float32SwitchLinear
+
+
+_FLOAT32_SWITCH: list[type] = []
+
+
+def use_float32_gather(model: nn.Module) -> int:
+    """Switch the model's unquantized MoE experts to a float32 product when MLX computes on the CPU and they
+    are not float32 already (quantized experts use ``gather_qmm``, which takes any float dtype).
+
+    Returns:
+        how many expert layers were switched.
+    """
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return 0
+    if not _FLOAT32_SWITCH:
+        _FLOAT32_SWITCH.append(_switch_linear_class())
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) is SwitchLinear and m["weight"].dtype != mx.float32:
+            m.__class__ = _FLOAT32_SWITCH[0]
+            n += 1
+    return n
