@@ -109,7 +109,7 @@ def _episodes(engine: MLXEngine, codec, prompts, n: int, envs: list[TinyEnv], **
     return engine.generate_episodes(prompts, n, driver, **kw)
 
 
-@pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-qwen3.5"])
+@pytest.mark.parametrize("name", HYBRIDS)
 def test_hybrid_episodes_resume_paused_rows_exactly(family, name) -> None:
     # A paused row's conv / recurrent state is the snapshot from before the step that fed its last token
     # (a state cannot drop a token); it is fed again with the observation, like the KV layers.

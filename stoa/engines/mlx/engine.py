@@ -90,6 +90,7 @@ class MLXEngine:
             dtype: the dtype the model computes in (``auto``: the default for this machine), for reports
                 and later loads.
         """
+        check_cache_kinds(model, config.get("model_type"))
         self = cls.__new__(cls)
         use_float32_gather(model)
         self._setup(model, config, _dtype_name(dtype))
