@@ -1,4 +1,8 @@
-"""MLX generation engine: batched group sampling with a shared-prefix KV cache and exact logprobs."""
+"""MLX generation engine: batched group sampling with a shared-prefix cache and exact logprobs.
+
+Layers may hold attention KV or a fixed-size conv / linear-attention state (lfm2, qwen3.5): each prompt is
+prefilled once, its cache rows repeated per sample for every kind (``stoa.engines.mlx.caches``).
+"""
 
 from __future__ import annotations
 
@@ -176,7 +180,7 @@ class MLXEngine:
 
     # -------------------------------------------------------------------------------------- generation
     def _prefill(self, prompt: Sequence[int], rows: int) -> tuple[list[Any], mx.array]:
-        """Run one prompt through the model at batch ``rows``; return its per-layer KV caches and logits."""
+        """Run one prompt through the model at batch ``rows`` (no padding); return its per-layer caches and logits."""
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(self.model)
@@ -194,7 +198,7 @@ class MLXEngine:
             stats: receives ``extra["prompt_tokens"]``, the prompt tokens run through the model.
 
         Returns:
-            the per-layer ``BatchKVCache`` and the last-position logits of every row.
+            the per-layer ``BatchKVCache`` / ``ArraysCache`` and the last-position logits of every row.
         """
         per_prompt = [self._prefill(p, 1 if share_prefix else n) for p in prompts]
         mx.eval([lg for _, lg in per_prompt])

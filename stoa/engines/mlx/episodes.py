@@ -6,7 +6,8 @@ padding). At the round boundary ``EpisodeDriver.resume`` runs the tools of every
 each row that goes on is fed ``[its last sampled token] + observation tokens`` at batch 1 (``feed``),
 and the resumed rows' caches merge into one left-padded ``BatchKVCache`` for the next round. Every row's
 positions stay contiguous (prompt, then every token), so a full forward of prompt + episode recomputes the
-recorded logprobs.
+recorded logprobs. Conv / linear-attention layers cannot drop a token, so a paused row's state is the
+snapshot from before the step that fed its last token (``caches.snapshot``), fed again like the KV layers.
 """
 
 from __future__ import annotations
