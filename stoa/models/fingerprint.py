@@ -44,6 +44,30 @@ CONFIG_KEYS = (
     "num_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "num_dense_layers",
+    "routed_scaling_factor",
+    "use_expert_bias",
+    # Hybrid stacks: which layers attend, and the convolution / linear-attention state they carry instead.
+    "layer_types",
+    "full_attn_idxs",
+    "full_attention_interval",
+    "conv_L_cache",
+    "conv_bias",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_num_key_heads",
+    "linear_value_head_dim",
+    "linear_num_value_heads",
+    "norm_eps",
+    "block_dim",
+    "block_ff_dim",
+    "block_multiple_of",
+    "block_ffn_dim_multiplier",
+    "block_auto_adjust_ff_dim",
 )
 
 # Fields of tokenizer.json's "model" that change the id mapping (besides vocab and merges).
@@ -151,6 +175,8 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
         out.setdefault("num_key_value_heads", out["num_attention_heads"])
     if out.get("use_sliding_window") is False:  # the window size is then unused, and versions disagree on it
         out.pop("sliding_window", None)
+    if set(out.get("layer_types") or ()) <= {"full_attention"}:  # transformers 5 writes it for dense models too
+        out.pop("layer_types", None)
     out["rope"] = _canonical_rope(cfg)
     return _norm_number(out)
 
