@@ -70,3 +70,15 @@ def test_a_train_step_changes_every_weight_and_every_expert(model_dir: Path, che
             assert bool((delta.flatten(1).amax(1) > 0).all()), k
         else:
             assert float(delta.max()) > 0, k
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen3.5-moe"])
+def test_the_fp32_trainer_routes_every_token_as_the_worker_did(name: str, stoa_cache: Path):
+    """The drift bench's router hooks: fp32 trainer vs fp32 worker agree on every expert set and logprob; bf16
+    autocast flips some (the measurement sees what it is meant to)."""
+    from stoa.bench.families import family_report
+
+    r = family_report(name, groups=2, n=4, max_new=16, temperature=1.0, seed=0, mlx=False)
+    fp32, bf16 = r["fp32_vs_torch32"], r["bf16_vs_torch32"]
+    assert r["moe"] and fp32["route_flip"] == 0.0 and fp32["max_abs"] < 1e-5 and fp32["mean_ratio"] == pytest.approx(1)
+    assert bf16["route_flip"] > 0.0 and bf16["mean_abs"] > 1e-3
