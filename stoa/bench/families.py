@@ -237,18 +237,29 @@ def table(reports: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the drift report over the families; print the table (and JSON lines with ``--json``)."""
-    ap = argparse.ArgumentParser(prog="python -m stoa.bench.families", description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--models", default=",".join(FAMILIES), help="comma-separated model names or directories")
-    ap.add_argument("--groups", type=int, default=4, help="prompts per model")
-    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-mlx", action="store_true", help="skip the MLX worker")
-    ap.add_argument("--json", type=Path, default=None, help="append one JSON line per model to this file")
-    args = ap.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``stoa bench families``.
+
+    Args:
+        p: the subcommand's parser.
+    """
+    p.add_argument("--models", default=",".join(FAMILIES),
+                   help=f"comma-separated model names or directories [default: {','.join(FAMILIES)}]")
+    p.add_argument("--groups", type=int, default=4, help="prompts per model [default: 4]")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt [default: 4]")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens sampled per row [default: 32]")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature [default: 1.0]")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed [default: 0]")
+    p.add_argument("--no-mlx", action="store_true", help="skip the MLX worker")
+    p.add_argument("--json", type=Path, default=None, help="append one JSON line per model to this file")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the drift report over the families; print the table (and JSON lines with ``--json``).
+
+    Args:
+        args: parsed flags (see ``add_arguments``).
+    """
     reports = []
     for name in [m for m in args.models.split(",") if m]:
         r = family_report(name, groups=args.groups, n=args.n, max_new=args.max_new_tokens,
@@ -263,4 +274,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _parser = argparse.ArgumentParser(prog="python -m stoa.bench.families")
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
