@@ -116,6 +116,21 @@ def sample_step(logits: torch.Tensor, temperature: float, top_p: float, greedy: 
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a published weight state holds: the parameters (tied ones once) and the floating-point buffers the
+    checkpoint stores (lfm2-moe's ``expert_bias``: never trained, yet it chooses the experts, so a worker that
+    built the model from config alone must receive it).
+
+    Args:
+        model: a transformers model.
+    """
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
+    saved = set(model.state_dict())
+    params = {k for k, _ in model.named_parameters(remove_duplicate=False)}
+    out.update({k: b for k, b in model.named_buffers() if k in saved and k not in params and b.is_floating_point()})
+    return out
+
+
 class TorchEngine:
     """Samples groups of completions from an HF causal LM (float32, or bf16: see ``resolve_dtype``).
 
@@ -200,7 +215,7 @@ class TorchEngine:
         self.load_weights(state_to_f32(state, plane))
 
     def load_weights(self, named: Mapping[str, np.ndarray]) -> None:
-        """Copy float32 arrays into the model's parameters (names as in ``named_parameters``).
+        """Copy float32 arrays into the model's parameters and persistent buffers (``model_tensors``).
 
         Args:
             named: parameter name -> float32 array of the parameter's shape.
@@ -208,7 +223,7 @@ class TorchEngine:
         Raises:
             ValueError: on a missing, unexpected or misshaped tensor (never loads partially).
         """
-        params = dict(self.model.named_parameters())
+        params = model_tensors(self.model)
         missing = sorted(set(params) - set(named))
         extra = sorted(set(named) - set(params))
         if missing or extra:

@@ -145,7 +145,7 @@ def shard(root: torch.nn.Module, blocks: Sequence[torch.nn.Module], dist: Dist, 
             m.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
 
 
-def full_arrays(named: dict[str, torch.nn.Parameter], dist: Dist) -> dict[str, np.ndarray]:
+def full_arrays(named: dict[str, torch.Tensor], dist: Dist) -> dict[str, np.ndarray]:
     """The full parameters as float32 arrays on rank 0 (``{}`` on other ranks); every rank must call it.
 
     Sharded parameters are all-gathered one at a time, so no rank ever holds more than one full tensor beyond
@@ -163,8 +163,9 @@ def full_arrays(named: dict[str, torch.nn.Parameter], dist: Dist) -> dict[str, n
     return out
 
 
-def load_full(named: dict[str, torch.nn.Parameter], arrays: dict[str, np.ndarray] | None, dist: Dist) -> None:
-    """Overwrite every parameter from rank 0's full float32 arrays (other ranks pass None); every rank calls it.
+def load_full(named: dict[str, torch.Tensor], arrays: dict[str, np.ndarray] | None, dist: Dist) -> None:
+    """Overwrite every parameter (and buffer) from rank 0's full float32 arrays (other ranks pass None); every rank
+    calls it.
 
     Args:
         named: the parameters by name.
@@ -184,7 +185,9 @@ def load_full(named: dict[str, torch.nn.Parameter], arrays: dict[str, np.ndarray
                 continue
             from torch.distributed.tensor import DTensor, distribute_tensor
 
-            assert isinstance(p, DTensor)
+            if not isinstance(p, DTensor):  # a buffer FSDP2 leaves whole on every rank (a small one)
+                p.copy_(torch.from_numpy(dist.broadcast(arrays[name] if arrays is not None else None)).to(p.device))
+                continue
             full = (torch.from_numpy(arrays[name]) if arrays is not None
                     else torch.empty(p.shape, dtype=torch.float32)).to(p.device, p.dtype)
             p.to_local().copy_(distribute_tensor(full, dist.mesh, p.placements, src_data_rank=0).to_local())

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from stoa.engines.torch import model_tensors
 from stoa.trainer.dist import SINGLE, Dist, full_arrays, load_full, shard
 
 
@@ -185,6 +186,15 @@ def prefix_cache(config: Any) -> Any:
     return cache
 
 
+def _round_buffers_to_bf16(model: torch.nn.Module, names: Sequence[str]) -> None:
+    """Round the published buffers (never trained) to bf16 values once: both planes carry them as bf16 bits, so
+    the trainer then computes with exactly what the workers load (lfm2-moe's expert bias picks the experts)."""
+    with torch.no_grad():
+        for name in names:
+            b = model.get_buffer(name)
+            b.copy_(b.to(torch.bfloat16).to(b.dtype))
+
+
 def _forward_params(module: torch.nn.Module) -> set[str]:
     import inspect
 
@@ -223,6 +233,8 @@ class Policy:
         self.model.train(trainable)
         for p in self.model.parameters():
             p.requires_grad_(trainable)
+        self.buffer_names = sorted(set(model_tensors(self.model)) - set(dict(self.model.named_parameters())))
+        _round_buffers_to_bf16(self.model, self.buffer_names)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.root = _Root(self.model)
         self.compute_dtype = compute_dtype
@@ -234,6 +246,10 @@ class Policy:
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """Trainable parameters by name (tied weights appear once)."""
         return dict(self.model.named_parameters())
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """What the published weights hold: the parameters, then the checkpoint's buffers (``buffer_names``)."""
+        return {**self.named_parameters(), **{k: self.model.get_buffer(k) for k in self.buffer_names}}
 
     def logprobs(self, batch: Packed) -> torch.Tensor:
         """Log-probabilities [B, T] of each token after the prompt under the temperature-scaled policy, 0 off
@@ -332,7 +348,7 @@ class Policy:
         On CPU the arrays share memory with the live parameters: consume them (e.g. with
         ``state_from_f32``) before the next optimizer step, or copy them.
         """
-        return full_arrays(self.named_parameters(), self.dist)
+        return full_arrays(self.named_tensors(), self.dist)
 
     def load_f32(self, named: dict[str, np.ndarray] | None) -> None:
         """Overwrite the parameters from float32 arrays (e.g. when resuming); every rank calls it, rank 0 with
@@ -344,4 +360,4 @@ class Policy:
         Raises:
             ValueError: the names are not the model's parameters.
         """
-        load_full(self.named_parameters(), named, self.dist)
+        load_full(self.named_tensors(), named, self.dist)

@@ -82,3 +82,30 @@ def test_the_fp32_trainer_routes_every_token_as_the_worker_did(name: str, stoa_c
     fp32, bf16 = r["fp32_vs_torch32"], r["bf16_vs_torch32"]
     assert r["moe"] and fp32["route_flip"] == 0.0 and fp32["max_abs"] < 1e-5 and fp32["mean_ratio"] == pytest.approx(1)
     assert bf16["route_flip"] > 0.0 and bf16["mean_abs"] > 1e-3
+
+
+def test_the_published_state_carries_the_expert_bias_a_config_only_worker_needs(stoa_cache: Path, tmp_path: Path):
+    """lfm2-moe's expert bias is a buffer, never trained, yet it picks the experts: a worker that builds the model
+    from config.json alone (the bucket's model files) gets it only through the published state."""
+    import shutil
+
+    from stoa.engines.torch import TorchEngine
+    from stoa.models import resolve_model
+    from stoa.weights.planes import state_from_f32
+
+    src = resolve_model("tiny-lfm2-moe", cache_dir=stoa_cache)
+    pol = Policy(src, CPU, trainable=False)
+    f32 = pol.export_f32()
+    names = [k for k in f32 if k.endswith("expert_bias")]
+    assert names and names == pol.buffer_names and all(np.abs(f32[k]).max() > 0 for k in names)
+    for k in names:  # rounded to bf16 once, so the bf16 bits the planes carry are exactly the trainer's values
+        assert np.array_equal(f32[k], torch.from_numpy(f32[k]).bfloat16().float().numpy())
+    config_only = tmp_path / "model"
+    config_only.mkdir()
+    for f in src.iterdir():
+        if f.suffix in (".json", ".jinja", ".txt"):
+            shutil.copy(f, config_only / f.name)
+    eng = TorchEngine(config_only, dtype="float32")
+    eng.load_state(state_from_f32(f32, "bf16"), "bf16")
+    for k in names:
+        assert torch.equal(eng.model.get_buffer(k), pol.model.get_buffer(k))
