@@ -79,6 +79,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from stoa.algorithms import AlgoConfig, get_algorithm
+    from stoa.bench.trl import on_policy, policy_kwargs
     from stoa.engines.torch import resolve_device
     from stoa.models import resolve_model
     from stoa.trainer.policy import Policy
@@ -86,20 +87,22 @@ def main(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     model_dir = resolve_model(args.model)
-    policy = Policy(model_dir, device, gradient_checkpointing=args.gradient_checkpointing)
-    ref = Policy(model_dir, device, trainable=False) if args.kl_beta > 0 else None
+    dtype = policy_kwargs(args.dtype)
+    policy = Policy(model_dir, device, gradient_checkpointing=args.gradient_checkpointing, **dtype)
+    ref = Policy(model_dir, device, trainable=False, **dtype) if args.kl_beta > 0 else None
     opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-6)
     algo = get_algorithm(AlgoConfig.from_dict({"name": args.algorithm, "kl_beta": args.kl_beta,
                                                "max_tokens": args.tokens}), "torch")
     tokens_per_step = args.groups * args.n * args.tokens
     print(f"model {args.model} on {device}, {args.groups} groups x {args.n} samples, prompt {args.prompt_tokens} "
           f"+ completion {args.tokens} tokens ({tokens_per_step} trained tokens/step), "
-          f"threads {torch.get_num_threads()}")
+          f"threads {torch.get_num_threads()}, compute {args.dtype}")
     rows = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         times = []
         for r in range(args.repeats + 1):  # the first step warms up and is not counted
-            entries = synthetic_entries(args.groups, args.n, args.prompt_tokens, args.tokens, policy.vocab_size, r)
+            raw = synthetic_entries(args.groups, args.n, args.prompt_tokens, args.tokens, policy.vocab_size, r)
+            entries = on_policy(raw, policy, args.tokens)  # made-up logprobs clip every ratio: denormal AdamW
             t0 = time.perf_counter()
             train_step(policy, ref, opt, algo, entries, current_version=1, micro_batch=args.micro_batch,
                        grad_clip=1.0, shared_prefix=(mode == "shared"))
@@ -108,7 +111,8 @@ def main(args: argparse.Namespace) -> int:
             if r:
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
-        row = {"bench": "trainer", "mode": mode, "model": args.model, "groups": args.groups, "n": args.n,
+        row = {"bench": "trainer", "mode": mode, "model": args.model, "dtype": args.dtype, "groups": args.groups,
+               "n": args.n,
                "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "step_s_median": med,
                "step_s_min": min(times), "step_s_max": max(times), "tokens_per_s": tokens_per_step / med,
                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
@@ -156,10 +160,11 @@ def preflight(args: argparse.Namespace) -> int:
             cmd = [sys.executable, "-m", "stoa", "bench", "trainer", "--model", args.model, "--groups",
                    str(args.groups), "--n", str(args.n), "--prompt-tokens", str(args.prompt_tokens), "--tokens",
                    str(args.tokens), "--modes", "packed", "--repeats", "1", "--micro-batch", str(micro),
-                   "--kl-beta", str(kl), "--device", args.device, "--out", str(out)]
+                   "--kl-beta", str(kl), "--device", args.device, "--dtype", args.dtype, "--out", str(out)]
             subprocess.run(cmd + (["--gradient-checkpointing"] if ckpt else []), check=True, capture_output=True)
             row = json.loads(out.read_text().splitlines()[-1])
-        work = Workload(min(micro, rows), args.prompt_tokens, args.tokens, ckpt, kl > 0, 1, cuda)
+        work = Workload(min(micro, rows), args.prompt_tokens, args.tokens, ckpt, kl > 0, 1, cuda,
+                        bf16=args.dtype == "bf16")
         est = estimate_peak(shape, work)
         measured = row["peak_cuda_gb"] or row["peak_rss_gb"]
         print(f"{micro:5d} {ckpt!s:>5} {kl:5.2f} {measured:12.2f} {est.total:13.2f}  {est.describe()}")

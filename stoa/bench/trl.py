@@ -85,7 +85,7 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                    help="trl: our packed train_step vs TRL's GRPOTrainer (own venv), interleaved per --repeats; "
                         f"--kl-beta 0 compares at {DEFAULT_BETA}")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
-                   help="--compare: our Policy's compute dtype (TRL stays fp32) [default: fp32]")
+                   help="our Policy's compute dtype (with --compare: TRL stays fp32) [default: fp32]")
     p.add_argument("--threads", type=int, default=2, help="--compare: torch threads on both sides [default: 2]")
     p.add_argument("--steps", type=int, default=1,
                    help="--compare: timed steps per process, after one warm-up step [default: 1]")

@@ -191,7 +191,7 @@ def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline
     completion = int(limits.max_total_tokens) if limits is not None else cfg.max_new_tokens
     prompt = _prompt_length(task, model_dir, prompt_tokens)
     cuda = memory.is_cuda(cfg.device)
-    base = memory.workload(cfg, prompt.tokens, completion, world, cuda)
+    base = memory.workload(cfg, prompt.tokens, completion, world, cuda, memory.computes_bf16(cfg.dtype, cuda))
     budget = memory.device_budget(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
     return memory.check_fit(cfg, shape, base, budget, max_world=max(world, _devices(cuda)))
 

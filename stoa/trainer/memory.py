@@ -1,40 +1,44 @@
 """Memory preflight of the trainer: the estimated peak memory PER RANK, from config.json, before any weight loads.
 
-The parts (``estimate_peak``; P parameters, W ranks, b rows per micro-batch, S = prompt + completion tokens):
+The parts (``estimate_peak``; P parameters, W ranks, b rows per micro-batch, S = prompt + completion tokens;
+the compute dtype is the ``dtype`` setting's, bf16 by default on CUDA and on CPUs with native bf16):
 
 - parameters: fp32 master weights sharded 1/W (FSDP2), plus what compute holds unsharded: with W > 1 the
   all-gathered root (embedding, LM head), the block that computes and the next one (prefetch) in the compute
-  dtype (bf16 on CUDA, fp32 on CPU); with W = 1 on CUDA autocast's bf16 copy of every weight (kept for
-  backward); nothing more on CPU at W = 1. Loading (a full fp32 copy per rank before sharding) is not the peak.
+  dtype; with W = 1 in bf16 autocast's bf16 copy of every weight (kept for backward); nothing more in fp32 at
+  W = 1. Loading (a full fp32 copy per rank before sharding) is not the peak.
 - gradients: fp32, sharded (P x 4 / W); optimizer: AdamW's two fp32 moments, sharded (P x 8 / W).
-- activations: per layer b x S x (ACT_H x hidden + ACT_I x intermediate + ACT_ATTN x heads x S) values in the
-  activation dtype (bf16 on CUDA, fp32 on CPU), times ACT_SCALE; with gradient checkpointing the block inputs
-  (layers x b x S x hidden) plus one block's.
-- logits: the LM head runs only on the completion positions: b x T x vocab x 4 bytes, LOGIT_COPIES (2) of
-  them: logits and log-softmax.
-- reference: the frozen reference policy's weights (fp32, sharded) when kl_beta > 0; its forward keeps no
-  activations.
+- activations: per layer b x S x (ACT_H x hidden + ACT_I x intermediate + ACT_ATTN x heads x S) values of 4
+  bytes (fp32), 3 (bf16 autocast, one rank: it keeps fp32 inputs next to bf16 copies) or 2 (bf16, sharded),
+  times ACT_SCALE; with gradient checkpointing the block inputs (layers x b x S x hidden) plus CKPT_LAYERS
+  blocks' worth.
+- logits: the LM head runs only on the completion positions, at most ``LOGITS_CHUNK_ELEMENTS`` of them at once
+  (``stoa.trainer.policy``): min(b x T x vocab, chunk) x 4 bytes, LOGIT_COPIES (2) of them: logits and
+  log-softmax.
+- reference: the frozen reference policy's weights when kl_beta > 0: sharded fp32 with W > 1, stored in the
+  compute dtype at W = 1; its forward keeps no activations.
 - overhead: interpreter, torch, transformers, tokenizer (CPU: the tiny model's measured peak); the CUDA context
   and workspaces on CUDA (not measured); plus STEP_BYTES_PER_PARAM x P / W for the optimizer step's temporaries
   and the heap glibc keeps after them (measured: one fp32 copy of the weights).
 
-Calibration (docs/memory.md): peak RSS of a fresh ``stoa bench trainer`` process (packed micro-batches, 16 rows
-except the 128-token rows: 8) on this project's 2-core Linux CPU box, torch 2.13, fp32; fitted on the first
-three SmolLM2 rows and the tiny model, the rest held out:
+Calibration (docs/memory.md): peak RSS of a fresh ``stoa bench trainer`` process (SmolLM2-135M, 64 rows of
+48 + 64 tokens, packed micro-batches, on-policy logprobs) on this project's 2-core Linux CPU box, torch 2.13;
+ACT_SCALE, the autocast activation bytes and CKPT_LAYERS fitted on these rows:
 
-============  =====  =========  ====  ===  ===========  ============  =====
-model         micro  tokens     ckpt  KL   measured GB  estimate GB   error
-============  =====  =========  ====  ===  ===========  ============  =====
-smollm2-135m  16     48 + 64    no    no   5.71         5.82          +2%
-smollm2-135m  4      48 + 64    no    no   3.79         3.77          -0%
-smollm2-135m  16     48 + 64    yes   no   3.58         3.66          +2%
-smollm2-135m  16     48 + 64    no    yes  6.18         6.36          +3%
-smollm2-135m  8      128 + 128  no    no   5.92         6.60          +11%
-smollm2-135m  8      128 + 128  yes   yes  4.24         4.23          -0%
-tiny          16     48 + 64    no    no   0.41         0.43          +4%
-============  =====  =========  ====  ===  ===========  ============  =====
+============  =====  =====  ====  ===  ===========  ============  =====
+model         dtype  micro  ckpt  KL   measured GB  estimate GB   error
+============  =====  =====  ====  ===  ===========  ============  =====
+smollm2-135m  fp32   16     no    no   6.70         6.71          +0%
+smollm2-135m  fp32   4      no    no   3.83         4.06          +6%
+smollm2-135m  fp32   16     yes   no   4.32         4.05          -6%
+smollm2-135m  fp32   16     no    yes  7.31         7.25          -1%
+smollm2-135m  bf16   16     no    no   5.91         6.11          +3%
+smollm2-135m  bf16   4      no    no   3.71         4.11          +11%
+smollm2-135m  bf16   16     yes   no   4.20         4.11          -2%
+smollm2-135m  bf16   16     no    yes  6.11         6.38          +4%
+============  =====  =====  ====  ===  ===========  ============  =====
 
-CUDA figures are estimates from the same constants (bf16 activations); check them with ``--preflight`` on a GPU.
+CUDA figures are estimates from the same constants; check them with ``--preflight`` on a GPU.
 """
 
 from __future__ import annotations
@@ -61,9 +65,12 @@ STEP_BYTES_PER_PARAM = 4.0
 them; measured on SmolLM2-135M as one fp32 copy of the weights (0.5 GB) above the tiny model's baseline."""
 ACT_H, ACT_I, ACT_ATTN = 10.0, 5.0, 2.0
 """Saved values per token and layer: ACT_H x hidden + ACT_I x intermediate + ACT_ATTN x heads x S (scores)."""
-ACT_SCALE = 0.7
+ACT_SCALE = 1.05
 """Multiplier on the activation model fitted to the measurements (0.67, 0.73 and 0.40 with checkpointing; the
 larger figure keeps the estimate on the safe side)."""
+CKPT_LAYERS = 6
+"""With gradient checkpointing, blocks' worth of activations alive at the peak besides the block inputs: one
+recomputed block in theory; fitted on SmolLM2 (glibc keeps the freed blocks of the recomputes)."""
 LOGIT_COPIES = 2.0
 """float32 [b, T, vocab] buffers alive at the LM head's peak."""
 DEFAULT_PROMPT_TOKENS = 256
@@ -83,6 +90,8 @@ class Workload(NamedTuple):
     """Whether a frozen reference policy is held (kl_beta > 0)."""
     world_size: int = 1
     cuda: bool = False
+    bf16: bool = False
+    """Whether forward and backward compute in bf16 (the ``dtype`` setting resolved)."""
 
 
 @dataclass(frozen=True)
@@ -127,25 +136,32 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
         work: the rank's workload.
     """
     p, w = shape.params(), max(1, work.world_size)
-    cb = 2 if work.cuda else 4  # compute / activation bytes: bf16 autocast on CUDA, fp32 on CPU
+    from stoa.trainer.policy import LOGITS_CHUNK_ELEMENTS
+
+    cb = 2 if work.bf16 else 4  # compute bytes
+    # Activation bytes per value: autocast (one rank) keeps many ops' fp32 inputs next to their bf16 copies
+    # (measured: 3/4 of fp32's); sharded bf16 computes on bf16 parameters throughout.
+    ab = 4 if not work.bf16 else 2 if w > 1 else 3
     if w > 1:
         gathered = _gathered(shape) * cb
     else:
-        gathered = p * cb if work.cuda else 0
+        gathered = p * cb if work.bf16 else 0
     b, seq, t = work.micro_batch, work.prompt_tokens + work.completion_tokens, work.completion_tokens
-    per_layer = b * seq * (ACT_H * shape.hidden + ACT_I * shape.intermediate + ACT_ATTN * shape.heads * seq) * cb
+    per_layer = b * seq * (ACT_H * shape.hidden + ACT_I * shape.intermediate + ACT_ATTN * shape.heads * seq) * ab
     if work.gradient_checkpointing:
-        acts = shape.layers * b * seq * shape.hidden * cb + per_layer
+        acts = shape.layers * b * seq * shape.hidden * ab + min(CKPT_LAYERS, shape.layers) * per_layer
     else:
         acts = shape.layers * per_layer
     return PeakEstimate(
         parameters=(p * 4 / w + gathered) / GB, gradients=p * 4 / w / GB, optimizer=p * 8 / w / GB,
-        activations=acts * ACT_SCALE / GB, logits=b * t * shape.vocab * 4 * LOGIT_COPIES / GB,
-        reference=(p * 4 / w if work.reference else 0) / GB,
+        activations=acts * ACT_SCALE / GB,
+        logits=min(b * t * shape.vocab, LOGITS_CHUNK_ELEMENTS) * 4 * LOGIT_COPIES / GB,
+        reference=((p * 4 / w if w > 1 else p * cb) if work.reference else 0) / GB,
         overhead=RUNTIME_GB["cuda" if work.cuda else "cpu"] + STEP_BYTES_PER_PARAM * p / w / GB)
 
 
-def workload(cfg: Any, prompt_tokens: int, completion_tokens: int, world_size: int, cuda: bool) -> Workload:
+def workload(cfg: Any, prompt_tokens: int, completion_tokens: int, world_size: int, cuda: bool,
+             bf16: bool = False) -> Workload:
     """A trainer config's workload per rank.
 
     Args:
@@ -154,13 +170,14 @@ def workload(cfg: Any, prompt_tokens: int, completion_tokens: int, world_size: i
         completion_tokens: tokens after the prompt.
         world_size: ranks.
         cuda: whether the ranks compute on CUDA.
+        bf16: whether they compute in bf16.
     """
     rows = cfg.groups_per_step * cfg.n_samples
     micro = min(cfg.micro_batch or rows, rows)
     if getattr(cfg, "shared_prefix", False) and not cfg.gradient_checkpointing:
         micro = cfg.n_samples  # one group per forward, its prompt once
     return Workload(micro, prompt_tokens, completion_tokens, cfg.gradient_checkpointing,
-                    cfg.algo_config().kl_beta > 0, world_size, cuda)
+                    cfg.algo_config().kl_beta > 0, world_size, cuda, bf16)
 
 
 class Budget(NamedTuple):
@@ -201,6 +218,20 @@ def device_budget(cfg: Any, world_size: int) -> Budget:
 
     gb, source = system_memory()
     return Budget(gb, source, shared_by=max(1, world_size))
+
+
+def computes_bf16(dtype: str, cuda: bool) -> bool:
+    """Whether the trainer computes in bf16 (the ``dtype`` setting resolved as ``compute_dtype`` does).
+
+    Args:
+        dtype: the ``dtype`` setting.
+        cuda: whether it runs on CUDA.
+    """
+    import torch
+
+    from stoa.trainer.policy import compute_dtype
+
+    return compute_dtype(dtype, torch.device("cuda" if cuda else "cpu")) == torch.bfloat16
 
 
 def is_cuda(device: str) -> bool:
