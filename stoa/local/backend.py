@@ -12,8 +12,9 @@ import numpy as np
 
 from stoa.algorithms import Algorithm, LossInputs
 from stoa.algorithms.batch import Batch, Packed
-from stoa.config.local import DENSE_TARGETS, LocalConfig, lora_target_names, resolve_backend
+from stoa.config.local import LocalConfig, resolve_backend
 from stoa.engines import Completion, GenStats
+from stoa.local.targets import choose_targets as choose_targets  # re-exported: the backends import it here
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 """The only parameter names (last path component) that may be trainable."""
@@ -165,47 +166,6 @@ def loss_inputs(pk: Packed, logp: Any, batch: Batch, plan: EchoPlan, *, to: Call
         token_advantages=None if pk.token_advantages is None else to(pk.token_advantages),
         echo_mask=to(pk.echo_mask) if plan.echo and pk.echo_mask is not None else None,
         echo_normalizer=batch.echo_normalizer, echo_alpha=plan.alpha, echo_hits=hits if plan.hits else None)
-
-
-def choose_targets(layer_linears: Sequence[Sequence[str]], spec: str) -> list[list[str]]:
-    """Per decoder layer, the paths (inside the layer) of the linears that get adapters.
-
-    'auto' takes the dense attention and MLP projections (``DENSE_TARGETS``); a layer without any of them
-    (a linear-attention or state-space block of a hybrid stack) gets every linear instead, which is what
-    mlx-lm's own default does. 'all-linear' takes every linear; names match the last path component or
-    the whole path.
-
-    Args:
-        layer_linears: per layer, the paths of its linear (or quantized linear) modules.
-        spec: the ``lora_targets`` setting.
-
-    Raises:
-        ValueError: 'lora_targets: ...' when a named target matches nothing or a layer ends up without any.
-    """
-    names = lora_target_names(spec)
-    out: list[list[str]] = []
-    for i, paths in enumerate(layer_linears):
-        if names == ("all-linear",):
-            chosen = list(paths)
-        elif names == ("auto",):
-            chosen = [p for p in paths if p.rsplit(".", 1)[-1] in DENSE_TARGETS] or list(paths)
-        else:
-            chosen = [p for p in paths if p in names or p.rsplit(".", 1)[-1] in names]
-        if not chosen:
-            raise ValueError(f"lora_targets: layer {i} has no linear matching {spec!r} (it has {list(paths)})")
-        out.append(sorted(chosen, key=_target_order))
-    if names not in (("auto",), ("all-linear",)):
-        found = {p for layer in out for p in layer} | {p.rsplit(".", 1)[-1] for layer in out for p in layer}
-        missing = [n for n in names if n not in found]
-        if missing:
-            raise ValueError(f"lora_targets: {missing} match no linear in any layer")
-    return out
-
-
-def _target_order(path: str) -> tuple[int, str]:
-    """Attention then MLP projections in ``DENSE_TARGETS`` order, other names after them (backends agree)."""
-    leaf = path.rsplit(".", 1)[-1]
-    return (DENSE_TARGETS.index(leaf) if leaf in DENSE_TARGETS else len(DENSE_TARGETS), path)
 
 
 def check_same_arrays(have: dict[str, np.ndarray], got: dict[str, np.ndarray], what: str) -> None:

@@ -18,7 +18,6 @@ from stoa.algorithms.batch import Batch, Packed, group_rows, pack
 from stoa.algorithms.mlx_loss import token_hits, token_logprobs
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats, engine_from_model
-from stoa.engines.mlx.quantized import use_blas_for_quantized
 from stoa.local.backend import (
     ADAPTER_LEAVES,
     EchoPlan,
@@ -28,7 +27,13 @@ from stoa.local.backend import (
     echo_plan,
     loss_inputs,
 )
-from stoa.local.mlx_parts import DeferredDiagnostics, enable_layer_checkpointing, tree_flatten
+from stoa.local.mlx_parts import (
+    DeferredDiagnostics,
+    add_lora,
+    enable_layer_checkpointing,
+    quantize_blocks,
+    tree_flatten,
+)
 
 _SPLIT_HEAD_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 """Model classes whose ``__call__`` is exactly ``head(self.model(x))``: the head can run on the gathered positions."""
@@ -45,7 +50,6 @@ class MLXBackend:
     name = "mlx"
 
     def __init__(self, cfg: LocalConfig, model_dir: Path):
-        from mlx_lm.tuner.utils import linear_to_lora_layers
         from mlx_lm.utils import load_model
 
         self.cfg = cfg
@@ -55,20 +59,13 @@ class MLXBackend:
         model.set_dtype(getattr(mx, dtype_name))
         model.freeze()
         layers = list(model.layers)
-        gs = cfg.quant_group_size
         if cfg.quant_bits < 16:
-            in_blocks = {id(m) for layer in layers for _, m in layer.named_modules()}
-            nn.quantize(model, group_size=gs, bits=cfg.quant_bits,
-                        class_predicate=lambda _p, m: id(m) in in_blocks and isinstance(m, nn.Linear)
-                        and m.weight.shape[1] % gs == 0)
-            use_blas_for_quantized(model)  # CPU only: MLX's CPU quantized kernel is ~30x slower than BLAS
+            quantize_blocks(model, layers, cfg.quant_bits, cfg.quant_group_size)
         linears = [[n for n, m in layer.named_modules() if isinstance(m, nn.Linear | nn.QuantizedLinear)]
                    for layer in layers]
         self.targets = choose_targets(linears, cfg.lora_targets)
         mx.random.seed(cfg.seed)
-        linear_to_lora_layers(model, len(layers), {
-            "rank": cfg.lora_rank, "scale": cfg.lora_alpha / cfg.lora_rank, "dropout": 0.0,
-            "keys": {p for paths in self.targets for p in paths}})
+        add_lora(layers, self.targets, cfg.lora_rank, cfg.lora_alpha / cfg.lora_rank)
         model.freeze()
         model.unfreeze(keys=list(ADAPTER_LEAVES), strict=False)
         if cfg.gradient_checkpointing:
@@ -371,5 +368,12 @@ class MLXBackend:
             model_id=model_id, backend=self.name, layers=len(self.layers), quant_bits=self.cfg.quant_bits,
             targets_per_layer=self.targets, total_params=int(get_total_parameters(self.model)) + n_train,
             trainable_params=n_train, trainable_names=[k for k, _ in flat],
-            quantized_linears=sum(1 for _, m in self.model.named_modules() if isinstance(m, nn.QuantizedLinear)),
+            quantized_linears=sum(1 for _, m in self.model.named_modules() if _is_quantized(m)),
             extra={"dtype": dtype_name, "device": str(mx.default_device())})
+
+
+def _is_quantized(m: nn.Module) -> bool:
+    """A quantized linear or a quantized bank of experts (``QuantizedSwitchLinear``)."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    return isinstance(m, nn.QuantizedLinear | QuantizedSwitchLinear)

@@ -11,8 +11,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten as _tree_flatten
 
 from stoa.algorithms.mlx_loss import MlxOps
+from stoa.engines.mlx.quantized import use_blas_for_quantized
+from stoa.local.targets import is_router
 
-__all__ = ["DeferredDiagnostics", "enable_layer_checkpointing", "tree_flatten"]
+__all__ = ["DeferredDiagnostics", "add_lora", "enable_layer_checkpointing", "quantize_blocks", "tree_flatten"]
 
 
 def tree_flatten(tree: Any) -> list[tuple[str, Any]]:
@@ -23,6 +25,46 @@ def tree_flatten(tree: Any) -> list[tuple[str, Any]]:
     """
     flat: Any = _tree_flatten(tree)
     return list(flat)
+
+
+def quantize_blocks(model: nn.Module, layers: Sequence[nn.Module], bits: int, group_size: int) -> int:
+    """Quantize the decoder blocks' linears and expert banks (``SwitchLinear``), not routers; returns how many.
+
+    Routers stay float so both backends route alike (torch's routers are not ``nn.Linear``); a layer whose
+    input width is not a multiple of ``group_size`` stays float, as on torch. Embeddings and the head stay float.
+
+    Args:
+        model: the mlx-lm model.
+        layers: its decoder layers.
+        bits: 4 or 8.
+        group_size: quantization group along the input dimension.
+    """
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    chosen = {id(m) for layer in layers for p, m in layer.named_modules()
+              if isinstance(m, nn.Linear | SwitchLinear) and not is_router(p) and m.weight.shape[-1] % group_size == 0}
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda _p, m: id(m) in chosen)
+    use_blas_for_quantized(model)  # CPU only: MLX's CPU quantized kernel is ~30x slower than BLAS
+    return len(chosen)
+
+
+def add_lora(layers: Sequence[nn.Module], targets: Sequence[Sequence[str]], rank: int, scale: float) -> None:
+    """Wrap each layer's own target linears in mlx-lm ``LoRALinear`` (per layer: ``linear_to_lora_layers``
+    takes one key set for every layer, which adapts a hybrid stack's conv-block names in its attention blocks).
+
+    Args:
+        layers: the decoder layers.
+        targets: per layer, the paths to adapt (``choose_targets``).
+        rank: LoRA rank.
+        scale: alpha / rank.
+    """
+    from mlx.utils import tree_unflatten
+    from mlx_lm.tuner.lora import LoRALinear
+
+    for layer, paths in zip(layers, targets, strict=True):
+        modules = dict(layer.named_modules())
+        wrapped = [(p, LoRALinear.from_base(modules[p], r=rank, scale=scale, dropout=0.0)) for p in paths]
+        layer.update_modules(tree_unflatten(wrapped))
 
 
 def enable_layer_checkpointing(layers: Sequence[nn.Module]) -> None:

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from stoa.config import ConfigError
-from stoa.config.local import DENSE_TARGETS, LocalConfig, lora_target_names, resolve_backend
+from stoa.config.local import LocalConfig, resolve_backend
 from stoa.local.shapes import KNOWN_SHAPES, ModelShape, shape_for, shape_from_dir
+from stoa.local.targets import choose_targets
 
-__all__ = ["KNOWN_SHAPES", "Estimate", "FitReport", "MemoryPreflightError", "ModelShape", "available_memory_gb",
-           "check_fit", "episode_tokens", "estimate_memory", "preflight", "shape_for", "shape_from_dir"]
+__all__ = ["KNOWN_SHAPES", "Estimate", "FitReport", "MemoryPreflightError", "ModelShape", "adapter_params",
+           "available_memory_gb", "check_fit", "episode_tokens", "estimate_memory", "preflight", "shape_for",
+           "shape_from_dir"]
 
 GB = 1e9
 
@@ -51,12 +53,21 @@ class Estimate:
         return f"{self.total_gb:.2f} GB at the {self.peak_phase} peak ({parts})"
 
 
-def _adapted(cfg: LocalConfig, shape: ModelShape) -> dict[str, tuple[int, int]]:
-    names = lora_target_names(cfg.lora_targets)
-    lin = shape.block_linears()
-    if names in (("auto",), ("all-linear",)):
-        return {k: v for k, v in lin.items() if k in DENSE_TARGETS}
-    return {k: v for k, v in lin.items() if k in names or any(n.endswith("." + k) for n in names)}
+def adapter_params(cfg: LocalConfig, shape: ModelShape) -> int:
+    """LoRA parameters of the run: per layer, ``rank * (in + out)`` of each linear ``lora_targets`` picks
+    (``stoa.local.targets.choose_targets`` on the paths the backends use, so MoE and hybrid layers count
+    exactly what gets adapters).
+
+    Args:
+        cfg: the run's config.
+        shape: the model's shape.
+    """
+    linears = [shape.layer_linears(i) for i in range(shape.layers)]
+    try:
+        chosen = choose_targets([list(lin) for lin in linears], cfg.lora_targets)
+    except ValueError as e:
+        raise ConfigError("lora_targets", str(e).removeprefix("lora_targets: ")) from None
+    return sum(cfg.lora_rank * sum(lin[p]) for lin, paths in zip(linears, chosen, strict=True) for p in paths)
 
 
 def episode_tokens(task: Any) -> int | None:
@@ -97,28 +108,32 @@ def estimate_memory(cfg: LocalConfig, shape: ModelShape, backend: str | None = N
     else:
         cb = 4
     act_b = 2 if (be == "torch" and (cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and cuda))) else cb
-    lin = shape.block_linears()
     gs, bits = cfg.quant_group_size, cfg.quant_bits
-    n_quant = shape.layers * sum(a * b for a, b in lin.values() if a % gs == 0) if bits < 16 else 0
+    n_quant = shape.quantized_params(gs) if bits < 16 else 0
     n_float = shape.params() - n_quant
     packed = cfg.torch_base == "packed" or (cfg.torch_base == "auto" and cuda)
     if be == "mlx":
         weights = n_quant * (bits / 8 + 2 * cb / gs) + n_float * cb
     elif packed:
         weights = n_quant * (bits / 8 + 8 / gs) + n_float * 4
+        if bits < 16:  # torch holds routed experts dequantized (float32) even when packed
+            weights += shape.quantized_expert_params(gs) * (4 - bits / 8 - 8 / gs)
         if not cuda:  # the checkpoint's pages stay resident after quantization (mmap)
             weights += TORCH_LOAD_BYTES_PER_PARAM / 2 * shape.params()
     else:
         weights = TORCH_LOAD_BYTES_PER_PARAM * shape.params()
-    lora = shape.layers * sum(cfg.lora_rank * (a + b) for a, b in _adapted(cfg, shape).values())
+    lora = adapter_params(cfg, shape)
     adapters = lora * 4 * 5
     rows = cfg.groups_per_step * cfg.n_samples
     seq = cfg.max_prompt_tokens + gen
     kv_len = math.ceil(seq / 256) * 256 if be == "mlx" else seq
-    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * kv_len * rows * act_b
+    kv = 2 * shape.attention_layers() * shape.kv_heads * shape.head_dim * kv_len * rows * act_b
+    kv += shape.state_values_per_row() * rows * act_b  # conv / linear-attention state: fixed size per row
     rollout = kv + rows * shape.vocab * 4 * ROLLOUT_LOGITS_COPIES
     b = rows if cfg.micro_batch == 0 else min(cfg.micro_batch, rows)
-    per_layer = b * seq * (ACT_H * shape.hidden + ACT_I * shape.intermediate + ACT_ATTN * shape.heads * seq) * act_b
+    width = shape.active_intermediate()  # MoE: the top-k experts' (and shared expert's) width a token runs
+    attn = ACT_ATTN * shape.heads * seq * shape.attention_layers() / max(1, shape.layers)  # hybrids: fewer
+    per_layer = b * seq * (ACT_H * shape.hidden + ACT_I * width + attn) * act_b
     if cfg.gradient_checkpointing:
         acts = shape.layers * b * seq * shape.hidden * act_b + per_layer
     else:

@@ -58,6 +58,7 @@ class TorchBackend:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model
+        self.attention_only = attention_only(model.config)
         self.loras = [m for m in model.modules() if isinstance(m, LoRALinear)]
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -180,13 +181,16 @@ class TorchBackend:
         """Reference logprobs [B, T] with every adapter bypassed, group by group with the prompt run once.
 
         The KL term needs no bitwise agreement with the update's forward, so the reference uses the
-        shared-prefix forward (about 1e-6 from the full one in float32).
+        shared-prefix forward (about 1e-6 from the full one in float32). Hybrid stacks (conv or linear-attention
+        layers, whose cache state cannot be repeated per row here) use the full forward per micro-batch.
 
         Args:
             batch: the step's batch.
-            micro: row indices per micro-batch (unused: the reference goes group by group).
+            micro: row indices per micro-batch (used by the full-forward fallback).
         """
-        del micro
+        if not self.attention_only:
+            with self.adapters_disabled():
+                return self._score(batch, micro)
         self.model.eval()
         out = np.zeros(batch.mask.shape, dtype=np.float32)
         with self.adapters_disabled():
@@ -337,3 +341,17 @@ class TorchBackend:
             quantized_linears=len(quant),
             extra={"base_storage": "packed" if self.packed else "dequantized", "device": str(self.device)})
 
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""``config.layer_types`` entries whose cache is a plain KV cache (anything else is a conv or recurrent state)."""
+
+
+def attention_only(config: Any) -> bool:
+    """Whether every decoder layer is attention (no conv / linear-attention state), from ``layer_types``.
+
+    Args:
+        config: the HF model config (a nested ``text_config`` is read).
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None) or []
+    return all(t in ATTENTION_LAYER_TYPES for t in types)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from stoa.local.backend import choose_targets
+from stoa.local.targets import choose_targets, is_expert, is_router
 
 
 def quantize_affine(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,6 +181,34 @@ class LoRALinear(nn.Module):
         return y + (self.scale * z).to(y.dtype)
 
 
+def quantize_experts(layer: nn.Module, bits: int, group_size: int) -> int:
+    """Replace a layer's routed-expert weights (3-D ``[experts, out, in]`` parameters of its ``experts``
+    module) by their quantized values, group-wise along ``in``; returns how many tensors.
+
+    The values equal MLX's ``QuantizedSwitchLinear`` dequantization (each expert row is quantized like a
+    linear's), so both backends run the same quantized experts. They are held dequantized in float32 under
+    either ``torch_base`` (transformers runs fused experts through its own kernels; no packed kernel here).
+
+    Args:
+        layer: a decoder layer.
+        bits: 4 or 8.
+        group_size: quantization group.
+    """
+    n = 0
+    for path, module in layer.named_modules():
+        if not path or not is_expert(path):
+            continue
+        for p in module.parameters(recurse=False):
+            if p.ndim != 3 or p.shape[-1] % group_size:
+                continue
+            rows = p.detach().reshape(-1, p.shape[-1])
+            codes, scales, biases = quantize_affine(rows, bits, group_size)
+            with torch.no_grad():
+                p.copy_(dequantize_affine(codes, scales, biases).reshape(p.shape).to(p.dtype))
+            n += 1
+    return n
+
+
 def decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
     """The decoder blocks of an HF causal LM.
 
@@ -198,8 +226,9 @@ def quantize_and_add_lora(model: nn.Module, *, bits: int, group_size: int, packe
                           alpha: float, targets: str, seed: int) -> list[list[str]]:
     """Quantize every linear of the decoder blocks and wrap the targeted ones with LoRA; freeze the rest.
 
-    Embeddings and the LM head stay in float (the QLoRA convention); a linear whose input dimension is not
-    a multiple of ``group_size`` stays float too.
+    Embeddings, the LM head and MoE routers stay in float (the QLoRA convention; routers as on MLX); a linear
+    whose input dimension is not a multiple of ``group_size`` stays float too. Routed experts (transformers'
+    fused 3-D ``experts`` parameters) are quantized in place by :func:`quantize_experts`.
 
     Args:
         model: the HF causal LM (modified in place).
@@ -217,6 +246,9 @@ def quantize_and_add_lora(model: nn.Module, *, bits: int, group_size: int, packe
     model.requires_grad_(False)
     layers = decoder_layers(model)
     linears = [[n for n, m in layer.named_modules() if isinstance(m, nn.Linear)] for layer in layers]
+    if bits < 16:
+        for layer in layers:
+            quantize_experts(layer, bits, group_size)
     chosen = choose_targets(linears, targets)
     gen = torch.Generator().manual_seed(seed)
     for layer, paths, adapt in zip(layers, linears, chosen, strict=True):
@@ -224,7 +256,8 @@ def quantize_and_add_lora(model: nn.Module, *, bits: int, group_size: int, packe
             parent_path, _, leaf = path.rpartition(".")
             parent = layer.get_submodule(parent_path) if parent_path else layer
             module: nn.Module = getattr(parent, leaf)
-            if bits < 16 and isinstance(module, nn.Linear) and module.in_features % group_size == 0:
+            if (bits < 16 and isinstance(module, nn.Linear) and module.in_features % group_size == 0
+                    and not is_router(path)):
                 module = QuantLinear(module, bits, group_size, packed)
             if path in adapt:
                 module = LoRALinear(module, rank, alpha / rank, gen)
