@@ -17,6 +17,8 @@ BENCHES = {
     "retriever": ("stoa.bench.retriever", "BM25 queries/s (batched, single, HTTP) and index memory"),
     "episodes": ("stoa.bench.episodes", "multi-turn episode tokens/s (torch, MLX) on a real task vs generate"),
     "fleet": ("stoa.bench.fleet", "trainer intake (LIST/GET per step, seconds) vs simulated workers and window"),
+    "pulse-experts": ("stoa.bench.pulse.experts", "PULSE patches on a MoE over real GRPO steps: ratio, sparsity by "
+                      "tensor kind, untouched experts"),
     "families": ("stoa.bench.families",
                  "ratio drift per model family: trainer fp32/bf16 vs torch and MLX workers, MoE routing flips"),
 }

@@ -91,8 +91,9 @@ class LocalConfig(TrainingConfig):
     max_prompt_tokens: int = setting(256, "Longest prompt accepted (longer training prompts are redrawn).")
     lora_rank: int = setting(8, "LoRA rank r.")
     lora_alpha: float = setting(16.0, "LoRA alpha; the update is scaled by alpha / r.")
-    lora_targets: str = setting("auto", "Adapted linears per decoder block: 'auto' (q/k/v/o and "
-                                        "gate/up/down; every linear of a block that has none of them), "
+    lora_targets: str = setting("auto", "Adapted linears per decoder block: 'auto' (attention, dense and "
+                                        "shared-expert MLP, conv and linear-attention projections; never "
+                                        "routers or experts: docs/local.md), "
                                         "'all-linear', or names such as 'q_proj,v_proj' (a TOML list also "
                                         "works).", join=",")
     keep_checkpoints: int = setting(2, "Saved states kept in output_dir/checkpoints (older ones are "

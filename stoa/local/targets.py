@@ -1,5 +1,5 @@
 """Which linears of a decoder block get LoRA adapters and which stay float, for dense, MoE and hybrid blocks
-(docs/families_local.md, "Which linears get adapters").
+(docs/local.md, "Which linears get adapters").
 
 The rule reads module paths only (``self_attn.q_proj``, ``mlp.gate``, ``conv.in_proj``), so both backends,
 whose module classes differ, pick the same linears, and the memory preflight counts them from config.json.

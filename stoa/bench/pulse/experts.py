@@ -305,22 +305,35 @@ def run(model: str, steps: int, lr: float, planes: tuple[str, ...], groups: int 
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI: print the JSON summary of :func:`run`."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--model", default="tiny-qwen3-moe")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--planes", default=",".join(PLANES))
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=12)
-    p.add_argument("--experts", type=int, default=0, help="rebuild the tiny MoE with this many experts")
-    a = p.parse_args(argv)
-    s = run(a.model, a.steps, a.lr, tuple(a.planes.split(",")), a.groups, a.n, a.new_tokens, a.experts)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``stoa bench pulse-experts``.
+
+    Args:
+        p: the subcommand's parser.
+    """
+    p.add_argument("--model", default="tiny-qwen3-moe", help="a MoE model name or directory [default: tiny-qwen3-moe]")
+    p.add_argument("--steps", type=int, default=4, help="GRPO steps [default: 4]")
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate [default: 1e-05]")
+    p.add_argument("--planes", default=",".join(PLANES), help=f"planes to measure [default: {','.join(PLANES)}]")
+    p.add_argument("--groups", type=int, default=4, help="groups per step [default: 4]")
+    p.add_argument("--n", type=int, default=4, help="samples per group [default: 4]")
+    p.add_argument("--new-tokens", type=int, default=12, help="tokens sampled per row [default: 12]")
+    p.add_argument("--experts", type=int, default=0, help="rebuild the tiny MoE with this many experts [default: 0]")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the JSON summary of :func:`run`.
+
+    Args:
+        args: parsed flags (see ``add_arguments``).
+    """
+    s = run(args.model, args.steps, args.lr, tuple(args.planes.split(",")), args.groups, args.n, args.new_tokens,
+            args.experts)
     print(json.dumps(asdict(s), indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    _parser = argparse.ArgumentParser(prog="python -m stoa.bench.pulse.experts")
+    add_arguments(_parser)
+    raise SystemExit(main(_parser.parse_args()))
