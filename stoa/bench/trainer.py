@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def synthetic_entries(groups: int, n: int, prompt_tokens: int, tokens: int, vocab: int, seed: int) -> list:
-    """Random groups of the given shape (behaviour logprobs -2.0), as the pool would hand them to the step.
+    """Random groups of the given shape as the pool hands them to the step (behaviour logprobs -2.0: see ``on_policy``).
 
     Args:
         groups: groups.
