@@ -8,7 +8,8 @@ the compute dtype is the ``dtype`` setting's, bf16 by default on CUDA and on CPU
   dtype; with W = 1 in bf16 autocast's bf16 copy of every weight (kept for backward); nothing more in fp32 at
   W = 1. Loading (a full fp32 copy per rank before sharding) is not the peak.
 - gradients: fp32, sharded (P x 4 / W); optimizer: AdamW's two fp32 moments, sharded (P x 8 / W).
-- activations: per layer b x S x (ACT_H x hidden + ACT_I x intermediate + ACT_ATTN x heads x S) values of 4
+- activations: per layer b x S x (ACT_H x hidden + ACT_I x MLP width (MoE: the top-k experts' and a shared
+  expert's) + ACT_ATTN x heads x S) values of 4
   bytes (fp32), 3 (bf16 autocast, one rank: it keeps fp32 inputs next to bf16 copies) or 2 (bf16, sharded),
   times ACT_SCALE; with gradient checkpointing the block inputs (layers x b x S x hidden) plus CKPT_LAYERS
   blocks' worth.
@@ -123,8 +124,8 @@ class PeakEstimate:
 def _gathered(shape: ModelShape) -> int:
     """Parameters all-gathered at once under FSDP2 (``stoa.trainer.dist``: one unit per decoder block, then the
     root): the root's (embedding, final norm, the LM head when untied; kept through forward and backward), the
-    block that computes and the next one (prefetch)."""
-    block = sum(a * b for a, b in shape.block_linears().values()) + 2 * shape.hidden
+    block that computes and the next one (prefetch); a MoE block is gathered with all its experts."""
+    block = max(shape.layer_params(i) for i in range(shape.layers))
     return shape.vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden + 2 * block
 
 
@@ -147,7 +148,8 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
     else:
         gathered = p * cb if work.bf16 else 0
     b, seq, t = work.micro_batch, work.prompt_tokens + work.completion_tokens, work.completion_tokens
-    per_layer = b * seq * (ACT_H * shape.hidden + ACT_I * shape.intermediate + ACT_ATTN * shape.heads * seq) * ab
+    width = shape.active_intermediate()  # MoE: the top-k experts' width (plus a shared expert) a token runs
+    per_layer = b * seq * (ACT_H * shape.hidden + ACT_I * width + ACT_ATTN * shape.heads * seq) * ab
     if work.gradient_checkpointing:
         acts = shape.layers * b * seq * shape.hidden * ab + min(CKPT_LAYERS, shape.layers) * per_layer
     else:

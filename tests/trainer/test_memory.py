@@ -164,3 +164,18 @@ def test_torchrun_argv_drops_nproc():
     parsed = parse_args(cmd[3:])  # torchrun's own parser must not take --run for its --run-path
     assert parsed.training_script == "stoa" and parsed.module and parsed.nproc_per_node == "4"
     assert parsed.training_script_args == ["--debug", "trainer", "--run", "r", "--micro-batch", "2"]
+
+
+def test_a_moe_block_is_gathered_with_every_expert_and_runs_only_its_top_k(stoa_cache):
+    import json
+
+    from stoa.models import resolve_model
+
+    cfg = json.loads((resolve_model("tiny-qwen3-moe", cache_dir=stoa_cache) / "config.json").read_text())
+    base = ModelShape.from_config("moe", cfg)
+    more = ModelShape.from_config("moe", {**cfg, "num_experts": 2 * cfg["num_experts"]})
+    wider = ModelShape.from_config("moe", {**cfg, "num_experts_per_tok": cfg["num_experts_per_tok"] + 1})
+    work = Workload(4, 10, 6, False, False, world_size=2, bf16=True)
+    a, b, c = (estimate_peak(s, work) for s in (base, more, wider))
+    assert b.parameters > a.parameters and b.activations == a.activations  # idle experts are held, not run
+    assert c.activations > a.activations and c.parameters == a.parameters
