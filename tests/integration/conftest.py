@@ -63,3 +63,37 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
 def train_rows(metrics_path: Path) -> list[dict]:
     """Rows of a trainer metrics file that describe optimizer steps."""
     return [r for r in read_metrics(metrics_path) if "train/loss" in r]
+
+
+def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path) -> tuple[int, float, int]:
+    """Rebuild the run's newest published weights as a worker does (anchor, then patches), score every record
+    under ``rollouts`` with the trainer's policy at those weights, and return (version, max |recorded -
+    recomputed logprob|, tokens). Every record must carry that version."""
+    import numpy as np
+    import torch
+
+    from stoa.bucket import open_bucket
+    from stoa.contract import RunContract
+    from stoa.layout import contract_key
+    from stoa.records import RolloutRecord
+    from stoa.trainer.policy import Policy, pack
+    from stoa.weights.planes import state_to_f32
+    from stoa.weights.sync import WeightSync
+
+    b = open_bucket(bucket_url)
+    contract = RunContract.from_json(b.get(contract_key(run)))
+    version, state = WeightSync(b, run, contract.plane).sync()
+    policy = Policy(model_dir, torch.device("cpu"), temperature=contract.sampling.temperature, trainable=False)
+    policy.load_f32(state_to_f32(state, contract.plane))
+    worst, tokens = 0.0, 0
+    for path in sorted(rollouts.glob("*.rec")):
+        rec = RolloutRecord.decode(path.read_bytes())
+        assert rec.policy_version == version
+        t_max = max(s.tokens.size for s in rec.samples)
+        batch = pack([rec.prompt_tokens] * len(rec.samples), [s.tokens for s in rec.samples], t_max, policy.device)
+        with torch.no_grad():
+            recomputed = policy.logprobs(batch).numpy()
+        for i, s in enumerate(rec.samples):
+            worst = max(worst, float(np.abs(recomputed[i, : s.tokens.size] - s.logprobs).max()))
+            tokens += s.tokens.size
+    return version, worst, tokens

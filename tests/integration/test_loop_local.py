@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.integration.conftest import train_rows, wait_for
+from tests.integration.conftest import recompute_gap, train_rows, wait_for
 
 TRAIN_ARGS = ["--model", "tiny", "--task", "toy", "--n-samples", "4", "--groups-per-step", "4",
               "--max-new-tokens", "8", "--lr", "3e-2", "--eval-n", "0", "--kl-beta", "0",
@@ -110,16 +110,6 @@ def test_no_records_exits_5_naming_the_run_and_a_contract_mismatch_exits_3_namin
 @pytest.mark.slow
 def test_fp32_worker_logprobs_equal_the_trainer_recompute_at_the_published_weights(procs, tmp_path, tiny_dir):
     """README: ``--dtype float32`` worker logprobs equal the trainer's recompute; lag-0 records of a fleet worker."""
-    import torch
-
-    from stoa.bucket import open_bucket
-    from stoa.contract import RunContract
-    from stoa.layout import contract_key
-    from stoa.records import RolloutRecord
-    from stoa.trainer.policy import Policy, pack
-    from stoa.weights.planes import state_to_f32
-    from stoa.weights.sync import WeightSync
-
     bucket, run = str(tmp_path / "bucket"), "lp"
     newest = tmp_path / "bucket" / "runs" / run / "rollouts" / "v00000003"
     t = procs.start("trainer", "trainer", "--bucket", bucket, "--run", run, *TRAIN_ARGS, "--steps", "2")
@@ -131,22 +121,7 @@ def test_fp32_worker_logprobs_equal_the_trainer_recompute_at_the_published_weigh
     wait_for(lambda: len(list(newest.glob("*.rec"))) >= 4, 120, "records sampled at the final version v3")
     w.kill()
     w.wait(timeout=30)
-    b = open_bucket(bucket)
-    contract = RunContract.from_json(b.get(contract_key(run)))
-    version, state = WeightSync(b, run, contract.plane).sync()  # v3 reached through patches from the anchor
+    version, worst, tokens = recompute_gap(bucket, run, tiny_dir, newest)  # v3 through patches from the anchor
     assert version == 3
-    policy = Policy(tiny_dir, torch.device("cpu"), temperature=contract.sampling.temperature, trainable=False)
-    policy.load_f32(state_to_f32(state, contract.plane))
-    worst, tokens = 0.0, 0
-    for path in sorted(newest.glob("*.rec")):
-        rec = RolloutRecord.decode(path.read_bytes())
-        assert rec.policy_version == 3
-        t_max = max(s.tokens.size for s in rec.samples)
-        batch = pack([rec.prompt_tokens] * len(rec.samples), [s.tokens for s in rec.samples], t_max, policy.device)
-        with torch.no_grad():
-            recomputed = policy.logprobs(batch).numpy()
-        for i, s in enumerate(rec.samples):
-            worst = max(worst, float(np.abs(recomputed[i, : s.tokens.size] - s.logprobs).max()))
-            tokens += s.tokens.size
     print(f"\nfp32 worker vs trainer recompute at v3: max |d logprob| {worst:.2e} over {tokens} tokens")
     assert tokens >= 16 and worst <= 1e-5
