@@ -36,6 +36,10 @@ def digest_hex(data: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+class RunNotFound(LookupError):
+    """The bucket holds no such run; the message names the run, the bucket and the fix (``stoa runs``)."""
+
+
 class ContractMismatch(RuntimeError):
     """A worker or trainer found a run contract that disagrees with its own view.
 

@@ -33,6 +33,7 @@ EXIT_CODES: dict[int, str] = {
     9: "bucket credentials missing or unsafe",
     10: "published weights unusable (e.g. another trainer moved the pointer)",
     11: "the model could not be fetched",
+    12: "no such run in the bucket (stoa runs --bucket B lists them)",
     130: "interrupted",
 }
 
@@ -65,6 +66,7 @@ USER_ERRORS: tuple[UserError, ...] = (
     UserError("stoa.retrieval.bm25:BadIndex", 2, lambda e: f"retriever index: {e}"),
     UserError("stoa.retrieval.corpus:CorpusError", 2, lambda e: f"corpus: {e}"),
     UserError("stoa.contract:ContractMismatch", 3, str),
+    UserError("stoa.contract:RunNotFound", 12, str),
     UserError("stoa.bucket.credentials:CredentialsError", 9, lambda e: f"bucket credentials: {e}"),
     UserError("stoa.bucket.base:BucketError", 4, lambda e: f"bucket error: {e}"),
     UserError("builtins:TimeoutError", 5, str),

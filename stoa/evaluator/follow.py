@@ -16,7 +16,7 @@ from typing import Any
 
 from stoa.bucket import Bucket, BucketError, ObjectNotFound, open_bucket
 from stoa.config.base import TRACKERS, ConfigError, report_to_names
-from stoa.contract import ContractMismatch, RunContract, digest_hex, download_model_files
+from stoa.contract import ContractMismatch, RunContract, RunNotFound, digest_hex, download_model_files
 from stoa.evaluator.chain import ChainRefused, at_version, chain_hashes, rebase
 from stoa.evaluator.heartbeat import write_heartbeat
 from stoa.layout import contract_key
@@ -33,8 +33,6 @@ FINAL_ATTEMPTS = 3
 """After the run finished, give up on a final version whose weights were refused this many times in a row."""
 
 
-class RunNotFound(LookupError):
-    """The run has no contract in the bucket; the message names the run, the bucket and the fix."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from stoa.layout import (
     run_prefix,
     status_key,
 )
+from stoa.contract import RunNotFound
 from stoa.lifecycle import RunStatus, read_status
 from stoa.observe.aggregate import WorkerView, eval_points, num, training_view, worker_views
 from stoa.untrusted import loads_bounded
@@ -46,8 +47,6 @@ MAX_SMALL_BYTES = 1 << 20
 """Status, pointer and lease larger than this read as absent."""
 MAX_JOURNAL_BYTES = 64 << 20
 
-class RunNotFound(LookupError):
-    """Nothing is stored under the run's prefix; the message names the run and the bucket."""
 
 
 class CountingBucket:
