@@ -297,42 +297,6 @@ def check(cmd: Command) -> str | None:
 
 
 ALL = [c for path in DOCS for c in doc_commands(path)]
-SECTIONS = {"trainer": TrainerConfig, "worker": WorkerConfig, "local": LocalConfig}
-
-
-class TomlBlock(NamedTuple):
-    """A fenced ``toml`` block of a doc: where it starts and its text."""
-
-    doc: str
-    line: int
-    text: str
-
-
-def toml_blocks() -> list[TomlBlock]:
-    """Every fenced ``toml`` block of README.md and docs/*.md."""
-    found = []
-    for path in DOCS:
-        lines = path.read_text().splitlines()
-        starts = [i for i, line in enumerate(lines) if FENCE.match(line) and FENCE.match(line).group(1) == "toml"]
-        for i in starts:
-            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            found.append(TomlBlock(str(path.relative_to(ROOT)), i + 1, "\n".join(lines[i + 1:end]) + "\n"))
-    return found
-
-
-def check_toml(block: TomlBlock, tmp: Path) -> str | None:
-    """Load a doc's TOML block as each command whose section it has would (a flat file as the trainer)."""
-    path = tmp / "doc.toml"
-    path.write_text(block.text)
-    names = [name for name in SECTIONS if re.search(rf"^\[{name}[\].]", block.text, re.MULTILINE)] or ["trainer"]
-    for name in names:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", DeprecatedSetting)
-                load_config(SECTIONS[name], toml_path=path, env={})
-        except (ConfigError, DeprecatedSetting) as e:
-            return f"{block.doc}:{block.line}: the TOML block, read as [{name}]\n  {type(e).__name__}: {e}"
-    return None
 
 
 def test_docs_show_commands():
@@ -347,20 +311,6 @@ def test_every_documented_command_parses():
     """Every fenced command parses with stoa's parser; every flag of a synopsis or inline span exists."""
     problems = [p for p in map(check, ALL) if p]
     assert not problems, f"{len(problems)} documented command(s) do not parse:\n" + "\n".join(problems)
-
-
-def test_every_documented_toml_file_loads(tmp_path):
-    """Every ``toml`` block loads as the configuration of each command whose section it has."""
-    blocks = toml_blocks()
-    assert blocks, "no doc shows a TOML block any more (docs/coming-from-trl.md has one)"
-    problems = [p for p in (check_toml(b, tmp_path) for b in blocks) if p]
-    assert not problems, "\n".join(problems)
-
-
-def test_a_wrong_toml_key_fails(tmp_path):
-    """A TRL name where stoa's belongs is reported with the doc and line."""
-    problem = check_toml(TomlBlock("docs/x.md", 3, '[trainer]\nlearning_rate = 1e-6\n'), tmp_path)
-    assert problem is not None and problem.startswith("docs/x.md:3: the TOML block, read as [trainer]")
 
 
 @pytest.mark.parametrize("text", ["stoa trainer --bukcet b --run r", "stoa status --bucket b",
