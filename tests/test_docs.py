@@ -237,9 +237,14 @@ def known_flags(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def check_flags(cmd: Command, parser: argparse.ArgumentParser | None, rest: list[str]) -> str | None:
-    """The first flag of a partial command that its command does not have; None when all exist."""
+    """The first flag (or ``{a,b}`` subcommand) of a partial command that its command does not have; None when
+    all exist."""
     if parser is None:
         return None
+    alternatives = re.fullmatch(r"\{([\w,.-]+)\}", rest[0]) if rest else None
+    for name in alternatives.group(1).split(",") if alternatives else []:
+        if resolve(parser, [name])[0] is parser:
+            return f"{cmd.where()}\n  {parser.prog} has no command {name}"
     flags = known_flags(parser)
     for word in rest:
         flag = re.sub(r"[\[\]{}(),]|=.*$", "", word)
@@ -329,6 +334,8 @@ def test_a_wrong_flag_in_a_synopsis_fails():
     bad = doc_commands_of("`stoa status --bucket B --run R [--watchh [SECONDS]]`")
     assert check(good[0]) is None
     assert "has no flag --watchh" in (check(bad[0]) or "")
+    assert check(doc_commands_of("`stoa bench {trainer,pulse-experts}`")[0]) is None
+    assert "has no command pulze" in (check(doc_commands_of("`stoa bench {trainer,pulze}`")[0]) or "")
 
 
 def doc_commands_of(markdown: str, name: str = "docs/x.md") -> list[Command]:
