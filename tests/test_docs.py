@@ -254,10 +254,13 @@ def check_flags(cmd: Command, parser: argparse.ArgumentParser | None, rest: list
 
 
 def check_parse(cmd: Command) -> str | None:
-    """Parse a whole command as ``stoa`` would; the failure, or None."""
+    """Parse a whole command as ``stoa`` would; the failure, or None. A deprecated spelling that parsing warns
+    about (a warning, or a line on stderr that says deprecated) fails too: the docs show the current one."""
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             args, unknown = stoa_parser().parse_known_args(cmd.argv)
             if unknown:
                 return f"{cmd.where()}\n  unrecognized arguments: {' '.join(unknown)}"
@@ -269,6 +272,10 @@ def check_parse(cmd: Command) -> str | None:
         if e.code:
             return f"{cmd.where()}\n  {err.getvalue().strip().splitlines()[-1]}"
         return None
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))]
+    deprecated += [line for line in err.getvalue().splitlines() if "deprecat" in line.lower()]
+    if deprecated:
+        return f"{cmd.where()}\n  deprecated: {deprecated[0]}"
     return check_config(cmd, args)
 
 
@@ -320,12 +327,33 @@ def test_every_documented_command_parses():
 
 @pytest.mark.parametrize("text", ["stoa trainer --bukcet b --run r", "stoa status --bucket b",
                                   "stoa bench fleet --workerz 3", "stoa quickstart --task",
-                                  "stoa local train --model tiny --steps three"])
+                                  "stoa local train --model tiny --steps three",
+                                  "stoa local train --model tiny --group-size 4"])
 def test_a_wrong_command_fails(text):
-    """A misspelt flag, a missing argument or value, and a bad type are each reported with the doc line."""
+    """A misspelt flag, a missing argument or value, a bad type and a deprecated spelling are each reported with
+    the doc line."""
     cmd = Command("docs/x.md", 7, text, shell_words(text)[1:], False)
     problem = check(cmd)
     assert problem is not None and problem.startswith("docs/x.md:7: " + text)
+
+
+class _Deprecated(argparse.Action):
+    """A flag that warns when parsed, as a deprecated alias may."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        warnings.warn("--old is deprecated: use --bucket", FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
+
+
+def test_a_deprecated_flag_fails_at_parse_time(monkeypatch):
+    """A flag whose parsing warns that it is deprecated is reported with the doc line."""
+    parser = build_parser()
+    status = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["status"]
+    status.add_argument("--old", action=_Deprecated)
+    monkeypatch.setattr(sys.modules[__name__], "stoa_parser", lambda: parser)
+    text = "stoa status --old b --bucket b --run r"
+    problem = check(Command("docs/x.md", 2, text, shell_words(text)[1:], False))
+    assert problem == f"docs/x.md:2: {text}\n  deprecated: --old is deprecated: use --bucket"
 
 
 def test_a_wrong_flag_in_a_synopsis_fails():
