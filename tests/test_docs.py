@@ -9,13 +9,16 @@ What counts as a documented command:
 - in an untagged or ``console`` block (a transcript): a line that starts with ``$ stoa`` or ``stoa`` (tag an
   output block ``text`` when one of its lines starts with ``stoa``); ``text``, ``python``, ``json`` and other
   blocks hold no commands;
-- in prose: an inline code span that starts with ``stoa`` followed by a command name.
+- in prose: an inline code span that starts with ``stoa``.
 
 A fenced command with no placeholder syntax (``[...]``, ``{a,b}``, ``...``, ``A|B``) is parsed whole by
 ``stoa.cli.build_parser()`` (the bench's own parser for ``stoa bench NAME``): an unknown flag, a missing
-argument or an invalid choice fails. A synopsis line and an inline span are partial, so only their flags are
-checked against the (sub)command they name. The commands in ``RUNS`` run for real (each takes seconds).
-A failure names the doc, the line and the command.
+argument, an invalid choice or a deprecated spelling fails; a trainer, worker or ``local train`` command then
+resolves its configuration (values, the TOML file it names, validation). A synopsis line and an inline span are
+partial, so only their flags (and ``{a,b}`` subcommands) are checked against the command they name. Values
+that hold a shell variable (``"$RUN"``) are the reader's and keep their defaults. The commands in ``RUNS`` run
+for real (each takes seconds). A failure names the doc, the line and the command. Doc TOML blocks and links:
+``tests/test_docs_files.py``.
 """
 
 from __future__ import annotations
