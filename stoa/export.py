@@ -78,10 +78,30 @@ def check_out_dir(out: Path) -> None:
         raise ExportError(f"{out} is not empty; give a new directory as OUT (or empty this one)")
 
 
-def write_hf_dir(out: Path, tensors: Mapping[str, Any], model_dir: Path, dtype: str) -> int:
-    """Write ``model.safetensors`` plus the config and tokenizer files of ``model_dir`` into ``out``.
+def write_model_files(out: Path, model_dir: Path, dtype: str) -> None:
+    """Copy the config and tokenizer files of ``model_dir`` into ``out`` (created), no weights.
 
     ``config.json`` gets ``torch_dtype`` set to ``dtype`` so both loaders pick the dtype that was written.
+
+    Args:
+        out: the target directory.
+        model_dir: a directory holding ``config.json`` and tokenizer files.
+        dtype: ``bfloat16`` or ``float32``.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(Path(model_dir).iterdir()):
+        if (f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf", ".safetensors.index.json"))
+                and f.name != "config.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config["torch_dtype"] = dtype
+    if "dtype" in config:
+        config["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_hf_dir(out: Path, tensors: Mapping[str, Any], model_dir: Path, dtype: str) -> int:
+    """Write ``model.safetensors`` plus the config and tokenizer files of ``model_dir`` into ``out``.
 
     Args:
         out: the target directory (created; must be empty).
@@ -94,15 +114,7 @@ def write_hf_dir(out: Path, tensors: Mapping[str, Any], model_dir: Path, dtype: 
     """
     from safetensors.torch import save_file
 
-    out.mkdir(parents=True, exist_ok=True)
-    for f in sorted(Path(model_dir).iterdir()):
-        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf")) and f.name != "config.json":
-            (out / f.name).write_bytes(f.read_bytes())
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    config["torch_dtype"] = dtype
-    if "dtype" in config:
-        config["dtype"] = dtype
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_model_files(out, model_dir, dtype)
     contiguous = {k: v.contiguous() for k, v in tensors.items()}
     save_file(contiguous, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     return os.path.getsize(out / WEIGHTS_FILE)
