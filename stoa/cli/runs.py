@@ -6,6 +6,10 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stoa.bucket import Bucket
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,13 +40,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     rm.set_defaults(func=run_rm, parser=rm)
 
 
-def _bucket(args: argparse.Namespace):
+def _bucket(args: argparse.Namespace) -> Bucket:
     """The bucket of ``--bucket`` (argparse's usage error, exit 2, when it is missing)."""
     from stoa.bucket import open_bucket
 
-    if args.bucket is None:
-        args.parser.error("the following arguments are required: --bucket")
-    return open_bucket(args.bucket, create=False)
+    parser: argparse.ArgumentParser = args.parser
+    url: str | None = args.bucket
+    if url is None:
+        parser.error("the following arguments are required: --bucket")
+    return open_bucket(url, create=False)
 
 
 def run_list(args: argparse.Namespace) -> int:
