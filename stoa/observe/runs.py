@@ -233,9 +233,14 @@ def delete_run(bucket: Bucket, run_id: str, *, now: float | None = None) -> int:
         ConfigError: a RUN that is not a run id.
         RunNotFound: nothing is stored under ``runs/<run>/``.
         LeaseHeld: a live trainer holds the run.
+        BucketError: a key under the run that the bucket API refuses (written by another tool).
     """
     refuse_live(inspect_run(bucket, run_id, now=now))
-    return bucket.delete_prefix(run_prefix(run_id) + "/")
+    try:
+        return bucket.delete_prefix(run_prefix(run_id) + "/")
+    except ValueError as e:  # a key written by another tool that the bucket API refuses (control characters)
+        raise BucketError(f"run {printable(run_id)}: {e}; delete what stoa runs still lists of it with the "
+                          "store's own tools") from None
 
 
 def printable(text: str) -> str:
