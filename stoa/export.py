@@ -10,8 +10,11 @@ Two sources:
 - ``checkpoint``: the trainer's fp32 master weights (its sharded checkpoint under ``trainer/``), written as float32;
   the AdamW moments stay behind.
 
-Tensor names are the model's ``named_parameters`` names, which are the Hugging Face checkpoint names; tied
-weights appear once (the config's ``tie_word_embeddings`` ties them again on load).
+Planes and checkpoints name tensors as the transformers model does; the export writes the names of the family's
+own Hugging Face checkpoints (transformers' reverse of its load-time conversions: a MoE's fused 3-D experts are
+split per expert again), which transformers and mlx-lm both read. Tied weights appear once (the config's
+``tie_word_embeddings`` ties them again on load). The trainer checkpoint holds parameters only: a persistent
+buffer (LFM2-MoE's ``expert_bias``, never trained) is taken from the published plane.
 """
 
 from __future__ import annotations
@@ -78,10 +81,30 @@ def check_out_dir(out: Path) -> None:
         raise ExportError(f"{out} is not empty; give a new directory as OUT (or empty this one)")
 
 
-def write_hf_dir(out: Path, tensors: Mapping[str, Any], model_dir: Path, dtype: str) -> int:
-    """Write ``model.safetensors`` plus the config and tokenizer files of ``model_dir`` into ``out``.
+def write_model_files(out: Path, model_dir: Path, dtype: str) -> None:
+    """Copy the config and tokenizer files of ``model_dir`` into ``out`` (created), no weights.
 
     ``config.json`` gets ``torch_dtype`` set to ``dtype`` so both loaders pick the dtype that was written.
+
+    Args:
+        out: the target directory.
+        model_dir: a directory holding ``config.json`` and tokenizer files.
+        dtype: ``bfloat16`` or ``float32``.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(Path(model_dir).iterdir()):
+        if (f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf", ".safetensors.index.json"))
+                and f.name != "config.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config["torch_dtype"] = dtype
+    if "dtype" in config:
+        config["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_hf_dir(out: Path, tensors: Mapping[str, Any], model_dir: Path, dtype: str) -> int:
+    """Write ``model.safetensors`` plus the config and tokenizer files of ``model_dir`` into ``out``.
 
     Args:
         out: the target directory (created; must be empty).
@@ -94,15 +117,7 @@ def write_hf_dir(out: Path, tensors: Mapping[str, Any], model_dir: Path, dtype: 
     """
     from safetensors.torch import save_file
 
-    out.mkdir(parents=True, exist_ok=True)
-    for f in sorted(Path(model_dir).iterdir()):
-        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf")) and f.name != "config.json":
-            (out / f.name).write_bytes(f.read_bytes())
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    config["torch_dtype"] = dtype
-    if "dtype" in config:
-        config["dtype"] = dtype
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_model_files(out, model_dir, dtype)
     contiguous = {k: v.contiguous() for k, v in tensors.items()}
     save_file(contiguous, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     return os.path.getsize(out / WEIGHTS_FILE)
@@ -124,6 +139,46 @@ def bf16_tensors(state: State, plane: str) -> dict[str, Any]:
         return {k: torch.from_numpy(np.ascontiguousarray(v).view(np.int16)).view(torch.bfloat16)
                 for k, v in state.items()}
     return {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in state_to_f32(state, plane).items()}
+
+
+def meta_model(model_dir: Path) -> Any:
+    """The transformers model of ``model_dir``'s config on the meta device (names and conversions, no memory).
+
+    Args:
+        model_dir: a directory holding ``config.json``.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def checkpoint_names(tensors: dict[str, Any], model: Any) -> dict[str, Any]:
+    """Tensors under the names of the family's Hugging Face checkpoints (transformers reverses the conversions
+    it applies on load, e.g. fused MoE experts split per expert); unchanged where transformers has none.
+
+    Args:
+        tensors: the model's names -> torch tensors.
+        model: the model (a meta one is enough).
+    """
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4 converts nothing on load: its names are the checkpoint's
+        return dict(tensors)
+    return dict(revert_weight_conversion(model, dict(tensors)))
+
+
+def missing_buffers(tensors: dict[str, Any], model: Any) -> list[str]:
+    """The persistent buffers of ``model`` that ``tensors`` lacks (a trainer checkpoint holds parameters only).
+
+    Args:
+        tensors: the model's names -> tensors.
+        model: the model (a meta one is enough).
+    """
+    params = {k for k, _ in model.named_parameters()}
+    return sorted(k for k in model.state_dict() if k not in params and k not in tensors)
 
 
 def _state_hash_at(bucket: Bucket, run_id: str, version: int, anchors: dict[int, dict[str, int]],
@@ -253,6 +308,13 @@ def export_run(bucket: Bucket, run_id: str, out: str | os.PathLike[str], *, vers
         dtype = "float32"
     with tempfile.TemporaryDirectory() as files:
         model_dir = download_model_files(bucket, run_id, Path(files))
+        model = meta_model(model_dir)
+        if missing := missing_buffers(tensors, model):
+            echo(f"[export] {len(missing)} buffers are not in the checkpoint; reading them from the plane")
+            pointer, state = published_state(bucket, run_id, None, echo)
+            plane = bf16_tensors(state, pointer.plane)
+            tensors.update({k: plane[k].float() for k in missing if k in plane})
+        tensors = checkpoint_names(tensors, model)
         echo(f"[export] writing {len(tensors)} tensors ({dtype}) to {out}")
         nbytes = write_hf_dir(out, tensors, model_dir, dtype)
     return ExportResult(out, source, at, dtype, len(tensors), nbytes)

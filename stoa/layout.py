@@ -52,6 +52,20 @@ _METRICS_CHUNK = re.compile(
 _ROLLOUT_TAIL = re.compile(r"/rollouts/v\d{8}/(?P<worker>[^/]+)-\d{8}\.rec\Z")
 
 
+RUNS_ROOT = "runs/"
+"""Prefix of every run's keys (a listing of it finds every run of a bucket)."""
+
+
+def parse_run_key(key: str) -> str | None:
+    """The run id of a key ``runs/<run>/<rest>`` (both non-empty); ``None`` for any other key.
+
+    Args:
+        key: a listed key (untrusted: any string).
+    """
+    run_id, slash, rest = key[len(RUNS_ROOT):].partition("/") if key.startswith(RUNS_ROOT) else ("", "", "")
+    return run_id if run_id and slash and rest else None
+
+
 def run_prefix(run_id: str) -> str:
     """Key prefix of a run, ``runs/<run>`` (no trailing slash).
 

@@ -1,5 +1,6 @@
-"""``stoa export`` on the tiny model: the exported directory loads in transformers and mlx-lm and generates
-the trainer's greedy tokens (published plane and fp32 checkpoint), older versions, and one-line refusals."""
+"""``stoa export`` on the tiny model: the exported directory loads in transformers (no missing or unexpected
+keys) and mlx-lm and generates the trainer's greedy tokens (published plane and fp32 checkpoint), older versions,
+one-line refusals; and on MoE families, whose fused experts are written under their checkpoint names."""
 
 from __future__ import annotations
 
@@ -86,8 +87,9 @@ def _transformers_greedy(out: Path, prompts: list[list[int]]) -> list[list[int]]
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-    return [_greedy_torch(model, p) for p in prompts]
+    model, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    return [_greedy_torch(model.eval(), p) for p in prompts]
 
 
 def _mlx_greedy(out: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -229,3 +231,30 @@ def test_an_int8g64_plane_is_written_as_its_exact_mlx_dequantization():
     np.testing.assert_array_equal(got["model.norm.weight"].float().numpy(),
                                   state_to_f32({"model.norm.weight": state["model.norm.weight"]}, "bf16")[
                                       "model.norm.weight"])
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-lfm2-moe"])
+def test_moe_exports_load_everywhere_under_checkpoint_names(stoa_cache, tmp_path, family):
+    from safetensors import safe_open
+
+    from stoa.models import resolve_model
+    from stoa.trainer import checkpoint as ckpt
+
+    url = str(tmp_path / "b")
+    t = _Trainer(make_cfg(url, model=family), echo=lambda *_: None)
+    t.resume()
+    _perturb(t, 3)
+    t.publish(2)
+    plane = state_to_f32(state_from_f32(t.policy.export_f32(), "bf16"), "bf16")
+    masters = {k: v.copy() for k, v in t.policy.export_f32().items()}
+    ckpt.save_checkpoint(t.bucket, "r", t.policy.model, t.opt, version=2, step=1)
+    base = set(safe_open(str(resolve_model(family, cache_dir=stoa_cache) / "model.safetensors"), "np").keys())
+    for source, weights in (("published", plane), ("checkpoint", masters)):
+        out = tmp_path / source
+        export_run(open_bucket(url), "r", out, source=source, echo=lambda *_: None)
+        assert set(safe_open(str(out / "model.safetensors"), "np").keys()) == base, source  # noqa: SIM118
+        prompts = _prompt_ids(out)
+        want = _policy_greedy(t, weights, prompts)
+        assert _transformers_greedy(out, prompts) == want, source
+        assert _mlx_greedy(out, prompts) == want, source

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 COMMANDS = ("trainer", "worker", "quickstart", "model", "bench", "local-e2e", "local", "export", "retriever",
-            "join-card", "join", "status", "plot", "eval")
+            "join-card", "join", "status", "plot", "eval", "runs")
 
 EXIT_CODES: dict[int, str] = {
     0: "done",

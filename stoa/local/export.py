@@ -3,9 +3,12 @@
 The fused model is what the run computes: each adapted linear becomes ``W + scale * (lora_a @ lora_b)^T`` with
 ``W`` the base dequantized exactly as training saw it (the quantizer is MLX's, bit for bit, so this holds for
 runs of either backend on float32 weights), and every other quantized linear becomes its dequantized weight.
-The result is written in float32 (default) or bfloat16. Next to it, under ``OUT/adapters/``, the run's
-adapters stay in mlx-lm's adapter layout (``adapters.safetensors`` + ``adapter_config.json``); those were
-trained on the quantized base, so apply them to a base quantized the same way
+The result is written in float32 (default) or bfloat16 under the tensor names of the family's own Hugging Face
+checkpoints (transformers' ``save_pretrained``: fused MoE experts are split per expert again, buffers such as
+LFM2-MoE's ``expert_bias`` are kept), so ``transformers`` and ``mlx_lm.load`` both open it. A run of the MLX
+backend is read through its mlx-lm adapter names, mapped onto transformers' modules. Next to the model, under
+``OUT/adapters/``, the run's adapters stay as saved (``adapters.safetensors`` + ``adapter_config.json``, mlx-lm's
+adapter layout); those were trained on the quantized base, so apply them to a base quantized the same way
 (``quant_bits``/``quant_group_size`` in ``adapter_config.json``).
 """
 
@@ -13,12 +16,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stoa.export import ExportError, check_out_dir, write_hf_dir
+from stoa.export import ExportError, check_out_dir, write_model_files
 
 DTYPES = ("float32", "bfloat16")
 ADAPTER_DIR = "adapters"
@@ -35,7 +39,7 @@ class LocalExportResult:
         step: the saved step exported.
         dtype: ``float32`` or ``bfloat16``.
         fused: number of adapted linears fused into the base.
-        nbytes: size of ``model.safetensors``.
+        nbytes: size of the weight files (``*.safetensors``).
     """
 
     out: Path
@@ -69,8 +73,11 @@ def fuse_into_linears(model: Any) -> int:
         return lin
 
     fused = 0
+    replaced: list[str] = []
     with torch.no_grad():
         for name, module in list(model.named_modules()):
+            if any(name.startswith(r + ".") for r in replaced):
+                continue  # the base inside a LoRA wrapper already fused: its parent is gone
             if isinstance(module, LoRALinear):
                 base: Any = module.linear
                 w = base.dequantized() if isinstance(base, QuantLinear) else base.weight
@@ -83,6 +90,7 @@ def fuse_into_linears(model: Any) -> int:
                 continue
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, new)
+            replaced.append(name)
     return fused
 
 
@@ -111,6 +119,61 @@ def _load_run(run_dir: Path) -> tuple[Any, Any]:
     return saved, cfg
 
 
+MLX_RENAMES = {"feed_forward.gate_proj": "feed_forward.w1", "feed_forward.up_proj": "feed_forward.w3",
+               "feed_forward.down_proj": "feed_forward.w2"}
+"""mlx-lm module paths whose transformers module has another name (LFM2-MoE's dense blocks)."""
+MLX_PREFIXES = ("language_model.",)
+"""Prefixes of mlx-lm adapter names that transformers' modules lack (qwen3.5's text model)."""
+
+
+def torch_adapter_names(arrays: dict[str, Any], expected: set[str]) -> dict[str, Any]:
+    """Saved adapters renamed to the torch backend's names (an MLX run's names differ on some families).
+
+    A name already expected is kept; otherwise a leading :data:`MLX_PREFIXES` entry is dropped and the
+    :data:`MLX_RENAMES` module paths are renamed, when that yields an expected name.
+
+    Args:
+        arrays: saved adapter name -> array.
+        expected: the torch backend's adapter names.
+    """
+    out: dict[str, Any] = {}
+    for name, value in arrays.items():
+        new = name
+        if new not in expected:
+            new = next((new[len(p):] for p in MLX_PREFIXES if new.startswith(p)), new)
+            for old_path, torch_path in MLX_RENAMES.items():
+                new = new.replace(f".{old_path}.", f".{torch_path}.")
+        out[new if new in expected else name] = value
+    return out
+
+
+def save_fused(model: Any, out: Path, model_dir: Path, dtype: str) -> int:
+    """Write a fused model's weights with transformers' ``save_pretrained`` (the checkpoint names of its
+    family) and the config and tokenizer files of ``model_dir``.
+
+    Args:
+        model: the fused HF model (cast to ``dtype`` in place).
+        out: the target directory.
+        model_dir: the base model's directory (config and tokenizer files).
+        dtype: ``float32`` or ``bfloat16``.
+
+    Returns:
+        the size of the weight files in bytes.
+    """
+    import torch
+
+    write_model_files(out, model_dir, dtype)
+    model.to(getattr(torch, dtype))
+    nbytes = 0
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        model.save_pretrained(tmp)
+        for f in sorted(Path(tmp).iterdir()):
+            if f.name.endswith((".safetensors", ".safetensors.index.json")):
+                nbytes += f.stat().st_size if f.name.endswith(".safetensors") else 0
+                f.rename(out / f.name)
+    return nbytes
+
+
 def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str = "float32",
                  echo: Callable[[str], Any] = print) -> LocalExportResult:
     """Fuse the adapters of a local run's latest saved state into its base and write an HF directory.
@@ -124,8 +187,6 @@ def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
     Raises:
         ExportError: no saved run in ``run_dir``, an unknown dtype, OUT not empty.
     """
-    import torch
-
     from stoa.local.torch_backend import TorchBackend
     from stoa.models import resolve_model
 
@@ -139,13 +200,12 @@ def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
     model_dir = resolve_model(cfg.model)
     backend = TorchBackend(cfg, model_dir)
     try:
-        backend.load_adapter_arrays(saved.adapters)
+        backend.load_adapter_arrays(torch_adapter_names(saved.adapters, set(backend.adapter_arrays())))
     except ValueError as e:
         raise ExportError(f"{saved.path}: {e}; the saved adapters do not fit {cfg.model}") from None
     fused = fuse_into_linears(backend.model)
-    tensors = {k: p.detach().to(getattr(torch, dtype)) for k, p in backend.model.named_parameters()}
-    echo(f"[export] fused {fused} adapters; writing {len(tensors)} tensors ({dtype}) to {out}")
-    nbytes = write_hf_dir(out, tensors, model_dir, dtype)
+    echo(f"[export] fused {fused} adapters; writing the model ({dtype}) to {out}")
+    nbytes = save_fused(backend.model, out, model_dir, dtype)
     adapters = out / ADAPTER_DIR
     adapters.mkdir()
     for name in ADAPTER_FILES:

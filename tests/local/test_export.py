@@ -109,4 +109,5 @@ def test_fusing_keeps_the_outputs_of_adapted_and_merely_quantized_linears(make_c
     assert not any(isinstance(m, QuantLinear) for m in backend.model.modules())
     names = {k for k, _ in backend.model.named_parameters()}
     assert "model.layers.0.mlp.down_proj.weight" in names and not any("lora" in k for k in names)
+    assert not any(".linear." in k for k in names)  # the wrapped base is fused once, not kept beside it
     np.testing.assert_allclose(after, before, atol=2e-5, rtol=1e-5)
