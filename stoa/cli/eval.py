@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-EXIT_RUN_NOT_FOUND = 4
-"""Exit code of a run without a contract (``EXIT_CODES`` 4: an object missing)."""
 EXIT_WEIGHTS_REFUSED = 10
 """Exit code when the weights to evaluate could not be verified (``EXIT_CODES`` 10)."""
 
@@ -61,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.evaluator import EvalConfig, RunNotFound, run_evaluator
+    from stoa.evaluator import EvalConfig, run_evaluator
     from stoa.weights.errors import SyncError
 
     cfg = EvalConfig(bucket=args.bucket, run=args.run, follow=args.follow, engine=args.engine, n=args.n, k=args.k,
@@ -69,11 +67,8 @@ def run(args: argparse.Namespace) -> int:
                      max_new_tokens=args.max_new_tokens, retriever=args.retriever, poll_seconds=args.poll_seconds,
                      wait_seconds=args.wait_seconds, threads=args.threads, device=args.device, dtype=args.dtype,
                      log_dir=args.log_dir, report_to=args.report_to)
-    try:
+    try:  # a run without a contract raises RunNotFound: exit 12 (stoa.cli.USER_ERRORS)
         summary = run_evaluator(cfg, echo=lambda line: print(line, flush=True))
-    except RunNotFound as e:
-        print(f"stoa eval: {e}", file=sys.stderr)
-        return EXIT_RUN_NOT_FOUND
     except SyncError as e:
         print(f"stoa eval: weights not verified, nothing evaluated with them ({e}); check the trainer's "
               "published objects, or retry once it publishes again", file=sys.stderr)
