@@ -213,7 +213,8 @@ def test_a_hub_failure_is_one_line_exit_11(monkeypatch, capsys) -> None:
         raise OSError("connection refused\nsecond line")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    argv = ["local-e2e", "1", "1", "2", "--model", "someorg/some-model", "--engine", "torch"]
+    argv = ["local-e2e", "--groups", "1", "--n-samples", "1", "--max-new-tokens", "2", "--model",
+            "someorg/some-model", "--engine", "torch"]
     assert _run(argv, capsys) == (
         11, "stoa: cannot fetch model 'someorg/some-model' from the Hugging Face Hub (OSError: connection "
             "refused); if the hub is unreachable, download the model elsewhere and pass its local directory, "

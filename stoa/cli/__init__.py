@@ -175,9 +175,15 @@ def unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
         parser: the command's parser.
         unknown: the arguments it did not recognize.
     """
-    flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
-    close = [difflib.get_close_matches(a.split("=")[0], flags, n=1) for a in unknown if a.startswith("-")]
-    hint = next((f"; did you mean {c[0]}?" for c in close if c), "")
+    from stoa.config.names import foreign_hint
+
+    flags = [s for action in parser._actions if action.help is not argparse.SUPPRESS  # not deprecated ones
+             for s in action.option_strings if s.startswith("--")]
+    typed = [a.split("=")[0] for a in unknown if a.startswith("--")]
+    known = {f[2:].replace("-", "_") for f in flags}
+    foreign = next((h for h in (foreign_hint(a, known, flag=True) for a in typed) if h), "")
+    close = [difflib.get_close_matches(a, flags, n=1) for a in typed]
+    hint = foreign or next((f"; did you mean {c[0]}?" for c in close if c), "")
     return f"unrecognized arguments: {' '.join(unknown)}{hint}"
 
 

@@ -76,8 +76,13 @@ def take_global_flags(args: argparse.Namespace) -> list[str]:
 
     Args:
         args: parsed arguments; ``args.args`` holds everything after the benchmark's name.
+
+    Raises:
+        ConfigError: ``--log-level`` is not a logging level.
     """
     import logging
+
+    from stoa.cli.parser import check_log_level
 
     rest: list[str] = []
     items = iter(args.args)
@@ -86,7 +91,7 @@ def take_global_flags(args: argparse.Namespace) -> list[str]:
             args.debug = True
         elif item == "--log-level" or item.startswith("--log-level="):
             args.log_level = item.partition("=")[2] or next(items, args.log_level)
-            logging.getLogger().setLevel(args.log_level.upper())
+            logging.getLogger().setLevel(check_log_level(args.log_level))
         else:
             rest.append(item)
     return rest
