@@ -172,3 +172,75 @@ def test_global_flags_after_a_benchmark_name_are_not_the_benchmarks(monkeypatch)
     args = build_parser().parse_args(["bench", "pulse", "--log-level", "INFO", "--steps", "1"])
     assert take_global_flags(args) == ["--steps", "1"] and args.log_level == "INFO" and args.debug is False
     logging.getLogger().setLevel(logging.WARNING)
+
+
+def test_every_config_field_is_in_a_named_option_group():
+    """A field no group names would fall to "advanced" unseen: each is listed or matches a group's prefix."""
+    import dataclasses
+
+    from stoa.config import LocalConfig, TrainerConfig, WorkerConfig
+    from stoa.config.text import FLAG_GROUPS
+
+    def named(name):
+        return [g.key for g in FLAG_GROUPS if name in g.names or (g.prefixes and name.startswith(g.prefixes))]
+
+    fields = {f.name for cls in (TrainerConfig, WorkerConfig, LocalConfig) for f in dataclasses.fields(cls)}
+    assert {name: named(name) for name in fields if not named(name)} == {}
+    assert [g.key for g in FLAG_GROUPS] == ["model", "task", "sampling", "optimizer", "fleet", "quarantine",
+                                            "checkpoints", "advanced"]
+
+
+@pytest.mark.parametrize("argv", [["trainer"], ["worker"], ["local", "train"]])
+def test_config_commands_list_their_flags_by_group_in_a_fixed_order(argv):
+    from stoa.cli import build_parser, command_parser
+    from stoa.config.text import FLAG_GROUPS, flag_group
+
+    parser = build_parser()
+    command = command_parser(parser, parser.parse_args([*argv, "--dry-run"]))
+    groups = [g for g in command._action_groups if g.title not in ("positional arguments", "options")]
+    titles = [g.title for g in FLAG_GROUPS]
+    assert [g.title for g in groups] == [t for t in titles if t in {g.title for g in groups}]
+    for group in groups:
+        for action in group._group_actions:
+            assert flag_group(action.dest).title == group.title, action.dest
+            assert action.help and "[default:" in action.help, action.dest
+    assert "--set KEY=VALUE" in command.format_help() and len(command.format_usage().splitlines()) == 1
+
+
+def test_the_top_level_help_lists_every_command_once_by_what_people_do(capsys):
+    from stoa.cli import COMMANDS
+    from stoa.cli.parser import COMMAND_GROUPS
+
+    grouped = [n for g in COMMAND_GROUPS for n in g.names]
+    assert sorted(set(COMMANDS) - set(grouped)) == [] and len(grouped) == len(set(grouped))
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    listing = out.split("commands:\n")[1].split("\n\n")[0].splitlines()
+    names = [line.split()[0] for line in listing if line.startswith("    ")]
+    assert names == [n for n in grouped if n in COMMANDS]  # "runs" is listed once its command is registered
+    assert [line.strip() for line in listing if not line.startswith("    ")] == [
+        f"{g.title}:" for g in COMMAND_GROUPS if set(g.names) & set(COMMANDS)]
+
+
+@pytest.mark.parametrize(("argv", "hint"), [
+    (["trainr"], "did you mean 'trainer'?"),
+    (["local", "trian"], "did you mean 'train'?"),
+    (["status", "--bukcet", "b", "--run", "r"], "did you mean --bucket (you wrote --bukcet)?"),
+    (["export", "out", "--bucket", "b", "--rnu", "r"], "did you mean --run (you wrote --rnu)?"),
+    (["worker", "--engine", "torch", "--dry-run", "--engien", "mlx"], "did you mean --engine?"),
+    (["eval", "--bucket", "b", "--run", "r", "--engine", "trch"], "did you mean 'torch'?"),
+])
+def test_mistyped_commands_and_required_flags_get_did_you_mean(argv, hint, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(hint)
+
+
+def test_a_bad_log_level_is_one_line_listing_the_levels(capsys):
+    assert main(["trainer", "--dry-run", "--log-level", "verbose"]) == 2
+    assert capsys.readouterr().err == ("stoa: invalid setting log_level: 'verbose' is not a logging level; use one "
+                                       "of debug, info, warning, error, critical (--debug prints tracebacks)\n")
+    args_with_level = ["bench", "pulse", "--log-level", "loud"]
+    assert main(args_with_level) == 2 and "'loud' is not a logging level" in capsys.readouterr().err
+    logging.getLogger().setLevel(logging.WARNING)

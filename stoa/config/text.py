@@ -189,8 +189,9 @@ def _add_field_flag(parser: Any, cls: type[BaseConfig], f: dataclasses.Field) ->
     if f.name in cls.ENV_VARS:
         help_text += f" (env {cls.ENV_VARS[f.name]})"
     help_text = bracket_default(help_text)  # a default described in words wins over its literal value
-    if f.default is not dataclasses.MISSING and "[default:" not in help_text:
-        help_text += f" [default: {f.default!r}]"
+    if "[default:" not in help_text:
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        help_text += " [default: none]" if default == {} else f" [default: {default!r}]"
     help_text = help_text.replace("%", "%%")  # argparse formats help with %
     if t is dict:
         parser.add_argument(flag, dest=f.name, action="append", metavar="KEY=VALUE", default=None,
