@@ -109,7 +109,7 @@ def test_a_damaged_patch_is_refused_and_nothing_is_evaluated_with_it(tmp_path, t
     data = bytearray(bucket.get(patch_key(RUN, 3)))
     data[len(data) // 2] ^= 0xFF
     bucket.put(patch_key(RUN, 3), bytes(data))
-    args = ["eval", "--bucket", url, "--run", RUN, "--engine", "torch", "--n", "2", "--threads", "1",
+    args = ["eval", "--bucket", url, "--run", RUN, "--engine", "torch", "--eval-n", "2", "--threads", "1",
             "--log-dir", str(tmp_path / "logs")]
     assert main(args) == 10
     out = capsys.readouterr()
