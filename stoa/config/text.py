@@ -152,6 +152,23 @@ class RawHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
     """``HelpFormatter`` that keeps the description's and epilog's line breaks (tables such as exit codes)."""
 
 
+SHORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+"""Former dtype spellings of some benches -> the config's values (``DTYPES``)."""
+
+
+def dtype_value(text: str) -> str:
+    """An argparse ``type`` for a dtype flag: the config's spelling, with ``fp32``/``bf16`` still read (warning).
+
+    Args:
+        text: the flag's value.
+    """
+    if text in SHORT_DTYPES:
+        warnings.warn(f"dtype {text!r} is deprecated: use {SHORT_DTYPES[text]!r} (same meaning)", DeprecatedSetting,
+                      stacklevel=2)
+        return SHORT_DTYPES[text]
+    return text
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cls: type[BaseConfig],
                      skip: tuple[str, ...] = ()) -> None:
     """Add one ``--flag`` per config field (default ``None`` so unset flags don't override TOML/env), in the
