@@ -119,6 +119,8 @@ def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch
      "rloo, cispo, gigpo; did you mean 'grpo'?"),
     (["worker", "--dry-run", "--engine", "tpu"],
      "stoa: invalid setting engine: 'tpu' is not one of auto, torch, mlx"),
+    (["trainer", "--dry-run", "--report-to", "wandbb"],
+     "stoa: invalid setting report_to: 'wandbb' is not one of wandb, tensorboard; did you mean 'wandb'?"),
     (["trainer", "--config", "missing.toml"], "stoa: invalid setting config: file not found: missing.toml"),
     (["trainer", "--config", "."],
      "stoa: invalid setting config: . is a directory; give the path of a TOML file"),

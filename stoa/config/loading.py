@@ -130,12 +130,13 @@ def choices_of(field_name: str) -> tuple[str, ...]:
         field_name: a config field name, e.g. ``engine``.
     """
     from stoa.algorithms.base import ALGORITHM_NAMES
-    from stoa.config.base import DTYPES, PLANES
+    from stoa.config.base import DTYPES, PLANES, TRACKERS
     from stoa.config.local import BACKENDS, OLD_LOGPROBS, TORCH_BASE
     from stoa.config.worker import ENGINES
 
     table = {"engine": ENGINES, "plane": PLANES, "dtype": DTYPES, "algorithm": tuple(ALGORITHM_NAMES),
-             "backend": BACKENDS, "torch_base": TORCH_BASE, "old_logprobs": OLD_LOGPROBS}
+             "backend": BACKENDS, "torch_base": TORCH_BASE, "old_logprobs": OLD_LOGPROBS,
+             "report_to": TRACKERS}
     return tuple(map(str, table.get(field_name, ())))
 
 
