@@ -51,7 +51,7 @@ class StoaParser(argparse.ArgumentParser):
     _given: Sequence[str] = ()
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+                         namespace: argparse.Namespace | None = None) -> tuple[Any, list[str]]:
         self._given = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 

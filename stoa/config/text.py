@@ -96,9 +96,10 @@ def deprecated_flag(parser: argparse.ArgumentParser, old: str, new: str) -> None
         new: the current flag, e.g. ``--eval-n``.
     """
     action = parser._option_string_actions[new]
-    parser.add_argument(old, dest=action.dest, action=DeprecatedFlag, new=new, type=action.type,
-                        choices=action.choices, nargs=action.nargs, metavar=action.metavar,
-                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    same: dict[str, Any] = {k: getattr(action, k) for k in ("type", "choices", "nargs", "metavar")
+                            if getattr(action, k) is not None}
+    parser.add_argument(old, dest=action.dest, action=DeprecatedFlag, new=new, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS, **same)
 
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 _LITERAL = re.compile(r"``([^`]+)``")
