@@ -234,7 +234,9 @@ def test_the_top_level_help_lists_every_command_once_by_what_people_do(capsys):
 def test_mistyped_commands_and_required_flags_get_did_you_mean(argv, hint, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
-    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(hint)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.rstrip().endswith(f"{hint} (see {err.split(':')[0]} "
+                                                                                "--help)")
 
 
 def test_a_bad_log_level_is_one_line_listing_the_levels(capsys):

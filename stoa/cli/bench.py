@@ -44,14 +44,15 @@ def bench_parser(name: str) -> argparse.ArgumentParser | None:
     Args:
         name: a key of ``BENCHES``.
     """
+    from stoa.cli.parser import StoaParser
     from stoa.config.text import HelpFormatter
 
     module, help_text = BENCHES[name]
     mod = importlib.import_module(module)
     if not hasattr(mod, "add_arguments"):
         return None
-    bp = argparse.ArgumentParser(prog=f"stoa bench {name}", formatter_class=HelpFormatter,
-                                 description=(mod.__doc__ or help_text).strip())
+    bp = StoaParser(prog=f"stoa bench {name}", formatter_class=HelpFormatter,
+                    description=(mod.__doc__ or help_text).strip())
     mod.add_arguments(bp)
     return bp
 

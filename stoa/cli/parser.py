@@ -42,10 +42,10 @@ is left out of the listing."""
 
 
 class StoaParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose errors suggest the closest command, choice or flag.
+    """``argparse.ArgumentParser`` whose errors are one line that suggests the closest command, choice or flag.
 
     ``stoa trainr`` names ``trainer``; ``--engine trch`` names ``torch``; a required flag reported missing
-    while a near miss of it was given (``--bukcet``) names both.
+    while a near miss of it was given (``--bukcet``) names both. The usage is left to ``--help``.
     """
 
     _given: Sequence[str] = ()
@@ -55,8 +55,8 @@ class StoaParser(argparse.ArgumentParser):
         self._given = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
-    def error(self, message: str) -> Any:  # argparse's signature: prints usage and exits 2
-        super().error(message + self._hint(message))
+    def error(self, message: str) -> Any:  # argparse's signature: exits 2
+        self.exit(2, f"{self.prog}: error: {message}{self._hint(message)} (see {self.prog} --help)\n")
 
     def _hint(self, message: str) -> str:
         """The did-you-mean to add to an argparse error message ('' when nothing is close)."""
