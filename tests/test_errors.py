@@ -206,6 +206,17 @@ def test_model_import_gguf_checks_its_paths_first(tmp_path, capsys) -> None:
     assert _run(["model", "import-gguf", str(missing), str(tmp_path)], capsys) == (
         2, f"stoa: {str(tmp_path)!r} already exists; give a new directory to create (nothing is "
            f"overwritten)\n")
+    missing.write_bytes(b"PK\x03\x04 a zip")
+    assert _run(["model", "import-gguf", str(missing), str(tmp_path / "out")], capsys) == (
+        2, f"stoa: {str(missing)!r} is not a GGUF file (it starts with b'PK\\x03\\x04', not b'GGUF'); give a .gguf "
+           "file\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model", ["nosuch", "./no/such/dir"])
+def test_a_local_dry_run_refuses_a_model_that_cannot_exist(model, capsys) -> None:
+    code, err = _run(["local", "train", "--dry-run", "--model", model], capsys)
+    assert code == 2 and err.count("\n") == 1 and model in err and "use a built-in name" in err
 
 
 def test_a_hub_failure_is_one_line_exit_11(monkeypatch, capsys) -> None:

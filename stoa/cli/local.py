@@ -74,10 +74,30 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_model_name(name: str) -> None:
+    """Refuse, without downloading anything, a model that cannot exist: a bare name that is not built in, or a
+    directory that is missing or holds no config.json (a hub id ``ORG/NAME`` is checked when it is fetched).
+
+    Args:
+        name: the ``model`` setting.
+
+    Raises:
+        UnknownModel: (exit 2) the name or directory, with the names that work.
+    """
+    from pathlib import Path
+
+    from stoa.models.registry import KNOWN_MODELS, resolve_model
+
+    hub_id = name.count("/") == 1 and not name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists()
+    if name not in KNOWN_MODELS and not hub_id:
+        resolve_model(name)  # a local directory is only looked at
+
+
 def _dry_run(cfg: LocalConfig) -> int:
     from stoa.local.preflight import check_fit, episode_tokens, shape_for
     from stoa.tasks import load_task
 
+    check_model_name(cfg.model)
     print(config_to_toml(cfg), end="")
     print(f"\n# backend: {resolve_backend(cfg.backend)}")
     print("# resolved algorithm")
