@@ -224,8 +224,8 @@ def test_the_top_level_help_lists_every_command_once_by_what_people_do(capsys):
 
 
 @pytest.mark.parametrize(("argv", "hint"), [
-    (["trainr"], "did you mean 'trainer'?"),
-    (["local", "trian"], "did you mean 'train'?"),
+    (["trainr"], "unknown command 'trainr'; did you mean 'trainer'?"),
+    (["local", "trian"], "unknown action 'trian'; did you mean 'train'?"),
     (["status", "--bukcet", "b", "--run", "r"], "did you mean --bucket (you wrote --bukcet)?"),
     (["export", "out", "--bucket", "b", "--rnu", "r"], "did you mean --run (you wrote --rnu)?"),
     (["worker", "--engine", "torch", "--dry-run", "--engien", "mlx"], "did you mean --engine?"),

@@ -16,6 +16,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 _CHOICE = re.compile(r"invalid choice: '(?P<given>[^']*)' \(choose from (?P<choices>.*)\)$")
 _REQUIRED = "the following arguments are required: "
+_COMMAND_CHOICE = re.compile(r"argument (?P<what>[A-Z]+): invalid choice: '(?P<given>[^']*)'")
 
 
 class CommandGroup(NamedTuple):
@@ -56,7 +57,11 @@ class StoaParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> Any:  # argparse's signature: exits 2
-        self.exit(2, f"{self.prog}: error: {message}{self._hint(message)} (see {self.prog} --help)\n")
+        hint = self._hint(message)
+        command = _COMMAND_CHOICE.match(message)
+        if command:  # "argument COMMAND: invalid choice: 'trainr' (choose from ...every command...)"
+            message = f"unknown {command.group('what').lower()} {command.group('given')!r}"
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
 
     def _hint(self, message: str) -> str:
         """The did-you-mean to add to an argparse error message ('' when nothing is close)."""
