@@ -31,7 +31,7 @@ def test_defaults_validate():
 def test_precedence_toml_env_flags(tmp_path):
     f = tmp_path / "t.toml"
     f.write_text('run = "fromtoml"\nlr = 2e-5\nn_samples = 4\n[algo]\neps_high = 0.3\n')
-    env = {"DRL_N_SAMPLES": "6", "DRL_PULSE_PLANE": "int8g64"}
+    env = {"STOA_N_SAMPLES": "6", "STOA_PLANE": "int8g64"}
     cfg = load_config(TrainerConfig, toml_path=str(f), env=env, overrides={"run": "fromflag", "lr": None})
     assert cfg.run == "fromflag" and cfg.lr == 2e-5 and cfg.n_samples == 6 and cfg.plane == "int8g64"
     assert cfg.algo == {"eps_high": 0.3}
@@ -61,7 +61,7 @@ def test_errors_name_the_field(overrides, field):
 
 def test_env_var_validated():
     with pytest.raises(ConfigError) as e:
-        load_config(TrainerConfig, env={"DRL_N_SAMPLES": "lots"})
+        load_config(TrainerConfig, env={"STOA_N_SAMPLES": "lots"})
     assert e.value.field == "n_samples"
 
 

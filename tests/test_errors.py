@@ -119,6 +119,8 @@ def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch
      "rloo, cispo, gigpo; did you mean 'grpo'?"),
     (["worker", "--dry-run", "--engine", "tpu"],
      "stoa: invalid setting engine: 'tpu' is not one of auto, torch, mlx"),
+    (["trainer", "--dry-run", "--report-to", "wandbb"],
+     "stoa: invalid setting report_to: 'wandbb' is not one of wandb, tensorboard; did you mean 'wandb'?"),
     (["trainer", "--config", "missing.toml"], "stoa: invalid setting config: file not found: missing.toml"),
     (["trainer", "--config", "."],
      "stoa: invalid setting config: . is a directory; give the path of a TOML file"),
@@ -204,6 +206,17 @@ def test_model_import_gguf_checks_its_paths_first(tmp_path, capsys) -> None:
     assert _run(["model", "import-gguf", str(missing), str(tmp_path)], capsys) == (
         2, f"stoa: {str(tmp_path)!r} already exists; give a new directory to create (nothing is "
            f"overwritten)\n")
+    missing.write_bytes(b"PK\x03\x04 a zip")
+    assert _run(["model", "import-gguf", str(missing), str(tmp_path / "out")], capsys) == (
+        2, f"stoa: {str(missing)!r} is not a GGUF file (it starts with b'PK\\x03\\x04', not b'GGUF'); give a .gguf "
+           "file\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model", ["nosuch", "./no/such/dir"])
+def test_a_local_dry_run_refuses_a_model_that_cannot_exist(model, capsys) -> None:
+    code, err = _run(["local", "train", "--dry-run", "--model", model], capsys)
+    assert code == 2 and err.count("\n") == 1 and model in err and "use a built-in name" in err
 
 
 def test_a_hub_failure_is_one_line_exit_11(monkeypatch, capsys) -> None:
@@ -213,7 +226,8 @@ def test_a_hub_failure_is_one_line_exit_11(monkeypatch, capsys) -> None:
         raise OSError("connection refused\nsecond line")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    argv = ["local-e2e", "1", "1", "2", "--model", "someorg/some-model", "--engine", "torch"]
+    argv = ["local-e2e", "--groups", "1", "--n-samples", "1", "--max-new-tokens", "2", "--model",
+            "someorg/some-model", "--engine", "torch"]
     assert _run(argv, capsys) == (
         11, "stoa: cannot fetch model 'someorg/some-model' from the Hugging Face Hub (OSError: connection "
             "refused); if the hub is unreachable, download the model elsewhere and pass its local directory, "
@@ -232,8 +246,97 @@ def test_an_unknown_flag_names_the_command_and_the_closest_flag(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["trainer", "--dry-run", "--stpes", "3"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("usage: stoa trainer ")
-    assert err.endswith("stoa trainer: error: unrecognized arguments: --stpes 3; did you mean --steps?\n")
+    assert e.value.code == 2
+    assert err == ("stoa trainer: error: unrecognized arguments: --stpes 3; did you mean --steps? (see stoa trainer "
+                   "--help)\n")
     with pytest.raises(SystemExit):
         main(["local", "train", "--zzzzzz"])
-    assert capsys.readouterr().err.endswith("stoa local train: error: unrecognized arguments: --zzzzzz\n")
+    assert capsys.readouterr().err == ("stoa local train: error: unrecognized arguments: --zzzzzz (see stoa local "
+                                       "train --help)\n")
+
+
+def _run_with_contract(bucket_dir) -> None:
+    """A run 'r1' whose contract says n_samples 8 (what a trainer writes first), nothing else."""
+    import time
+
+    from stoa.bucket import open_bucket
+    from stoa.contract import ModelSpec, RunContract, SamplingSpec
+    from stoa.layout import contract_key
+
+    contract = RunContract(run_id="r1", model=ModelSpec("llama", "c" * 32, "t" * 32, 512), n_samples=8,
+                           plane="bf16", task_id="arithmetic", task_spec={}, reward_version="1",
+                           sampling=SamplingSpec(max_new_tokens=16), retriever={}, created_at=time.time())
+    open_bucket(str(bucket_dir)).put_create(contract_key("r1"), contract.to_json())
+
+
+def _hold_the_lease(bucket_dir) -> None:
+    from stoa.bucket import open_bucket
+    from stoa.trainer.lease import Lease
+
+    Lease(open_bucket(str(bucket_dir)), "r1", 120.0).acquire()
+
+
+UNREACHABLE = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+               "STOA_BUCKET_RETRY_TIMEOUT_S": "1"}
+
+MISTAKES = [  # (exit code, argv with {b} for the bucket and {t} for tmp_path, environment, set-up, line starts)
+    (2, ["trainer", "--dry-run", "--plane", "fp4"], {}, None, "stoa: invalid setting plane: "),
+    (2, ["trainer", "--dry-run", "--task", "gsm8k:path={t}/typo.jsonl"], {}, None,
+     "stoa: invalid setting task: gsm8k: option 'path': no such file: "),
+    (2, ["local", "train", "--dry-run", "--task", "gsm8k"], {"HF_DATASETS_OFFLINE": "1"}, None,
+     "stoa: task data: gsm8k: "),
+    (2, ["--log-level", "verbose", "status", "--bucket", "{b}", "--run", "r1"], {}, None,
+     "stoa: invalid setting log_level: 'verbose' is not a logging level; use one of debug, info, warning"),
+    (2, ["export", "{t}/out", "--bucket", "{b}", "--run", "r1", "--source", "checkpoint", "--version", "2"], {},
+     _run_with_contract, "stoa: invalid setting version: --version applies to --source published only"),
+    (3, ["trainer", "--dry-run", "--bucket", "{b}", "--run", "r1", "--n-samples", "4"], {}, _run_with_contract,
+     "stoa: run contract mismatch in field(s): n_samples (run 'r1' has 8, --n-samples says 4"),
+    (4, ["status", "--bucket", "s3://b/p", "--run", "r1"], UNREACHABLE, None, "stoa: bucket error: "),
+    (5, ["worker", "--bucket", "{b}", "--run", "nope", "--wait-seconds", "0.3", "--poll-seconds", "0.1"], {},
+     _run_with_contract, "stoa: run 'nope' has no contract in "),
+    (6, ["trainer", "--bucket", "{b}", "--run", "r1", "--model", "tiny", "--task", "toy", "--steps", "1"], {},
+     _hold_the_lease, "stoa: run 'r1' is held by trainer "),
+    (8, ["export", "{t}/out", "--bucket", "{b}", "--run", "r1"], {}, _run_with_contract,
+     "stoa export: run 'r1' has published no weights yet; "),
+    (9, ["status", "--bucket", "s3://b/p", "--run", "r1"], {}, None, "stoa: bucket credentials: "),
+    (11, ["local-e2e", "--model", "someorg/some-model", "--engine", "torch"], {"HF_HUB_OFFLINE": "1"}, None,
+     "stoa: cannot fetch model 'someorg/some-model' from the Hugging Face Hub"),
+    (12, ["status", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: no run 'nope' in bucket "),
+    (12, ["plot", "{t}/x.png", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: no run 'nope'"),
+    (12, ["eval", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: no run 'nope' in bucket "),
+    (12, ["export", "{t}/out", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract,
+     "stoa: no run 'nope' in bucket "),
+    (12, ["join-card", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: run 'nope' has no "),
+]
+"""One real command per kind of mistake in ``EXIT_CODES`` (run not found from every command that reads a run)."""
+
+MID_RUN = {1: "a bug", 7: "lease lost mid-run", 10: "weights unusable mid-run", 130: "Ctrl-C"}
+"""Codes no mistake on the command line produces: ``test_every_user_error_kind_has_its_exit_code_and_one_line``
+and ``test_a_bug_keeps_its_traceback`` raise them inside a command instead."""
+
+
+@pytest.mark.parametrize(("code", "argv", "env", "setup", "line"), MISTAKES,
+                         ids=[f"{m[0]}-{' '.join(m[1][:2])}" for m in MISTAKES])
+def test_each_mistake_is_one_line_and_its_exit_code(code, argv, env, setup, line, tmp_path, monkeypatch,
+                                                    capsys, stoa_cache) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "R2_ACCOUNT_ID", "STOA_ENV_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    bucket = tmp_path / "b"
+    bucket.mkdir()
+    if setup is not None:
+        setup(bucket)
+    before = sorted(p.relative_to(bucket) for p in bucket.rglob("*") if p.is_file() and ".stoa" not in p.parts)
+    got, err = _run([a.format(b=bucket, t=tmp_path) for a in argv], capsys)
+    assert got == code, err
+    assert err.count("\n") == 1 and err.startswith(line), err
+    after = sorted(p.relative_to(bucket) for p in bucket.rglob("*") if p.is_file() and ".stoa" not in p.parts)
+    assert after == before  # a refused command writes nothing to the bucket
+
+
+def test_the_walk_covers_every_exit_code() -> None:
+    from stoa.cli import EXIT_CODES
+
+    walked = {m[0] for m in MISTAKES}
+    assert walked | set(MID_RUN) | {0} == set(EXIT_CODES) and not walked & set(MID_RUN)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from stoa.bench.trainer import synthetic_entries
+from stoa.config.text import deprecated_flag, dtype_value
 
 PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
 """Dense bf16 peak TFLOP/s by device-name substring (SXM figures); others need ``--peak-tflops``."""
@@ -41,12 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                    "model directory [default: tiny]")
     p.add_argument("--nproc", type=int, default=1, help="ranks (G); >1 re-launches under torchrun [default: 1]")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank) [default: cpu]")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
-                   help="compute dtype (master weights stay fp32) [default: bf16 on CUDA, fp32 on CPU]")
+    p.add_argument("--dtype", type=dtype_value, choices=("float32", "bfloat16"), default=None,
+                   help="compute dtype (master weights stay float32) [default: bfloat16 on CUDA, float32 on CPU]")
     p.add_argument("--groups", type=int, default=4, help="groups per step (B) [default: 4]")
-    p.add_argument("--n", type=int, default=4, help="samples per group [default: 4]")
+    p.add_argument("--n-samples", dest="n", metavar="N", type=int, default=4,
+                   help="samples per group [default: 4]")
+    deprecated_flag(p, "--n", "--n-samples")
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length [default: 32]")
-    p.add_argument("--tokens", type=int, default=32, help="completion length [default: 32]")
+    p.add_argument("--max-new-tokens", dest="tokens", metavar="N",
+                   type=int, default=32, help="completion length [default: 32]")
+    deprecated_flag(p, "--tokens", "--max-new-tokens")
     p.add_argument("--repeats", type=int, default=2, help="timed steps after one warm-up step [default: 2]")
     p.add_argument("--mode", choices=("shared", "packed"), default="shared",
                    help="shared-prefix or packed micro-batches (gradient checkpointing forces packed)")
@@ -132,7 +137,7 @@ def child_argv(args: argparse.Namespace, nproc: int, out: str, *, save_final: st
     """
     argv = ["bench", "dist", "--nproc", str(nproc), "--out", out, "--child"]
     for key, value in sorted(vars(args).items()):
-        flag = "--" + key.replace("_", "-")
+        flag = {"n": "--n-samples", "tokens": "--max-new-tokens"}.get(key, "--" + key.replace("_", "-"))
         if key in _NOT_PASSED or value is None or value == "":
             continue
         if isinstance(value, bool):
@@ -249,7 +254,7 @@ def _make_policy(args: argparse.Namespace, model_dir: Path, dist: Any, device: A
 
     from stoa.trainer.policy import Policy
 
-    bf16 = _dtype(args, device) == "bf16"
+    bf16 = _dtype(args, device) == "bfloat16"
     ckpt = args.model == "llama-1b" if args.gradient_checkpointing is None else args.gradient_checkpointing
     policy = Policy(model_dir, device, gradient_checkpointing=ckpt, dist=dist,
                     compute_dtype=torch.bfloat16 if bf16 else torch.float32)
@@ -257,7 +262,7 @@ def _make_policy(args: argparse.Namespace, model_dir: Path, dist: Any, device: A
 
 
 def _dtype(args: argparse.Namespace, device: Any) -> str:
-    return args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    return args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
 
 
 def run_setting(args: argparse.Namespace, model_dir: Path, dist: Any, device: Any

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from stoa.config.text import deprecated_flag
+
 ENGINES = ("torch", "mlx")
 
 
@@ -85,7 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a task option (repeatable), e.g. --option shots=0")
     p.add_argument("--prompts", type=int, default=d.prompts, help=f"prompts per batch P [default: {d.prompts}]")
-    p.add_argument("--n", type=int, default=d.n, help=f"episodes per prompt N [default: {d.n}]")
+    p.add_argument("--n-samples", dest="n", metavar="N",
+                   type=int, default=d.n, help=f"episodes per prompt N [default: {d.n}]")
+    deprecated_flag(p, "--n", "--n-samples")
     p.add_argument("--turn-tokens", type=int, default=d.turn_tokens,
                    help=f"tokens per model turn T, and generate's max_new_tokens [default: {d.turn_tokens}]")
     p.add_argument("--repeats", type=int, default=d.repeats, help=f"timed batches per engine R [default: {d.repeats}]")

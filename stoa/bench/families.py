@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from stoa.config.text import deprecated_flag
+
 FAMILIES = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-lfm2", "tiny-lfm2-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe")
 
 
@@ -246,7 +248,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default=",".join(FAMILIES),
                    help=f"comma-separated model names or directories [default: {','.join(FAMILIES)}]")
     p.add_argument("--groups", type=int, default=4, help="prompts per model [default: 4]")
-    p.add_argument("--n", type=int, default=4, help="samples per prompt [default: 4]")
+    p.add_argument("--n-samples", dest="n", metavar="N", type=int, default=4, help="samples per prompt [default: 4]")
+    deprecated_flag(p, "--n", "--n-samples")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens sampled per row [default: 32]")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature [default: 1.0]")
     p.add_argument("--seed", type=int, default=0, help="sampling seed [default: 0]")

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stoa.config.text import deprecated_flag
+
 MLXRL_DRIVER = Path(__file__).with_name("mlxrl_driver.py")
 """The mlxrl timing driver: a script run by the python of a separate venv with mlxrl installed."""
 
@@ -29,8 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model for every target [default: smollm2-135m]")
     parser.add_argument("--targets", default="torch,mlx",
                         help="comma list of: torch, mlx (stoa local mode), mlxrl [default: torch,mlx]")
-    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt G [default: 4]")
-    parser.add_argument("--max-tokens", type=int, default=64, help="completion length [default: 64]")
+    parser.add_argument("--n-samples", dest="group_size", metavar="N",
+                        type=int, default=4, help="completions per prompt G [default: 4]")
+    deprecated_flag(parser, "--group-size", "--n-samples")
+    parser.add_argument("--max-new-tokens", dest="max_tokens", metavar="N",
+                        type=int, default=64, help="completion length [default: 64]")
+    deprecated_flag(parser, "--max-tokens", "--max-new-tokens")
     parser.add_argument("--steps", type=int, default=3,
                         help="measured steps (medians over them) [default: 3]")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured first steps [default: 1]")

@@ -214,24 +214,42 @@ def _table(report: dict[str, Any], model_name: str, plane: str, references: Sequ
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``stoa bench logprobs``.
+
+    Args:
+        p: the benchmark's parser.
+    """
+    from stoa.config.text import deprecated_flag
+
+    p.add_argument("--model", default="smollm2-135m", help="model name or directory")
+    p.add_argument("--engine", default="mlx", choices=("mlx", "torch"), help="the worker engine that samples")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
+                   help="the engine's compute dtype")
+    p.add_argument("--plane", default="bf16", choices=("bf16", "int8g64"), help="the weight plane it is given")
+    p.add_argument("--groups", type=int, default=4, help="prompt groups sampled")
+    p.add_argument("--n-samples", dest="samples", metavar="N", type=int, default=4, help="completions per group (n)")
+    p.add_argument("--max-new-tokens", dest="tokens", metavar="N", type=int, default=64,
+                   help="new tokens per completion")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--out", default=None, help="JSON file of the report [default: print only]")
+    deprecated_flag(p, "--samples", "--n-samples")
+    deprecated_flag(p, "--tokens", "--max-new-tokens")
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """Command line for :func:`run_logprob_report`.
 
     Args:
-        argv: arguments (default ``sys.argv[1:]``).
+        args: parsed flags (``add_arguments``), or arguments (default ``sys.argv[1:]``).
     """
-    p = argparse.ArgumentParser(prog="stoa bench logprobs", description=__doc__)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--engine", default="mlx", choices=("mlx", "torch"))
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    p.add_argument("--plane", default="bf16", choices=("bf16", "int8g64"))
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None)
-    a = p.parse_args(argv)
+    if isinstance(args, argparse.Namespace):
+        a = args
+    else:
+        p = argparse.ArgumentParser(prog="stoa bench logprobs", description=__doc__)
+        add_arguments(p)
+        a = p.parse_args(args)
     run_logprob_report(a.model, a.dtype, a.plane, a.groups, a.samples, a.tokens, temperature=a.temperature,
                        seed=a.seed, engine=a.engine, out=a.out)
     return 0

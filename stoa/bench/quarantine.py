@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from stoa.config.text import deprecated_flag
+
 LIARS = ("temperature", "perturbed", "noise", "random")
 
 
@@ -44,8 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, default=4,
                    help="batches (trainer steps) per engine/dtype [default: 4]")
     p.add_argument("--groups", type=int, default=4, help="groups per batch [default: 4]")
-    p.add_argument("--samples", type=int, default=4, help="completions per group [default: 4]")
-    p.add_argument("--tokens", type=int, default=32, help="max new tokens [default: 32]")
+    p.add_argument("--n-samples", dest="samples", metavar="N",
+                   type=int, default=4, help="completions per group [default: 4]")
+    deprecated_flag(p, "--samples", "--n-samples")
+    p.add_argument("--max-new-tokens", dest="tokens", metavar="N",
+                   type=int, default=32, help="max new tokens [default: 32]")
+    deprecated_flag(p, "--tokens", "--max-new-tokens")
     p.add_argument("--temperature", type=float, default=d.temperature,
                    help=f"the run's temperature [default: {d.temperature}]")
     p.add_argument("--top-p", type=float, default=d.top_p, help="the run's nucleus mass [default: 1.0]")

@@ -270,7 +270,7 @@ class _Child:
     def __init__(self, engine: str, model_dir: Path, batch: int, samples: int, tokens: int, prompt_len: int,
                  threads: int = 0):
         cmd = [sys.executable, "-m", "stoa.bench.rollout", "--serve", engine, "--model-dir", str(model_dir),
-               "--batch", str(batch), "--samples", str(samples), "--tokens", str(tokens),
+               "--batch", str(batch), "--n-samples", str(samples), "--max-new-tokens", str(tokens),
                "--prompt-len", str(prompt_len), "--threads", str(threads)]
         self.engine = engine
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -477,25 +477,43 @@ def _measure(sessions: Sequence[Any], engines: Sequence[str], infos: Sequence[di
     return runs, prefill
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m stoa.bench.rollout``: the whole benchmark, or one engine (``--one``, used by the parent).
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``stoa bench rollout`` (and of the ``--serve`` child each engine runs in).
 
     Args:
-        argv: command-line arguments (default ``sys.argv[1:]``).
+        p: the benchmark's parser.
     """
-    p = argparse.ArgumentParser(prog="stoa bench rollout", description=__doc__)
-    p.add_argument("--model", default="smollm2-135m")
+    from stoa.config.text import deprecated_flag
+
+    p.add_argument("--model", default="smollm2-135m", help="model name or directory")
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--serve", choices=ENGINES, help=argparse.SUPPRESS)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads for torch/hf (0: torch default)")
-    p.add_argument("--engines", default=",".join(ENGINES))
-    p.add_argument("--out", default="rollout-bench.jsonl")
-    a = p.parse_args(argv)
+    p.add_argument("--batch", type=int, default=16, help="rows decoded together (G); batch / n_samples prompts")
+    p.add_argument("--n-samples", dest="samples", metavar="N", type=int, default=8,
+                   help="rows per prompt (group size n)")
+    p.add_argument("--max-new-tokens", dest="tokens", metavar="N", type=int, default=128,
+                   help="new tokens per row (EOS ignored: every row decodes all of them)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine, after a warm-up (median, min-max)")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads for torch/hf (0: torch's default)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="engines to run, comma-separated")
+    p.add_argument("--out", default="rollout-bench.jsonl", help="JSONL file of the figures (empty: none)")
+    deprecated_flag(p, "--samples", "--n-samples")
+    deprecated_flag(p, "--tokens", "--max-new-tokens")
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """``stoa bench rollout``: the whole benchmark, or one engine (``--serve``, the child the parent starts).
+
+    Args:
+        args: parsed flags (``add_arguments``), or command-line arguments (default ``sys.argv[1:]``).
+    """
+    if isinstance(args, argparse.Namespace):
+        a = args
+    else:
+        p = argparse.ArgumentParser(prog="stoa bench rollout", description=__doc__)
+        add_arguments(p)
+        a = p.parse_args(args)
     if a.serve:
         if a.serve in ("mlx", "mlx-lm"):
             from stoa.engines.mlx_blas import prepare_mlx_blas

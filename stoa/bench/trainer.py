@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from stoa.config.text import deprecated_flag
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``stoa bench trainer``.
@@ -20,9 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """
     p.add_argument("--model", default="smollm2-135m", help="model name or path [default: smollm2-135m]")
     p.add_argument("--groups", type=int, default=8, help="groups per step (B) [default: 8]")
-    p.add_argument("--n", type=int, default=8, help="samples per group [default: 8]")
+    p.add_argument("--n-samples", dest="n", metavar="N", type=int, default=8, help="samples per group [default: 8]")
+    deprecated_flag(p, "--n", "--n-samples")
     p.add_argument("--prompt-tokens", type=int, default=48, help="prompt length [default: 48]")
-    p.add_argument("--tokens", type=int, default=64, help="completion length [default: 64]")
+    p.add_argument("--max-new-tokens", dest="tokens", metavar="N",
+                   type=int, default=64, help="completion length [default: 64]")
+    deprecated_flag(p, "--tokens", "--max-new-tokens")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per mode [default: 3]")
     p.add_argument("--modes", default="shared,packed", help="comma list of shared,packed [default: both]")
     p.add_argument("--algorithm", default="grpo", help="algorithm [default: grpo]")

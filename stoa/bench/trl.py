@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoa.config.text import dtype_value
+
 TRL_DRIVER = Path(__file__).with_name("trl_driver.py")
 """The TRL timing driver: a script run by the python of TRL's own venv."""
 
@@ -84,8 +86,8 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", default="", choices=("", "trl"),
                    help="trl: our packed train_step vs TRL's GRPOTrainer (own venv), interleaved per --repeats; "
                         f"--kl-beta 0 compares at {DEFAULT_BETA}")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
-                   help="our Policy's compute dtype (with --compare: TRL stays fp32) [default: fp32]")
+    p.add_argument("--dtype", default="float32", type=dtype_value, choices=("float32", "bfloat16"),
+                   help="our Policy's compute dtype (with --compare: TRL stays float32) [default: float32]")
     p.add_argument("--threads", type=int, default=2, help="--compare: torch threads on both sides [default: 2]")
     p.add_argument("--steps", type=int, default=1,
                    help="--compare: timed steps per process, after one warm-up step [default: 1]")
@@ -167,7 +169,7 @@ def policy_kwargs(dtype: str) -> dict[str, Any]:
     """Our Policy's dtype keyword for ``--dtype`` (``compute_dtype``), checked against its signature.
 
     Args:
-        dtype: ``fp32`` or ``bf16``.
+        dtype: ``float32`` or ``bfloat16``.
     """
     import inspect
 
@@ -175,10 +177,10 @@ def policy_kwargs(dtype: str) -> dict[str, Any]:
 
     from stoa.trainer.policy import Policy
 
-    if dtype == "fp32":
+    if dtype in ("float32", "fp32"):
         return {}
     if "compute_dtype" not in inspect.signature(Policy).parameters:
-        raise ValueError("--dtype bf16: this stoa's Policy has no compute_dtype; run --dtype fp32")
+        raise ValueError("--dtype bfloat16: this stoa's Policy has no compute_dtype; run --dtype float32")
     return {"compute_dtype": torch.bfloat16}
 
 
@@ -300,7 +302,7 @@ def table(spec: dict[str, Any], ours: Side, trl: Side, versions: dict[str, str],
     rows = spec["prompts"] * spec["generations"]
     head = (f"{spec['prompts']} prompts x {spec['generations']} generations, ~{spec['prompt_tokens']}-token prompts + "
             f"{spec['tokens']} new tokens, micro-batch {spec['micro_batch']} of {rows} rows, beta {spec['beta']}, "
-            f"full fine-tune, ours {spec['dtype']} / TRL fp32, CPU, {spec['threads']} threads; "
+            f"full fine-tune, ours {spec['dtype']} / TRL float32, CPU, {spec['threads']} threads; "
             f"trl {versions['trl']}, transformers {versions['transformers']}, torch {versions['torch']}; "
             f"load {load[0]:.1f} -> {load[1]:.1f}")
     return "\n".join([

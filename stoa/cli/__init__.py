@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -65,6 +66,7 @@ USER_ERRORS: tuple[UserError, ...] = (
     UserError("stoa.models.registry:UnknownModel", 2, str),
     UserError("stoa.retrieval.bm25:BadIndex", 2, lambda e: f"retriever index: {e}"),
     UserError("stoa.retrieval.corpus:CorpusError", 2, lambda e: f"corpus: {e}"),
+    UserError("stoa.tasks.base:TaskDataError", 2, lambda e: f"task data: {e}"),
     UserError("stoa.contract:ContractMismatch", 3, str),
     UserError("stoa.contract:RunNotFound", 12, str),
     UserError("stoa.bucket.credentials:CredentialsError", 9, lambda e: f"bucket credentials: {e}"),
@@ -77,6 +79,10 @@ USER_ERRORS: tuple[UserError, ...] = (
     UserError("stoa.weights.errors:WeightsError", 10, _weights_line),
     UserError("stoa.models.registry:ModelFetchError", 11, str),
 )
+
+
+DESCRIPTION = "RL post-training with disposable rollout workers."
+"""The first line of ``stoa --help``; the commands by group follow it."""
 
 
 def epilog() -> str:
@@ -106,17 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every command registered, one help style, and the global flags
     (``--log-level``, ``--debug``) accepted before or after the command."""
     from stoa import __version__
+    from stoa.cli.parser import StoaParser, command_listing
     from stoa.config.text import HelpFormatter, RawHelpFormatter
 
-    parser = argparse.ArgumentParser(prog="stoa", description="RL post-training with disposable rollout "
-                                     "workers.", epilog=epilog(), formatter_class=RawHelpFormatter)
+    parser = StoaParser(prog="stoa", description=DESCRIPTION, epilog=epilog(), formatter_class=RawHelpFormatter)
     parser.add_argument("--version", action="version", version=f"stoa {__version__}",
                         help="print the version and exit")
     _global_flags(parser, top=True)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="one of the commands listed above "
+                                "(stoa COMMAND --help for its flags)")
     sub.required = True
     for name in COMMANDS:
         importlib.import_module(f"stoa.cli.{name.replace('-', '_')}").register(sub)
+    parser.description = f"{DESCRIPTION}\n\n{command_listing(sub)}"
+    sub._choices_actions = []  # listed by group in the description instead
     for sub_parser in _subparsers(parser):
         sub_parser.formatter_class = HelpFormatter
         _global_flags(sub_parser, top=False)
@@ -166,9 +175,15 @@ def unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
         parser: the command's parser.
         unknown: the arguments it did not recognize.
     """
-    flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
-    close = [difflib.get_close_matches(a.split("=")[0], flags, n=1) for a in unknown if a.startswith("-")]
-    hint = next((f"; did you mean {c[0]}?" for c in close if c), "")
+    from stoa.config.names import foreign_hint
+
+    flags = [s for action in parser._actions if action.help is not argparse.SUPPRESS  # not deprecated ones
+             for s in action.option_strings if s.startswith("--")]
+    typed = [a.split("=")[0] for a in unknown if a.startswith("--")]
+    known = {f[2:].replace("-", "_") for f in flags}
+    foreign = next((h for h in (foreign_hint(a, known, flag=True) for a in typed) if h), "")
+    close = [difflib.get_close_matches(a, flags, n=1) for a in typed]
+    hint = foreign or next((f"; did you mean {c[0]}?" for c in close if c), "")
     return f"unrecognized arguments: {' '.join(unknown)}{hint}"
 
 
@@ -178,16 +193,33 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: arguments (default ``sys.argv[1:]``).
     """
+    from stoa.cli.parser import check_log_level, one_line_deprecations
+    from stoa.config.loading import DeprecatedSetting
+
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        command = command_parser(parser, args)
-        command.error(unrecognized(command, unknown))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    with warnings.catch_warnings():
+        warnings.simplefilter("default", DeprecatedSetting)
+        warnings.showwarning = one_line_deprecations(warnings.showwarning)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            command = command_parser(parser, args)
+            command.error(unrecognized(command, unknown))
+        return _run(args, check_log_level)
+
+
+def _run(args: argparse.Namespace, check_log_level: Callable[[str], int]) -> int:
+    """Run the parsed command; a user error is one line and its exit code (``USER_ERRORS``).
+
+    Args:
+        args: what the parser returned.
+        check_log_level: ``--log-level``'s check (``stoa.cli.parser``).
+    """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
+        level = check_log_level(args.log_level)
+        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("stoa: interrupted", file=sys.stderr)

@@ -44,14 +44,15 @@ def bench_parser(name: str) -> argparse.ArgumentParser | None:
     Args:
         name: a key of ``BENCHES``.
     """
+    from stoa.cli.parser import StoaParser
     from stoa.config.text import HelpFormatter
 
     module, help_text = BENCHES[name]
     mod = importlib.import_module(module)
     if not hasattr(mod, "add_arguments"):
         return None
-    bp = argparse.ArgumentParser(prog=f"stoa bench {name}", formatter_class=HelpFormatter,
-                                 description=(mod.__doc__ or help_text).strip())
+    bp = StoaParser(prog=f"stoa bench {name}", formatter_class=HelpFormatter,
+                    description=(mod.__doc__ or help_text).strip())
     mod.add_arguments(bp)
     return bp
 
@@ -76,8 +77,13 @@ def take_global_flags(args: argparse.Namespace) -> list[str]:
 
     Args:
         args: parsed arguments; ``args.args`` holds everything after the benchmark's name.
+
+    Raises:
+        ConfigError: ``--log-level`` is not a logging level.
     """
     import logging
+
+    from stoa.cli.parser import check_log_level
 
     rest: list[str] = []
     items = iter(args.args)
@@ -86,7 +92,7 @@ def take_global_flags(args: argparse.Namespace) -> list[str]:
             args.debug = True
         elif item == "--log-level" or item.startswith("--log-level="):
             args.log_level = item.partition("=")[2] or next(items, args.log_level)
-            logging.getLogger().setLevel(args.log_level.upper())
+            logging.getLogger().setLevel(check_log_level(args.log_level))
         else:
             rest.append(item)
     return rest

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-EXIT_RUN_NOT_FOUND = 4
-"""Exit code of a run without a contract (``EXIT_CODES`` 4: an object missing)."""
+from stoa.config.base import DTYPES
+from stoa.config.text import deprecated_flag
+
 EXIT_WEIGHTS_REFUSED = 10
 """Exit code when the weights to evaluate could not be verified (``EXIT_CODES`` 10)."""
 
@@ -30,8 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="evaluate every new version until the run finishes, then exit 0")
     p.add_argument("--engine", choices=("auto", "torch", "mlx"), default="auto",
                    help="generation engine [default: auto: MLX on Apple silicon, else torch]")
-    p.add_argument("--n", type=int, default=64, help="held-out prompts per evaluation [default: 64]")
-    p.add_argument("--k", type=int, default=1,
+    p.add_argument("--eval-n", type=int, default=64, help="held-out prompts per evaluation [default: 64]")
+    p.add_argument("--eval-k", type=int, default=1,
                    help="multi-turn tasks: sampled episodes per prompt for eval/pass@k [default: 1, greedy only]")
     p.add_argument("--every", type=int, default=1,
                    help="evaluate only versions divisible by this, plus the final one [default: 1]")
@@ -48,10 +49,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="wait this long for the run's contract and model files [default: 0, look once]")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads [default: 0, torch's default]")
     p.add_argument("--device", default="auto", help="torch device [default: auto]")
-    p.add_argument("--dtype", default="auto", help="compute dtype [default: auto]")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype [default: auto]")
     p.add_argument("--log-dir", default="", help="directory of the local metrics JSONL [default: beside the run]")
     p.add_argument("--report-to", default="", help="trackers the eval rows also go to: wandb, tensorboard (comma "
                                                    "list) [default: none]")
+    deprecated_flag(p, "--n", "--eval-n")
+    deprecated_flag(p, "--k", "--eval-k")
     p.set_defaults(func=run)
 
 
@@ -61,19 +64,16 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.evaluator import EvalConfig, RunNotFound, run_evaluator
+    from stoa.evaluator import EvalConfig, run_evaluator
     from stoa.weights.errors import SyncError
 
-    cfg = EvalConfig(bucket=args.bucket, run=args.run, follow=args.follow, engine=args.engine, n=args.n, k=args.k,
-                     every=args.every, max_versions=args.max_versions, backfill=args.backfill,
+    cfg = EvalConfig(bucket=args.bucket, run=args.run, follow=args.follow, engine=args.engine, n=args.eval_n,
+                     k=args.eval_k, every=args.every, max_versions=args.max_versions, backfill=args.backfill,
                      max_new_tokens=args.max_new_tokens, retriever=args.retriever, poll_seconds=args.poll_seconds,
                      wait_seconds=args.wait_seconds, threads=args.threads, device=args.device, dtype=args.dtype,
                      log_dir=args.log_dir, report_to=args.report_to)
-    try:
+    try:  # a run without a contract raises RunNotFound: exit 12 (stoa.cli.USER_ERRORS)
         summary = run_evaluator(cfg, echo=lambda line: print(line, flush=True))
-    except RunNotFound as e:
-        print(f"stoa eval: {e}", file=sys.stderr)
-        return EXIT_RUN_NOT_FOUND
     except SyncError as e:
         print(f"stoa eval: weights not verified, nothing evaluated with them ({e}); check the trainer's "
               "published objects, or retry once it publishes again", file=sys.stderr)

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 EXIT_EXPORT_REFUSED = 8
-"""Exit code of a refused export (``EXIT_CODES`` in stoa.cli); the message names why (unknown run, version
-gone, OUT not empty)."""
+"""Exit code of a refused export (``EXIT_CODES`` in stoa.cli); the message names why (version gone, nothing
+published yet, OUT not empty). An unknown run is ``RunNotFound`` (12), a flag conflict ``ConfigError`` (2)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,13 +38,25 @@ def run(args: argparse.Namespace) -> int:
 
     Args:
         args: parsed arguments.
+
+    Raises:
+        ConfigError: ``--version`` with ``--source checkpoint`` (exit 2).
+        RunNotFound: the bucket holds no such run (exit 12).
     """
     from stoa.bucket import open_bucket
+    from stoa.config import ConfigError
+    from stoa.contract import RunNotFound
     from stoa.export import ExportError, export_run
+    from stoa.layout import contract_key
 
+    if args.source == "checkpoint" and args.version is not None:
+        raise ConfigError("version", "--version applies to --source published only (the checkpoint holds one "
+                                     "version); drop --version, or use --source published")
+    bucket = open_bucket(args.bucket, create=False)
+    if not bucket.exists(contract_key(args.run)):
+        raise RunNotFound(f"no run {args.run!r} in bucket {bucket.url} (no contract); check --run and --bucket")
     try:
-        result = export_run(open_bucket(args.bucket, create=False), args.run, args.out, version=args.version,
-                            source=args.source)
+        result = export_run(bucket, args.run, args.out, version=args.version, source=args.source)
     except ExportError as e:
         print(f"stoa export: {e}", file=sys.stderr)
         return EXIT_EXPORT_REFUSED

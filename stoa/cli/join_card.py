@@ -42,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
     """
     from pathlib import Path
 
+    from stoa.bucket import ObjectNotFound
     from stoa.bucket.credentials import resolve_env
+    from stoa.contract import RunNotFound
     from stoa.join.card import CardError, card_text, card_toml, make_card, write_secrets
 
     env = resolve_env()
@@ -53,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     except CardError as e:
         print(f"stoa join-card: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    except ObjectNotFound as e:  # make_card reads only the contract: no such run (exit 12)
+        raise RunNotFound(str(e)) from None
     card_file = args.out or f"join-{card.run}.toml"
     if args.out:
         Path(args.out).write_text(card_toml(card), encoding="utf-8")

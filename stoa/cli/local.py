@@ -7,6 +7,7 @@ import sys
 
 from stoa.config import add_config_flags, config_to_toml, overrides_from_args
 from stoa.config.local import LocalConfig, load_local_config, resolve_backend
+from stoa.config.text import deprecated_flag
 
 SMOKE_FIELDS = ("backend", "model", "quant_bits", "quant_group_size", "lora_rank", "lora_alpha", "lora_targets",
                 "gradient_checkpointing", "dtype", "device", "threads", "torch_base", "seed")
@@ -27,9 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--config", help="TOML file with local settings (flags override it)")
     train.add_argument("--dry-run", action="store_true",
                        help="print the resolved config, algorithm and memory estimate, then exit")
-    train.add_argument("--beta", "--kl-beta", dest="kl_beta", type=float, default=None,
-                       help="KL-to-reference weight (0 skips the reference forward) [default: the algorithm's]")
-    add_config_flags(train, LocalConfig, skip=("kl_beta",))
+    add_config_flags(train, LocalConfig)
+    deprecated_flag(train, "--beta", "--kl-beta")
     train.set_defaults(func=run_train)
     smoke = lsub.add_parser("smoke", help="load the model object, print its report, check only adapters train",
                             description="Build the quantized model with LoRA adapters and report it; exits 1 "
@@ -74,10 +74,30 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_model_name(name: str) -> None:
+    """Refuse, without downloading anything, a model that cannot exist: a bare name that is not built in, or a
+    directory that is missing or holds no config.json (a hub id ``ORG/NAME`` is checked when it is fetched).
+
+    Args:
+        name: the ``model`` setting.
+
+    Raises:
+        UnknownModel: (exit 2) the name or directory, with the names that work.
+    """
+    from pathlib import Path
+
+    from stoa.models.registry import KNOWN_MODELS, resolve_model
+
+    hub_id = name.count("/") == 1 and not name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists()
+    if name not in KNOWN_MODELS and not hub_id:
+        resolve_model(name)  # a local directory is only looked at
+
+
 def _dry_run(cfg: LocalConfig) -> int:
     from stoa.local.preflight import check_fit, episode_tokens, shape_for
     from stoa.tasks import load_task
 
+    check_model_name(cfg.model)
     print(config_to_toml(cfg), end="")
     print(f"\n# backend: {resolve_backend(cfg.backend)}")
     print("# resolved algorithm")

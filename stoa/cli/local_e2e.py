@@ -1,9 +1,15 @@
-"""``stoa local-e2e [GROUPS SAMPLES TOKENS]``: check this machine's worker path without any trainer."""
+"""``stoa local-e2e``: check this machine's worker path without any trainer (generate, score, upload, read back,
+validate)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import warnings
+
+SHAPE = (("groups", "--groups", 3, "prompt groups"), ("n_samples", "--n-samples", 4, "completions per group"),
+         ("max_new_tokens", "--max-new-tokens", 256, "max new tokens per completion"))
+"""The check's shape: field, flag, default, meaning (once also the positionals GROUPS SAMPLES TOKENS)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,16 +20,58 @@ def register(sub: argparse._SubParsersAction) -> None:
     """
     p = sub.add_parser("local-e2e", help="generate, score, upload, read back and validate records locally",
                        description=__doc__)
-    p.add_argument("groups", nargs="?", type=int, default=3, help="prompt groups [default: 3]")
-    p.add_argument("samples", nargs="?", type=int, default=4, help="completions per group [default: 4]")
-    p.add_argument("tokens", nargs="?", type=int, default=256, help="max new tokens [default: 256]")
+    for dest, flag, default, meaning in SHAPE:
+        p.add_argument(flag, dest=dest, type=int, default=None, help=f"{meaning} [default: {default}]")
+        p.add_argument(f"old_{dest}", nargs="?", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--engine", default="auto", choices=["auto", "torch", "mlx"], help="generation engine")
-    p.add_argument("--model", default=os.environ.get("MODEL", ""),
-                   help="model name or dir [default: env MODEL or tiny]")
+    p.add_argument("--model", default="", help="model name or dir [default: env STOA_MODEL, else tiny]")
     p.add_argument("--bucket", default="", help="bucket URL [default: a temporary local directory]")
     p.add_argument("--task", default="arithmetic", help="task spec [default: arithmetic]")
     p.add_argument("--seed", type=int, default=0, help="seed [default: 0]")
     p.set_defaults(func=run)
+
+
+def shape(args: argparse.Namespace) -> dict[str, int]:
+    """The check's groups, n_samples and max_new_tokens: flags, else the deprecated positionals (warning once),
+    else the defaults.
+
+    Args:
+        args: parsed arguments.
+
+    Raises:
+        ConfigError: a value below 1, or one given both ways.
+    """
+    from stoa.config import ConfigError, DeprecatedSetting
+
+    out = {}
+    for dest, flag, default, _ in SHAPE:
+        flag_value, old = getattr(args, dest), getattr(args, f"old_{dest}")
+        if old is not None:
+            warnings.warn("the positionals GROUPS SAMPLES TOKENS are deprecated: use --groups, --n-samples and "
+                          "--max-new-tokens (same meaning)", DeprecatedSetting, stacklevel=2)
+            if flag_value is not None:
+                raise ConfigError(dest, f"given twice, as {flag} and as a positional; keep {flag}")
+        value = flag_value if flag_value is not None else old if old is not None else default
+        if value < 1:
+            raise ConfigError(dest, f"must be >= 1, got {value}")
+        out[dest] = value
+    return out
+
+
+def model_from_env(env: os._Environ[str] | dict[str, str]) -> str:
+    """``STOA_MODEL``, else the deprecated ``MODEL`` (warning), else ''.
+
+    Args:
+        env: the environment.
+    """
+    from stoa.config import DeprecatedSetting
+
+    if env.get("STOA_MODEL"):
+        return env["STOA_MODEL"]
+    if env.get("MODEL"):
+        warnings.warn("MODEL is deprecated: use STOA_MODEL (same meaning)", DeprecatedSetting, stacklevel=2)
+        return env["MODEL"]
+    return ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,20 +80,16 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.config import ConfigError
-    from stoa.worker.local_e2e import run_local_e2e
-
-    for name in ("groups", "samples", "tokens"):
-        if getattr(args, name) < 1:
-            raise ConfigError(name, "must be >= 1")
     import sys
 
     from stoa.bucket import BucketError
+    from stoa.worker.local_e2e import run_local_e2e
 
+    size = shape(args)
+    model = args.model or model_from_env(os.environ) or "tiny"
     try:
-        summary = run_local_e2e(args.groups, args.samples, args.tokens, engine=args.engine,
-                                model=args.model or None, bucket_url=args.bucket or None, task=args.task,
-                                seed=args.seed)
+        summary = run_local_e2e(size["groups"], size["n_samples"], size["max_new_tokens"], engine=args.engine,
+                                model=model, bucket_url=args.bucket or None, task=args.task, seed=args.seed)
     except RuntimeError as e:
         from stoa.cli import user_error
 

@@ -36,6 +36,11 @@ def _import(args: argparse.Namespace) -> int:
         problem = f"GGUF file {args.file!r} not found; give the path of a .gguf file"
     elif Path(args.outdir).exists():
         problem = f"{args.outdir!r} already exists; give a new directory to create (nothing is overwritten)"
+    else:
+        with open(args.file, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            problem = f"{args.file!r} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); give a .gguf file"
     if problem:
         print(f"stoa: {problem}", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@ import re
 import sys
 
 EXIT_PLOT_USAGE = 2
-"""Exit code when matplotlib is missing, the size is malformed or a run is unknown (``EXIT_CODES`` 2)."""
+"""Exit code when matplotlib is missing or the size is malformed (``EXIT_CODES`` 2); an unknown run is
+``RunNotFound`` (12)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         args: parsed arguments.
     """
     from stoa.bucket import open_bucket
+    from stoa.contract import RunNotFound
     from stoa.observe.plot import PlotUnavailable, plot_runs, require_matplotlib, run_known
 
     try:
@@ -70,9 +72,8 @@ def run(args: argparse.Namespace) -> int:
     runs = list(dict.fromkeys([args.run, *(r for arg in args.compare for r in arg.split(",") if r)]))
     unknown = [r for r in runs if not run_known(bucket, r)]
     if unknown:
-        print(f"stoa plot: no run {', '.join(unknown)} in {args.bucket} (neither a contract nor metrics); "
-              "check --bucket, --run and --compare", file=sys.stderr)
-        return EXIT_PLOT_USAGE
+        raise RunNotFound(f"no run {', '.join(map(repr, unknown))} in bucket {bucket.url} (neither a contract nor "
+                          "metrics); check --bucket, --run and --compare")
     result = plot_runs(bucket, runs, args.out, x=args.x, width=size[0], height=size[1])
     empty = [p.name for p in result.panels if p.lines == 0]
     note = f"; no data yet for {', '.join(empty)}" if empty else ""

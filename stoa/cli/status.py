@@ -6,8 +6,6 @@ import argparse
 import sys
 import time
 
-EXIT_NO_RUN = 4
-"""Exit code when nothing is stored under the run (``EXIT_CODES`` in stoa.cli: an object missing)."""
 CLEAR = "\x1b[H\x1b[2J"
 """Home the cursor and clear the terminal (only written to a terminal)."""
 
@@ -43,9 +41,12 @@ def run(args: argparse.Namespace) -> int:
 
     Args:
         args: parsed arguments.
+
+    Raises:
+        RunNotFound: nothing is stored under the run (exit 12, ``stoa.cli.USER_ERRORS``).
     """
     from stoa.bucket import BucketError, open_bucket
-    from stoa.observe.snapshot import ChunkCache, RunNotFound, dumps, take_snapshot
+    from stoa.observe.snapshot import ChunkCache, dumps, take_snapshot
     from stoa.observe.status import render
 
     if args.watch is not None and args.watch <= 0 or args.workers_minutes <= 0 or args.max_chunks < 1:
@@ -59,9 +60,6 @@ def run(args: argparse.Namespace) -> int:
             try:
                 snap = take_snapshot(bucket, args.run, workers_minutes=args.workers_minutes,
                                      max_trainer_chunks=args.max_chunks, cache=cache)
-            except RunNotFound as e:
-                print(f"stoa status: {e}", file=sys.stderr)
-                return EXIT_NO_RUN
             except BucketError as e:
                 if args.watch is None:
                     raise

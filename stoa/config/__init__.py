@@ -1,15 +1,15 @@
-"""Typed, frozen configuration for every command: TOML, ``DRL_*`` environment and CLI flags.
+"""Typed, frozen configuration for every command: TOML, ``STOA_*`` environment and CLI flags.
 
 One class hierarchy (each a frozen dataclass whose fields carry their help text):
 
     BaseConfig        model, n_samples, seed, device                        (every command)
-    ├─ FleetConfig    + bucket, run, plane, log_dir; DRL_* env               (trainer and workers)
+    ├─ FleetConfig    + bucket, run, plane, log_dir; STOA_* env              (trainer and workers)
     │  └─ WorkerConfig                                                      (stoa worker, [worker])
     └─ TrainingConfig + task, rollout shape, objective, optimizer; algo_config()   (whatever learns)
        ├─ TrainerConfig (also a FleetConfig)                                (stoa trainer, [trainer])
        └─ LocalConfig   + quantized base, LoRA, output dir                  (stoa local, [local])
 
-Precedence (lowest to highest): dataclass defaults, TOML file, environment (``DRL_*``), CLI flags. One TOML
+Precedence (lowest to highest): dataclass defaults, TOML file, environment (``STOA_*``), CLI flags. One TOML
 file may hold ``[trainer]``, ``[worker]`` and ``[local]`` sections over shared top-level keys
 (``loading``). Local mode's former names (``group_size``, ``prompts_per_step``, ``max_tokens``,
 ``save_every``) are deprecated aliases. This package imports neither torch nor mlx.
@@ -26,7 +26,7 @@ from stoa.config.training import ALGO_TWINS, TrainingConfig
 from stoa.config.worker import ENGINES, WORKER_DTYPES, WorkerConfig
 
 ENV_VARS = dict(FleetConfig.ENV_VARS)
-"""Environment names kept for operators used to the original tool (field -> variable)."""
+"""Field -> the environment variable that sets it (``STOA_*``; ``names.ENV_ALIASES`` keeps the old names)."""
 
 
 __all__ = [

@@ -1,7 +1,8 @@
 """The root of the config hierarchy: ``ConfigError``, the field helper, and the settings every command shares.
 
 ``BaseConfig`` holds what every command has (model, group size, seed, device); ``FleetConfig`` adds what
-the trainer and its workers share to meet at a bucket (bucket, run, plane, log directory, ``DRL_*`` env).
+the trainer and its workers share to meet at a bucket (bucket, run, plane, log directory, ``STOA_*`` env;
+the former ``DRL_*`` names still work, ``stoa.config.names.ENV_ALIASES``).
 Each class names its TOML section (``SECTION``) and registers itself in ``SECTIONS``, so one TOML file can
 hold ``[trainer]``, ``[worker]`` and ``[local]`` sections. Stdlib only.
 """
@@ -136,8 +137,8 @@ class BaseConfig:
 class FleetConfig(BaseConfig):
     """Settings the trainer and its workers share: where they meet (bucket, run) and what travels there."""
 
-    ENV_VARS: ClassVar[Mapping[str, str]] = {"run": "DRL_RUN", "n_samples": "DRL_N_SAMPLES",
-                                             "plane": "DRL_PULSE_PLANE"}
+    ENV_VARS: ClassVar[Mapping[str, str]] = {"run": "STOA_RUN", "n_samples": "STOA_N_SAMPLES",
+                                             "plane": "STOA_PLANE"}
 
     bucket: str = setting("./stoa-runs", "Bucket URL: a local directory, file://DIR or s3://BUCKET/PREFIX.")
     run: str = setting("default", "Run id; names runs/<run>/ in the bucket.")

@@ -1,4 +1,4 @@
-"""Build a config from layers: dataclass defaults, a TOML file, ``DRL_*`` environment, then flags.
+"""Build a config from layers: dataclass defaults, a TOML file, ``STOA_*`` environment, then flags.
 
 A later layer overrides an earlier one. Within one layer a setting may be given once: a deprecated alias
 and its new name together, or a key both at the top of a file and in the command's section, is an error
@@ -6,8 +6,9 @@ naming both places; so is a field together with its ``[algo]`` knob, in any laye
 
 A TOML file is flat (every key is this command's) or sectioned: ``[trainer]``, ``[worker]`` and ``[local]``
 hold each command's keys, and top-level keys are shared (a top-level key only another command knows is
-skipped). Unknown keys are refused with the closest known name, and so is an unknown choice (engine, plane,
-algorithm, dtype, ...).
+skipped). Unknown keys are refused with the closest known name (TRL's and verl's names get ours,
+``stoa.config.names``), and so is an unknown choice (engine, plane, algorithm, dtype, ...). A deprecated
+environment variable (``DRL_RUN``) still works and warns.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from stoa.config.base import SECTIONS, BaseConfig, ConfigError
+from stoa.config.names import ENV_ALIASES, foreign_hint
 from stoa.config.training import TrainingConfig, twin_clash, twin_error
 
 C = TypeVar("C", bound=BaseConfig)
@@ -49,7 +51,7 @@ class Source:
     section: str = ""
 
     def place(self, key: str) -> str:
-        """How ``key`` was written: ``--n-samples``, ``DRL_N_SAMPLES``, ``[local] n_samples in run.toml``."""
+        """How ``key`` was written: ``--n-samples``, ``STOA_N_SAMPLES``, ``[local] n_samples in run.toml``."""
         if self.kind == "flags":
             return "--" + key.replace("_", "-")
         if self.kind == "env":
@@ -94,7 +96,7 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> C:
-    """Build a config from defaults, a TOML file, ``DRL_*`` env vars and overrides, then validate.
+    """Build a config from defaults, a TOML file, ``STOA_*`` env vars and overrides, then validate.
 
     Args:
         cls: ``TrainerConfig``, ``WorkerConfig`` or ``LocalConfig``.
@@ -128,12 +130,13 @@ def choices_of(field_name: str) -> tuple[str, ...]:
         field_name: a config field name, e.g. ``engine``.
     """
     from stoa.algorithms.base import ALGORITHM_NAMES
-    from stoa.config.base import DTYPES, PLANES
+    from stoa.config.base import DTYPES, PLANES, TRACKERS
     from stoa.config.local import BACKENDS, OLD_LOGPROBS, TORCH_BASE
     from stoa.config.worker import ENGINES
 
     table = {"engine": ENGINES, "plane": PLANES, "dtype": DTYPES, "algorithm": tuple(ALGORITHM_NAMES),
-             "backend": BACKENDS, "torch_base": TORCH_BASE, "old_logprobs": OLD_LOGPROBS}
+             "backend": BACKENDS, "torch_base": TORCH_BASE, "old_logprobs": OLD_LOGPROBS,
+             "report_to": TRACKERS}
     return tuple(map(str, table.get(field_name, ())))
 
 
@@ -190,7 +193,8 @@ def toml_layer(cls: type[BaseConfig], toml_path: str | Path | None) -> Layer:
 
 
 def env_layer(cls: type[BaseConfig], env: Mapping[str, str]) -> Layer:
-    """The settings ``cls.ENV_VARS`` give (empty variables are ignored).
+    """The settings ``cls.ENV_VARS`` give (empty variables are ignored); a deprecated name of a variable
+    (``ENV_ALIASES``: ``DRL_RUN`` for ``STOA_RUN``) counts when the new one is unset, with a warning.
 
     Args:
         cls: the config class.
@@ -198,8 +202,13 @@ def env_layer(cls: type[BaseConfig], env: Mapping[str, str]) -> Layer:
     """
     layer: Layer = {}
     for name, var in cls.ENV_VARS.items():
-        if env.get(var):
-            put(cls, layer, name, env[var], Source("env", var))
+        given = var if env.get(var) else next((old for old, new in ENV_ALIASES.items() if new == var
+                                               and env.get(old)), "")
+        if not given:
+            continue
+        if given != var:
+            warnings.warn(f"{given} is deprecated: use {var} (same meaning)", DeprecatedSetting, stacklevel=2)
+        put(cls, layer, name, env[given], Source("env", given))
     return layer
 
 
@@ -273,10 +282,10 @@ def unknown_setting(cls: type[BaseConfig], key: str, where: str, *, shared: bool
     names.update({old: new for c in pool for old, new in c.ALIASES.items()})
     candidates = [*names, *SECTIONS] if shared else list(names)
     close = difflib.get_close_matches(_canonical(key), candidates, n=1)
-    hint = ""
-    if close:
+    hint = foreign_hint(key, set(names))  # another tool's name first: 'beta' is close to no field of ours
+    if not hint and close:
         hint = f"; did you mean '{names.get(close[0], close[0])}'?"
-    elif owners := sorted(s for s, c in SECTIONS.items() if c is not cls and knows(c, _canonical(key))):
+    elif not hint and (owners := sorted(s for s, c in SECTIONS.items() if c is not cls and knows(c, _canonical(key)))):
         sections = " and ".join(f"[{o}]" for o in owners)
         hint = f"; it belongs to {sections} (a shared file takes it there or at the top level)"
     return ConfigError(key, f"unknown setting{' ' + where if where else ''}{hint}")

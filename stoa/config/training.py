@@ -112,10 +112,10 @@ class TrainingConfig(BaseConfig):
                                                     "set steps >= 1, or use echo_schedule = 'constant'")
 
     def _check_task(self) -> None:
-        from stoa.tasks import parse_task_spec
+        from stoa.tasks import check_file_options, parse_task_spec
 
         try:
-            parse_task_spec(self.task)
+            check_file_options(*parse_task_spec(self.task))
         except ValueError as e:
             raise ConfigError("task", str(e)) from None
 

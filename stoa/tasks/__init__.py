@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from stoa.tasks.arithmetic import ArithmeticTask
-from stoa.tasks.base import Prompt, PromptIdError, Task, coerce_options
+from stoa.tasks.base import Prompt, PromptIdError, Task, TaskDataError, TaskOptionError, coerce_options
 from stoa.tasks.extract import answers_match, extract_answer, normalize_number
 from stoa.tasks.gsm8k import GSM8KTask
 from stoa.tasks.multiturn import MultiTurnTask, episode_limits, is_multiturn
@@ -23,6 +25,8 @@ __all__ = [
     "SearchTask",
     "Task",
     "TaskClass",
+    "TaskDataError",
+    "TaskOptionError",
     "ToyTask",
     "WalkTask",
     "answers_match",
@@ -67,10 +71,17 @@ def get_task(name: str, **options: object) -> Task:
     Raises:
         ValueError: unknown task (the message lists the known ones), unknown option or bad value
             (the message names the option).
+        TaskOptionError: an option names a missing or malformed file, or has a bad value (a ``ValueError``).
+        TaskDataError: the task's data cannot be fetched (a hub dataset without network).
     """
     cls = _task_class(name)
     kwargs = coerce_options(name, cls.OPTIONS, options)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except TaskDataError:
+        raise
+    except (ValueError, FileNotFoundError) as e:  # a task's constructor reports its data and options so
+        raise TaskOptionError(str(e)) from e
 
 
 def parse_task_spec(spec: str) -> tuple[str, dict[str, object]]:
@@ -100,6 +111,26 @@ def parse_task_spec(spec: str) -> tuple[str, dict[str, object]]:
                 raise ValueError(f"task spec {spec!r}: option {key!r} given twice")
             raw[key] = value.strip()
     return name, coerce_options(name, cls.OPTIONS, raw)
+
+
+def check_file_options(name: str, options: Mapping[str, object]) -> None:
+    """Refuse a file option (``FILE_OPTIONS``: ``gsm8k:path=...``) that names no file here, before anything
+    loads, so a typo is one line even in a dry run; a ``bucket:`` reference (a run's copy) is not looked at.
+
+    Args:
+        name: the task name.
+        options: its parsed options.
+
+    Raises:
+        TaskOptionError: a file option names no existing file or directory.
+    """
+    from pathlib import Path
+
+    for option in getattr(TASKS.get(name), "FILE_OPTIONS", ()):
+        value = options.get(option)
+        if isinstance(value, str) and not value.startswith("bucket:") and not Path(value).expanduser().exists():
+            raise TaskOptionError(f"{name}: option {option!r}: no such file: {value}; give the path of a local "
+                                  "file (jsonl)")
 
 
 def load_task(spec: str) -> Task:

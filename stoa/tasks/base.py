@@ -13,6 +13,8 @@ __all__ = [
     "Prompt",
     "PromptIdError",
     "Task",
+    "TaskDataError",
+    "TaskOptionError",
     "chat_messages",
     "check_prompt_version",
     "coerce_options",
@@ -66,6 +68,17 @@ class Task(Protocol):
     def is_correct(self, prompt: Prompt, completion: str) -> bool:
         """Whether the completion's final answer equals the ground truth."""
         ...
+
+
+class TaskDataError(RuntimeError):
+    """A task's data cannot be had: a hub dataset that cannot be fetched (no network), or a reader that is not
+    installed; the message names the fix (e.g. a local jsonl path). A user error (exit 2), never a fallback."""
+
+
+class TaskOptionError(TaskDataError, ValueError):
+    """A task option names a missing or malformed file, or has a bad value; the message names the option and
+    the fix. Also a ``ValueError``, so callers that can do without the task's data (a dry run's estimate)
+    still catch it."""
 
 
 class PromptIdError(ValueError, KeyError):

@@ -15,6 +15,7 @@ import numpy as np
 from stoa.tasks.base import (
     Prompt,
     PromptIdError,
+    TaskDataError,
     chat_messages,
     check_prompt_version,
     format_prompt_id,
@@ -116,23 +117,24 @@ def load_hf(dataset: str, config: str, split: str) -> list[Problem]:
         split: "train" or "test".
 
     Raises:
-        RuntimeError: `datasets` is not installed or the load failed (e.g. no network); the message
-            says how to use a local jsonl file instead.
+        TaskDataError: `datasets` is not installed or the load failed (e.g. no network); the message
+            says how to use a local jsonl file instead (a RuntimeError too).
     """
     hint = ("or use a local copy with the task spec 'gsm8k:path=/path/to/train.jsonl' "
             "(test.jsonl beside it becomes the test split)")
     try:
         datasets = importlib.import_module("datasets")
     except ImportError:
-        raise RuntimeError(
+        raise TaskDataError(
             f"gsm8k: loading {dataset!r} from the Hugging Face hub needs the 'datasets' package "
             f"(pip install 'stoa[datasets]'), {hint}"
         ) from None
     try:
         ds = datasets.load_dataset(dataset, config, split=split)
     except Exception as e:  # the hub raises many kinds (connection, auth, missing config)
-        raise RuntimeError(
-            f"gsm8k: could not load {dataset!r} ({config}, {split}) from the hub: {e}; {hint}"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TaskDataError(
+            f"gsm8k: could not load {dataset!r} ({config}, {split}) from the hub ({first}); {hint}"
         ) from e
     return _problems_from_rows(((f"[{i}]", dict(row)) for i, row in enumerate(ds)), f"{dataset}:{split}")
 
@@ -212,12 +214,14 @@ class GSM8KTask:
             if train_file.is_dir():
                 train_file = train_file / "train.jsonl"
             if not train_file.is_file():
-                raise ValueError(f"gsm8k: option 'path': no such file: {train_file}")
+                raise ValueError(f"gsm8k: option 'path': no such file: {train_file}; give a local jsonl file "
+                                 "(or a directory holding train.jsonl)")
             test_file: Path | None
             if test_path is not None:
                 test_file = Path(test_path).expanduser().resolve()
                 if not test_file.is_file():
-                    raise ValueError(f"gsm8k: option 'test_path': no such file: {test_file}")
+                    raise ValueError(f"gsm8k: option 'test_path': no such file: {test_file}; give a local jsonl "
+                                     "file")
             else:
                 beside = train_file.parent / "test.jsonl"
                 test_file = beside if beside.is_file() and beside != train_file else None

@@ -27,7 +27,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 from stoa.retrieval.base import Doc
-from stoa.tasks.base import Prompt, PromptIdError, check_prompt_version, format_prompt_id, parse_prompt_id
+from stoa.tasks.base import (
+    Prompt,
+    PromptIdError,
+    TaskDataError,
+    check_prompt_version,
+    format_prompt_id,
+    parse_prompt_id,
+)
 from stoa.tasks.qa import encode_golds
 from stoa.tasks.search import SEARCH_OPTIONS, SearchTaskBase, search_messages
 
@@ -112,7 +119,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         pq = importlib.import_module("pyarrow.parquet")
     except ImportError:
-        raise RuntimeError(f"searchqa: reading {path} needs pyarrow (pip install pyarrow), or convert it to "
+        raise TaskDataError(f"searchqa: reading {path} needs pyarrow (pip install pyarrow), or convert it to "
                            "jsonl") from None
     for i, row in enumerate(pq.read_table(path).to_pylist()):
         yield f"{path}:row {i}", row
@@ -130,7 +137,7 @@ def load_qa(path: str | Path, system: str = "", use_prompt: bool = False, shots:
     Raises:
         FileNotFoundError: no such file.
         ValueError: a bad line or row (named).
-        RuntimeError: a parquet file without pyarrow installed.
+        TaskDataError: a parquet file without pyarrow installed (a RuntimeError too).
     """
     p = Path(path)
     if not p.is_file():
@@ -150,7 +157,7 @@ def _fingerprint(items: Iterable[QAItem]) -> str:
 def _file_option(name: str, value: str) -> Path:
     p = Path(value).expanduser().resolve()
     if not p.is_file():
-        raise ValueError(f"searchqa: option {name!r}: no such file: {p}")
+        raise ValueError(f"searchqa: option {name!r}: no such file: {p}; give a local jsonl (or parquet) file")
     return p
 
 

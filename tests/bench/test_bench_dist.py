@@ -36,7 +36,7 @@ def test_torchrun_argv_puts_the_benchmark_after_a_double_dash():
 
 
 def test_child_argv_re_parses_to_the_same_setting_without_compare():
-    args = _args("--model", "llama-1b", "--nproc", "8", "--compare", "--device", "cuda", "--dtype", "bf16",
+    args = _args("--model", "llama-1b", "--nproc", "8", "--compare", "--device", "cuda", "--dtype", "bfloat16",
                  "--groups", "3", "--lr", "3e-05", "--no-gradient-checkpointing", "--peak-tflops", "500")
     argv = child_argv(args, 8, "/tmp/rows.jsonl", reference="/tmp/ref.npz")
     assert argv[:2] == ["bench", "dist"]
@@ -80,8 +80,8 @@ def test_compare_sees_a_single_flipped_bf16_element():
 
 
 def test_an_in_process_run_times_steps_and_its_planes_equal_a_second_identical_run(tiny_dir):
-    rows = run(_args("--model", str(tiny_dir), "--nproc", "1", "--compare", "--groups", "2", "--n", "2",
-                     "--prompt-tokens", "8", "--tokens", "8", "--repeats", "1", "--lr", "1e-3"))
+    rows = run(_args("--model", str(tiny_dir), "--nproc", "1", "--compare", "--groups", "2", "--n-samples", "2",
+                     "--prompt-tokens", "8", "--max-new-tokens", "8", "--repeats", "1", "--lr", "1e-3"))
     assert [r.world for r in rows] == [1, 1]
     first, second = rows
     assert first.step_s > 0 and second.step_s > 0 and first.tokens_per_s > 0

@@ -66,7 +66,7 @@ def test_stoa_bench_episodes_flags_run_the_builtin_search_task_and_write_json(ti
     path = tmp_path / "episodes.json"
     parser = bench_parser("episodes")
     assert parser is not None
-    args = parser.parse_args(["--model", str(tiny_dir), "--engines", "torch", "--prompts", "1", "--n", "2",
+    args = parser.parse_args(["--model", str(tiny_dir), "--engines", "torch", "--prompts", "1", "--n-samples", "2",
                               "--turn-tokens", "4", "--repeats", "1", "--threads", "1", "--dtype", "float32",
                               "--option", "shots=0", "--json", str(path)])
     assert episodes.main(args) == 0

@@ -32,7 +32,7 @@ def test_bench_pulse_tiny(plane: str, stoa_cache: Path, tmp_path: Path, capsys: 
     bucket = tmp_path / "bucket"
     args = parser.parse_args([
         "--model", "tiny", "--steps", "2", "--plane", plane, "--lr", "1e-6", "--lr", "1e-5",
-        "--samples", "2", "--max-new-tokens", "8", "--repeat", "1", "--out", str(out), "--bucket", str(bucket),
+        "--n-samples", "2", "--max-new-tokens", "8", "--repeat", "1", "--out", str(out), "--bucket", str(bucket),
     ])
     assert main(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()

@@ -56,10 +56,10 @@ def test_parse_result_takes_the_last_result_line_among_noise():
 
 
 def test_children_argv_and_the_spec_the_driver_reads():
-    args = _args("--compare", "trl", "--dtype", "bf16", "--threads", "3")
+    args = _args("--compare", "trl", "--dtype", "bfloat16", "--threads", "3")
     spec = trl.child_spec(args, Path("/m"))
     assert (spec["prompts"], spec["generations"], spec["tokens"], spec["prompt_tokens"]) == (8, 8, 64, 48)
-    assert (spec["beta"], spec["threads"], spec["dtype"], spec["micro_batch"]) == (0.001, 3, "bf16", 16)
+    assert (spec["beta"], spec["threads"], spec["dtype"], spec["micro_batch"]) == (0.001, 3, "bfloat16", 16)
     assert trl.child_spec(_args("--compare", "trl", "--kl-beta", "0.04"), Path("/m"))["beta"] == 0.04
     argv = trl.trl_argv(Path("/v/bin/python"), spec)
     assert argv[:2] == ["/v/bin/python", str(trl.TRL_DRIVER)] and json.loads(argv[2]) == spec

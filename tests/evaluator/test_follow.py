@@ -109,7 +109,7 @@ def test_a_damaged_patch_is_refused_and_nothing_is_evaluated_with_it(tmp_path, t
     data = bytearray(bucket.get(patch_key(RUN, 3)))
     data[len(data) // 2] ^= 0xFF
     bucket.put(patch_key(RUN, 3), bytes(data))
-    args = ["eval", "--bucket", url, "--run", RUN, "--engine", "torch", "--n", "2", "--threads", "1",
+    args = ["eval", "--bucket", url, "--run", RUN, "--engine", "torch", "--eval-n", "2", "--threads", "1",
             "--log-dir", str(tmp_path / "logs")]
     assert main(args) == 10
     out = capsys.readouterr()
@@ -126,9 +126,9 @@ def test_a_damaged_patch_is_refused_and_nothing_is_evaluated_with_it(tmp_path, t
     assert [r["version"] for r in eval_rows(bucket)] == [3]
 
 
-def test_a_missing_run_is_one_line_and_exit_4(tmp_path, capsys):
+def test_a_missing_run_is_one_line_and_exit_12(tmp_path, capsys):
     open_bucket(str(tmp_path / "b"))
-    assert main(["eval", "--bucket", str(tmp_path / "b"), "--run", "nope"]) == 4
+    assert main(["eval", "--bucket", str(tmp_path / "b"), "--run", "nope"]) == 12
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'nope'" in err[0] and str(tmp_path / "b") in err[0]
 

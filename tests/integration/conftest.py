@@ -42,7 +42,8 @@ class Procs:
 def procs(tmp_path, stoa_cache):
     env = {**os.environ, "STOA_CACHE": str(stoa_cache), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-    for k in ("DRL_RUN", "DRL_N_SAMPLES", "DRL_PULSE_PLANE"):
+    for k in ("DRL_RUN", "DRL_N_SAMPLES", "DRL_PULSE_PLANE", "STOA_RUN", "STOA_N_SAMPLES", "STOA_PLANE", "MODEL",
+              "STOA_MODEL"):
         env.pop(k, None)
     ps = Procs(tmp_path, env)
     yield ps

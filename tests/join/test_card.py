@@ -49,8 +49,8 @@ def test_a_retriever_for_a_task_without_one_is_refused(local_bucket):
     assert main(["join-card", "--bucket", local_bucket, "--run", "r1", "--retriever", "http://h:1"]) == 2
 
 
-def test_a_missing_run_exits_4(local_bucket):
-    assert main(["join-card", "--bucket", local_bucket, "--run", "nope"]) == 4
+def test_a_missing_run_exits_12(local_bucket):
+    assert main(["join-card", "--bucket", local_bucket, "--run", "nope"]) == 12
 
 
 @pytest.mark.parametrize(("url", "env", "names"), [

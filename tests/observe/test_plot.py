@@ -182,7 +182,7 @@ def test_the_command_writes_the_png_and_refuses_with_exit_2(tmp_path, capsys, mo
     assert main(["plot", "--bucket", str(tmp_path / "b"), "--run", "r", "--compare", "r2", str(out)]) == 0
     assert pixels(out, boxes(render([load_run(open_bucket(str(tmp_path / "b")), "r")], tmp_path / "ref.png"))["reward"],
                   "C1")[0] > 0
-    assert main(["plot", "--bucket", str(tmp_path / "b"), "--run", "r", "--compare", "r2,typo", str(out)]) == 2
+    assert main(["plot", "--bucket", str(tmp_path / "b"), "--run", "r", "--compare", "r2,typo", str(out)]) == 12
     assert main(["plot", "--bucket", str(tmp_path / "b"), "--run", "r", "--size", "big", str(out)]) == 2
     capsys.readouterr()
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):

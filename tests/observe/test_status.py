@@ -156,10 +156,10 @@ def test_hostile_bytes_are_skipped_and_counted_never_raised(tmp_path, monkeypatc
     assert parse_chunk(b"\n".join(bad_lines)).bad == len(bad_lines)
 
 
-def test_a_missing_run_is_one_line_naming_run_and_bucket_and_exit_4(tmp_path, capsys):
+def test_a_missing_run_is_one_line_naming_run_and_bucket_and_exit_12(tmp_path, capsys):
     bucket = open_bucket(str(tmp_path / "b"))
     write_run(bucket, time.time())
-    assert main(["status", "--bucket", str(tmp_path / "b"), "--run", "nope"]) == 4
+    assert main(["status", "--bucket", str(tmp_path / "b"), "--run", "nope"]) == 12
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'nope'" in err[0] and str(tmp_path / "b") in err[0]
 

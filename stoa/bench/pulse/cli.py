@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from stoa.bucket import open_bucket
+from stoa.config.text import deprecated_flag
 from stoa.weights.planes import PLANES
 
 from .report import report_lines
@@ -45,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket", default=None, metavar="DIR",
                         help="local bucket directory (default: a temp dir, deleted after)")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling and advantages (default 0)")
-    parser.add_argument("--samples", type=int, default=4,
+    parser.add_argument("--n-samples", dest="samples", metavar="N", type=int, default=4,
                         help="completions per prompt (default 4; 4 prompts)")
+    deprecated_flag(parser, "--samples", "--n-samples")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="completion length cap (default 16)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed repeats per measurement, median taken (default 3)")

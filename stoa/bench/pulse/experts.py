@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from stoa.config.text import deprecated_flag
 from stoa.weights.patch_format import _parse
 from stoa.weights.planes import PLANES, State, quant_stem, state_from_f32
 from stoa.weights.pulse import apply_patch, encode_patch
@@ -316,8 +317,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate [default: 1e-05]")
     p.add_argument("--planes", default=",".join(PLANES), help=f"planes to measure [default: {','.join(PLANES)}]")
     p.add_argument("--groups", type=int, default=4, help="groups per step [default: 4]")
-    p.add_argument("--n", type=int, default=4, help="samples per group [default: 4]")
-    p.add_argument("--new-tokens", type=int, default=12, help="tokens sampled per row [default: 12]")
+    p.add_argument("--n-samples", dest="n", metavar="N", type=int, default=4, help="samples per group [default: 4]")
+    deprecated_flag(p, "--n", "--n-samples")
+    p.add_argument("--max-new-tokens", dest="new_tokens", metavar="N",
+                   type=int, default=12, help="tokens sampled per row [default: 12]")
+    deprecated_flag(p, "--new-tokens", "--max-new-tokens")
     p.add_argument("--experts", type=int, default=0, help="rebuild the tiny MoE with this many experts [default: 0]")
 
 
