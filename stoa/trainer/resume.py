@@ -87,9 +87,10 @@ def parse_config(data: bytes, run_id: str) -> dict[str, Any]:
     if not isinstance(settings, dict):
         raise ConfigError("config", f"{trainer_config_key(run_id)} is not a stored trainer configuration; "
                                     "restore it or delete it (the run then resumes from its contract alone)")
-    known = {f.name for f in dataclasses.fields(TrainerConfig)} - TrainerConfig.NOT_STORED
-    return {k: coerce(TrainerConfig, k, v, f"{trainer_config_key(run_id)}") for k, v in settings.items()
-            if k in known}
+    fields = {f.name: f for f in dataclasses.fields(TrainerConfig) if f.name not in TrainerConfig.NOT_STORED}
+    where = trainer_config_key(run_id)
+    return {k: v if v is None and fields[k].default is None else coerce(TrainerConfig, k, v, where)
+            for k, v in settings.items() if k in fields}
 
 
 def read_stored(bucket: Bucket, run_id: str) -> dict[str, Any] | None:
