@@ -156,9 +156,9 @@ def test_the_config_goes_up_before_the_contract(tmp_path, stoa_cache):
 def test_trainer_requires_run_and_a_new_run_requires_model(tmp_path, stoa_cache, capsys, monkeypatch):
     url = str(tmp_path / "b")
     monkeypatch.delenv("DRL_RUN", raising=False)
-    code, _, err = _cli(["trainer", "--bucket", url, "--model", "tiny"], capsys)
+    code, _, err = _cli(["trainer", "--dry-run", "--bucket", url, "--model", "tiny"], capsys)  # a dry run refuses too
     assert code == 2 and err.startswith("stoa: invalid setting run: required: name the run with --run")
-    code, _, err = _cli(["trainer", "--bucket", url, "--run", "r"], capsys)
+    code, _, err = _cli(["trainer", "--dry-run", "--bucket", url, "--run", "r"], capsys)
     assert code == 2 and err.startswith("stoa: invalid setting model: required for a new run ('r' is not in")
     code, _, err = _cli(["trainer", "--dry-run", "--bucket", url, "--run", "r", "--model", "smollm"], capsys)
     assert (code, err.count("\n")) == (2, 1) and err.startswith("stoa: unknown model 'smollm'; use a built-in name")
@@ -175,7 +175,7 @@ def test_trainer_requires_run_and_a_new_run_requires_model(tmp_path, stoa_cache,
 
 def test_worker_requires_run(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("DRL_RUN", raising=False)
-    code, _, err = _cli(["worker", "--bucket", str(tmp_path / "b")], capsys)
+    code, _, err = _cli(["worker", "--bucket", str(tmp_path / "b"), "--dry-run"], capsys)  # a dry run refuses too
     assert (code, err) == (2, "stoa: invalid setting run: required: name the trainer's run with --run NAME (stoa "
                               "runs --bucket B lists them), or set run in --config or DRL_RUN\n")
     assert not (tmp_path / "b").exists()
