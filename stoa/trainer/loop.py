@@ -146,6 +146,7 @@ class _Trainer:
         self.version = self.step = 0
         self.cadence = CheckpointCadence(cfg.checkpoint_every, cfg.checkpoint_minutes)
         self.publishing: Background[Any] | None = None
+        self.unpublished_rows: list[tuple[dict[str, Any], int]] = []
         self.last_publish: Done[Any] | None = None
         self.lag0_trusted = True  # see resume(): whether lag-0 records can be judged against our weights
 
@@ -174,6 +175,9 @@ class _Trainer:
         """Wait for the version being uploaded (if any); its ``PublishResult``, also kept in ``last_publish``."""
         job, self.publishing = self.publishing, None
         self.last_publish = job.join() if job is not None else None
+        for row, step in self.unpublished_rows:  # a step's row goes out once its version's pointer is in
+            self.metrics.log(row, step=step)
+        self.unpublished_rows = []
         return self.last_publish.value if self.last_publish is not None else None
 
     def fence(self) -> None:
@@ -387,7 +391,7 @@ class _Trainer:
                        staleness_bound=self.cfg.staleness_bound, deleted=deleted,
                        publish=pub.value if pub else None, publish_s=pub.seconds if pub else 0.0)
         row.update(self.quarantine.metrics())
-        self.metrics.log(row, step=self.step)
+        self.unpublished_rows.append((row, self.step))  # logged by settle_publish: never a version not published
         self.summary["step_times"].append(m["step_time_s"])
         self.echo(step_line(row, self.step))
 
