@@ -1,4 +1,7 @@
-"""``stoa worker``: pull the current policy, sample groups, upload records; safe to kill any time."""
+"""``stoa worker``: pull the current policy, sample groups, upload records; safe to kill any time.
+
+--run is required (a flag, run in --config, or DRL_RUN): the worker joins that run of the bucket.
+"""
 
 from __future__ import annotations
 
