@@ -33,6 +33,10 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         "shared_prefix", "dtype", "anchor_every", "keep_versions", "keep_rollout_versions", "backpressure"})
     """Stored settings a restart may change (logged); every other stored one must agree with the run."""
 
+    model: str = setting("tiny", "Model, required for a new run (a restart takes the run's): 'tiny', 'smollm2-135m', "
+                                 "a local HF directory or a hub id.")
+    run: str = setting("default", "Run id, required: a new one is created, an existing one resumes; names "
+                                  "runs/<run>/ in the bucket.")
     checkpoint_every: int = setting(0, "Also save a checkpoint (fp32 master weights + AdamW moments, 12 bytes "
                                        "per parameter) every this many steps (0 = by time only, see "
                                        "checkpoint_minutes).")
