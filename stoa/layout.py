@@ -4,6 +4,7 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
 ``runs/<run>/``::
 
     runs/<run>/run.json                                  contract (trainer, create-only, first)
+    runs/<run>/config.json                               the trainer's resolved settings (trainer, before run.json)
     runs/<run>/model/<file>                              config + tokenizer files (trainer, create-only)
     runs/<run>/weights/current.json                      weight pointer (trainer, compare-and-swap, last)
     runs/<run>/weights/anchors/v<k>/{model.safetensors,manifest.json}   full checkpoint, manifest last
@@ -82,6 +83,15 @@ def contract_key(run_id: str) -> str:
         run_id: the run id.
     """
     return f"{run_prefix(run_id)}/run.json"
+
+
+def trainer_config_key(run_id: str) -> str:
+    """Key of the trainer's stored configuration, ``runs/<run>/config.json`` (no secrets, no local paths).
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/config.json"
 
 
 def model_prefix(run_id: str) -> str:

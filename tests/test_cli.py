@@ -11,7 +11,8 @@ from stoa.cli import main
 
 
 def test_trainer_dry_run_prints_resolved_toml(capsys):
-    assert main(["trainer", "--dry-run", "--run", "x", "--algorithm", "dapo", "--algo", "eps_high=0.3"]) == 0
+    argv = ["trainer", "--dry-run", "--run", "x", "--model", "tiny", "--algorithm", "dapo", "--algo", "eps_high=0.3"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     cfg = tomllib.loads(out.split("# resolved algorithm")[0])
     assert cfg["run"] == "x" and cfg["algorithm"] == "dapo" and cfg["algo"] == {"eps_high": 0.3}

@@ -67,14 +67,14 @@ def test_worker_says_at_once_that_the_directory_is_missing_and_never_creates_it(
     seen: list = []
     monkeypatch.setattr("stoa.worker.loop.run_worker", _fake_worker(seen))
     missing = tmp_path / "nope"
-    code = main(["worker", "--bucket", str(missing), "--wait-seconds", "0.3", "--poll-seconds", "0.05"])
+    code = main(["worker", "--bucket", str(missing), "--run", "r", "--wait-seconds", "0.3", "--poll-seconds", "0.05"])
     out, err = capsys.readouterr()
     assert out == (f"[worker] bucket directory {missing} does not exist yet; waiting up to 0.3s for the "
                    f"trainer to create it (check --bucket if no trainer is starting)\n")
     assert (code, err) == (2, f"stoa: bucket directory {missing} does not exist; start the trainer first (it "
                               f"creates it) or fix the --bucket path\n")
     assert not missing.exists() and seen == []
-    assert main(["worker", "--bucket", str(missing), "--dry-run"]) == 0  # a dry run only parses
+    assert main(["worker", "--bucket", str(missing), "--run", "r", "--dry-run"]) == 0  # a dry run only parses
 
 
 def test_worker_goes_on_once_the_trainer_creates_the_directory(tmp_path, monkeypatch, capsys) -> None:
@@ -84,16 +84,16 @@ def test_worker_goes_on_once_the_trainer_creates_the_directory(tmp_path, monkeyp
     monkeypatch.setattr("stoa.worker.loop.run_worker", _fake_worker(seen))
     later = tmp_path / "later"
     threading.Timer(1.0, later.mkdir).start()  # after the first check, even on a loaded machine
-    assert main(["worker", "--bucket", str(later), "--wait-seconds", "30", "--poll-seconds", "0.05"]) == 0
+    assert main(["worker", "--bucket", str(later), "--run", "r", "--wait-seconds", "30", "--poll-seconds", "0.05"]) == 0
     assert len(seen) == 1 and "does not exist yet" in capsys.readouterr().out
 
 
 def test_unknown_model_lists_the_names_on_one_line(tmp_path, capsys) -> None:
     known = (f"use a built-in name ({NAMES}), a local model directory, or a hub id "
              "ORG/NAME")
-    assert _run(["worker", "--bucket", str(tmp_path), "--model", "smollm"], capsys) == (
+    assert _run(["worker", "--bucket", str(tmp_path), "--run", "r", "--model", "smollm"], capsys) == (
         2, f"stoa: unknown model 'smollm'; {known}\n")
-    assert _run(["worker", "--bucket", str(tmp_path), "--model", "./models/x"], capsys) == (
+    assert _run(["worker", "--bucket", str(tmp_path), "--run", "r", "--model", "./models/x"], capsys) == (
         2, f"stoa: model directory './models/x' does not exist; {known}\n")
     assert _run(["model", "pull", "gpt-17"], capsys) == (
         2, f"stoa: unknown model 'gpt-17'; known models: {NAMES}\n")
@@ -102,7 +102,7 @@ def test_unknown_model_lists_the_names_on_one_line(tmp_path, capsys) -> None:
 def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch, capsys) -> None:
     seen: list = []
     monkeypatch.setattr("stoa.worker.loop.run_worker", _fake_worker(seen))
-    assert main(["worker", "--bucket", str(tmp_path), "--model", "tiny"]) == 0
+    assert main(["worker", "--bucket", str(tmp_path), "--run", "r", "--model", "tiny"]) == 0
     assert len(seen) == 1 and (stoa_cache / "models" / "tiny-llama").samefile(seen[0].model)
 
 

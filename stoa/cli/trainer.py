@@ -1,9 +1,14 @@
 """``stoa trainer``: write the run contract and v1, then learn from whatever rollouts land.
 
-One trainer per run: the trainer holds the run's lease (runs/<run>/trainer/lease.json) and a second one is
-refused. On an existing run the contract's settings are used (model, task, n_samples, plane, sampling,
-staleness, reuse cap, algorithm): restart with just --bucket and --run; a flag that contradicts the run is an
-error showing both values. --steps counts the run's total steps, restarts included.
+--run is required, and --model for a new run. One trainer per run: the trainer holds the run's lease
+(runs/<run>/trainer/lease.json) and a second one is refused. A new run stores the trainer's settings
+(runs/<run>/config.json, no bucket URL, paths or secrets). On an existing run the settings it was started with
+are used (the contract's: model, task, n_samples, plane, sampling, staleness, reuse cap, algorithm; and the
+stored ones: lr, groups_per_step, steps, ...): restart with just --bucket and --run. A flag that contradicts
+the run is an error showing both values, except steps, checkpoint and eval cadence, trackers, polling and
+memory knobs, which change for this trainer (one line lists the changes). --steps counts the run's total
+steps, restarts included. --dry-run prints the resolved settings, the checkpoint size and writes per hour,
+and what a restart would change.
 
 Before anything loads, the memory preflight estimates the peak per rank (``stoa.trainer.memory``) and refuses a
 run that would not fit, naming the flag that would (--no-preflight only reports). ``--nproc G`` runs G ranks on
@@ -18,11 +23,12 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from stoa.config import ConfigError, TrainerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
 
 if TYPE_CHECKING:
+    from stoa.local.shapes import ModelShape
     from stoa.trainer.memory import FitReport, PromptLength
 
 
@@ -67,18 +73,22 @@ def given_places(args: argparse.Namespace, overrides: dict) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Resolve the config (against the run's contract when the run exists) and run, or print it (``--dry-run``).
+    """Resolve the config (against the run's contract and stored settings when the run exists) and run, or print
+    it (``--dry-run``).
 
     Args:
         args: parsed arguments.
     """
-    from stoa.trainer.setup import resume_config
+    from stoa.trainer.setup import resume_plan
 
     overrides = overrides_from_args(args, TrainerConfig)
     cfg = load_config(TrainerConfig, toml_path=args.config, overrides=overrides)
     if int(os.environ.get("RANK", "0") or 0) > 0 and not args.dry_run:
         return _follow(cfg, args)
-    cfg = resume_config(cfg, given_places(args, overrides))
+    given = given_places(args, overrides)
+    require_run_and_model(cfg, given)
+    plan = resume_plan(cfg, given)
+    cfg = plan.cfg
     report = memory_report(cfg, args.nproc, args.prompt_tokens, offline=args.dry_run)
     if args.dry_run:
         print(config_to_toml(cfg), end="")
@@ -86,9 +96,13 @@ def run(args: argparse.Namespace) -> int:
         print("\n# resolved algorithm")
         print("\n".join(f"# {k} = {v!r}" for k, v in sorted(algo.to_dict().items())))
         print("\n" + "\n".join(memory_lines(report)))
+        print("\n" + "\n".join(_checkpoint_lines(cfg)))
+        print("\n".join(f"# {line}" for line in plan.notes() or [f"[trainer] run {cfg.run!r} is new"]))
     check_memory(cfg, report)
     if args.dry_run:
         return 0
+    for line in plan.notes():
+        print(line)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         argv = torchrun_argv(sys.argv[1:], args.nproc, sys.executable)
         os.execvp(argv[0], argv)  # noqa: S606 (the same command, under torchrun)
@@ -97,6 +111,45 @@ def run(args: argparse.Namespace) -> int:
     summary = run_trainer(cfg, take_over=args.take_over)  # LeaseHeld exits 6, LeaseLost 7 (stoa.cli)
     print(f"[trainer] done: the run is at step {summary['step']}, v{summary['version']}")
     return 0
+
+
+def require_run_and_model(cfg: TrainerConfig, given: dict[str, str]) -> None:
+    """Refuse a trainer without ``--run``, and one without ``--model`` unless the run exists (it resumes).
+
+    "Given" is a flag, a key of ``--config`` or an environment variable (``DRL_RUN``). A local bucket that does
+    not exist yet holds no run; nothing is created before the check.
+
+    Args:
+        cfg: the config from defaults, TOML, env and flags.
+        given: ``given_places``'s.
+
+    Raises:
+        ConfigError: (exit 2) the run, or the model of a new run, was not given.
+        UnknownModel: (exit 2) the given model cannot exist (``model_shape``).
+    """
+    from stoa.bucket import check_bucket_url, open_bucket
+    from stoa.layout import contract_key
+
+    if "run" not in given:
+        raise ConfigError("run", "required: name the run with --run NAME (a new run is created, an existing one "
+                                 "resumes), or set run in --config or DRL_RUN")
+    if "model" in given:
+        model_shape(cfg.model, offline=True)  # an unknown name or a missing directory fails here, before the bucket
+        return
+    where = check_bucket_url(cfg.bucket)
+    local = where.scheme == "file" and not Path(where.location).expanduser().is_dir()
+    if local or not open_bucket(cfg.bucket).exists(contract_key(cfg.run)):
+        raise ConfigError("model", f"required for a new run ({cfg.run!r} is not in {cfg.bucket}): pass --model "
+                                   "(tiny, smollm2-135m, a local directory or a hub id); check --bucket and --run "
+                                   "if you meant to resume")
+
+
+def _checkpoint_lines(cfg: TrainerConfig) -> list[str]:
+    """The dry run's checkpoint section, from the model's parameter count when its shape is known here."""
+    from stoa.trainer.cadence import cadence_lines
+
+    shape = model_shape(cfg.model, offline=True).shape
+    return cadence_lines(cfg, shape.params() if shape is not None else None)
 
 
 def world_size(nproc: int, env: dict[str, str] | os._Environ[str]) -> int:
@@ -140,20 +193,47 @@ def _follow(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_dir(model: str, offline: bool) -> Path | None:
-    """The model's directory (config.json, tokenizer) without downloading when ``offline``; None: not here."""
-    from stoa.models import KNOWN_MODELS, default_cache_dir, resolve_model
+class ModelAt(NamedTuple):
+    """Where a model's files are here and its shape (``model_shape``)."""
 
-    local = Path(model).expanduser()
-    if (local / "config.json").is_file():
-        return local
-    if not offline or (model in KNOWN_MODELS and model != "smollm2-135m"):  # the tiny models build locally
-        return resolve_model(model)
+    dir: Path | None
+    """Its directory (config.json, tokenizer); None: not on this machine."""
+    shape: ModelShape | None
+    """Its config.json figures; None: unknown here."""
+
+
+def model_shape(model: str, offline: bool) -> ModelAt:
+    """The model's directory and shape; ``offline`` downloads nothing (a dry run).
+
+    Built-in tiny models build locally and a local directory is read, so a name that is not built in, not a
+    directory and not a hub id raises at once, as the run would; a hub id (or SmolLM2) not cached here has no
+    shape offline.
+
+    Args:
+        model: the ``model`` setting.
+        offline: download nothing.
+
+    Raises:
+        UnknownModel: (exit 2) a model that cannot exist: an unknown bare name or a missing directory.
+    """
+    from stoa.local.shapes import shape_for, shape_from_dir
+    from stoa.models import default_cache_dir, resolve_model
     from stoa.models.registry import SMOLLM2_DIR
 
-    cached = default_cache_dir() / "models" / SMOLLM2_DIR
-    if model == "smollm2-135m":
-        return cached if (cached / "config.json").is_file() else None
+    local = Path(model).expanduser()
+    hub_id = model.count("/") == 1 and not model.startswith(("/", ".", "~")) and not local.exists()
+    if not offline or not (hub_id or model == "smollm2-135m"):
+        where: Path | None = resolve_model(model)
+    elif model == "smollm2-135m":
+        cached = default_cache_dir() / "models" / SMOLLM2_DIR
+        where = cached if (cached / "config.json").is_file() else None
+    else:
+        where = _hub_cached(model)
+    return ModelAt(where, shape_from_dir(where, model) if where else shape_for(model))
+
+
+def _hub_cached(model: str) -> Path | None:
+    """A hub id's directory in the Hugging Face cache, without downloading; None when it is not there."""
     try:
         from huggingface_hub import try_to_load_from_cache
 
@@ -172,14 +252,12 @@ def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline
         prompt_tokens: ``--prompt-tokens`` (0: the longest held-out prompt, rendered).
         offline: download nothing (a dry run); the shape and tokenizer then come from what is here.
     """
-    from stoa.local.shapes import shape_for, shape_from_dir
     from stoa.tasks import get_task, parse_task_spec
     from stoa.tasks.multiturn import is_multiturn
     from stoa.trainer import memory
 
     world = world_size(nproc, os.environ)
-    model_dir = _model_dir(cfg.model, offline)
-    shape = shape_from_dir(model_dir, cfg.model) if model_dir else shape_for(cfg.model)
+    model_dir, shape = model_shape(cfg.model, offline)
     if shape is None:
         return None
     try:

@@ -1,11 +1,14 @@
-"""``stoa worker``: pull the current policy, sample groups, upload records; safe to kill any time."""
+"""``stoa worker``: pull the current policy, sample groups, upload records; safe to kill any time.
+
+--run is required (a flag, run in --config, or DRL_RUN): the worker joins that run of the bucket.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from stoa.config import WorkerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
+from stoa.config import ConfigError, WorkerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,13 +38,15 @@ def run(args: argparse.Namespace) -> int:
     """
     from stoa.bucket import check_bucket_url
 
-    cfg = load_config(WorkerConfig, toml_path=args.config, overrides=overrides_from_args(args, WorkerConfig))
+    overrides = overrides_from_args(args, WorkerConfig)
+    cfg = load_config(WorkerConfig, toml_path=args.config, overrides=overrides)
     check_bucket_url(cfg.bucket)
     if args.print_tier:
         from stoa.worker.tiers import describe_tier
 
         print(describe_tier(n_samples=cfg.n_samples or 8))
         return 0
+    require_run(args.config, overrides)
     if args.dry_run:
         print(config_to_toml(cfg), end="")
         return 0
@@ -56,6 +61,32 @@ def run(args: argparse.Namespace) -> int:
     print(f"[worker {s['worker_id']}] done: {s['groups']} groups, {s['tokens']} tokens, "
           f"{s['tokens_per_s']:.1f} tok/s, versions {s['versions']}")
     return 0
+
+
+def require_run(toml_path: str | None, overrides: dict) -> None:
+    """Refuse a worker whose run was not given (a flag, a key of ``--config`` or ``DRL_RUN``): it would wait for a
+    run named ``default``.
+
+    Args:
+        toml_path: the ``--config`` file, if any.
+        overrides: the flags' values (``overrides_from_args``).
+
+    Raises:
+        ConfigError: (exit 2) no run given.
+    """
+    import os
+    import warnings
+
+    from stoa.config.loading import env_layer, toml_layer
+
+    if overrides.get("run") is not None:
+        return
+    with warnings.catch_warnings():  # load_config already warned about deprecated names
+        warnings.simplefilter("ignore")
+        if "run" in toml_layer(WorkerConfig, toml_path) or "run" in env_layer(WorkerConfig, os.environ):
+            return
+    raise ConfigError("run", "required: name the trainer's run with --run NAME (stoa runs --bucket B lists "
+                             "them), or set run in --config or DRL_RUN")
 
 
 def _await_local_bucket(cfg: WorkerConfig) -> None:

@@ -11,9 +11,40 @@ from stoa.config.training import TrainingConfig
 
 @dataclass(frozen=True)
 class TrainerConfig(TrainingConfig, FleetConfig):
-    """Trainer settings. Everything a worker must agree on ends up in the run contract."""
+    """Trainer settings. Everything a worker must agree on ends up in the run contract.
+
+    The trainer stores these settings in the bucket when it starts a run (``runs/<run>/config.json``), all but
+    ``NOT_STORED``: the bucket URL, the run id, the log directory, the retriever (a path or an endpoint URL that
+    may carry credentials), the model (a local path; the contract's fingerprints decide) and the machine's
+    device and memory. A restart with only ``--bucket`` and ``--run`` takes every stored setting; a flag, TOML
+    key or ``DRL_*`` variable that differs is refused naming both values, except the ``MAY_CHANGE`` settings
+    (how long the run goes, how often it checkpoints, evaluates, reports, polls and logs, how it fits in
+    memory), which take the new value for this trainer and are logged as one line.
+    """
 
     SECTION: ClassVar[str] = "trainer"
+    NOT_STORED: ClassVar[frozenset[str]] = frozenset({
+        "bucket", "run", "log_dir", "retriever", "model", "device", "available_memory_gb"})
+    """Settings never written to the bucket: secrets and what belongs to one machine."""
+    MAY_CHANGE: ClassVar[frozenset[str]] = frozenset({
+        "steps", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "eval_every", "eval_n", "eval_k",
+        "report_to", "poll_seconds", "status_seconds", "max_wait_seconds", "lease_ttl_seconds",
+        "metrics_flush_rows", "metrics_flush_seconds", "preflight", "micro_batch", "gradient_checkpointing",
+        "shared_prefix", "dtype", "anchor_every", "keep_versions", "keep_rollout_versions", "backpressure"})
+    """Stored settings a restart may change (logged); every other stored one must agree with the run."""
+
+    model: str = setting("tiny", "Model, required for a new run (a restart takes the run's): 'tiny', 'smollm2-135m', "
+                                 "a local HF directory or a hub id.")
+    run: str = setting("default", "Run id, required: a new one is created, an existing one resumes; names "
+                                  "runs/<run>/ in the bucket.")
+    checkpoint_every: int = setting(0, "Also save a checkpoint (fp32 master weights + AdamW moments, 12 bytes "
+                                       "per parameter) every this many steps (0 = by time only, see "
+                                       "checkpoint_minutes).")
+    checkpoint_minutes: float = setting(30.0, "Save a checkpoint once this many minutes have passed since this "
+                                              "trainer's last one (0 = by steps only); the run's last step is "
+                                              "always saved when it finishes or stops on SIGINT/SIGTERM.")
+    keep_checkpoints: int = setting(1, "Checkpoints kept in the bucket, newest first; older ones are deleted "
+                                       "once the new one's pointer is written.")
 
     staleness_bound: int = setting(3, "Use records with current_version - policy_version <= this.")
     reuse_cap: int = setting(2, "Use each record in at most this many optimizer steps.")
@@ -72,9 +103,9 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         super().validate()
         if self.plane not in PLANES:
             raise ConfigError("plane", f"{self.plane!r} is not one of {PLANES}")
-        at_least(self, 1, ("micro_batch", "anchor_every", "checkpoint_every", "keep_versions", "reuse_cap",
+        at_least(self, 1, ("micro_batch", "anchor_every", "keep_checkpoints", "keep_versions", "reuse_cap",
                            "quarantine_min_records", "eval_k"))
-        at_least(self, 0, ("staleness_bound", "available_memory_gb"))
+        at_least(self, 0, ("staleness_bound", "available_memory_gb", "checkpoint_every", "checkpoint_minutes"))
         one_of(self, "dtype", DTYPES)
         at_least(self, -1, ("keep_rollout_versions",))
         at_least(self, 1, ("metrics_flush_rows",))

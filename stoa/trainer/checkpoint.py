@@ -2,9 +2,13 @@
 
 The journal (version, step, reuse counts) is written every step *before* the new version is
 published, so a crash can only over-count a use, never let a record exceed the reuse cap.
-The heavy checkpoint is written every ``checkpoint_every`` steps with ``torch.distributed.checkpoint``: every
-rank writes its shard under a fresh ``trainer/checkpoints/<tag>/`` prefix, rank 0 adds the metadata and then
-the pointer ``trainer/checkpoint.json`` (last), so a half-written checkpoint is never named and never loaded.
+The heavy checkpoint is written when ``stoa.trainer.cadence`` says (every ``checkpoint_every`` steps and/or
+``checkpoint_minutes``, and at the run's end) with ``torch.distributed.checkpoint``: every rank writes its shard
+under a fresh ``trainer/checkpoints/<tag>/`` prefix, rank 0 adds the metadata and then the pointer
+``trainer/checkpoint.json`` (last), so a half-written checkpoint is never named and never loaded. The pointer
+also names the older checkpoints kept (``keep_checkpoints`` in all); every other checkpoint directory, a
+half-written one included, is deleted only after the new pointer is written, so the pointer never names a
+deleted checkpoint and a kill mid-write leaves the previous one in place.
 Any world size loads any checkpoint (DCP reshards). The single-file checkpoint of older trainers still loads at
 world size 1. On restart the trainer resumes from it and continues the version sequence after the newest
 published pointer.
@@ -59,11 +63,14 @@ class CheckpointRef:
     world_size: int
     files: dict[str, int]
     """File name -> bytes."""
+    kept: tuple[str, ...] = ()
+    """Tags of the older checkpoints kept beside this one, newest first."""
 
     def to_json(self) -> bytes:
         """The pointer's bytes."""
         return json.dumps({"format": FORMAT, "tag": self.tag, "version": self.version, "step": self.step,
-                           "world_size": self.world_size, "files": self.files}, sort_keys=True).encode()
+                           "world_size": self.world_size, "files": self.files, "kept": list(self.kept)},
+                          sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> CheckpointRef:
@@ -79,13 +86,15 @@ class CheckpointRef:
                   and all(type(d[k]) is int and d[k] >= 0 for k in ("version", "step", "world_size"))
                   and isinstance(files, dict) and ".metadata" in files
                   and all(isinstance(f, str) and _FILE.fullmatch(f) and type(n) is int and n >= 0
-                          for f, n in files.items()))
+                          for f, n in files.items())
+                  and isinstance(d.get("kept", []), list)
+                  and all(isinstance(t, str) and _TAG.fullmatch(t) for t in d.get("kept", [])))
         except (ValueError, KeyError, TypeError, AttributeError):
             ok = False
         if not ok:
             raise CheckpointError("trainer/checkpoint.json is not a checkpoint pointer; delete it to continue from "
                                   "the published weights (the optimizer state restarts)")
-        return cls(d["tag"], d["version"], d["step"], d["world_size"], dict(files))
+        return cls(d["tag"], d["version"], d["step"], d["world_size"], dict(files), tuple(d.get("kept", [])))
 
 
 @contextlib.contextmanager
@@ -105,8 +114,8 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]
 
 
 def save_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    *, version: int, step: int, dist: Dist = SINGLE, echo=print) -> int:
-    """Write this rank's shard (rank 0 also the metadata, then the pointer, then drop older checkpoints).
+                    *, version: int, step: int, dist: Dist = SINGLE, echo=print, keep: int = 1) -> int:
+    """Write this rank's shard (rank 0 also the metadata, then the pointer, then drop checkpoints not kept).
 
     Every rank calls it. Returns the checkpoint's bytes on rank 0 (this rank's elsewhere).
 
@@ -119,6 +128,7 @@ def save_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
         step: optimizer steps taken so far.
         dist: the ranks.
         echo: where outage notes go.
+        keep: checkpoints kept in all, this one included (the newest ones the pointers named).
     """
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -137,15 +147,32 @@ def save_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
     if not dist.main:
         return sum(sizes.values())
     files = {k: v for part in everyone for k, v in part.items()}
-    ref = CheckpointRef(tag, version, step, dist.world_size, files)
+    ref = CheckpointRef(tag, version, step, dist.world_size, files, _kept(bucket, run_id, keep - 1, echo))
     ride_out(lambda: bucket.put(checkpoint_pointer_key(run_id), ref.to_json()), "the checkpoint pointer", echo)
+    _drop_unkept(bucket, run_id, {tag, *ref.kept}, echo)
+    return sum(files.values())
+
+
+def _kept(bucket: Bucket, run_id: str, older: int, echo) -> tuple[str, ...]:
+    """The tags the next pointer keeps besides its own: the current pointer's and those it kept, newest first."""
+    if older <= 0:
+        return ()
     try:
-        for info in list(bucket.list(checkpoint_files_prefix(run_id))):
-            if not info.key.startswith(prefix):
+        current = ride_out(lambda: read_pointer(bucket, run_id), "(reading) the checkpoint pointer", echo)
+    except CheckpointError:  # an unreadable pointer names nothing worth keeping
+        return ()
+    return () if current is None else (current.tag, *current.kept)[:older]
+
+
+def _drop_unkept(bucket: Bucket, run_id: str, keep: set[str], echo) -> None:
+    """Delete every checkpoint file whose tag ``keep`` lacks (older ones, and half-written ones)."""
+    head = checkpoint_files_prefix(run_id)
+    try:
+        for info in list(bucket.list(head)):
+            if info.key[len(head):].split("/", 1)[0] not in keep:
                 bucket.delete(info.key)
     except BucketError as e:  # older files only cost storage; the next checkpoint collects them
         echo(f"[trainer] could not delete older checkpoint files ({e}); the next checkpoint retries")
-    return sum(files.values())
 
 
 def read_pointer(bucket: Bucket, run_id: str) -> CheckpointRef | None:

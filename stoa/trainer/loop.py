@@ -14,6 +14,7 @@ from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.stopflag import StopFlag
 from stoa.trackers import open_trackers, sample_completions
 from stoa.trainer import checkpoint as ckpt
+from stoa.trainer.cadence import CheckpointCadence
 from stoa.trainer.dist import SINGLE, Dist
 from stoa.trainer.lease import FencedBucket, Lease
 from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, poll_delay, wanted_groups
@@ -128,7 +129,7 @@ class _Trainer:
         data = portable_task_data(self.task)  # its files go up before the contract, which names them by digest
         contract = build_contract(cfg, model_dir, self.task, self.codec, self.policy.vocab_size,
                                   self.tools.retriever, task_data=data)
-        self.contract = ensure_contract(self.bucket, contract, model_dir, task_files=data.files)
+        self.contract = ensure_contract(self.bucket, contract, model_dir, task_files=data.files, config=cfg)
         self.publisher = WeightPublisher(self.bucket, cfg.run, cfg.plane, anchor_every=cfg.anchor_every)
         self.quarantine = Quarantine(enabled=cfg.quarantine, disagreement=cfg.quarantine_disagreement,
                                      reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
@@ -143,7 +144,9 @@ class _Trainer:
         acfg = self.algo.cfg  # GiGPO's step advantages and ECHO's echo term train on groups of equal rewards
         self.skip_uniform = cfg.skip_uniform_groups and acfg.name != "gigpo" and not acfg.echo_alpha
         self.version = self.step = 0
+        self.cadence = CheckpointCadence(cfg.checkpoint_every, cfg.checkpoint_minutes)
         self.publishing: Background[Any] | None = None
+        self.unpublished_rows: list[tuple[dict[str, Any], int]] = []
         self.last_publish: Done[Any] | None = None
         self.lag0_trusted = True  # see resume(): whether lag-0 records can be judged against our weights
 
@@ -172,6 +175,9 @@ class _Trainer:
         """Wait for the version being uploaded (if any); its ``PublishResult``, also kept in ``last_publish``."""
         job, self.publishing = self.publishing, None
         self.last_publish = job.join() if job is not None else None
+        for row, step in self.unpublished_rows:  # a step's row goes out once its version's pointer is in
+            self.metrics.log(row, step=step)
+        self.unpublished_rows = []
         return self.last_publish.value if self.last_publish is not None else None
 
     def fence(self) -> None:
@@ -245,6 +251,8 @@ class _Trainer:
             self.resume()
             steps_here = self.loop()
             self.settle_publish()  # the last version's pointer before the run reads finished
+            if self.cadence.final_due(self.step, steps_here):  # finished, or stopped by SIGINT/SIGTERM
+                self.checkpoint()
             self.ranks.stop()  # raises if a rank died: the run then reads failed, not finished
         except BaseException as e:
             self.close_lifecycle("failed", e)
@@ -361,15 +369,20 @@ class _Trainer:
         self.lag0_trusted = True  # from now on lag 0 means "sampled from weights this trainer published"
         self.version, self.step = self.version + 1, self.step + 1
         self.start_publish(self.version)
-        if self.step % cfg.checkpoint_every == 0:
-            self.fence()
-            self.ranks("save", self.version, self.step)
+        if self.cadence.due(self.step):
+            self.checkpoint()
         deleted = self.retention.collect(self.version)
         self.deleted_objects += deleted
         self.last_step_s = m["step_time_s"]
         self.log_step(entries, m, deleted)
         if self.metrics.completions_due(self.step):
             self.metrics.log_completions(sample_completions(entries, self.codec.decode), self.step)
+
+    def checkpoint(self) -> None:
+        """Save this step's weights and optimizer state (every rank; older checkpoints dropped after)."""
+        self.fence()
+        self.ranks("save", self.version, self.step)
+        self.cadence.saved(self.step)
 
     def log_step(self, entries: list[Entry], m: dict[str, float], deleted: int) -> None:
         since, self.last_step_at = time.monotonic() - self.last_step_at, time.monotonic()
@@ -378,7 +391,7 @@ class _Trainer:
                        staleness_bound=self.cfg.staleness_bound, deleted=deleted,
                        publish=pub.value if pub else None, publish_s=pub.seconds if pub else 0.0)
         row.update(self.quarantine.metrics())
-        self.metrics.log(row, step=self.step)
+        self.unpublished_rows.append((row, self.step))  # logged by settle_publish: never a version not published
         self.summary["step_times"].append(m["step_time_s"])
         self.echo(step_line(row, self.step))
 

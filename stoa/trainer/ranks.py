@@ -74,7 +74,7 @@ class RankOps:
     def save(self, version: int, step: int) -> int:
         """Write the sharded checkpoint (rank 0 writes its pointer last); its bytes."""
         return ckpt.save_checkpoint(self.bucket, self.cfg.run, self.policy.model, self.opt, version=version,
-                                    step=step, dist=self.dist, echo=self.echo)
+                                    step=step, dist=self.dist, echo=self.echo, keep=self.cfg.keep_checkpoints)
 
     def load(self) -> ckpt.Restored | None:
         """Load the run's checkpoint at this world size; None when it has none."""

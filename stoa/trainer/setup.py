@@ -6,7 +6,7 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from stoa.layout import contract_key
 from stoa.taskdata import TaskData, TaskFile, file_options, localize_options, portable_task_data, upload_task_files
 from stoa.tasks.base import Task
 from stoa.tokenize import TextCodec
+from stoa.trainer.resume import Change, changes_line, legacy_line, merge, read_stored, store
 
 
 def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextCodec, vocab_size: int,
@@ -73,17 +74,19 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
 
 
 def ensure_contract(bucket: Bucket, contract: RunContract, model_dir: Path | None = None,
-                    task_files: tuple[TaskFile, ...] = ()) -> RunContract:
+                    task_files: tuple[TaskFile, ...] = (), config: TrainerConfig | None = None) -> RunContract:
     """Write the contract create-only, or verify the existing one matches (restart).
 
-    A new run gets its model files and task data files first and the contract last, so a worker that sees
-    the contract finds the files; a restart checks the contract before touching the files.
+    A new run gets its model files, task data files and stored settings first and the contract last, so a
+    worker that sees the contract finds the files (and a run with a contract has its settings); a restart checks
+    the contract before touching the files.
 
     Args:
         bucket: the run's bucket.
         contract: the contract this trainer would write.
         model_dir: the base model directory whose config and tokenizer files workers download.
         task_files: the files the task's options name (``portable_task_data(task).files``).
+        config: the trainer's resolved settings to store (``stoa.trainer.resume.store``); None stores nothing.
 
     Raises:
         ContractMismatch: the run exists with different settings (or model files); names the fields.
@@ -93,6 +96,8 @@ def ensure_contract(bucket: Bucket, contract: RunContract, model_dir: Path | Non
         if model_dir is not None:
             upload_model_files(bucket, contract.run_id, model_dir)
         upload_task_files(bucket, contract.run_id, task_files)
+        if config is not None:
+            store(bucket, config, run_exists=False)
     try:
         bucket.put_create(key, contract.to_json())
         return contract
@@ -105,6 +110,8 @@ def ensure_contract(bucket: Bucket, contract: RunContract, model_dir: Path | Non
         if model_dir is not None:
             upload_model_files(bucket, contract.run_id, model_dir)
         upload_task_files(bucket, contract.run_id, task_files)
+        if config is not None:
+            store(bucket, config, run_exists=True)
         return existing
 
 
@@ -125,21 +132,55 @@ def _contradiction(run_id: str, name: str, run_value: Any, place: str, value: An
                                     "to resume with the run's settings, or start a new --run")
 
 
-def resume_config(cfg: TrainerConfig, given: Mapping[str, str], echo=print) -> TrainerConfig:
-    """On an existing run, take every contract setting from the run; a given one must agree with it.
+class Resumed(NamedTuple):
+    """What a trainer command resolves against the bucket (``resume_plan``)."""
 
-    ``stoa trainer --bucket B --run R`` then resumes without repeating flags. ``--model`` is optional:
-    given, its fingerprints must match the contract; left out, the model of the run's last trainer (recorded
-    in its lease) is used when it resolves here with matching fingerprints, else the model is rebuilt from the
-    bucket's model files and the published weights (the checkpoint, if any, is loaded over them).
+    cfg: TrainerConfig
+    exists: bool
+    """Whether the run is already in the bucket (its contract is)."""
+    stored: bool
+    """Whether the run has stored trainer settings (False: new, or created by an older stoa)."""
+    changes: list[Change]
+    """Stored settings this restart changes."""
+
+    def notes(self) -> list[str]:
+        """The lines a restart reports (none for a new run): the changes, or the older run's warning."""
+        if not self.exists:
+            return []
+        return [changes_line(self.cfg.run, self.changes) if self.stored else legacy_line(self.cfg.run)]
+
+
+def resume_config(cfg: TrainerConfig, given: Mapping[str, str], echo=print) -> TrainerConfig:
+    """``resume_plan``'s config, its notes echoed.
+
+    Args:
+        cfg: the config from defaults, TOML, env and flags.
+        given: field -> where the user gave it; defaults are absent.
+        echo: where notes go.
+    """
+    plan = resume_plan(cfg, given, echo)
+    for line in plan.notes():
+        echo(line)
+    return plan.cfg
+
+
+def resume_plan(cfg: TrainerConfig, given: Mapping[str, str], echo=print) -> Resumed:
+    """On an existing run, take every contract setting and every stored setting from the run.
+
+    ``stoa trainer --bucket B --run R`` then resumes without repeating flags: the contract fixes what workers
+    agree on (a given one must agree with it), the stored settings (``stoa.trainer.resume``) the rest (a given
+    one must agree unless ``TrainerConfig.MAY_CHANGE`` lists it). ``--model`` is optional: given, its
+    fingerprints must match the contract; left out, the model of the run's last trainer (recorded in its lease)
+    is used when it resolves here with matching fingerprints, else the model is rebuilt from the bucket's model
+    files and the published weights (the checkpoint, if any, is loaded over them).
 
     Args:
         cfg: the config from defaults, TOML, env and flags.
         given: field -> where the user gave it (``--n-samples``, ``DRL_N_SAMPLES``, ...); defaults are absent.
-        echo: where notes go.
+        echo: where notes on the model go.
 
     Returns:
-        ``cfg`` unchanged for a new run, else ``cfg`` with the run's settings.
+        ``cfg`` unchanged for a new run, else ``cfg`` with the run's settings, and the changes.
 
     Raises:
         ContractMismatch: a given setting contradicts the run; the message shows both values.
@@ -148,7 +189,7 @@ def resume_config(cfg: TrainerConfig, given: Mapping[str, str], echo=print) -> T
     try:
         contract = RunContract.from_json(bucket.get(contract_key(cfg.run)))
     except ObjectNotFound:
-        return cfg
+        return Resumed(cfg, False, False, [])
     values: dict[str, Any] = {}
     for name, run_value in contract_settings(contract).items():
         if name in given and getattr(cfg, name) != run_value:
@@ -157,8 +198,10 @@ def resume_config(cfg: TrainerConfig, given: Mapping[str, str], echo=print) -> T
     values["task"] = _resume_task(cfg, given, contract, bucket)
     cfg = dataclasses.replace(cfg, **values)
     cfg = dataclasses.replace(cfg, **_resume_algorithm(cfg, given, contract))
-    cfg = dataclasses.replace(cfg, model=_resume_model(cfg, given, contract, bucket, echo))
-    return cfg.validate()
+    stored = read_stored(bucket, cfg.run)
+    merged = merge(cfg, stored or {}, given)
+    cfg = dataclasses.replace(merged.cfg, model=_resume_model(merged.cfg, given, contract, bucket, echo))
+    return Resumed(cfg.validate(), True, stored is not None, merged.changes)
 
 
 def _resume_task(cfg: TrainerConfig, given: Mapping[str, str], contract: RunContract, bucket: Bucket) -> str:

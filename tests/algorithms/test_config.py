@@ -114,7 +114,7 @@ def test_multi_turn_knobs_default_and_round_trip() -> None:
     assert AlgoConfig.from_dict(AlgoConfig.from_dict(knobs).to_dict()).echo_schedule == "linear_taper_to_zero"
 
 
-def test_training_config_takes_the_knobs_from_toml_and_flags(tmp_path, capsys) -> None:
+def test_training_config_takes_the_knobs_from_toml_and_flags(tmp_path, stoa_cache, capsys) -> None:
     from stoa.cli import main
     from stoa.config import ConfigError, LocalConfig, TrainerConfig, load_config
 
@@ -131,7 +131,8 @@ def test_training_config_takes_the_knobs_from_toml_and_flags(tmp_path, capsys) -
     with pytest.raises(ConfigError, match="^algo.echo_schedule: 'linear_taper_to_zero' tapers over"):
         load_config(TrainerConfig, overrides={"algo": {"echo_alpha": 0.1, "echo_schedule": "linear_taper_to_zero"}},
                     env={})
-    assert main(["trainer", "--dry-run", "--algorithm", "gigpo", "--algo", "echo_alpha=0.25",
+    new_run = ["--bucket", str(tmp_path / "b"), "--run", "r", "--model", "tiny"]
+    assert main(["trainer", "--dry-run", *new_run, "--algorithm", "gigpo", "--algo", "echo_alpha=0.25",
                  "--algo", "gigpo_gamma=0.9"]) == 0
     out = capsys.readouterr().out
     for line in ("# name = 'gigpo'", "# echo_alpha = 0.25", "# gigpo_gamma = 0.9", "# gigpo_omega = 1.0",

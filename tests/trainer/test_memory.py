@@ -149,8 +149,9 @@ def test_cli_refuses_with_exit_2(stoa_cache, tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("os.execvp", lambda *a: pytest.fail("a dry run never execs"))
-    assert main(["trainer", "--dry-run", "--device", "cpu", "--nproc", "2", "--available-memory-gb", "64"]) == 0
-    assert main(["trainer", "--dry-run", "--device", "cpu", "--available-memory-gb", "0.01"]) == 2
+    new = ["--run", "r", "--model", "tiny"]
+    assert main(["trainer", "--dry-run", *new, "--device", "cpu", "--nproc", "2", "--available-memory-gb", "64"]) == 0
+    assert main(["trainer", "--dry-run", *new, "--device", "cpu", "--available-memory-gb", "0.01"]) == 2
     assert "does not fit" in capsys.readouterr().err
 
 
