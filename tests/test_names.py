@@ -42,7 +42,7 @@ def test_env_vars_are_stoa_and_the_old_names_still_work_with_a_warning(old, new,
 
 def test_a_deprecated_env_var_is_one_warning_line_on_the_command_line(monkeypatch, capsys):
     monkeypatch.setenv("DRL_N_SAMPLES", "6")
-    code, cfg, err = _dry(["trainer", "--dry-run", "--run", "r"], capsys)
+    code, cfg, err = _dry(["trainer", "--dry-run", "--run", "r", "--model", "tiny"], capsys)
     assert code == 0 and cfg["n_samples"] == 6
     assert err == "stoa: warning: DRL_N_SAMPLES is deprecated: use STOA_N_SAMPLES (same meaning)\n"
 
@@ -89,8 +89,8 @@ def test_trl_names_as_flags_get_ours(argv, hint, capsys):
 
 
 def test_set_takes_any_setting_by_its_config_name(capsys):
-    code, cfg, err = _dry(["trainer", "--dry-run", "--run", "r", "--set", "lr=1e-3", "--set", "n_samples=4",
-                           "--set", "algo.eps_high=0.3", "--algo", "eps_low=0.1"], capsys)
+    code, cfg, err = _dry(["trainer", "--dry-run", "--run", "r", "--model", "tiny", "--set", "lr=1e-3",
+                           "--set", "n_samples=4", "--set", "algo.eps_high=0.3", "--algo", "eps_low=0.1"], capsys)
     assert code == 0 and err == ""
     assert cfg["lr"] == 1e-3 and cfg["n_samples"] == 4 and cfg["algo"] == {"eps_high": 0.3, "eps_low": 0.1}
     code, cfg, _ = _dry(["local", "train", "--dry-run", "--set", "lora_rank=4", "--set", "max-new-tokens=9"],

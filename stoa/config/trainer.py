@@ -34,9 +34,9 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     """Stored settings a restart may change (logged); every other stored one must agree with the run."""
 
     model: str = setting("tiny", "Model, required for a new run (a restart takes the run's): 'tiny', 'smollm2-135m', "
-                                 "a local HF directory or a hub id.")
+                                 "a local HF directory or a hub id. [default: none]")
     run: str = setting("default", "Run id, required: a new one is created, an existing one resumes; names "
-                                  "runs/<run>/ in the bucket.")
+                                  "runs/<run>/ in the bucket. [default: none]")
     checkpoint_every: int = setting(0, "Also save a checkpoint (fp32 master weights + AdamW moments, 12 bytes "
                                        "per parameter) every this many steps (0 = by time only, see "
                                        "checkpoint_minutes).")

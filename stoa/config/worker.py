@@ -27,6 +27,7 @@ class WorkerConfig(FleetConfig):
     engine: str = setting("auto", "Generation engine: auto (mlx on Apple silicon, else torch), torch, mlx.")
     groups_in_flight: int = setting(0, "Prompt groups decoded together (batch = this x n); 0 = from the "
                                        "memory tier (see --print-tier; env STOA_GROUPS_IN_FLIGHT).")
+    run: str = setting("default", "Run id, required: the run to join (runs/<run>/ in the bucket). [default: none]")
     max_groups: int = setting(0, "Exit after uploading this many groups (0 = run forever).")
     poll_seconds: float = setting(2.0, "Wait between pointer polls while the run has no weights yet.")
     wait_seconds: float = setting(600.0, "Give up if the run contract or weights do not appear within this "
