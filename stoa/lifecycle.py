@@ -48,6 +48,9 @@ class RunStatus:
         step_s: the trainer's last step time in seconds (workers wait at least 3x this before calling the
             heartbeat stale).
         rollouts_kept_from: the oldest rollout version retention has not deleted (a restart starts there).
+        step: the run's optimizer steps so far (restarts included).
+        target_steps: the run's total steps (0: unbounded; None: not said, a trainer older than this field);
+            ``stoa status`` shows it with an ETA.
     """
 
     state: str
@@ -57,6 +60,8 @@ class RunStatus:
     wanted_groups: int | None = None
     step_s: float = 0.0
     rollouts_kept_from: int = 1
+    step: int = 0
+    target_steps: int | None = None
 
     def to_json(self) -> bytes:
         """Serialize for the bucket."""
@@ -81,13 +86,16 @@ class RunStatus:
         floats = ("updated_at", "heartbeat_at", "step_s")
         if not all(type(d.get(k)) is int and d[k] >= 0 for k in ints):
             return None
+        step, target = d.get("step", 0), d.get("target_steps")  # absent in a status of an older trainer
+        if type(step) is not int or step < 0 or not (target is None or (type(target) is int and target >= 0)):
+            return None
         if not all(type(d.get(k)) in (int, float) and math.isfinite(d[k]) for k in floats):
             return None
         wanted = d.get("wanted_groups")
         if wanted is not None and type(wanted) is not int:
             return None
         return cls(d["state"], d["version"], float(d["updated_at"]), float(d["heartbeat_at"]), wanted,
-                   float(d["step_s"]), d["rollouts_kept_from"])
+                   float(d["step_s"]), d["rollouts_kept_from"], step, target)
 
 
 def read_status(bucket: Bucket, run_id: str) -> RunStatus | None:
