@@ -91,14 +91,16 @@ def test_the_trainers_published_want_counts_its_skipped_groups(tmp_path):
     assert (stalled.step, stalled.target_steps) == (0, 30)
 
 
-def test_the_status_is_rewritten_at_once_when_the_want_reaches_or_leaves_zero(tmp_path):
+def test_the_status_is_rewritten_at_once_when_the_want_reaches_zero_or_rises(tmp_path):
     bucket, mono = open_bucket(str(tmp_path)), Clock()
     pub = StatusPublisher(bucket, "r", 10.0, mono=mono, target_steps=5)
     assert pub.beat(1, 8, step_s=0.0, kept_from=1)
     mono.t = 1.0
-    assert not pub.beat(1, 3, step_s=0.0, kept_from=1)  # same version, heartbeat not due, still positive
+    assert not pub.beat(1, 3, step_s=0.0, kept_from=1)  # same version, heartbeat not due, the want fell
     assert pub.beat(1, 0, step_s=0.0, kept_from=1)  # workers must pause now, not at the next heartbeat
     assert not pub.beat(1, 0, step_s=0.0, kept_from=1)
+    assert pub.beat(1, 2, step_s=0.0, kept_from=1)  # groups left the pool: a new want at once
+    assert not pub.beat(1, 1, step_s=0.0, kept_from=1)
     assert pub.beat(1, 16, step_s=0.0, kept_from=1, step=2)
     status = read_status(bucket, "r")
     assert status is not None and (status.wanted_groups, status.step, status.target_steps) == (16, 2, 5)

@@ -4,8 +4,8 @@ Cost per published version: one status PUT, and, once a version leaves the windo
 ``keep_rollout_versions``, one listing and one bulk delete of that version's prefix (never again: the
 oldest kept version is carried in the status, so a restart does not re-list deleted versions). While the
 trainer waits for records it rewrites the status every ``status_seconds`` (its heartbeat) and whenever the want
-reaches or leaves zero, and lists the window less often the longer nothing lands (``poll_delay``). A status write that fails is logged and retried at the
-next beat: it never stops training.
+reaches zero or rises, and lists the window less often the longer nothing lands (``poll_delay``). A status write
+that fails is logged and retried at the next beat: it never stops training.
 """
 
 from __future__ import annotations
@@ -139,8 +139,9 @@ class StatusPublisher:
         """The status a previous trainer left (None on a new run or when unreadable)."""
 
     def beat(self, version: int, wanted: int | None, *, step_s: float, kept_from: int, step: int = 0) -> bool:
-        """Write ``running`` if the version moved, the heartbeat is due, or the want crossed zero (workers pause
-        at once when it reaches zero, and resume at once when it leaves it); return whether it wrote.
+        """Write ``running`` if the version moved, the heartbeat is due, the want reached zero (workers pause at
+        once) or rose (groups left the pool: workers, which sample at most one want per status, get a new one);
+        return whether it wrote.
 
         Args:
             version: the newest published version.
@@ -150,8 +151,8 @@ class StatusPublisher:
             step: the run's steps so far.
         """
         due = self._written_at is None or self._mono() - self._written_at >= self.heartbeat_s
-        crossed = (wanted == 0) != (self._wanted == 0)
-        if version == self._version and not due and not crossed:
+        moved = wanted != self._wanted and (wanted == 0 or (wanted or 0) > (self._wanted or 0))
+        if version == self._version and not due and not moved:
             return False
         return self.write("running", version, wanted, step_s=step_s, kept_from=kept_from, step=step)
 
