@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from stoa.bucket import Bucket, BucketError, ObjectInfo
+from stoa.contract import RunNotFound
 from stoa.layout import (
     journal_key,
     lease_key,
@@ -30,7 +31,6 @@ from stoa.layout import (
     run_prefix,
     status_key,
 )
-from stoa.contract import RunNotFound
 from stoa.lifecycle import RunStatus, read_status
 from stoa.observe.aggregate import WorkerView, eval_points, num, training_view, worker_views
 from stoa.untrusted import loads_bounded
