@@ -62,7 +62,8 @@ def test_a_progress_line_without_a_total_or_scale_still_reads():
         "[model] Fetching 3 files: 2 it / 3 it (67%)"
     assert progress_line({"n": 5, "total": 0, "unit": "B", "unit_scale": True, "rate": 2.5}) == \
         "[model] download: 5.00B, 2.50B/s"
-    bar = ProgressLines(total=1, file=None)
+    bar = ProgressLines(total=1, file=None, disable=True)  # nobody's switch silences it
+    assert not bar.disable
     bar.close()
     with pytest.raises(KeyError):  # tqdm.TqdmKeyError
         ProgressLines(total=1, bogus=True)  # anything but the hub's ``name`` is still tqdm's to refuse

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from stoa.config import TrainerConfig, load_config
 from stoa.layout import checkpoint_files_prefix, logs_prefix, metrics_prefix, run_prefix, weights_prefix
@@ -16,6 +17,8 @@ from stoa.layout import checkpoint_files_prefix, logs_prefix, metrics_prefix, ru
 # groups without signal skipped) reach held-out 0.68 from 0.13 in ~9 min (docs/speed.md); 12 steps reached 0.48.
 DEFAULTS = {"model": "smollm2-135m", "task": "arithmetic", "steps": 30, "workers": 2}
 DEFAULT_BUCKET = "./stoa-quickstart"
+WORKER_EXIT_S = 15.0
+"""Seconds the workers get to exit by themselves once the run finished (their current batch, then exit 0)."""
 SEARCH_STEPS = 12
 """``--task search``'s default steps: multi-turn steps take minutes here (docs/search.md)."""
 PRESETS = {
@@ -112,20 +115,37 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(max(1, cores - args.workers * threads))
+    grace = 0.0
     try:
         summary = run_trainer(cfg)
+        grace = WORKER_EXIT_S  # the run reads finished: the workers exit on their own, their metrics uploaded
     finally:
-        for proc, _ in workers:
-            proc.terminate()
-        for proc, fh in workers:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            fh.close()
-    wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        _stop_workers(workers, grace)
     _print_summary(summary, wall, Path(args.bucket), run_id)
     return 0
+
+
+def _stop_workers(workers: list[tuple[subprocess.Popen, Any]], grace_s: float) -> None:
+    """Give the workers ``grace_s`` to exit by themselves (they do once the run's status says finished, after
+    uploading their last metrics chunk), then terminate the rest (a terminated worker's last rows stay local).
+
+    Args:
+        workers: each worker process and its log file (closed here).
+        grace_s: seconds to wait for all of them before terminating.
+    """
+    deadline = time.monotonic() + grace_s
+    for proc, _ in workers:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for proc, fh in workers:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        fh.close()
 
 
 def bucket_arg(bucket: str | None, old: str | None) -> str:
