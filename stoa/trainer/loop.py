@@ -143,6 +143,7 @@ class _Trainer:
         acfg = self.algo.cfg  # GiGPO's step advantages and ECHO's echo term train on groups of equal rewards
         self.skip_uniform = cfg.skip_uniform_groups and acfg.name != "gigpo" and not acfg.echo_alpha
         self.version = self.step = 0
+        self.clock = StepClock(cfg.steps, 0)  # restarted from the resumed step when the loop starts
         self.publishing: Background[Any] | None = None
         self.last_publish: Done[Any] | None = None
         self.lag0_trusted = True  # see resume(): whether lag-0 records can be judged against our weights
