@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ class ProgressLines(tqdm):
         return True
 
 
-def progress_line(d: dict[str, Any]) -> str:
+def progress_line(d: Mapping[str, Any]) -> str:
     """One progress line from a tqdm ``format_dict``: what, how much of how much, the rate.
 
     Args:
@@ -67,13 +67,18 @@ def hub_snapshot(repo_id: str, patterns: list[str], *, download: Callable[..., s
     Returns:
         the snapshot directory.
     """
-    if download is None:
-        from huggingface_hub import snapshot_download as download
+    fetch = download if download is not None else _snapshot_download()
     echo(f"[model] {repo_id}: fetching from the Hugging Face Hub (or its cache) ...")
     t0 = time.monotonic()
-    path = Path(download(repo_id=repo_id, allow_patterns=patterns, tqdm_class=ProgressLines))
+    path = Path(fetch(repo_id=repo_id, allow_patterns=patterns, tqdm_class=ProgressLines))
     files = [f for f in path.rglob("*") if f.is_file()]
     size = sum(f.stat().st_size for f in files)
     echo(f"[model] {repo_id}: {len(files)} files, {tqdm.format_sizeof(size)}B in {path} "
          f"({time.monotonic() - t0:.1f}s)")
     return path
+
+
+def _snapshot_download() -> Callable[..., str]:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download
