@@ -102,8 +102,9 @@ class UniformSkips:
             return None
         self.noted = True
         return (f"[trainer] v{version}: all {skipped} groups since the last step had equal rewards and were skipped "
-                "(no advantage, no gradient), so workers pause; to train on them set skip_uniform_groups = false "
-                "(--no-skip-uniform-groups), or start from a model that solves some prompts (a cold start)")
+                "(no advantage, no gradient) and count against the want; to train on them set "
+                "skip_uniform_groups = false (--no-skip-uniform-groups), or start from a model that solves some "
+                "prompts (a cold start)")
 
 
 class StatusPublisher:
