@@ -9,9 +9,11 @@ decide, in :meth:`RunWatch.check`, whether to sample, pause or exit:
 - the heartbeat has not moved for ``stale_s`` (or three of the trainer's last step times, if longer),
   or the trainer ``failed``: pause until it moves again (a restarted trainer writes ``running``);
 - ``wanted_groups <= 0``: pause (backpressure: the pool already holds what the trainer can use before it
-  goes stale); while it is positive a worker samples at most that many groups per batch. Several workers
-  read the same want and may all sample for it, so a version can get up to the workers' count times the
-  want, plus what they sample before the next status read: bounded over-production, never starvation.
+  goes stale, groups it skipped for equal rewards included); while it is positive a worker samples at most
+  that many groups per status object it read (:meth:`RunWatch.spend`), then pauses until the trainer writes
+  the next one (a new version, its heartbeat, or the want leaving zero). Several workers read the same want
+  and may all sample for it, so each status can bring up to the workers' count times the want: bounded
+  over-production, never starvation.
 
 When in doubt it samples: a missing, unreadable or malformed status means "sample". Staleness is measured
 on the worker's own monotonic clock (time since the heartbeat value last changed), so clock skew between
@@ -48,6 +50,9 @@ class RunStatus:
         step_s: the trainer's last step time in seconds (workers wait at least 3x this before calling the
             heartbeat stale).
         rollouts_kept_from: the oldest rollout version retention has not deleted (a restart starts there).
+        step: the run's optimizer steps so far (restarts included).
+        target_steps: the run's total steps (0: unbounded; None: not said, a trainer older than this field);
+            ``stoa status`` shows it with an ETA.
     """
 
     state: str
@@ -57,6 +62,8 @@ class RunStatus:
     wanted_groups: int | None = None
     step_s: float = 0.0
     rollouts_kept_from: int = 1
+    step: int = 0
+    target_steps: int | None = None
 
     def to_json(self) -> bytes:
         """Serialize for the bucket."""
@@ -81,13 +88,16 @@ class RunStatus:
         floats = ("updated_at", "heartbeat_at", "step_s")
         if not all(type(d.get(k)) is int and d[k] >= 0 for k in ints):
             return None
+        step, target = d.get("step", 0), d.get("target_steps")  # absent in a status of an older trainer
+        if type(step) is not int or step < 0 or not (target is None or (type(target) is int and target >= 0)):
+            return None
         if not all(type(d.get(k)) in (int, float) and math.isfinite(d[k]) for k in floats):
             return None
         wanted = d.get("wanted_groups")
         if wanted is not None and type(wanted) is not int:
             return None
         return cls(d["state"], d["version"], float(d["updated_at"]), float(d["heartbeat_at"]), wanted,
-                   float(d["step_s"]), d["rollouts_kept_from"])
+                   float(d["step_s"]), d["rollouts_kept_from"], step, target)
 
 
 def read_status(bucket: Bucket, run_id: str) -> RunStatus | None:
@@ -143,6 +153,7 @@ class RunWatch:
         self._read_at: float | None = None
         self._beat: float | None = None
         self._beat_seen_at = 0.0
+        self._spent = 0
 
     def _refresh(self) -> None:
         now = self._clock()
@@ -159,16 +170,25 @@ class RunWatch:
         if got is None:
             return
         data, self._etag = got
-        self.status = RunStatus.from_json(data)
+        self.status, self._spent = RunStatus.from_json(data), 0  # a new status: a new want to sample for
         if self.status is not None and self.status.heartbeat_at != self._beat:
             self._beat, self._beat_seen_at = self.status.heartbeat_at, now
 
     def wanted(self) -> int | None:
-        """The groups the trainer still wants, when backpressure applies (None: no limit known)."""
+        """The groups the trainer still wants from this worker, when backpressure applies: the status's want less
+        what this worker sampled since it read that status (None: no limit known)."""
         s = self.status
         if not self.backpressure or s is None or s.state != "running" or s.wanted_groups is None:
             return None
-        return s.wanted_groups
+        return max(0, s.wanted_groups - self._spent)
+
+    def spend(self, groups: int) -> None:
+        """Count groups this worker uploaded against the current status's want.
+
+        Args:
+            groups: the groups just uploaded.
+        """
+        self._spent += groups
 
     def check(self) -> Verdict:
         """Read the status if due and say whether to sample, pause or exit."""
@@ -183,7 +203,7 @@ class RunWatch:
             return Verdict("pause", f"the trainer's heartbeat has not moved for {quiet:.0f}s", "stale")
         if s.state == "failed":
             return Verdict("pause", f"the trainer failed at v{s.version}; waiting for a restart", "failed")
-        if self.backpressure and s.wanted_groups is not None and s.wanted_groups <= 0:
-            return Verdict("pause", f"the trainer wants no more groups at v{s.version} (backpressure)",
-                           "backpressure")
+        if self.backpressure and s.wanted_groups is not None and s.wanted_groups - self._spent <= 0:
+            why = "wants no more groups" if s.wanted_groups <= 0 else f"got the {s.wanted_groups} groups it wanted"
+            return Verdict("pause", f"the trainer {why} at v{s.version} (backpressure)", "backpressure")
         return SAMPLE

@@ -70,6 +70,23 @@ def test_backpressure_pauses_at_zero_wanted_and_resumes_when_positive(tmp_path):
     assert wanted_groups(4, 3, 10) == 6 and wanted_groups(4, 0, 9) == 0
 
 
+def test_a_worker_samples_at_most_the_want_per_status_it_read(tmp_path):
+    bucket = open_bucket(str(tmp_path))
+    watch = RunWatch(bucket, "r", stale_s=60, min_interval_s=0, clock=Clock())
+    put_status(bucket, wanted=4, beat=1)
+    assert watch.check().action == "sample" and watch.wanted() == 4
+    watch.spend(3)
+    assert watch.check().action == "sample" and watch.wanted() == 1
+    watch.spend(1)
+    v = watch.check()  # the same status object re-read: still spent
+    assert (v.action, v.kind, watch.wanted()) == ("pause", "backpressure", 0)
+    put_status(bucket, wanted=4, beat=2)  # the trainer's next status: a new want
+    assert watch.check().action == "sample" and watch.wanted() == 4
+    free = RunWatch(bucket, "r", stale_s=60, min_interval_s=0, backpressure=False)
+    free.spend(10)
+    assert free.check().action == "sample" and free.wanted() is None
+
+
 def test_watch_pauses_while_the_heartbeat_is_stale_and_resumes_when_it_moves(tmp_path):
     bucket = open_bucket(str(tmp_path))
     clock = Clock()
@@ -201,20 +218,24 @@ def test_a_worker_paused_by_backpressure_uploads_nothing_until_the_trainer_wants
     bucket = open_bucket(str(tmp_path / "b"))
     publish_tiny_run(bucket, tiny_dir)
     put_status(bucket, wanted=0)
-    records_at_each_pause = []
+    records_at_each_pause: list[int] = []
+    next_status: list[None] = []
 
-    def sleep(_s):  # after three pauses the trainer has taken the pool's groups: it wants 2 more
+    def sleep(_s):  # after three pauses the trainer has taken the pool's groups: it wants 2 more (then 2 again)
         records_at_each_pause.append(len(list(bucket.list(rollouts_prefix("r")))))
         if len(records_at_each_pause) == 3:
             put_status(bucket, wanted=2, beat=101.0)
+        elif records_at_each_pause[-1] == 2 and not next_status:  # the worker sampled what the status wanted
+            next_status.append(put_status(bucket, wanted=2, beat=102.0))  # until the trainer's next status
     monkeypatch.setattr(wloop.time, "sleep", sleep)
     lines: list[str] = []
     s = wloop.run_worker(worker_cfg(tmp_path, tiny_dir, max_groups=3, groups_in_flight=4), echo=lines.append)
-    assert records_at_each_pause[:3] == [0, 0, 0] and s["groups"] == 3
+    assert records_at_each_pause[:3] == [0, 0, 0] and set(records_at_each_pause) == {0, 2} and s["groups"] == 3
     assert len(list(bucket.list(rollouts_prefix("r")))) == 3
     batches = [r for r in read_metrics(next((tmp_path / "logs").glob("worker-*.jsonl"))) if "worker/decode_s" in r]
     assert len(batches) == 2  # 2 groups (the want), then 1 (max_groups), never a batch of 3
     assert any("paused: the trainer wants no more groups" in line for line in lines)
+    assert any("paused: the trainer got the 2 groups it wanted at v3" in line for line in lines)
     assert any("resumed sampling (backpressure over" in line for line in lines)
 
 

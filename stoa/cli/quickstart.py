@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from stoa.config import TrainerConfig, load_config
 from stoa.layout import checkpoint_files_prefix, logs_prefix, metrics_prefix, run_prefix, weights_prefix
@@ -15,22 +16,27 @@ from stoa.layout import checkpoint_files_prefix, logs_prefix, metrics_prefix, ru
 # Defaults sized for learning per minute on a 2-core CPU with SmolLM2-135M: 30 steps of ~10 s (bf16 trainer,
 # groups without signal skipped) reach held-out 0.68 from 0.13 in ~9 min (docs/speed.md); 12 steps reached 0.48.
 DEFAULTS = {"model": "smollm2-135m", "task": "arithmetic", "steps": 30, "workers": 2}
+DEFAULT_BUCKET = "./stoa-quickstart"
+WORKER_EXIT_S = 15.0
+"""Seconds the workers get to exit by themselves once the run finished (their current batch, then exit 0)."""
 SEARCH_STEPS = 12
 """``--task search``'s default steps: multi-turn steps take minutes here (docs/search.md)."""
 PRESETS = {
-    # Short completions and small batches: arithmetic answers need few tokens.
+    # Short completions and small batches: arithmetic answers need few tokens. Held-out evals at steps 0, 10, 20
+    # and 30 draw the eval curve (two evals more than before and after).
     "smollm2-135m": {"n_samples": 8, "groups_per_step": 4, "max_new_tokens": 16, "lr": 3e-6, "eval_n": 100,
-                     "micro_batch": 16, "checkpoint_every": 4, "kl_beta": 0.0},
+                     "micro_batch": 16, "kl_beta": 0.0, "eval_every": 10},
     # A random model never solves arithmetic: its groups all score 0, so it trains on them (the loop is the point).
     "tiny": {"n_samples": 4, "groups_per_step": 4, "max_new_tokens": 8, "lr": 1e-3, "eval_n": 16,
-             "micro_batch": 16, "checkpoint_every": 1, "skip_uniform_groups": False},
+             "micro_batch": 16, "skip_uniform_groups": False, "eval_every": 1},
 }
 SEARCH_PRESETS = {
     # Multi-turn episodes (up to 3 model turns of 48 tokens, ~180-token observations): fewer, longer rows.
     "smollm2-135m": {"n_samples": 8, "groups_per_step": 4, "max_new_tokens": 48, "lr": 5e-6, "eval_n": 48,
-                     "micro_batch": 8, "checkpoint_every": 4, "kl_beta": 0.0, "eval_every": 5},
+                     "micro_batch": 8, "kl_beta": 0.0, "eval_every": 5},
+    # A random model never finds an answer: every group scores 0, so it trains on them too (as above).
     "tiny": {"n_samples": 4, "groups_per_step": 2, "max_new_tokens": 8, "lr": 1e-3, "eval_n": 4,
-             "micro_batch": 8, "checkpoint_every": 1},
+             "micro_batch": 8, "skip_uniform_groups": False, "eval_every": 1},
 }
 SEARCH_TASKS = {"smollm2-135m": "search:max_turns=3,max_total_tokens=640,format_reward=0.1",
                 "tiny": "search:entities=60,max_turns=2,max_total_tokens=256"}
@@ -51,7 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", default=DEFAULTS["task"],
                    help="task spec, e.g. gsm8k or search (multi-turn: a search agent with a BM25 retriever) "
                         "[default: arithmetic]")
-    p.add_argument("--dir", default="./stoa-quickstart", help="local bucket directory [default: ./stoa-quickstart]")
+    p.add_argument("--bucket", default=None, help=f"local bucket directory [default: {DEFAULT_BUCKET}]")
+    p.add_argument("--dir", default=None, help="deprecated spelling of --bucket")
     p.add_argument("--run", default="", help="run id [default: quickstart-<time>]")
     p.add_argument("--algorithm", default="grpo", help="grpo, dr_grpo, dapo, gspo, rloo, cispo, gigpo [default: grpo]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -68,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from stoa.config import ConfigError, parse_scalar
     from stoa.trainer.loop import run_trainer
 
+    args.bucket = bucket_arg(args.bucket, args.dir)
     if args.workers < 1:
         raise ConfigError("workers", "must be >= 1")
     if args.steps is None:
@@ -78,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     kind = "tiny" if args.model.startswith("tiny") else "smollm2-135m"
     task = SEARCH_TASKS[kind] if args.task == "search" else args.task
     preset = (SEARCH_PRESETS if task.startswith("search") else PRESETS)[kind]
-    overrides = {**preset, "bucket": args.dir, "run": run_id, "model": args.model, "task": task,
+    overrides = {**preset, "bucket": args.bucket, "run": run_id, "model": args.model, "task": task,
                  "steps": args.steps, "algorithm": args.algorithm, "max_wait_seconds": 900.0}
     for item in args.set:
         if "=" not in item:
@@ -88,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(TrainerConfig, overrides=overrides, env={})
     from stoa.models import resolve_model
 
-    print(f"[quickstart] run {run_id} in {Path(args.dir).resolve()} with {args.workers} workers, "
+    print(f"[quickstart] run {run_id} in {Path(args.bucket).resolve()} with {args.workers} workers, "
           f"model {args.model}, task {task}, {args.steps} steps")
     resolve_model(cfg.model)  # fetch/convert once, before workers start
-    log_dir = Path(args.dir) / logs_prefix(run_id)
+    log_dir = Path(args.bucket) / logs_prefix(run_id)
     log_dir.mkdir(parents=True, exist_ok=True)
     # Single-threaded processes share small machines without OpenMP spin-waiting on each other.
     cores = os.cpu_count() or 2
@@ -99,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     workers = []
     for i in range(args.workers):
-        cmd = [sys.executable, "-m", "stoa", "worker", "--bucket", args.dir, "--run", run_id,
+        cmd = [sys.executable, "-m", "stoa", "worker", "--bucket", args.bucket, "--run", run_id,
                "--name", f"qs{i}", "--engine", "torch", "--threads", str(threads), "--wait-seconds", "900"]
         fh = open(log_dir / f"worker{i}.log", "w")  # noqa: SIM115 - closed below
         workers.append((subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env), fh))
@@ -107,20 +115,57 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(max(1, cores - args.workers * threads))
+    grace = 0.0
     try:
         summary = run_trainer(cfg)
+        grace = WORKER_EXIT_S  # the run reads finished: the workers exit on their own, their metrics uploaded
     finally:
-        for proc, _ in workers:
-            proc.terminate()
-        for proc, fh in workers:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            fh.close()
-    wall = time.perf_counter() - t0
-    _print_summary(summary, wall, Path(args.dir), run_id)
+        wall = time.perf_counter() - t0
+        _stop_workers(workers, grace)
+    _print_summary(summary, wall, Path(args.bucket), run_id)
     return 0
+
+
+def _stop_workers(workers: list[tuple[subprocess.Popen, Any]], grace_s: float) -> None:
+    """Give the workers ``grace_s`` to exit by themselves (they do once the run's status says finished, after
+    uploading their last metrics chunk), then terminate the rest (a terminated worker's last rows stay local).
+
+    Args:
+        workers: each worker process and its log file (closed here).
+        grace_s: seconds to wait for all of them before terminating.
+    """
+    deadline = time.monotonic() + grace_s
+    for proc, _ in workers:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for proc, fh in workers:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        fh.close()
+
+
+def bucket_arg(bucket: str | None, old: str | None) -> str:
+    """The quickstart's bucket directory from ``--bucket`` or its deprecated spelling ``--dir`` (one warning line).
+
+    Args:
+        bucket: ``--bucket``'s value (None: not given).
+        old: ``--dir``'s value (None: not given).
+
+    Raises:
+        ConfigError: both were given with different values.
+    """
+    from stoa.config import ConfigError
+
+    if old is None:
+        return bucket or DEFAULT_BUCKET
+    if bucket is not None and bucket != old:
+        raise ConfigError("bucket", f"--bucket {bucket!r} and --dir {old!r} disagree; give --bucket only")
+    print("stoa quickstart: --dir is deprecated, use --bucket (same meaning)", file=sys.stderr)
+    return old
 
 
 def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
@@ -142,7 +187,8 @@ def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
         first, last = steps[0]["rollout/search_rate"], steps[-1]["rollout/search_rate"]
         print(f"  search rate    first {first:.3f} -> last {last:.3f} (training episodes)")
     if evals:
-        print(f"  held-out acc   before {evals[0]['accuracy']:.3f} -> after {evals[-1]['accuracy']:.3f}")
+        print(f"  held-out acc   before {evals[0]['accuracy']:.3f} -> after {evals[-1]['accuracy']:.3f} "
+              f"({len(evals)} evals)")
     if evals and "cover_em" in evals[0]:
         a, b = evals[0], evals[-1]
         print(f"  held-out       cover-EM {a['cover_em']:.3f} -> {b['cover_em']:.3f}, EM {a['em']:.3f} -> "
@@ -152,3 +198,6 @@ def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
           f"fp32 master weights (sharded checkpoint) in {where / checkpoint_files_prefix(run_id)}")
     print(f"  export         stoa export --bucket {root} --run {run_id} {run_id}-hf  (a Hugging Face "
           "directory for transformers and mlx-lm; --source checkpoint for the fp32 weights)")
+    print(f"  status         stoa status --bucket {root} --run {run_id}")
+    print(f"  plot           stoa plot --bucket {root} --run {run_id} {run_id}.png  (pip install 'stoa[plot]')")
+    print(f"  worker logs    {where / logs_prefix(run_id)}/worker<i>.log")

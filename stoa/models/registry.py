@@ -252,9 +252,9 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
     if "/" not in name:
         raise UnknownModel(f"unknown model {name!r}; {known_models_line()}")
     try:
-        from huggingface_hub import snapshot_download
+        from stoa.models.hub import hub_snapshot
 
-        return Path(snapshot_download(repo_id=name, allow_patterns=_HUB_PATTERNS))
+        return hub_snapshot(name, _HUB_PATTERNS)  # with progress lines: the CLI turns the hub's bars off
     except Exception as e:  # any hub failure (offline, 404, auth, bad id) gets the same advice
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ModelFetchError(

@@ -88,6 +88,22 @@ def time_unit(runs: Sequence[RunCurves]) -> str:
     return "hours" if spans and max(spans) > 3 * 3600 else "minutes"
 
 
+def x_range(runs: Sequence[RunCurves], x: str) -> tuple[float, float] | None:
+    """The x range every panel shares: from the smallest to the largest x of any curve of any run, padded (a
+    single point gets half a unit each side); None when nothing has data.
+
+    Args:
+        runs: the runs to draw.
+        x: ``version``, ``minutes`` or ``hours``.
+    """
+    xs = [v for run in runs for points in run.curves.values() for v in xy(points, x, run.start)[0]]
+    if not xs:
+        return None
+    lo, hi = min(xs), max(xs)
+    pad = 0.5 if hi == lo else 0.02 * (hi - lo)
+    return lo - pad, hi + pad
+
+
 def require_matplotlib() -> tuple[Any, Any]:
     """``(Figure, FigureCanvasAgg)``, or PlotUnavailable naming the extra."""
     try:
@@ -98,7 +114,8 @@ def require_matplotlib() -> tuple[Any, Any]:
     return Figure, FigureCanvasAgg
 
 
-def draw_panel(ax: Any, panel: Panel, runs: Sequence[RunCurves], x: str) -> int:
+def draw_panel(ax: Any, panel: Panel, runs: Sequence[RunCurves], x: str,
+               xlim: tuple[float, float] | None = None) -> int:
     """Draw one panel's curves of every run (color by run, line style by metric); return the lines drawn.
 
     Args:
@@ -106,6 +123,7 @@ def draw_panel(ax: Any, panel: Panel, runs: Sequence[RunCurves], x: str) -> int:
         panel: what to draw.
         runs: the runs, the first one in color C0.
         x: ``version``, ``minutes`` or ``hours``.
+        xlim: the x range every panel shares (``x_range``); policy versions get whole-number ticks.
     """
     lines, shown = 0, []
     for i, run in enumerate(runs):
@@ -130,9 +148,13 @@ def draw_panel(ax: Any, panel: Panel, runs: Sequence[RunCurves], x: str) -> int:
         ax.set_yticks([])
         return 0
     ax.grid(True, alpha=0.3)
-    if panel.name == "workers":
-        from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator
 
+    if xlim is not None:
+        ax.set_xlim(*xlim)
+    if x == "version":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if panel.name == "workers":
         ax.set_ylim(bottom=0)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("policy version" if x == "version" else f"wall time ({x})", fontsize=8)
@@ -166,7 +188,8 @@ def render(runs: Sequence[RunCurves], out: str | Path, *, x: str = "version", wi
     cols = 2
     axes = fig.subplots((len(PANELS) + cols - 1) // cols, cols, squeeze=False).ravel()
     axis = time_unit(runs) if x == "time" else x
-    drawn = [draw_panel(ax, panel, runs, axis) for ax, panel in zip(axes, PANELS, strict=False)]
+    xlim = x_range(runs, axis)
+    drawn = [draw_panel(ax, panel, runs, axis, xlim) for ax, panel in zip(axes, PANELS, strict=False)]
     for ax in axes[len(PANELS):]:
         ax.set_visible(False)
     from matplotlib.lines import Line2D

@@ -26,6 +26,8 @@ TIME_RANGE = (1e9, 1e10)
 """Plausible unix times of a row (2001..2286); others are left off the wall-time axis."""
 WORKER_WINDOW = 4
 """The worker count at version v counts the workers whose records were sampled at versions v-3..v."""
+SAMPLED_KEY = "worker/tokens_per_s"
+"""A worker's row with this key logs a batch it sampled (pause and weight-sync rows do not have it)."""
 
 
 class Metric(NamedTuple):
@@ -68,7 +70,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("lag", "version lag of trained records", (Metric("rollout/lag_mean", "mean"),
                                                     Metric("rollout/lag_max", "max"))),
     Panel("records", "records accepted per second", (Metric("rollout/records_per_s", "records/s"),)),
-    Panel("workers", "workers seen (records sampled in the last 4 versions)", (Metric("workers", "workers"),)),
+    Panel("workers", "workers sampling (records sampled in the last 4 versions)", (Metric("workers", "workers"),)),
 )
 TRAINER_ONLY = ("train/", "rollout/")
 """Metric prefixes read from the trainer's chunks only (``eval/*`` may come from any writer, e.g. an evaluator)."""
@@ -154,40 +156,49 @@ def read_sourced_rows(bucket: Any, run_id: str) -> list[tuple[str, dict[str, Any
     return rows
 
 
-def worker_versions(run_id: str, source: str, row: dict[str, Any]) -> list[tuple[int, str]]:
-    """``(version, worker id)`` pairs one row attests: the trainer's ``rollout/keys`` (each record's sampling
-    version and worker), or a worker's own row (``worker/version`` in a ``worker-<id>`` chunk); other writers
-    (an evaluator) attest none.
+def worker_versions(source: str, row: dict[str, Any]) -> list[tuple[int, str]]:
+    """``(version, worker id)`` pairs one row attests: a worker's row of a batch it sampled (``worker/version``
+    with ``worker/tokens_per_s``, in a ``worker-<id>`` chunk). Other rows (a worker's pause or weight-sync rows,
+    the trainer's, an evaluator's) attest none: the trainer's ``rollout/keys`` are the records it trained on.
 
     Args:
-        run_id: the run (to parse the record labels with stoa.layout).
         source: the writer of the row's chunk.
         row: an untrusted metrics row.
     """
+    if not source.startswith(WORKER_SOURCE) or number(row.get(SAMPLED_KEY)) is None:
+        return []
+    v = version_of(row.get("worker/version"))
+    return [(v, source[len(WORKER_SOURCE):])] if v is not None else []
+
+
+def listed_records(bucket: Any, run_id: str) -> list[tuple[int, str]]:
+    """``(version, worker id)`` of every record key under the run's rollouts (the records sampled that retention
+    has not deleted yet: a worker whose metrics chunk has not landed is counted from them).
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run id.
+    """
     from stoa.layout import parse_rollout_key, rollouts_prefix
 
-    if source.startswith(WORKER_SOURCE):
-        v = version_of(row.get("worker/version"))
-        return [(v, source[len(WORKER_SOURCE):])] if v is not None else []
-    if source != TRAINER_SOURCE:
-        return []
-    labels = row.get("rollout/keys")
-    if not isinstance(labels, list):
-        return []
-    parsed = (parse_rollout_key(run_id, rollouts_prefix(run_id) + lab) for lab in labels if isinstance(lab, str))
+    parsed = (parse_rollout_key(run_id, info.key) for info in bucket.list(rollouts_prefix(run_id)))
     return [(k.version, k.worker_id) for k in parsed if k is not None]
 
 
-def run_curves(run_id: str, rows: Sequence[tuple[str, dict[str, Any]]]) -> RunCurves:
+def run_curves(run_id: str, rows: Sequence[tuple[str, dict[str, Any]]],
+               records: Sequence[tuple[int, str]] = ()) -> RunCurves:
     """Extract every panel's curves from a run's sourced rows, skipping whatever is malformed.
 
     Args:
         run_id: the run.
         rows: ``(source, row)`` pairs (``read_sourced_rows``).
+        records: ``(version, worker id)`` of the record keys listed in the bucket (``listed_records``).
     """
     keys = [m.key for p in PANELS for m in p.metrics if m.key != "workers"]
     curves: dict[str, Points] = defaultdict(Points)
     seen: dict[int, set[str]] = defaultdict(set)
+    for v, wid in records:
+        seen[v].add(wid)
     published: dict[int, float] = {}
     first_seen: dict[int, float] = {}
     times = []
@@ -195,7 +206,7 @@ def run_curves(run_id: str, rows: Sequence[tuple[str, dict[str, Any]]]) -> RunCu
         t = number(row.get("time"))
         t = t if t is not None and TIME_RANGE[0] <= t <= TIME_RANGE[1] else None
         times += [t] if t is not None else []
-        for v, wid in worker_versions(run_id, source, row):
+        for v, wid in worker_versions(source, row):
             seen[v].add(wid)
             if t is not None:
                 first_seen[v] = min(first_seen.get(v, t), t)
@@ -221,4 +232,4 @@ def load_run(bucket: Any, run_id: str) -> RunCurves:
         bucket: the bucket.
         run_id: the run id.
     """
-    return run_curves(run_id, read_sourced_rows(bucket, run_id))
+    return run_curves(run_id, read_sourced_rows(bucket, run_id), listed_records(bucket, run_id))

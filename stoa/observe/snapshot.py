@@ -117,6 +117,9 @@ class Snapshot:
         state: ``running``/``finished``/``failed`` from status.json (``unknown`` when absent or malformed).
         heartbeat_age_s: seconds since the trainer's status heartbeat.
         version: the pointer's version (None: no pointer yet); ``version_age_s`` since it was published.
+        step: the run's steps so far (the newer of the trainer's metrics and its status).
+        target_steps: the run's total steps from the status (0: unbounded; None: unknown, e.g. an older trainer).
+        eta_s: seconds to ``target_steps`` at ``steps_per_min`` (None: not running, unbounded or no rate yet).
     """
 
     run: str
@@ -130,6 +133,8 @@ class Snapshot:
     plane: str = ""
     trainer: TrainerView | None = None
     step: int | None = None
+    target_steps: int | None = None
+    eta_s: float | None = None
     steps_per_min: float | None = None
     records_per_s: float | None = None
     reward: list[float | None] = field(default_factory=list)
@@ -318,6 +323,7 @@ def take_snapshot(bucket: Bucket, run_id: str, *, workers_minutes: float = 10.0,
     chunks = _chunks_by_source(run_id, objects)
     trainer_rows = [r for c in chunks.get("trainer", [])[-max_trainer_chunks:] for r in reader.rows(c.key, c.size)]
     training_view(snap, trainer_rows)
+    progress_view(snap, status)
     evaluator_rows = [r for c in chunks.get("eval", [])[-max_trainer_chunks:] for r in reader.rows(c.key, c.size)]
     if evaluator_rows:  # an evaluator's figures (stoa eval) join the trainer's, in version order
         snap.evals = sorted(snap.evals + eval_points(evaluator_rows), key=lambda e: e["version"] or 0)
@@ -330,6 +336,22 @@ def take_snapshot(bucket: Bucket, run_id: str, *, workers_minutes: float = 10.0,
     snap.requests = {"list": b.list_requests, "get": b.get_requests, "listed_objects": b.listed,
                      "cached_chunks": len(reader.cache)}
     return snap
+
+
+def progress_view(snap: Snapshot, status: RunStatus | None) -> None:
+    """Fill the run's step (the status's when it is ahead of the metrics), its target and the ETA to it.
+
+    Args:
+        snap: the snapshot, its training figures filled (``training_view``).
+        status: the run's status (None: absent or malformed).
+    """
+    if status is None:
+        return
+    if status.step > (snap.step or 0):  # the status is written every version, the metrics every 20 rows or 60 s
+        snap.step = status.step
+    snap.target_steps = status.target_steps
+    if snap.state == "running" and status.target_steps and snap.steps_per_min and snap.step is not None:
+        snap.eta_s = 60.0 * max(0, status.target_steps - snap.step) / snap.steps_per_min
 
 
 def _status(b: CountingBucket, run_id: str, listed: dict[str, int]) -> RunStatus | None:

@@ -58,6 +58,18 @@ def _curve(label: str, values: list[float | None], unit: str, width: int) -> str
                         f"(min {_fmt(min(finite))}, max {_fmt(max(finite))}, {len(values)} {unit})")
 
 
+def _progress(s: Snapshot) -> str:
+    """``12/30``, ``12 (no target)`` for an unbounded run, or the step alone when the target is unknown."""
+    step = "-" if s.step is None else str(s.step)
+    if s.target_steps is None:
+        return step
+    return f"{step}/{s.target_steps}" if s.target_steps else f"{step} (no target)"
+
+
+def _eta(s: Snapshot) -> str:
+    return "" if s.eta_s is None else f" | ETA {age(s.eta_s)}"
+
+
 def _head(s: Snapshot) -> list[str]:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.taken_at))
     state = f"{s.state} (heartbeat {age(s.heartbeat_age_s)} ago)" if s.heartbeat_age_s is not None else s.state
@@ -68,7 +80,7 @@ def _head(s: Snapshot) -> list[str]:
     t = s.trainer
     trainer = ("no lease" if t is None else f"{t.host} pid {t.pid} (holder {t.holder}, epoch {t.epoch}), "
                f"heartbeat {age(t.heartbeat_age_s)} ago" + (", released" if t.released else ""))
-    steps = (f"{s.step if s.step is not None else '-'} | {_fmt(s.steps_per_min, '.2f')} steps/min | "
+    steps = (f"{_progress(s)} | {_fmt(s.steps_per_min, '.2f')} steps/min{_eta(s)} | "
              f"{_fmt(s.records_per_s, '.2f')} records/s (last {min(len(s.reward), 20)} steps)")
     return [f"stoa status | run {s.run} | {s.bucket} | {when}", _line("state", state), _line("version", version),
             _line("trainer", trainer), _line("steps", steps)]

@@ -3,9 +3,9 @@
 Cost per published version: one status PUT, and, once a version leaves the window plus
 ``keep_rollout_versions``, one listing and one bulk delete of that version's prefix (never again: the
 oldest kept version is carried in the status, so a restart does not re-list deleted versions). While the
-trainer waits for records it rewrites the status every ``status_seconds`` (its heartbeat), and lists the window
-less often the longer nothing lands (``poll_delay``). A status write that fails is logged and retried at the
-next beat: it never stops training.
+trainer waits for records it rewrites the status every ``status_seconds`` (its heartbeat) and whenever the want
+reaches zero or rises, and lists the window less often the longer nothing lands (``poll_delay``). A status write
+that fails is logged and retried at the next beat: it never stops training.
 """
 
 from __future__ import annotations
@@ -39,16 +39,72 @@ def poll_delay(poll_seconds: float, empty_polls: int) -> float:
     return min(cap, poll_seconds * 2 ** min(empty_polls, 30))
 
 
-def wanted_groups(groups_per_step: int, staleness_bound: int, available: int) -> int:
+def wanted_groups(groups_per_step: int, staleness_bound: int, available: int, skipped: int = 0) -> int:
     """Groups the trainer can still use before they go stale: one step's groups for each version a record
-    sampled now stays inside the window (``staleness_bound + 1``), minus the usable groups already pooled.
+    sampled now stays inside the window (``staleness_bound + 1``), minus the usable groups already pooled and
+    minus the groups skipped for equal rewards that :class:`UniformSkips` still counts (read, never trained).
 
     Args:
         groups_per_step: groups one optimizer step takes.
         staleness_bound: the run's staleness bound.
         available: usable groups in the pool now.
+        skipped: skipped groups counted against the want (``UniformSkips.counted``).
     """
-    return max(0, groups_per_step * (staleness_bound + 1) - available)
+    return max(0, groups_per_step * (staleness_bound + 1) - available - skipped)
+
+
+class UniformSkips:
+    """Groups skipped for equal rewards (``skip_uniform_groups``) since the trainer's last step, as backpressure
+    and the trainer's log see them.
+
+    Skipped groups count against the want, so while every group is skipped the workers write about one window
+    (``groups_per_step x (staleness_bound + 1)`` groups) and pause. Every ``forgive_s`` without a step the count
+    is forgiven and they write one more window: a policy that may still sample a group with signal gets a bounded
+    trickle, neither a flood of groups nobody trains nor a permanent stall. Once a whole window has been read
+    without a step and every group taken was skipped, :meth:`note` returns one line naming the fix, once.
+
+    Args:
+        window: the groups of one window (``groups_per_step x (staleness_bound + 1)``).
+        forgive_s: seconds without a step after which the skipped groups stop counting against the want.
+        clock: monotonic clock (tests pass a fake one).
+    """
+
+    def __init__(self, window: int, forgive_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window, self.forgive_s, self._clock = window, forgive_s, clock
+        self._step: int | None = None
+        self._forgiven, self._since = 0, clock()
+        self.noted = False
+
+    def counted(self, skipped: int, step: int) -> int:
+        """The skipped groups that count against the want now.
+
+        Args:
+            skipped: groups skipped since the last step (the pool's ``skipped_uniform``).
+            step: the run's step count (a new step starts a new count).
+        """
+        now = self._clock()
+        if step != self._step:
+            self._step, self._forgiven, self._since = step, 0, now
+        elif now - self._since >= self.forgive_s:
+            self._forgiven, self._since = skipped, now
+        return max(0, skipped - self._forgiven)
+
+    def note(self, skipped: int, available: int, version: int) -> str | None:
+        """One line naming the fix, the first time a whole window of groups was read since the last step and
+        every one taken was skipped (else None).
+
+        Args:
+            skipped: groups skipped since the last step.
+            available: groups waiting in the pool (not taken yet).
+            version: the trainer's current version.
+        """
+        if self.noted or not skipped or skipped + available < self.window:
+            return None
+        self.noted = True
+        return (f"[trainer] v{version}: all {skipped} groups since the last step had equal rewards and were skipped "
+                "(no advantage, no gradient) and count against the want; to train on them set "
+                "skip_uniform_groups = false (--no-skip-uniform-groups), or start from a model that solves some "
+                "prompts (a cold start)")
 
 
 class StatusPublisher:
@@ -61,15 +117,19 @@ class StatusPublisher:
         fence: called before every write; raises when this trainer may no longer write (its lease).
         clock: wall clock for the stored times.
         mono: monotonic clock for the heartbeat interval.
+        target_steps: the run's total steps (0: unbounded), written into every status.
     """
 
     def __init__(self, bucket: Bucket, run_id: str, heartbeat_s: float, *, fence: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic,
+                 target_steps: int = 0) -> None:
         self.bucket, self.run_id, self.heartbeat_s = bucket, run_id, heartbeat_s
+        self.target_steps = target_steps
         self.fence = fence
         self._clock, self._mono = clock, mono
         self._written_at: float | None = None
         self._version: int | None = None
+        self._wanted: int | None = None
         self.writes = 0
         """Status objects written by this process."""
         try:
@@ -79,21 +139,26 @@ class StatusPublisher:
         self.prior = prior
         """The status a previous trainer left (None on a new run or when unreadable)."""
 
-    def beat(self, version: int, wanted: int | None, *, step_s: float, kept_from: int) -> bool:
-        """Write ``running`` if the version moved or the heartbeat is due; return whether it wrote.
+    def beat(self, version: int, wanted: int | None, *, step_s: float, kept_from: int, step: int = 0) -> bool:
+        """Write ``running`` if the version moved, the heartbeat is due, the want reached zero (workers pause at
+        once) or rose (groups left the pool: workers, which sample at most one want per status, get a new one);
+        return whether it wrote.
 
         Args:
             version: the newest published version.
             wanted: groups still wanted (None: no backpressure).
             step_s: the last step's seconds.
             kept_from: the oldest rollout version retention keeps.
+            step: the run's steps so far.
         """
         due = self._written_at is None or self._mono() - self._written_at >= self.heartbeat_s
-        if version == self._version and not due:
+        moved = wanted != self._wanted and (wanted == 0 or (wanted or 0) > (self._wanted or 0))
+        if version == self._version and not due and not moved:
             return False
-        return self.write("running", version, wanted, step_s=step_s, kept_from=kept_from)
+        return self.write("running", version, wanted, step_s=step_s, kept_from=kept_from, step=step)
 
-    def write(self, state: str, version: int, wanted: int | None, *, step_s: float, kept_from: int) -> bool:
+    def write(self, state: str, version: int, wanted: int | None, *, step_s: float, kept_from: int,
+              step: int = 0) -> bool:
         """Write the status now; a bucket error is logged, not raised (the next beat retries).
 
         Args:
@@ -102,9 +167,10 @@ class StatusPublisher:
             wanted: groups still wanted (None: no backpressure).
             step_s: the last step's seconds.
             kept_from: the oldest rollout version retention keeps.
+            step: the run's steps so far.
         """
         now = self._clock()
-        status = RunStatus(state, version, now, now, wanted, round(step_s, 3), kept_from)
+        status = RunStatus(state, version, now, now, wanted, round(step_s, 3), kept_from, step, self.target_steps)
         if self.fence is not None:
             self.fence()
         try:
@@ -112,7 +178,7 @@ class StatusPublisher:
         except BucketError as e:
             log.warning("writing the run status failed, retrying at the next beat: %s", e)
             return False
-        self._written_at, self._version = self._mono(), version
+        self._written_at, self._version, self._wanted = self._mono(), version, wanted
         self.writes += 1
         return True
 

@@ -17,14 +17,14 @@ from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.cadence import CheckpointCadence
 from stoa.trainer.dist import SINGLE, Dist
 from stoa.trainer.lease import FencedBucket, Lease
-from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, poll_delay, wanted_groups
+from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, UniformSkips, poll_delay, wanted_groups
 from stoa.trainer.overlap import Background, Done
 from stoa.trainer.pool import Entry, RecordPool
 from stoa.trainer.quarantine import Quarantine
 from stoa.trainer.ranks import Driver, RankOps, serve
 from stoa.trainer.retry import RETRY_MAX_SLEEP_S, ride_out  # noqa: F401 - re-exported
 from stoa.trainer.setup import build_contract, ensure_contract, evaluate
-from stoa.trainer.steplog import step_line, step_row
+from stoa.trainer.steplog import StepClock, step_line, step_row
 from stoa.trainer.tools import prepare_tools
 
 EVALUATOR_MAX_AGE_S = 90.0  # an evaluator beating this recently (every 30 s; clocks may differ) does the evals
@@ -145,6 +145,7 @@ class _Trainer:
         self.skip_uniform = cfg.skip_uniform_groups and acfg.name != "gigpo" and not acfg.echo_alpha
         self.version = self.step = 0
         self.cadence = CheckpointCadence(cfg.checkpoint_every, cfg.checkpoint_minutes)
+        self.clock = StepClock(cfg.steps, 0)  # restarted from the resumed step when the loop starts
         self.publishing: Background[Any] | None = None
         self.unpublished_rows: list[tuple[dict[str, Any], int]] = []
         self.last_publish: Done[Any] | None = None
@@ -270,7 +271,8 @@ class _Trainer:
         metrics chunks in the bucket, each fenced by the lease."""
         cfg = self.cfg
         fence = getattr(self, "fence", None)
-        self.run_status = StatusPublisher(self.bucket, cfg.run, cfg.status_seconds, fence=fence)
+        self.run_status = StatusPublisher(self.bucket, cfg.run, cfg.status_seconds, fence=fence, target_steps=cfg.steps)
+        self.skips = UniformSkips(cfg.groups_per_step * (cfg.staleness_bound + 1))
         prior = self.run_status.prior
         self.retention = RolloutRetention(self.bucket, cfg.run, cfg.staleness_bound, cfg.keep_rollout_versions,
                                           prior.rollouts_kept_from if prior is not None else 1)
@@ -281,10 +283,13 @@ class _Trainer:
     def beat(self) -> None:
         """Write the run's status when the version moved or the heartbeat is due, with the groups still
         wanted from the current window (after the pool listing, so the count is fresh)."""
-        cfg = self.cfg
-        wanted = (wanted_groups(cfg.groups_per_step, cfg.staleness_bound, self.pool.available())
-                  if cfg.backpressure else None)
-        self.run_status.beat(self.version, wanted, step_s=self.last_step_s, kept_from=self.retention.kept_from)
+        cfg, skipped = self.cfg, self.pool.stats.skipped_uniform
+        wanted = (wanted_groups(cfg.groups_per_step, cfg.staleness_bound, self.pool.available(),
+                                self.skips.counted(skipped, self.step)) if cfg.backpressure else None)
+        if (note := self.skips.note(skipped, self.pool.available(), self.version)) is not None:
+            self.echo(note)
+        self.run_status.beat(self.version, wanted, step_s=self.last_step_s, kept_from=self.retention.kept_from,
+                             step=self.step)
 
     def close_lifecycle(self, state: str, error: BaseException | None = None) -> None:
         """Write the final status; on a failure also close the metrics. A trainer that lost its lease
@@ -305,7 +310,7 @@ class _Trainer:
         if not lost:
             try:
                 self.run_status.write(state, self.version, None, step_s=self.last_step_s,
-                                      kept_from=self.retention.kept_from)
+                                      kept_from=self.retention.kept_from, step=self.step)
             except Exception as e:  # the fence: never hide the original error behind this one
                 if error is None:
                     raise
@@ -320,7 +325,7 @@ class _Trainer:
         """Refresh the pool, beat, wait or step, until the run's total steps or a stop; return steps taken."""
         cfg = self.cfg
         steps_here, waited_since, last_note, empty = 0, time.monotonic(), 0.0, 0
-        self.last_step_at = time.monotonic()
+        self.last_step_at, self.clock = time.monotonic(), StepClock(cfg.steps, self.step)
         while not self.stop.requested and (cfg.steps == 0 or self.step < cfg.steps):  # steps: run total
             empty = 0 if self.pool.refresh(self.version) else empty + 1
             self.beat()
@@ -393,7 +398,7 @@ class _Trainer:
         row.update(self.quarantine.metrics())
         self.unpublished_rows.append((row, self.step))  # logged by settle_publish: never a version not published
         self.summary["step_times"].append(m["step_time_s"])
-        self.echo(step_line(row, self.step))
+        self.echo(step_line(row, self.clock.tick(self.step)))
 
     def evaluator_running(self) -> bool:
         """Whether a follow-along evaluator (``stoa eval --follow``) beats on this run: the periodic evals are

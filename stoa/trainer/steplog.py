@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from stoa.layout import rollout_label
+from stoa.observe.status import age
 from stoa.trainer.pool import Entry, PoolStats
 from stoa.trainer.setup import reward_stats
 from stoa.trainer.step import episode_figures
@@ -50,16 +53,73 @@ def step_row(entries: Sequence[Entry], m: dict[str, float], ps: PoolStats, *, ve
     return row
 
 
-def step_line(row: dict[str, Any], step: int) -> str:
+RATE_STEPS = 10
+"""Steps the rate and ETA of a step line are measured over (this process's most recent ones)."""
+
+
+class Progress(NamedTuple):
+    """Where a run stands after a step.
+
+    Args:
+        step: the run's steps so far (restarts included).
+        total: the run's total steps (0: unbounded, no ETA).
+        per_min: steps per minute over this process's recent steps, waits included (None: not measured yet).
+        eta_s: seconds to the total at that rate (None: unbounded or not measured yet).
+    """
+
+    step: int
+    total: int
+    per_min: float | None = None
+    eta_s: float | None = None
+
+    def text(self) -> str:
+        """``step 3/30 (5.2 steps/min, ETA 5m10s)``; ``step 3`` alone for an unbounded run without a rate."""
+        head = f"step {self.step}/{self.total}" if self.total else f"step {self.step}"
+        parts = ([f"{self.per_min:.1f} steps/min"] if self.per_min is not None else []) + (
+            [f"ETA {age(self.eta_s)}"] if self.eta_s is not None else [])
+        return f"{head} ({', '.join(parts)})" if parts else head
+
+
+class StepClock:
+    """The rate and ETA of a trainer's steps, measured over its last ``window`` steps (waits included).
+
+    Args:
+        total: the run's total steps (0: unbounded).
+        step: the run's step count when this process starts stepping (a resumed run's steps are not timed).
+        window: steps the rate is measured over.
+        clock: monotonic clock (tests pass a fake one).
+    """
+
+    def __init__(self, total: int, step: int, window: int = RATE_STEPS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.total, self._clock = total, clock
+        self._marks: deque[tuple[int, float]] = deque([(step, clock())], maxlen=window + 1)
+
+    def tick(self, step: int) -> Progress:
+        """Record that the run reached ``step`` now; return its progress.
+
+        Args:
+            step: the run's step count after this step.
+        """
+        self._marks.append((step, self._clock()))
+        (s0, t0), (s1, t1) = self._marks[0], self._marks[-1]
+        if s1 <= s0 or t1 <= t0:
+            return Progress(step, self.total)
+        per_min = 60.0 * (s1 - s0) / (t1 - t0)
+        eta = 60.0 * max(0, self.total - step) / per_min if self.total else None
+        return Progress(step, self.total, per_min, eta)
+
+
+def step_line(row: dict[str, Any], progress: Progress) -> str:
     """The progress line of a step's row.
 
     Args:
         row: ``step_row``'s row.
-        step: the run's step count after this step.
+        progress: the run's step count after this step, its total, rate and ETA (``StepClock.tick``).
     """
     search = f" | search {row['rollout/search_rate']:.2f}" if "rollout/search_rate" in row else ""
     skipped = f", {row['rollout/skipped_uniform']} uniform skipped" if row.get("rollout/skipped_uniform") else ""
-    return (f"[trainer] step {step} -> v{row['version']} | reward {row['rollout/reward_mean']:.3f}{search} | "
+    return (f"[trainer] {progress.text()} -> v{row['version']} | reward {row['rollout/reward_mean']:.3f}{search} | "
             f"loss {row['train/loss']:+.4f} | kl {row.get('train/kl', 0.0):.2e} | {row['train/step_time_s']:.1f}s "
             f"({row['train/tokens_per_s']:.0f} tok/s) | lag {row['rollout/lag_mean']:.1f} | records "
             f"{row['rollout/records_per_s']:.2f}/s, sampled {row['rollout/sampled_tokens_per_s']:.0f} tok/s{skipped}")

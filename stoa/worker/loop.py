@@ -134,6 +134,7 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
                 time.sleep(cfg.poll_seconds)
                 continue
             _upload(w, p, batch)
+            w.watch.spend(len(batch.groups))  # the next batches sample for the want less these
             _log_batch(w, p, batch)
     finally:
         w.metrics.close()

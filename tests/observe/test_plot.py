@@ -37,7 +37,8 @@ class Clock:
 def write_run(bucket, run: str, *, versions=range(2, 14), workers=("w0", "w1"), slope: float = 0.03,
               only: tuple[str, ...] = ()) -> None:
     """Trainer metrics chunks through the real writer: one step row per version (records of ``workers``
-    sampled at version - 1) and an eval row every third version; ``only`` keeps just those metrics."""
+    sampled at version - 1) and an eval row every third version; each worker's chunk with one sampled batch per
+    version (unless ``only``, which keeps just those trainer metrics)."""
     sink = BucketMetrics(bucket, run, "trainer", flush_rows=5, clock=Clock(T0))
     for v in versions:
         keys = [rollout_label(rollout_key(run, v - 1, w, v)) for w in workers]
@@ -49,6 +50,11 @@ def write_run(bucket, run: str, *, versions=range(2, 14), workers=("w0", "w1"), 
         if v % 3 == 0 and not only:
             sink.add({"time": T0 + 10 * v + 5, "version": v, "eval/accuracy": 0.05 * v})
     sink.flush()
+    for w in () if only else workers:
+        sink = BucketMetrics(bucket, run, f"worker-{w}", flush_rows=100, clock=Clock(T0))
+        for v in versions:
+            sink.add({"time": T0 + 10 * v + 1, "worker/version": v - 1, "worker/tokens_per_s": 50.0})
+        sink.flush()
 
 
 def pixels(png: Path, box, color: str) -> tuple[int, float]:
@@ -115,16 +121,20 @@ def test_cover_em_replaces_accuracy_for_search_tasks(tmp_path):
     assert boxes(result)["eval"].lines == 1
 
 
-def test_worker_count_unions_rollout_keys_and_worker_chunks_over_the_window(tmp_path):
+def test_worker_count_is_of_sampled_records_from_worker_batches_and_listed_keys(tmp_path):
     bucket = open_bucket(str(tmp_path / "b"))
-    write_run(bucket, "r", versions=range(2, 14))  # w0, w1 sample every version 1..12
-    for source, version in (("worker-w2", 5), ("worker-w0", 6), ("eval-1", 7)):  # an evaluator is no worker
-        BucketMetrics(bucket, "r", source, flush_rows=1, clock=Clock(T0)).add(
-            {"time": T0 + 50, "worker/version": version, "rollout/keys": [rollout_label(rollout_key("r", 7, "w9", 1))]})
+    write_run(bucket, "r", versions=range(2, 14))  # w0 and w1 sample a batch at every version 1..12
+    for source, row in (("worker-w2", {"worker/version": 5, "worker/tokens_per_s": 9.0}),  # a batch at v5
+                        ("worker-w3", {"worker/version": 6, "worker/paused": 1}),  # paused: sampled nothing
+                        ("eval-1", {"worker/version": 7, "worker/tokens_per_s": 9.0})):  # an evaluator is no worker
+        BucketMetrics(bucket, "r", source, flush_rows=1, clock=Clock(T0)).add({"time": T0 + 50, **row})
+    bucket.put_create(rollout_key("r", 11, "w4", 0), b"record")  # sampled, its worker's chunk not landed yet
     counts = {v: n for v, _, n in load_run(bucket, "r").curves["workers"].rows}
     assert WORKER_WINDOW == 4
-    with_w2 = {5, 6, 7, 8}  # w2 sampled version 5: counted at versions 5..8
-    assert counts == {v: 3.0 if v in with_w2 else 2.0 for v in range(1, 13)}
+    with_w2, with_w4 = {5, 6, 7, 8}, {11, 12}  # w2 sampled version 5: counted at versions 5..8
+    assert counts == {v: 2.0 + (v in with_w2) + (v in with_w4) for v in range(1, 13)}
+    trained_only = plotdata.run_curves("r", [(s, r) for s, r in read_sourced_rows(bucket, "r") if s == "trainer"])
+    assert "workers" not in trained_only.curves
 
 
 def test_forged_rows_and_chunks_are_skipped(tmp_path, monkeypatch):
@@ -222,7 +232,7 @@ def test_a_real_tiny_run_plots_while_live_and_once_finished(tmp_path, stoa_cache
     sets = ["lr=3e-2", "eval_n=8", "eval_every=5", "kl_beta=0.01", "max_new_tokens=8", "n_samples=4",
             "groups_per_step=4", "metrics_flush_rows=1"]
     cmd = [sys.executable, "-m", "stoa", "quickstart", "--model", "tiny", "--task", "toy", "--workers", "2",
-           "--steps", "16", "--dir", str(bucket_dir), "--run", "q", *[a for s in sets for a in ("--set", s)]]
+           "--steps", "16", "--bucket", str(bucket_dir), "--run", "q", *[a for s in sets for a in ("--set", s)]]
     with open(tmp_path / "quickstart.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
@@ -247,3 +257,25 @@ def test_a_real_tiny_run_plots_while_live_and_once_finished(tmp_path, stoa_cache
         assert box.lines >= 1 and pixels(done.path, box, "C0")[0] > 0, box
     assert {1, 6, 11, 16} <= {v for v, _, _ in final.curves["eval/accuracy"].rows}
     assert max(n for _, _, n in final.curves["workers"].rows) <= 2
+
+
+def test_every_panel_shares_one_x_range_with_whole_version_ticks(tmp_path, monkeypatch):
+    from stoa.observe import plot
+
+    bucket = open_bucket(str(tmp_path / "b"))
+    write_run(bucket, "r", versions=range(2, 5))  # trainer rows at v2..4, an eval at v3, workers at v1..3
+    seen = []
+
+    def spy(ax, panel, runs, x, xlim=None):
+        drawn = real(ax, panel, runs, x, xlim)
+        seen.append((panel.name, ax.get_xlim(), list(ax.get_xticks())))
+        return drawn
+
+    real = plot.draw_panel
+    monkeypatch.setattr(plot, "draw_panel", spy)
+    render([load_run(bucket, "r")], tmp_path / "r.png", width=900, height=700)
+    assert len(seen) == len(PANELS)
+    for name, lim, ticks in seen:
+        assert lim == pytest.approx((1 - 0.06, 4 + 0.06)), name  # v1..v4 (the workers' v1 included), padded 2 %
+        assert ticks and all(t == int(t) for t in ticks), (name, ticks)  # matplotlib alone would tick 1.5, 2.5
+    assert plot.x_range([load_run(bucket, "nothing")], "version") is None

@@ -119,6 +119,24 @@ def test_an_evaluators_rows_join_the_trainers_in_version_order(tmp_path):
     assert s["evals"][3] == {"version": 6, "cover_em": 0.5, "em": 0.25}
 
 
+def test_the_steps_line_shows_the_target_and_the_eta_at_the_recent_rate(tmp_path):
+    bucket, now = open_bucket(str(tmp_path / "b")), time.time()
+    write_run(bucket, now)  # 4 steps at 10 steps/min in the metrics
+    s = take_snapshot(bucket, RUN, now=now)
+    assert (s.step, s.target_steps, s.eta_s) == (4, None, None)  # a status without a target: an older trainer
+    assert "steps      4 | 10.00 steps/min | 2.50" in render(s)
+    bucket.put(status_key(RUN), RunStatus("running", 7, now - 3, now - 3, 4, 1.0, 1, 6, 30).to_json())
+    s = take_snapshot(bucket, RUN, now=now)
+    assert (s.step, s.target_steps, s.eta_s) == (6, 30, pytest.approx(144.0))  # the status is ahead: 24 left
+    assert "steps      6/30 | 10.00 steps/min | ETA 2m24s | 2.50 records/s" in render(s)
+    bucket.put(status_key(RUN), RunStatus("running", 7, now - 3, now - 3, 4, 1.0, 1, 6, 0).to_json())
+    s = take_snapshot(bucket, RUN, now=now)
+    assert (s.target_steps, s.eta_s) == (0, None) and "steps      6 (no target) | 10.00 steps/min |" in render(s)
+    bucket.put(status_key(RUN), RunStatus("finished", 7, now - 3, now - 3, None, 1.0, 1, 30, 30).to_json())
+    s = take_snapshot(bucket, RUN, now=now)
+    assert (s.step, s.eta_s) == (30, None) and "30/30" in render(s)
+
+
 def test_a_finished_run_shows_the_workers_of_its_last_minutes(tmp_path):
     bucket, now = open_bucket(str(tmp_path / "b")), time.time()
     write_run(bucket, now - 3600)  # everything an hour old, then the trainer finished
