@@ -91,13 +91,13 @@ class RunContract:
     """Everything workers and the trainer must agree on. Written once by the trainer."""
 
     run_id: str
-    """Run name (``DRL_RUN``)."""
+    """Run name (``STOA_RUN``)."""
     model: ModelSpec
     """Model architecture and fingerprints."""
     n_samples: int
-    """Group size n (``DRL_N_SAMPLES``); records with another n are dropped."""
+    """Group size n (``STOA_N_SAMPLES``); records with another n are dropped."""
     plane: str
-    """Weight plane: ``bf16`` or ``int8g64`` (``DRL_PULSE_PLANE``)."""
+    """Weight plane: ``bf16`` or ``int8g64`` (``STOA_PLANE``)."""
     task_id: str
     """Task name (``arithmetic``, ``gsm8k``)."""
     task_spec: Mapping[str, Any]

@@ -156,6 +156,7 @@ def test_the_config_goes_up_before_the_contract(tmp_path, stoa_cache):
 def test_trainer_requires_run_and_a_new_run_requires_model(tmp_path, stoa_cache, capsys, monkeypatch):
     url = str(tmp_path / "b")
     monkeypatch.delenv("DRL_RUN", raising=False)
+    monkeypatch.delenv("STOA_RUN", raising=False)
     code, _, err = _cli(["trainer", "--dry-run", "--bucket", url, "--model", "tiny"], capsys)  # a dry run refuses too
     assert code == 2 and err.startswith("stoa: invalid setting run: required: name the run with --run")
     code, _, err = _cli(["trainer", "--dry-run", "--bucket", url, "--run", "r"], capsys)
@@ -163,9 +164,9 @@ def test_trainer_requires_run_and_a_new_run_requires_model(tmp_path, stoa_cache,
     code, _, err = _cli(["trainer", "--dry-run", "--bucket", url, "--run", "r", "--model", "smollm"], capsys)
     assert (code, err.count("\n")) == (2, 1) and err.startswith("stoa: unknown model 'smollm'; use a built-in name")
     assert not (tmp_path / "b").exists()  # nothing was created
-    monkeypatch.setenv("DRL_RUN", "r")  # an environment variable counts as given, and so does a TOML key
+    monkeypatch.setenv("STOA_RUN", "r")  # an environment variable counts as given, and so does a TOML key
     assert _cli(["trainer", "--dry-run", "--bucket", url, "--model", "tiny", "--task", "toy"], capsys)[0] == 0
-    monkeypatch.delenv("DRL_RUN")
+    monkeypatch.delenv("STOA_RUN")
     toml = tmp_path / "t.toml"
     toml.write_text('run = "r"\nmodel = "tiny"\n')
     assert _cli(["trainer", "--dry-run", "--bucket", url, "--config", str(toml)], capsys)[0] == 0
@@ -175,9 +176,10 @@ def test_trainer_requires_run_and_a_new_run_requires_model(tmp_path, stoa_cache,
 
 def test_worker_requires_run(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("DRL_RUN", raising=False)
+    monkeypatch.delenv("STOA_RUN", raising=False)
     code, _, err = _cli(["worker", "--bucket", str(tmp_path / "b"), "--dry-run"], capsys)  # a dry run refuses too
     assert (code, err) == (2, "stoa: invalid setting run: required: name the trainer's run with --run NAME (stoa "
-                              "runs --bucket B lists them), or set run in --config or DRL_RUN\n")
+                              "runs --bucket B lists them), or set run in --config or STOA_RUN\n")
     assert not (tmp_path / "b").exists()
-    monkeypatch.setenv("DRL_RUN", "r")
+    monkeypatch.setenv("STOA_RUN", "r")
     assert _cli(["worker", "--bucket", str(tmp_path / "b"), "--dry-run"], capsys)[0] == 0

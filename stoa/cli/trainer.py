@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def given_places(args: argparse.Namespace, overrides: dict) -> dict[str, str]:
-    """Field -> where the user set it (flag, ``DRL_*`` variable or TOML key); fields left at defaults are absent.
+    """Field -> where the user set it (flag, ``STOA_*`` variable or TOML key); fields left at defaults are absent.
 
     Args:
         args: parsed arguments.
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 def require_run_and_model(cfg: TrainerConfig, given: dict[str, str]) -> None:
     """Refuse a trainer without ``--run``, and one without ``--model`` unless the run exists (it resumes).
 
-    "Given" is a flag, a key of ``--config`` or an environment variable (``DRL_RUN``). A local bucket that does
+    "Given" is a flag, a key of ``--config`` or an environment variable (``STOA_RUN``). A local bucket that does
     not exist yet holds no run; nothing is created before the check.
 
     Args:
@@ -132,7 +132,7 @@ def require_run_and_model(cfg: TrainerConfig, given: dict[str, str]) -> None:
 
     if "run" not in given:
         raise ConfigError("run", "required: name the run with --run NAME (a new run is created, an existing one "
-                                 "resumes), or set run in --config or DRL_RUN")
+                                 "resumes), or set run in --config or STOA_RUN")
     if "model" in given:
         model_shape(cfg.model, offline=True)  # an unknown name or a missing directory fails here, before the bucket
         return

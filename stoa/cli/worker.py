@@ -1,6 +1,6 @@
 """``stoa worker``: pull the current policy, sample groups, upload records; safe to kill any time.
 
---run is required (a flag, run in --config, or DRL_RUN): the worker joins that run of the bucket.
+--run is required (a flag, run in --config, or STOA_RUN): the worker joins that run of the bucket.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def require_run(toml_path: str | None, overrides: dict) -> None:
-    """Refuse a worker whose run was not given (a flag, a key of ``--config`` or ``DRL_RUN``): it would wait for a
+    """Refuse a worker whose run was not given (a flag, a key of ``--config`` or ``STOA_RUN``): it would wait for a
     run named ``default``.
 
     Args:
@@ -86,7 +86,7 @@ def require_run(toml_path: str | None, overrides: dict) -> None:
         if "run" in toml_layer(WorkerConfig, toml_path) or "run" in env_layer(WorkerConfig, os.environ):
             return
     raise ConfigError("run", "required: name the trainer's run with --run NAME (stoa runs --bucket B lists "
-                             "them), or set run in --config or DRL_RUN")
+                             "them), or set run in --config or STOA_RUN")
 
 
 def _await_local_bucket(cfg: WorkerConfig) -> None:

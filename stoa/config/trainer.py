@@ -17,7 +17,7 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     ``NOT_STORED``: the bucket URL, the run id, the log directory, the retriever (a path or an endpoint URL that
     may carry credentials), the model (a local path; the contract's fingerprints decide) and the machine's
     device and memory. A restart with only ``--bucket`` and ``--run`` takes every stored setting; a flag, TOML
-    key or ``DRL_*`` variable that differs is refused naming both values, except the ``MAY_CHANGE`` settings
+    key or ``STOA_*`` variable that differs is refused naming both values, except the ``MAY_CHANGE`` settings
     (how long the run goes, how often it checkpoints, evaluates, reports, polls and logs, how it fits in
     memory), which take the new value for this trainer and are logged as one line.
     """

@@ -133,7 +133,7 @@ def merge(cfg: TrainerConfig, stored: Mapping[str, Any], given: Mapping[str, str
     Args:
         cfg: the config from defaults, TOML, env and flags (contract settings already resolved).
         stored: the run's stored settings (``read_stored``).
-        given: field -> where the user gave it (``--lr``, ``DRL_RUN``, ``lr in run.toml``).
+        given: field -> where the user gave it (``--lr``, ``STOA_RUN``, ``lr in run.toml``).
 
     Returns:
         the merged config (validated) and the changed settings, in field order.

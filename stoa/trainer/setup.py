@@ -176,7 +176,7 @@ def resume_plan(cfg: TrainerConfig, given: Mapping[str, str], echo=print) -> Res
 
     Args:
         cfg: the config from defaults, TOML, env and flags.
-        given: field -> where the user gave it (``--n-samples``, ``DRL_N_SAMPLES``, ...); defaults are absent.
+        given: field -> where the user gave it (``--n-samples``, ``STOA_N_SAMPLES``, ...); defaults are absent.
         echo: where notes on the model go.
 
     Returns:
