@@ -341,6 +341,8 @@ class _Trainer:
                     self.echo(f"[trainer] v{self.version}: waiting for records "
                               f"({self.pool.available()}/{cfg.groups_per_step} groups{why})")
                     last_note = idle
+                if self.publishing is not None and self.publishing.done():
+                    self.settle_publish()  # the step's metrics row goes out now, not at the next step
                 time.sleep(poll_delay(cfg.poll_seconds, empty))
                 continue
             entries = self.pool.take(cfg.groups_per_step, keep=lambda r: bool(self.algo.keep_groups(r[None, :])[0]),

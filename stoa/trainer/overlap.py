@@ -44,6 +44,10 @@ class Background(Generic[_T]):
         except BaseException as e:  # noqa: BLE001 - handed to the joining thread
             self._error = e
 
+    def done(self) -> bool:
+        """Whether the work has finished (``join`` then returns at once)."""
+        return not self._thread.is_alive()
+
     def join(self) -> Done[_T]:
         """Wait for the work; its result and seconds.
 
