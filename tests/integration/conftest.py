@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,10 +69,16 @@ def train_rows(metrics_path: Path) -> list[dict]:
     return [r for r in read_metrics(metrics_path) if "train/loss" in r]
 
 
-def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path) -> tuple[int, float, int]:
+def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path,
+                  route_margin: float = 0.0) -> tuple[int, float, int]:
     """Rebuild the run's newest published weights as a worker does (anchor, then patches), score every record
     under ``rollouts`` with the trainer's policy at those weights, and return (version, max |recorded -
-    recomputed logprob|, tokens). Every record must carry that version."""
+    recomputed logprob|, tokens compared). Every record must carry that version.
+
+    ``route_margin`` > 0 (MoE models): a token from the first position where some router's k-th and (k+1)-th
+    scores lie closer than this on, is left out. Two engines' router inputs differ by rounding, so at such a
+    near-tie each can pick another expert honestly, and every later token attends to that position. Leaving
+    out more than a quarter of the tokens fails: that is no near-tie but another model."""
     import numpy as np
     import torch
 
@@ -86,15 +95,49 @@ def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path) ->
     version, state = WeightSync(b, run, contract.plane).sync()
     policy = Policy(model_dir, torch.device("cpu"), temperature=contract.sampling.temperature, trainable=False)
     policy.load_f32(state_to_f32(state, contract.plane))
-    worst, tokens = 0.0, 0
+    worst, tokens, total = 0.0, 0, 0
     for path in sorted(rollouts.glob("*.rec")):
         rec = RolloutRecord.decode(path.read_bytes())
         assert rec.policy_version == version
         t_max = max(s.tokens.size for s in rec.samples)
         batch = pack([rec.prompt_tokens] * len(rec.samples), [s.tokens for s in rec.samples], t_max, policy.device)
-        with torch.no_grad():
+        with torch.no_grad(), router_margins(policy.model) as margins:
             recomputed = policy.logprobs(batch).numpy()
         for i, s in enumerate(rec.samples):
-            worst = max(worst, float(np.abs(recomputed[i, : s.tokens.size] - s.logprobs).max()))
-            tokens += s.tokens.size
+            n = s.tokens.size
+            if route_margin > 0 and margins:
+                rows = [m.reshape(len(rec.samples), -1)[i] for m in margins]
+                tie = np.flatnonzero(np.min(rows, axis=0) < route_margin)
+                first = len(rec.prompt_tokens) - 1  # the logit row that scores the first completion token
+                n = min(n, max(0, int(tie[0]) - first)) if tie.size else n
+            total += s.tokens.size
+            if n:
+                worst = max(worst, float(np.abs(recomputed[i, :n] - s.logprobs[:n]).max()))
+            tokens += n
+    assert tokens >= 0.75 * total, f"{total - tokens} of {total} tokens follow a router near-tie"
     return version, worst, tokens
+
+
+@contextlib.contextmanager
+def router_margins(model: Any) -> Iterator[list[Any]]:
+    """Hook every MoE router (transformers' ``*TopKRouter``); yields a list that gets, per router call, the
+    flat [batch x positions] gap between the k-th and (k+1)-th routing scores (softmax routers: logits; sigmoid
+    routers with an expert bias: sigmoid + bias, the score they select by)."""
+    import torch
+
+    margins: list[Any] = []
+
+    def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        logits = output[0].float()
+        bias = kwargs.get("expert_bias", args[1] if len(args) > 1 else None)
+        score = logits.sigmoid() + bias if getattr(module, "use_expert_bias", False) and bias is not None else logits
+        top = torch.topk(score, module.top_k + 1, dim=-1).values
+        margins.append((top[..., -2] - top[..., -1]).reshape(-1).numpy())  # [batch x positions], row-major
+
+    mods = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in mods]
+    try:
+        yield margins
+    finally:
+        for h in handles:
+            h.remove()
