@@ -302,6 +302,9 @@ class _Trainer:
         from stoa.trainer.lease import LeaseLost
 
         lost = isinstance(error, LeaseLost)
+        if lost and self.unpublished_rows:  # the metrics file of a local bucket lies inside the bucket
+            self.echo(f"[trainer] {len(self.unpublished_rows)} step row(s) not written: the run has another trainer")
+            self.unpublished_rows = []
         if error is not None and self.publishing is not None:
             try:  # no upload may outlive the status that ends the run
                 self.settle_publish()

@@ -78,7 +78,7 @@ def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path,
     ``route_margin`` > 0 (MoE models): a token from the first position where some router's k-th and (k+1)-th
     scores lie closer than this on, is left out. Two engines' router inputs differ by rounding, so at such a
     near-tie each can pick another expert honestly, and every later token attends to that position. Leaving
-    out more than a quarter of the tokens fails: that is no near-tie but another model."""
+    out more than half of the tokens fails: that is no near-tie but another model."""
     import numpy as np
     import torch
 
@@ -114,7 +114,7 @@ def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path,
             if n:
                 worst = max(worst, float(np.abs(recomputed[i, :n] - s.logprobs[:n]).max()))
             tokens += n
-    assert tokens >= 0.75 * total, f"{total - tokens} of {total} tokens follow a router near-tie"
+    assert tokens >= 0.5 * total, f"{total - tokens} of {total} tokens follow a router near-tie"
     return version, worst, tokens
 
 

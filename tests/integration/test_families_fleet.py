@@ -35,7 +35,8 @@ def test_an_mlx_worker_follows_a_family_model_bit_for_bit(procs, tmp_path, model
     assert "now at v4" in procs.log("w0"), procs.log("w0")
     # A router near-tie can honestly route another way in the two engines: tokens from there on are left out
     # (int8g64: the worker's weights skip the bf16 rounding, so its router scores move more).
-    margin = 2e-2 if plane == "int8g64" else 1e-4
+    # Measured: 5e-3 leaves out 0-10% of the tokens on tiny-qwen3-moe int8g64 (the weights differ ~2e-3 relative).
+    margin = 5e-3 if plane == "int8g64" else 1e-4
     version, worst, tokens = recompute_gap(bucket, run, resolve_model(model), newest, route_margin=margin)
     assert version == 4
     # int8g64: MLX's quantized matmul dequantizes without the bf16 rounding state_to_f32 applies (docs/mlx.md),
