@@ -76,12 +76,17 @@ class WeightSync:
         run_id: the run to follow.
         plane: the plane to follow.
         max_attempts: how often a sync re-reads the pointer when objects vanish under it (retention).
+        run_key: the run's public key (hex, from the contract, pinned by the caller): every pointer must carry
+            its signature, else the pointer is refused (``unsigned``, ``malformed_signature``,
+            ``bad_signature``) and the held weights stay. "" follows an unsigned run.
     """
 
-    def __init__(self, bucket: Bucket, run_id: str, plane: str, *, max_attempts: int = 3) -> None:
+    def __init__(self, bucket: Bucket, run_id: str, plane: str, *, max_attempts: int = 3,
+                 run_key: str = "") -> None:
         self.bucket = bucket
         self.run_id = run_id
         self.plane = check_plane(plane)
+        self.run_key = run_key
         self.max_attempts = max_attempts
         self.version: int | None = None
         self.state: State | None = None
@@ -101,7 +106,7 @@ class WeightSync:
             raise SyncError("wrong_run", f"current.json is for run {p.run_id!r}, not {self.run_id!r}")
         if p.plane != self.plane:
             raise SyncError("wrong_plane", f"current.json is plane {p.plane!r}, worker follows {self.plane!r}")
-        return p
+        return p.check_signature(self.run_key)
 
     def poll(self) -> Pointer | None:
         """Conditional GET of the pointer; returns it while the local verified weights are not at it.
