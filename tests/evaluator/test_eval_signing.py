@@ -68,3 +68,30 @@ def test_eval_and_export_refuse_a_forged_pointer_and_follow_the_trainers(tmp_pat
     assert main(args) == 0
     assert [r["version"] for r in eval_rows(bucket)] == [3]
     assert main(["export", "--bucket", url, "--run", RUN, str(out)]) == 0
+
+
+def test_a_worker_follows_only_the_pinned_key(tmp_path, tiny_dir):
+    import dataclasses
+
+    import pytest
+
+    from stoa.config import WorkerConfig
+    from stoa.weights.signing import RunKeyError
+    from stoa.worker.loop import _set_up
+
+    url = str(tmp_path / "b")
+    bucket = open_bucket(url)
+    pub, f32 = signed_run(bucket, tiny_dir, tmp_path / "keys" / "run.ed25519")
+    wcfg = WorkerConfig(bucket=url, run=RUN, engine="torch", threads=1, poll_seconds=0.01, wait_seconds=5,
+                        log_dir=str(tmp_path / "logs"))
+    lines: list[str] = []
+    worker = _set_up(wcfg.validate(), lines.append)
+    assert worker.sync.run_key == pub.run_key and any("first use" in line for line in lines)
+    assert worker.follower.step().version == 2
+    forge_v3(bucket, f32)
+    step = worker.follower.step()
+    assert step.version == 2 and step.error is not None and step.error.reason == "unsigned"
+    worker.metrics.close()
+    other = create_key(tmp_path / "other").public_hex
+    with pytest.raises(RunKeyError, match="--run-key-pub"):
+        _set_up(dataclasses.replace(wcfg, run_key_pub=other).validate(), lines.append)
