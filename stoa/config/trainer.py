@@ -67,9 +67,9 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                               "(KL-only gradient). GiGPO and ECHO runs keep them (their step "
                                               "advantages and echo term carry signal).")
     sign_weights: str = setting("auto", "Sign the run contract and every weights pointer with the run's Ed25519 "
-                                        "key so workers follow only this trainer's weights: auto (on for s3:// "
-                                        "buckets, off for a local directory), true, or false (a private fleet; "
-                                        "logged). Fixed when the run is created.")
+                                        "key so workers follow only this trainer's weights: auto (on for s3:// and "
+                                        "r2:// buckets, off for a local directory), true, or false (a private "
+                                        "fleet; logged). Fixed when the run is created.")
     run_key: str = setting("", "The run's private key file (default: $STOA_KEY_DIR or ~/.config/stoa/keys/"
                                "<bucket digest>-<run>.ed25519; created 0600 with a signed run, never written to "
                                "the bucket); a restarted trainer needs the same file.")

@@ -31,8 +31,6 @@ POINTER_DOMAIN = b"stoa.weights.pointer/1\n"
 """Prefix of the signed bytes of a pointer (a pointer signature never verifies as a contract's)."""
 CONTRACT_DOMAIN = b"stoa.contract/1\n"
 """Prefix of the signed bytes of a contract."""
-SIGN_CHOICES = ("auto", "true", "false")
-"""Values of the trainer's ``sign_weights``: auto signs runs in s3:// buckets, not local directories."""
 _HEX = re.compile(r"[0-9a-f]*")
 
 
@@ -208,14 +206,15 @@ def create_key(path: Path) -> RunSigner:
 
 
 def signing_wanted(setting: str, bucket_url: str) -> bool:
-    """Whether a new run signs its weights: ``true``/``false``, or ``auto`` = yes for an s3:// bucket.
+    """Whether a new run signs its weights: ``true``/``false``, or ``auto`` = yes for an object store
+    (``s3://``, ``r2://``), no for a local directory (whoever can write it can also read a key beside it).
 
     Args:
         setting: the trainer's ``sign_weights`` (auto, true, false).
-        bucket_url: the run's bucket.
+        bucket_url: the run's bucket URL.
     """
     if setting.lower() == "auto":
-        return bucket_url.startswith("s3://")
+        return "://" in bucket_url and not bucket_url.startswith("file://")
     return setting.lower() == "true"
 
 

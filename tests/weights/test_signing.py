@@ -20,7 +20,14 @@ from stoa.weights.errors import SyncError
 from stoa.weights.follow import WeightFollower
 from stoa.weights.pointer import Pointer
 from stoa.weights.publish import WeightPublisher
-from stoa.weights.signing import RunKeyError, create_key, load_key, trainer_signer, trusted_run_key
+from stoa.weights.signing import (
+    RunKeyError,
+    create_key,
+    load_key,
+    signing_wanted,
+    trainer_signer,
+    trusted_run_key,
+)
 from stoa.weights.sync import WeightSync
 
 RUN = "r"
@@ -200,3 +207,11 @@ def test_the_trainers_key_is_created_for_a_new_signed_run_and_required_to_resume
     with pytest.raises(RunKeyError, match=f"{path} is missing"):
         trainer_signer(bucket, bucket.url, RUN, "true", str(path), lines.append)
     assert [o.key for o in bucket.list("")] == [contract_key(RUN)]  # the private key never enters the bucket
+
+
+@pytest.mark.parametrize(("setting", "url", "want"), [
+    ("auto", "s3://b/p", True), ("auto", "r2://b/p", True), ("auto", "/tmp/runs", False),
+    ("auto", "file:///tmp/runs", False), ("True", "/tmp/runs", True), ("false", "s3://b", False),
+])
+def test_signing_is_on_by_default_for_object_stores_only(setting, url, want):
+    assert signing_wanted(setting, url) is want
