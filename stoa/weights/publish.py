@@ -19,7 +19,7 @@ from stoa.weights.errors import SyncError, WeightsError
 from stoa.weights.planes import State, check_plane
 from stoa.weights.pointer import MANIFEST_NAME, Pointer, complete, list_anchors, list_patches, now_iso
 from stoa.weights.pulse import DEFAULT_LEVEL, encode_patch, read_patch_header
-from stoa.weights.signing import RunSigner
+from stoa.weights.signing import RunKeyError, RunSigner
 from stoa.weights.sync import Refusal, WeightSync
 
 DEFAULT_ANCHOR_EVERY = 20
@@ -166,10 +166,19 @@ class WeightPublisher:
 
         Raises:
             SyncError: ``bad_pointer`` when current.json itself is malformed.
+            RunKeyError: (exit 3) on a signed run, current.json is not signed by the run's key.
             WeightsError: ``wrong_run``/``wrong_plane`` when it belongs to another run or plane.
             BucketError: the bucket failed while reading (an outage is not a corrupt state).
         """
-        self._pointer = self._read_pointer()
+        try:
+            self._pointer = self._read_pointer()
+        except SyncError as e:
+            if self.signer is None or e.reason not in ("unsigned", "malformed_signature", "bad_signature"):
+                raise
+            raise RunKeyError(f"{pointer_key(self.run_id)} is not signed by the run's key ({e.detail}): someone "
+                              "with write access to the bucket wrote it, and the trainer does not resume from "
+                              "weights it did not publish; revoke the workers' write credentials, then restore "
+                              "that object from a backup or start a new --run") from None
         self._pointer_read = True
         self._prev = self._prev_version = None
         self.resume_error = None
