@@ -9,9 +9,12 @@ from stoa.config import TrainerConfig
 from stoa.contract import RunContract
 from stoa.layout import contract_key, pointer_key
 from stoa.trainer.loop import _Trainer
+from stoa.trainer.setup import model_from_bucket
+from stoa.weights.errors import SyncError
 from stoa.weights.pointer import Pointer
 from stoa.weights.signing import RunKeyError, load_key
 from stoa.weights.sync import WeightSync
+from tests.weights.test_signing import forge, state
 
 
 def make_cfg(bucket: str, **kw) -> TrainerConfig:
@@ -40,8 +43,18 @@ def test_a_restarted_trainer_signs_with_the_same_key_and_refuses_without_it(tmp_
     t2.resume()
     t2.publish(3)
     t2.close()
+    genuine = bucket.get(pointer_key("r"))
     assert signed_by(bucket, public) == 3
     assert WeightSync(bucket, "r", "bf16", run_key=contract.run_key).sync()[0] == 3
+    forge(bucket, 4, state(4), as_patch=False)  # a forged pointer: neither the model rebuild nor a restart uses it
+    with pytest.raises(SyncError) as e:
+        model_from_bucket(bucket, "r", "bf16", tmp_path / "rebuilt", run_key=contract.run_key)
+    assert e.value.reason == "unsigned" and not (tmp_path / "rebuilt" / "model.safetensors").exists()
+    t3 = _Trainer(make_cfg(url, run_key=str(key)), echo=lambda *_: None)
+    with pytest.raises(RunKeyError, match="not signed by the run's key"):
+        t3.resume()
+    t3.close()
+    bucket.put(pointer_key("r"), Pointer(**{**vars(Pointer.from_json(genuine)), "etag": None}).to_json())
     key.rename(tmp_path / "elsewhere")
     with pytest.raises(RunKeyError, match=f"{key} is missing"):
         _Trainer(make_cfg(url, run_key=str(key)), echo=lambda *_: None)
