@@ -12,7 +12,8 @@ from safetensors.numpy import load_file
 from stoa.bucket import Bucket, open_bucket
 from stoa.cli import main
 from stoa.contract import ModelSpec, RunContract, SamplingSpec, upload_model_files
-from stoa.layout import contract_key, pointer_key
+from stoa.layout import anchor_prefix, contract_key, pointer_key, status_key
+from stoa.lifecycle import RunStatus
 from stoa.models import model_fingerprint
 from stoa.weights.planes import state_from_f32
 from stoa.weights.pointer import Pointer
@@ -68,6 +69,14 @@ def test_eval_and_export_refuse_a_forged_pointer_and_follow_the_trainers(tmp_pat
     assert main(args) == 0
     assert [r["version"] for r in eval_rows(bucket)] == [3]
     assert main(["export", "--bucket", url, "--run", RUN, str(out)]) == 0
+    # following to the end: v4 is reached through a target bound to the signed pointer by the hash chain (the
+    # forger's anchor at v3 removed: the evaluator would refuse it there and pass over v4)
+    bucket.delete_prefix(anchor_prefix(RUN, 3))
+    for v in (4, 5):
+        pub.publish(v, state_from_f32({k: a + 0.01 * v for k, a in f32.items()}, "bf16"))
+    bucket.put(status_key(RUN), RunStatus("finished", 5, time.time(), time.time()).to_json())
+    assert main([*args, "--follow", "--poll-seconds", "0.01"]) == 0
+    assert sorted(r["version"] for r in eval_rows(bucket)) == [3, 4, 5]
 
 
 def test_a_worker_follows_only_the_pinned_key(tmp_path, tiny_dir):

@@ -215,3 +215,15 @@ def test_the_trainers_key_is_created_for_a_new_signed_run_and_required_to_resume
 ])
 def test_signing_is_on_by_default_for_object_stores_only(setting, url, want):
     assert signing_wanted(setting, url) is want
+
+
+def test_an_old_signed_pointer_put_back_is_refused_as_a_rollback(signed):
+    bucket, signer, pub = signed
+    old = bucket.get(pointer_key(RUN))
+    pub.publish(3, state(3))
+    worker = WeightSync(bucket, RUN, "bf16", run_key=signer.public_hex)
+    follower = WeightFollower(worker, staleness_bound=3, base_delay_s=0.0)
+    assert follower.step().version == 3
+    bucket.put(pointer_key(RUN), old)  # genuine, signed, but v2
+    step = follower.step()
+    assert step.version == 3 and step.error is not None and step.error.reason == "rollback"
