@@ -240,8 +240,8 @@ def trainer_signer(bucket: Bucket, bucket_url: str, run_id: str, sign_weights: s
     except ObjectNotFound:
         existing = None
     if existing is not None and not existing.run_key:
-        echo(f"[trainer] run {run_id!r} was created without a key (sign_weights = false): its weights stay "
-             "unsigned; anyone who can write the bucket can publish weights its workers follow")
+        echo(f"[trainer] run {run_id!r} was created without a key: its weights stay unsigned; anyone who can "
+             "write the bucket can publish weights its workers follow")
         return None
     if existing is not None:
         if not path.is_file():
@@ -311,8 +311,8 @@ def trusted_run_key(run_key: str, bucket_url: str, run_id: str, pinned: str = ""
                           "someone replaced the contract; if the run was really recreated, give its new key with "
                           f"--run-key-pub{'' if pinned else f' or delete its line in {known_path}'}")
     if not run_key:
-        echo(f"[{who}] run {run_id!r} publishes unsigned weights (its trainer set sign_weights = false): anyone "
-             "who can write the bucket can change the weights this client follows")
+        echo(f"[{who}] run {run_id!r} publishes unsigned weights (its trainer does not sign: sign_weights): "
+             "anyone who can write the bucket can change the weights this client follows")
         return ""
     if not expected:
         known_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
