@@ -227,3 +227,26 @@ def test_an_old_signed_pointer_put_back_is_refused_as_a_rollback(signed):
     bucket.put(pointer_key(RUN), old)  # genuine, signed, but v2
     step = follower.step()
     assert step.version == 3 and step.error is not None and step.error.reason == "rollback"
+
+
+def test_malformed_key_inputs_are_one_line_with_their_exit_code(tmp_path, capsys):
+    from stoa.cli import main
+    from stoa.config import TrainerConfig
+    from stoa.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match="sign_weights"):
+        TrainerConfig(sign_weights="maybe").validate()
+    (tmp_path / "junk.key").write_text("not a key")
+    with pytest.raises(RunKeyError, match="not a readable Ed25519 private key"):
+        load_key(tmp_path / "junk.key")
+    bucket = open_bucket(str(tmp_path / "b"))
+    bucket.put_create(contract_key(RUN), create_key(tmp_path / "k").sign_contract(contract()).to_json())
+    before = sorted(o.key for o in bucket.list(""))
+    for pin, code in (("zz" * 32, 3), ("ab" * 32, 3)):  # malformed, then another key
+        assert main(["worker", "--bucket", str(tmp_path / "b"), "--run", RUN, "--run-key-pub", pin,
+                     "--wait-seconds", "1"]) == code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "run_key" in err[0], err
+    assert main(["trainer", "--bucket", str(tmp_path / "b"), "--run", "other", "--sign-weights", "maybe"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert sorted(o.key for o in bucket.list("")) == before
