@@ -119,10 +119,48 @@ class RunContract:
     """Schema version of records and weights."""
     created_at: float = 0.0
     """Unix time the trainer wrote the contract."""
+    run_key: str = ""
+    """The run's Ed25519 public key (64 hex digits): every pointer is signed by its private half, which only
+    the trainer holds; "" for a run without a key (``sign_weights = false``)."""
+    signature: str = ""
+    """The run key's signature over :meth:`signed_bytes` (128 hex digits; "" without a key)."""
+
+    def _fields(self) -> dict[str, Any]:
+        d = asdict(self)
+        if not self.run_key and not self.signature:
+            d.pop("run_key")  # a run without a key writes the same run.json as before keys existed
+            d.pop("signature")
+        return d
 
     def to_json(self) -> bytes:
         """Encode as canonical JSON."""
-        return canonical_json(asdict(self))
+        return canonical_json(self._fields())
+
+    def signed_bytes(self) -> bytes:
+        """What the run key signs: a domain prefix and the canonical JSON of every field but the signature."""
+        d = asdict(self)
+        d.pop("signature")
+        return b"stoa.contract/1\n" + canonical_json(d)
+
+    def check_signature(self) -> RunContract:
+        """``self`` if it has no key, or its signature verifies against the key it carries (self-consistency
+        only: a client pins the key, see ``stoa.weights.signing.trusted_run_key``).
+
+        Raises:
+            ContractMismatch: (``RunKeyError``) a key without a valid signature, or a signature without a key.
+        """
+        from stoa.weights.signing import RunKeyError, check_public_key, signature_problem
+
+        if not self.run_key:
+            if self.signature:
+                raise RunKeyError("run.json has a signature but no run_key; the contract was tampered with")
+            return self
+        check_public_key(self.run_key, "run.json's run_key")
+        problem = signature_problem(self.run_key, self.signature, self.signed_bytes())
+        if problem is not None:
+            raise RunKeyError(f"run.json of run {self.run_id!r} is not signed by the key it carries "
+                              f"({problem[0]}: {problem[1]}); the contract was tampered with")
+        return self
 
     @classmethod
     def from_json(cls, data: bytes) -> RunContract:
@@ -132,7 +170,8 @@ class RunContract:
             data: the bytes of ``run.json``.
 
         Raises:
-            ContractMismatch: on a schema version this code does not speak.
+            ContractMismatch: on a schema version this code does not speak; ``RunKeyError`` when a signed
+                contract does not verify against the key it carries (:meth:`check_signature`).
             ValueError: on malformed JSON or missing fields.
         """
         try:
@@ -149,21 +188,25 @@ class RunContract:
             model = dict(d.pop("model"))
             model["eos_token_ids"] = tuple(model.get("eos_token_ids", ()))
             sampling = d.pop("sampling")
-            return cls(model=ModelSpec(**model), sampling=SamplingSpec(**sampling), **d)
+            contract = cls(model=ModelSpec(**model), sampling=SamplingSpec(**sampling), **d)
         except (KeyError, TypeError) as e:
             raise ValueError(f"run.json is missing or has unknown fields: {e}") from e
+        return contract.check_signature()
 
     def fingerprint(self) -> str:
-        """Hash of the fields a record depends on (not timestamps); records carry it."""
-        d = asdict(self)
+        """Hash of the fields a record depends on (not timestamps, not the signature); records carry it."""
+        d = self._fields()
         d.pop("created_at", None)
+        d.pop("signature", None)
         return digest_hex(canonical_json(d))[:16]
 
     def mismatches(self, other: RunContract) -> list[str]:
-        """Return the dotted names of fields that differ from ``other`` (ignoring ``created_at``)."""
+        """Return the dotted names of fields that differ from ``other`` (ignoring ``created_at`` and the
+        signature, which covers it)."""
         a, b = asdict(self), asdict(other)
-        a.pop("created_at", None)
-        b.pop("created_at", None)
+        for d in (a, b):
+            d.pop("created_at", None)
+            d.pop("signature", None)
         return _diff_fields(a, b, "")
 
 

@@ -30,13 +30,14 @@ from typing import Any
 import numpy as np
 
 from stoa.bucket import Bucket, ObjectNotFound
-from stoa.contract import download_model_files
+from stoa.contract import RunContract, download_model_files
 from stoa.layout import ANCHOR_MANIFEST, anchor_prefix, checkpoint_key, contract_key, patch_key, pointer_key
 from stoa.weights.anchor import load_manifest
 from stoa.weights.errors import WeightsError
 from stoa.weights.patch_format import read_patch_header
 from stoa.weights.planes import State, state_to_f32
 from stoa.weights.pointer import Pointer, complete, list_anchors, list_patches, now_iso
+from stoa.weights.signing import trusted_run_key
 from stoa.weights.sync import WeightSync
 
 SOURCES = ("published", "checkpoint")
@@ -191,15 +192,21 @@ def _state_hash_at(bucket: Bucket, run_id: str, version: int, anchors: dict[int,
     return None
 
 
-def _target(bucket: Bucket, run_id: str, version: int | None) -> Pointer:
-    """The pointer to rebuild: the current one, or one naming an older version that the bucket still holds."""
+def _target(bucket: Bucket, run_id: str, version: int | None, run_key: str = "", echo: Echo = print) -> Pointer:
+    """The pointer to rebuild: the current one (its signature checked on a signed run), or one naming an older
+    version that the bucket still holds."""
     try:
-        current = Pointer.from_json(bucket.get(pointer_key(run_id)))
+        current = Pointer.from_json(bucket.get(pointer_key(run_id))).check_signature(run_key)
     except ObjectNotFound:
         raise ExportError(f"run {run_id!r} has published no weights yet; start its trainer, or export "
                           "--source checkpoint") from None
+    except WeightsError as e:
+        raise ExportError(f"the weights pointer of run {run_id!r} is refused ({e}); it was not written by the "
+                          "run's trainer: export --source checkpoint, or wait for the trainer's next version") from None
     if version is None or version == current.version:
         return current
+    if run_key:
+        echo(f"[export] v{version} is not the signed pointer's version: it is verified by its hash chain only")
     if version < 1 or version > current.version:
         raise ExportError(f"run {run_id!r} has no version {version}; choose --version between 1 and "
                           f"{current.version} (the newest)")
@@ -226,10 +233,12 @@ def published_state(bucket: Bucket, run_id: str, version: int | None,
     Returns:
         (the pointer naming the version, its verified stored-bit state).
     """
-    target = _target(bucket, run_id, version)
+    run_key = trusted_run_key(RunContract.from_json(bucket.get(contract_key(run_id))).run_key, bucket.url, run_id,
+                              echo=echo, who="export")
+    target = _target(bucket, run_id, version, run_key, echo)
     echo(f"[export] rebuilding v{target.version} of run {run_id!r} (plane {target.plane}) from anchor "
          f"v{target.anchor_version} and its patches")
-    sync = WeightSync(bucket, run_id, target.plane)
+    sync = WeightSync(bucket, run_id, target.plane, run_key=run_key if target.signature else "")
     try:
         _, state = sync.sync(target)
     except WeightsError as e:

@@ -8,6 +8,13 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(autouse=True, scope="session")
+def stoa_key_dir(tmp_path_factory) -> Path:
+    """Run keys (and keys trusted on first use) of every process of the session, never ~/.config/stoa/keys."""
+    os.environ.setdefault("STOA_KEY_DIR", str(tmp_path_factory.mktemp("stoa-keys")))
+    return Path(os.environ["STOA_KEY_DIR"])
+
+
 @pytest.fixture(scope="session")
 def stoa_cache(tmp_path_factory) -> Path:
     """A model cache shared by every process of the session, with the tiny model built once."""

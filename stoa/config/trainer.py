@@ -24,7 +24,7 @@ class TrainerConfig(TrainingConfig, FleetConfig):
 
     SECTION: ClassVar[str] = "trainer"
     NOT_STORED: ClassVar[frozenset[str]] = frozenset({
-        "bucket", "run", "log_dir", "retriever", "model", "device", "available_memory_gb"})
+        "bucket", "run", "log_dir", "retriever", "model", "device", "available_memory_gb", "run_key"})
     """Settings never written to the bucket: secrets and what belongs to one machine."""
     MAY_CHANGE: ClassVar[frozenset[str]] = frozenset({
         "steps", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "eval_every", "eval_n", "eval_k",
@@ -97,6 +97,13 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                               "groups_per_step (rollout/skipped_uniform). False trains on them "
                                               "(KL-only gradient). GiGPO and ECHO runs keep them (their step "
                                               "advantages and echo term carry signal).")
+    sign_weights: str = setting("auto", "Sign the run contract and every weights pointer with the run's Ed25519 "
+                                        "key so workers follow only this trainer's weights: auto (on for s3:// and "
+                                        "r2:// buckets, off for a local directory), true, or false (a private "
+                                        "fleet; logged). Fixed when the run is created.")
+    run_key: str = setting("", "The run's private key file (default: $STOA_KEY_DIR or ~/.config/stoa/keys/"
+                               "<bucket digest>-<run>.ed25519; created 0600 with a signed run, never written to "
+                               "the bucket); a restarted trainer needs the same file.")
 
     def validate(self) -> TrainerConfig:
         """Raise ``ConfigError`` naming the first invalid field; return self."""
@@ -107,6 +114,8 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                            "quarantine_min_records", "eval_k"))
         at_least(self, 0, ("staleness_bound", "available_memory_gb", "checkpoint_every", "checkpoint_minutes"))
         one_of(self, "dtype", DTYPES)
+        if self.sign_weights.lower() not in ("auto", "true", "false"):
+            raise ConfigError("sign_weights", f"{self.sign_weights!r} is not one of auto, true, false")
         at_least(self, -1, ("keep_rollout_versions",))
         at_least(self, 1, ("metrics_flush_rows",))
         if not (self.status_seconds > 0 and self.metrics_flush_seconds > 0):

@@ -46,6 +46,9 @@ class WorkerConfig(FleetConfig):
     bucket_retry_seconds: float = setting(300.0, "Retry budget of one bucket request (jittered exponential "
                                                  "backoff) before it counts as an outage; overrides "
                                                  "STOA_BUCKET_RETRY_TIMEOUT_S.")
+    run_key_pub: str = setting("", "The run's public key (64 hex digits, from its join card or trainer log) that "
+                                   "run.json must carry; empty: trust the key first seen for this bucket and "
+                                   "run, and refuse a later change.")
     exit_on_outage: bool = setting(False, "Exit (code 4) when a bucket request exhausts its retry budget; by "
                                           "default the worker waits and retries until the bucket answers "
                                           "again.")

@@ -206,9 +206,11 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     from stoa.tasks import get_task
     from stoa.tasks.multiturn import is_multiturn
     from stoa.tokenize import TextCodec
+    from stoa.weights.signing import trusted_run_key
 
     bucket = open_bucket(cfg.bucket, create=cfg.wait_seconds > 0)  # waiting: the trainer may not have started
     contract = read_contract(bucket, cfg.run, cfg.wait_seconds, cfg.poll_seconds or 1.0, echo)
+    run_key = trusted_run_key(contract.run_key, bucket.url, cfg.run, echo=echo, who="eval")
     done = evaluated_versions(bucket, cfg.run)
     dest = default_cache_dir() / "runs" / digest_hex(bucket.url.encode())[:12] / cfg.run / "eval-model"
     model_dir = download_model_files(bucket, cfg.run, dest, timeout_s=cfg.wait_seconds,
@@ -234,7 +236,7 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
          + (f", pass@{cfg.k}" if tools is not None and cfg.k > 1 else "")
          + (f", {len(done)} versions already evaluated" if done else ""))
     return _Evaluator(cfg, bucket, contract, engine, TextCodec(model_dir), task, tools,
-                      WeightSync(bucket, cfg.run, contract.plane), metrics, done, summary)
+                      WeightSync(bucket, cfg.run, contract.plane, run_key=run_key), metrics, done, summary)
 
 
 def _loop(ev: _Evaluator, echo: Callable[[str], Any]) -> None:

@@ -52,6 +52,8 @@ class JoinCard:
         search: whether the task searches (needs a retriever).
         retriever: a shared retriever endpoint URL, or empty (the worker downloads the run's index).
         credentials: names of the variables a joiner must set (never their values).
+        run_key: the run's public key (64 hex digits; empty for an unsigned run): the worker refuses a
+            contract that carries another (``--run-key-pub``).
         card_version: :data:`CARD_VERSION`.
     """
 
@@ -64,6 +66,7 @@ class JoinCard:
     search: bool = False
     retriever: str = ""
     credentials: tuple[str, ...] = field(default_factory=tuple)
+    run_key: str = ""
     card_version: int = CARD_VERSION
 
 
@@ -142,7 +145,7 @@ def make_card(bucket_url: str, run: str, retriever: str = "", env: Mapping[str, 
                         "a directory does not travel, and without --retriever workers use the run's index")
     return JoinCard(bucket=_card_bucket(bucket_url), run=run, n_samples=contract.n_samples, plane=contract.plane,
                     task=contract.task_id, contract=contract.fingerprint(), search=search, retriever=retriever,
-                    credentials=credential_names(bucket_url, variables))
+                    credentials=credential_names(bucket_url, variables), run_key=contract.run_key)
 
 
 def _toml_value(value: Any) -> str:
@@ -164,7 +167,8 @@ def card_toml(card: JoinCard) -> str:
     join = (f"stoa join --card FILE --env ENVFILE  (ENVFILE sets {', '.join(card.credentials)})" if card.credentials
             else "stoa join --card FILE")
     lines = [f"# stoa join card for run {card.run!r}: no secrets here.", f"# Join with: {join}"]
-    lines += [f"{name} = {_toml_value(value)}" for name, value in asdict(card).items()]
+    lines += [f"{name} = {_toml_value(value)}" for name, value in asdict(card).items()
+              if name != "run_key" or value]  # an unsigned run's card reads as before keys existed
     return "\n".join(lines) + "\n"
 
 
@@ -200,12 +204,17 @@ def _card_from(data: Mapping[str, Any], path: str | os.PathLike[str]) -> JoinCar
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise CardError(f"card {path}: {name!r} is missing or not a {kind.__name__}; make a new card with "
                             "stoa join-card --out FILE")
+    run_key = data.get("run_key", "")
+    if not isinstance(run_key, str) or (run_key and not (len(run_key) == 64
+                                                         and all(c in "0123456789abcdef" for c in run_key))):
+        raise CardError(f"card {path}: 'run_key' is not a public key (64 lowercase hex digits); make a new card "
+                        "with stoa join-card --out FILE")
     names = tuple(data["credentials"])
     if not all(isinstance(n, str) for n in names):
         raise CardError(f"card {path}: 'credentials' must list variable names")
     return JoinCard(bucket=data["bucket"], run=data["run"], n_samples=data["n_samples"], plane=data["plane"],
                     task=data["task"], contract=data["contract"], search=data["search"],
-                    retriever=data["retriever"], credentials=names)
+                    retriever=data["retriever"], credentials=names, run_key=run_key)
 
 
 def card_text(card: JoinCard, card_file: str, env_file: str = "") -> str:
@@ -226,6 +235,7 @@ def card_text(card: JoinCard, card_file: str, env_file: str = "") -> str:
     env_arg = f" --env {env_file or 'ENVFILE'}" if card.credentials else ""
     rows = [("bucket", card.bucket), ("run", card.run), ("group size n", str(card.n_samples)),
             ("plane", card.plane), ("task", card.task), ("retriever", retriever), ("contract", card.contract),
+            ("run key", card.run_key or "none (the run's weights are unsigned)"),
             ("set these", creds + (" (values handed over apart from this card)" if card.credentials else "")),
             ("join with", f"stoa join --card {card_file}{env_arg}")]
     return "\n".join([f"stoa join card for run {card.run!r}"] + [f"  {k + ':':<14}{v}" for k, v in rows])

@@ -79,6 +79,8 @@ def worker_argv(card: JoinCard, name: str = "", log_dir: str = "", python: str =
         argv += ["--name", name]
     if card.retriever:
         argv += ["--retriever", card.retriever]
+    if card.run_key:  # the worker refuses a contract that carries another key
+        argv += ["--run-key-pub", card.run_key]
     if log_dir:
         argv += ["--log-dir", log_dir]
     return argv

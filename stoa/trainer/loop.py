@@ -116,7 +116,9 @@ class _Trainer:
         from stoa.tasks import get_task, parse_task_spec
         from stoa.tokenize import TextCodec
         from stoa.weights.publish import WeightPublisher
+        from stoa.weights.signing import trainer_signer
 
+        signer = trainer_signer(self.bucket, self.bucket.url, cfg.run, cfg.sign_weights, cfg.run_key, self.echo)
         torch.manual_seed(cfg.seed)
         name, opts = parse_task_spec(cfg.task)
         self.task = get_task(name, **localize_options(self.bucket, cfg.run, name, opts))  # a resumed run's data
@@ -129,8 +131,10 @@ class _Trainer:
         data = portable_task_data(self.task)  # its files go up before the contract, which names them by digest
         contract = build_contract(cfg, model_dir, self.task, self.codec, self.policy.vocab_size,
                                   self.tools.retriever, task_data=data)
+        contract = signer.sign_contract(contract) if signer is not None else contract
         self.contract = ensure_contract(self.bucket, contract, model_dir, task_files=data.files, config=cfg)
-        self.publisher = WeightPublisher(self.bucket, cfg.run, cfg.plane, anchor_every=cfg.anchor_every)
+        self.publisher = WeightPublisher(self.bucket, cfg.run, cfg.plane, anchor_every=cfg.anchor_every,
+                                         signer=signer)
         self.quarantine = Quarantine(enabled=cfg.quarantine, disagreement=cfg.quarantine_disagreement,
                                      reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
                                      temperature=cfg.temperature, top_p=cfg.top_p)
@@ -233,7 +237,7 @@ class _Trainer:
         from stoa.weights.sync import WeightSync
 
         cfg = self.cfg
-        sync = WeightSync(self.bucket, cfg.run, cfg.plane)
+        sync = WeightSync(self.bucket, cfg.run, cfg.plane, run_key=self.publisher.run_key)
         try:
             at, state = ride_out(lambda: sync.newest_verified(pointer), "(reading) older verified weights", self.echo)
         except SyncError as e:

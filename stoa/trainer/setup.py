@@ -273,12 +273,12 @@ def _resume_model(cfg: TrainerConfig, given: Mapping[str, str], contract: RunCon
     if (cfg.kl_beta or 0) > 0:
         raise ContractMismatch(["model"], f"run {cfg.run!r} has kl_beta {cfg.kl_beta}: its reference is the base "
                                           "model, whose weights the bucket does not keep; pass --model with it")
-    dest = model_from_bucket(bucket, cfg.run, contract.plane)
+    dest = model_from_bucket(bucket, cfg.run, contract.plane, run_key=contract.run_key)
     echo(f"[trainer] run {cfg.run!r}: model rebuilt from the bucket's model files and published weights in {dest}")
     return str(dest)
 
 
-def model_from_bucket(bucket: Bucket, run_id: str, plane: str, dest: Path | None = None) -> Path:
+def model_from_bucket(bucket: Bucket, run_id: str, plane: str, dest: Path | None = None, run_key: str = "") -> Path:
     """A model directory from the run's model files and its published weights (the pointer's version).
 
     Args:
@@ -286,6 +286,7 @@ def model_from_bucket(bucket: Bucket, run_id: str, plane: str, dest: Path | None
         run_id: the run.
         plane: the run's weight plane.
         dest: the directory to fill (default: under the stoa cache, per bucket and run).
+        run_key: a signed run's public key: the pointer must carry its signature.
     """
     from safetensors.numpy import save_file
 
@@ -297,7 +298,7 @@ def model_from_bucket(bucket: Bucket, run_id: str, plane: str, dest: Path | None
     if dest is None:
         dest = default_cache_dir() / "runs" / digest_hex(bucket.url.encode())[:12] / run_id / "model"
     download_model_files(bucket, run_id, dest)
-    _, state = WeightSync(bucket, run_id, plane).sync()
+    _, state = WeightSync(bucket, run_id, plane, run_key=run_key).sync()
     save_file({k: np.ascontiguousarray(v) for k, v in state_to_f32(state, plane).items()},
               str(dest / "model.safetensors"))
     return dest

@@ -39,5 +39,6 @@ class SyncError(WeightsError):
 
     Reasons: ``no_pointer``, ``bad_pointer``, ``wrong_run``, ``wrong_plane``, ``unavailable``,
     ``verification_failed``; ``pointer_mismatch`` for one plan whose verified chain ends at another
-    state than the pointer names.
+    state than the pointer names; on a signed run ``unsigned``, ``malformed_signature``, ``bad_signature``
+    (the pointer is not the run key's) and ``rollback`` (an older signed pointer put back).
     """

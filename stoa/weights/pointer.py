@@ -25,6 +25,7 @@ from stoa.layout import (
 from stoa.weights import strict
 from stoa.weights.anchor import FILE_NAME
 from stoa.weights.errors import SyncError
+from stoa.weights.signing import POINTER_DOMAIN, verify_signature
 
 POINTER_SCHEMA = "stoa.weights.pointer/1"
 MANIFEST_NAME = ANCHOR_MANIFEST
@@ -60,6 +61,7 @@ class Pointer:
         state_hash: state hash of the weights at ``version``.
         updated_at: ISO-8601 UTC time the trainer wrote it.
         schema: pointer schema id.
+        signature: the run key's Ed25519 signature over :meth:`signed_bytes` (hex; "" on an unsigned run).
         etag: the bucket etag the pointer was read with (not part of the JSON).
     """
 
@@ -70,20 +72,44 @@ class Pointer:
     state_hash: str
     updated_at: str
     schema: str = POINTER_SCHEMA
+    signature: str = ""
     etag: str | None = field(default=None, compare=False)
 
     def to_json(self) -> bytes:
-        """Serialize (without the etag)."""
+        """Serialize (without the etag; without the signature on an unsigned run)."""
         d = asdict(self)
         d.pop("etag")
+        if not self.signature:
+            d.pop("signature")
         return json.dumps(d, sort_keys=True, indent=1).encode()
+
+    def signed_bytes(self) -> bytes:
+        """What the run key signs: a domain prefix and the canonical JSON of every field but the signature
+        (run, version, anchor, plane, state hash, time, schema)."""
+        d = asdict(self)
+        d.pop("etag")
+        d.pop("signature")
+        return POINTER_DOMAIN + json.dumps(d, sort_keys=True, separators=(",", ":"),
+                                                         ensure_ascii=True).encode()
+
+    def check_signature(self, run_key: str) -> Pointer:
+        """``self`` when ``run_key`` ("" = an unsigned run: anything goes) signed it, else ``SyncError``
+        ``unsigned``, ``malformed_signature`` or ``bad_signature``.
+
+        Args:
+            run_key: the run's public key (hex) as the contract carries it and the client pinned it.
+        """
+        if run_key:
+            verify_signature(run_key, self.signature, self.signed_bytes(), "current.json")
+        return self
 
     @classmethod
     def from_json(cls, data: bytes, etag: str | None = None) -> Pointer:
         """Parse and validate pointer JSON; any malformed input raises ``SyncError("bad_pointer")``.
 
         Versions are non-negative integers (not bools or floats) with ``anchor_version <= version``;
-        every other field is a string.
+        every other field is a string; ``signature`` is optional here (checked by the reader against the run's
+        key, see ``stoa.weights.signing``).
 
         Args:
             data: the object content.
@@ -102,6 +128,7 @@ class Pointer:
                 plane=strict.text(d, "plane", max_len=32),
                 state_hash=strict.text(d, "state_hash", max_len=128),
                 updated_at=strict.text(d, "updated_at", max_len=64),
+                signature=strict.text(d, "signature", max_len=256) if "signature" in d else "",
                 etag=etag,
             )
         except strict.FieldError as e:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from stoa.weights.errors import SyncError, WeightsError
 from stoa.weights.planes import State, check_plane
 from stoa.weights.pointer import MANIFEST_NAME, Pointer, complete, list_anchors, list_patches, now_iso
 from stoa.weights.pulse import DEFAULT_LEVEL, encode_patch, read_patch_header
+from stoa.weights.signing import RunKeyError, RunSigner
 from stoa.weights.sync import Refusal, WeightSync
 
 DEFAULT_ANCHOR_EVERY = 20
@@ -73,6 +74,8 @@ class WeightPublisher:
         plane: ``"bf16"`` or ``"int8g64"``.
         anchor_every: write an anchor at every version divisible by this (and at the first publish).
         level: zstd level for patches.
+        signer: the run's private key (``stoa.weights.signing.RunSigner``): every pointer is signed, a pointer
+            read back must verify against it. None publishes unsigned pointers (a run without a key).
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class WeightPublisher:
         anchor_every: int = DEFAULT_ANCHOR_EVERY,
         *,
         level: int = DEFAULT_LEVEL,
+        signer: RunSigner | None = None,
     ) -> None:
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -91,6 +95,10 @@ class WeightPublisher:
         self.plane = check_plane(plane)
         self.anchor_every = anchor_every
         self.level = level
+        self.signer = signer
+        self.run_key = signer.public_hex if signer is not None else ""
+        self.forged_pointers = 0
+        """Pointers not signed by the run's key that this publisher found and replaced."""
         self._prev: State | None = None
         self._prev_version: int | None = None
         self._pointer: Pointer | None = None
@@ -116,7 +124,28 @@ class WeightPublisher:
                 "wrong_run" if p.run_id != self.run_id else "wrong_plane",
                 f"current.json is run {p.run_id!r} plane {p.plane!r}; publisher is {self.run_id!r}/{self.plane!r}",
             )
-        return p
+        return p.check_signature(self.run_key)
+
+    def _replace_forgery(self, new: Pointer) -> str | None:
+        """After a lost CAS on a signed run: if the pointer now there is not signed by the run's key (someone
+        with bucket access wrote it), overwrite it by CAS on its etag and return the new etag; else None."""
+        if self.signer is None:
+            return None
+        try:
+            data, etag = self.bucket.get_with_etag(pointer_key(self.run_id))
+            Pointer.from_json(data, etag).check_signature(self.run_key)
+        except ObjectNotFound:
+            etag = None
+        except SyncError:
+            pass
+        else:
+            return None  # signed by this key: another trainer holding the key, a real conflict
+        try:
+            new_etag = self.bucket.cas(pointer_key(self.run_id), new.to_json(), etag)
+        except PreconditionFailed:
+            return None
+        self.forged_pointers += 1
+        return new_etag
 
     @property
     def published_state(self) -> State | None:
@@ -137,16 +166,25 @@ class WeightPublisher:
 
         Raises:
             SyncError: ``bad_pointer`` when current.json itself is malformed.
+            RunKeyError: (exit 3) on a signed run, current.json is not signed by the run's key.
             WeightsError: ``wrong_run``/``wrong_plane`` when it belongs to another run or plane.
             BucketError: the bucket failed while reading (an outage is not a corrupt state).
         """
-        self._pointer = self._read_pointer()
+        try:
+            self._pointer = self._read_pointer()
+        except SyncError as e:
+            if self.signer is None or e.reason not in ("unsigned", "malformed_signature", "bad_signature"):
+                raise
+            raise RunKeyError(f"{pointer_key(self.run_id)} is not signed by the run's key ({e.detail}): someone "
+                              "with write access to the bucket wrote it, and the trainer does not resume from "
+                              "weights it did not publish; revoke the workers' write credentials, then restore "
+                              "that object from a backup or start a new --run") from None
         self._pointer_read = True
         self._prev = self._prev_version = None
         self.resume_error = None
         if self._pointer is None:
             return None
-        sync = WeightSync(self.bucket, self.run_id, self.plane)
+        sync = WeightSync(self.bucket, self.run_id, self.plane, run_key=self.run_key)
         try:
             version, state = sync.sync(self._pointer)
         except SyncError as e:
@@ -203,11 +241,15 @@ class WeightPublisher:
             anchor_version = version
         assert s_hash is not None
         new = Pointer(self.run_id, version, anchor_version, self.plane, s_hash, now_iso())
+        if self.signer is not None:
+            new = replace(new, signature=self.signer.sign(new.signed_bytes()))
         try:
             etag = self.bucket.cas(pointer_key(self.run_id), new.to_json(), current.etag if current else None)
         except PreconditionFailed:
-            self._pointer_read = False
-            raise WeightsError("pointer_conflict", "current.json changed under this publisher") from None
+            etag = self._replace_forgery(new)
+            if etag is None:
+                self._pointer_read = False
+                raise WeightsError("pointer_conflict", "current.json changed under this publisher") from None
         self._pointer = Pointer(**{**asdict(new), "etag": etag})
         self._prev, self._prev_version = snap, version
         return PublishInfo(
@@ -247,7 +289,12 @@ class WeightPublisher:
         """
         if keep_versions < 0:
             raise ValueError("keep_versions must be >= 0")
-        current = self._read_pointer()
+        try:
+            current = self._read_pointer()
+        except SyncError:
+            if self.signer is None:
+                raise
+            current = self._pointer  # an unsigned or forged pointer never steers retention: our own last one
         if current is None:
             return GcInfo(None, [], [])
         floor = current.version - keep_versions

@@ -76,12 +76,20 @@ class WeightSync:
         run_id: the run to follow.
         plane: the plane to follow.
         max_attempts: how often a sync re-reads the pointer when objects vanish under it (retention).
+        run_key: the run's public key (hex, from the contract, pinned by the caller): every pointer read from
+            the bucket (:meth:`poll`, or a sync without a target) must carry its signature, else it is refused
+            (``unsigned``, ``malformed_signature``, ``bad_signature``), as is a signed pointer older than one
+            already seen (``rollback``), and the held weights stay. "" follows an unsigned run.
     """
 
-    def __init__(self, bucket: Bucket, run_id: str, plane: str, *, max_attempts: int = 3) -> None:
+    def __init__(self, bucket: Bucket, run_id: str, plane: str, *, max_attempts: int = 3,
+                 run_key: str = "") -> None:
         self.bucket = bucket
         self.run_id = run_id
         self.plane = check_plane(plane)
+        self.run_key = run_key
+        self.newest_signed: int | None = None
+        """The highest version of a pointer whose signature verified (a signed run never goes back)."""
         self.max_attempts = max_attempts
         self.version: int | None = None
         self.state: State | None = None
@@ -103,6 +111,18 @@ class WeightSync:
             raise SyncError("wrong_plane", f"current.json is plane {p.plane!r}, worker follows {self.plane!r}")
         return p
 
+    def _accept(self, p: Pointer) -> Pointer:
+        """A pointer read from the bucket: the run and plane, and on a signed run its signature and version."""
+        self._check_pointer(p)
+        if not self.run_key:
+            return p
+        p.check_signature(self.run_key)
+        if self.newest_signed is not None and p.version < self.newest_signed:
+            raise SyncError("rollback", f"current.json names v{p.version}, signed, but this client already saw the "
+                                        f"signed v{self.newest_signed}: an old pointer was put back")
+        self.newest_signed = p.version
+        return p
+
     def poll(self) -> Pointer | None:
         """Conditional GET of the pointer; returns it while the local verified weights are not at it.
 
@@ -116,7 +136,7 @@ class WeightSync:
         except ObjectNotFound:
             return None
         if got is not None:
-            self.pointer = self._check_pointer(Pointer.from_json(got[0], got[1]))
+            self.pointer = self._accept(Pointer.from_json(got[0], got[1]))
         p = self.pointer
         if p is None or (p.version == self.version and p.state_hash == self.state_hash):
             return None
@@ -127,7 +147,7 @@ class WeightSync:
             data, etag = self.bucket.get_with_etag(pointer_key(self.run_id))
         except ObjectNotFound:
             raise SyncError("no_pointer", f"no {pointer_key(self.run_id)} yet") from None
-        self.pointer = self._check_pointer(Pointer.from_json(data, etag))
+        self.pointer = self._accept(Pointer.from_json(data, etag))
         return self.pointer
 
     def _plans(self, target: Pointer) -> list[_Plan]:
@@ -219,7 +239,8 @@ class WeightSync:
         later). ``self.metrics`` describes the last attempt and ``self.refusals`` what it refused.
 
         Args:
-            target: the pointer to reach (e.g. from :meth:`poll`); default: read the pointer now.
+            target: the pointer to reach: from :meth:`poll`, or bound to it by the hash chain (the evaluator's
+                intermediate versions); its signature is not checked again. Default: read the pointer now.
 
         Returns:
             (version, state) of the verified weights.

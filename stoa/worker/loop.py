@@ -211,6 +211,7 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     from stoa.tasks.multiturn import is_multiturn
     from stoa.tokenize import TextCodec
     from stoa.weights.follow import WeightFollower
+    from stoa.weights.signing import trusted_run_key
     from stoa.weights.sync import WeightSync
 
     bucket = PatientBucket(open_bucket(cfg.bucket, retry_seconds=cfg.bucket_retry_seconds),
@@ -218,6 +219,7 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     wid = worker_id(cfg.name)
     contract = wait_for_contract(bucket, cfg.run, cfg.wait_seconds, echo=echo)
     check_expectations(cfg, contract)
+    run_key = trusted_run_key(contract.run_key, bucket.url, cfg.run, cfg.run_key_pub, echo)
     if cfg.model:
         model_dir = Path(cfg.model)
         check_model(model_dir, contract)
@@ -227,7 +229,7 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     engine = make_engine(engine_name, model_dir, cfg, contract.plane)
     codec = TextCodec(model_dir)
     task = get_task(contract.task_id, **localize_options(bucket, cfg.run, contract.task_id, contract.task_spec))
-    sync = WeightSync(bucket, cfg.run, contract.plane)
+    sync = WeightSync(bucket, cfg.run, contract.plane, run_key=run_key)
     follower = WeightFollower(sync, contract.staleness_bound, base_delay_s=cfg.poll_seconds)
     sink = BucketMetrics(bucket.inner, cfg.run, source=f"worker-{wid}", flush_rows=METRICS_FLUSH_ROWS,
                          flush_seconds=METRICS_FLUSH_SECONDS)  # the raw bucket: a failed upload never waits
