@@ -56,7 +56,7 @@ def step(tiny_dir, entries, **kw):
 def test_a_forged_sample_drops_its_group_from_the_update(tiny_dir, mode):
     m, delta = step(tiny_dir, honest_entries(tiny_dir, forged=0), **mode)
     assert m.rejected == {"recompute": 1} and math.isfinite(m["loss"])
-    assert m["recompute_median_max"] > 1.0
+    assert m["recompute_median_max"] > RECOMPUTE_LIMIT
     # The reference: the same group with zero advantages (equal rewards) contributes nothing, as rejected rows must.
     ref_entries = honest_entries(tiny_dir)
     ref_entries[0].rewards[:] = 0.5
@@ -95,11 +95,14 @@ def test_sample_medians_and_limits():
     assert med[2] == np.inf or med[2] > 1e300  # a recompute that overflowed counts as far off
     check = RecomputeCheck(np.array([0, 1, 2]), np.array([0, 0, 0]))
     check.judge(np.arange(3), rec, got, mask)
-    assert check.rejected == {2} and check.limit == RECOMPUTE_LIMIT  # a median |d| of 0.6 < ln 2 at T=1, top_p=1
-    check.judge(np.arange(3), rec, rec + 0.75, mask)
-    assert check.rejected == {0, 1, 2}  # exp(0.75) - 1 = 1.117 > 1
+    assert check.rejected == {2} and check.limit == RECOMPUTE_LIMIT  # a median |d| of 0.6: honest-sized
+    under, over = math.log1p(RECOMPUTE_LIMIT) - 0.01, math.log1p(RECOMPUTE_LIMIT) + 0.01
+    check.judge(np.arange(3), rec, rec + under, mask)
+    assert check.rejected == {2}
+    check.judge(np.arange(3), rec, rec - over, mask)
+    assert check.rejected == {0, 1, 2}
     cool = RecomputeCheck(np.array([0]), np.array([0]), temperature=0.5, top_p=0.9)
-    assert cool.limit == pytest.approx(math.exp(math.log(2.0) / 0.5) / 0.9 - 1)
+    assert cool.limit == pytest.approx(math.exp(math.log1p(RECOMPUTE_LIMIT) / 0.5) / 0.9 - 1)
     off = RecomputeCheck(np.array([0]), np.array([0]), limit=float("inf"))
     off.judge(np.arange(1), rec[:1], rec[:1] + 50.0, mask[:1])
     assert off.rejected == set()
