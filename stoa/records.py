@@ -261,6 +261,8 @@ REJECT_REASONS = (
     "roles",
     "limits",
     "observation",
+    "turn_end",
+    "recompute",
 )
 
 

@@ -210,3 +210,7 @@ def test_bench_flags_no_honest_torch_worker_and_catches_random_logprobs(tiny_dir
     assert summary["honest_settings"] == 4 and summary["false_positives"] == 0
     assert summary["liar_settings"] == 2 and summary["liars_caught"] == 2
     assert summary["margin"] > 3
+    # Per sample (the step's recompute check): no honest sample over the limit, every random-logprob one over it.
+    assert summary["honest_samples"] == 4 * 2 * 2 * 2 and summary["honest_samples_over_limit"] == 0
+    assert summary["honest_sample_median_max"] < summary["recompute_limit"] / 10
+    assert summary["liar_samples_over_limit"] == summary["liar_samples"] == 2 * 2 * 2 * 2

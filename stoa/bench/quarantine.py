@@ -10,7 +10,10 @@ and loaded into each worker engine the way a worker loads it. Each engine and dt
 Per token it computes grail's statistic ``exp|recorded - recomputed| - 1``; per batch its median.
 Recomputes run twice: float32 (the CPU trainer) and under bf16 autocast (what the trainer does on CUDA).
 Dishonest workers (another temperature, perturbed weights, noisy or random logprobs) run on
-``--liar-engine``. Each row ends with the verdict of a ``Quarantine`` fed the batches as steps.
+``--liar-engine``. Each row ends with the verdict of a ``Quarantine`` fed the batches as steps. Per sample it
+also takes the median over the sample's tokens, which the step's recompute check judges
+(``stoa.trainer.recompute_check``): the summary gives the honest maximum and how many samples are over the
+check's limit.
 """
 
 from __future__ import annotations
@@ -194,6 +197,14 @@ def judge(setting: str, trainer: str, values: list[np.ndarray], args: argparse.N
                float(np.quantile(allv, 0.9)), q.is_quarantined("w"), seconds)
 
 
+def _sample_medians(recorded: list[list[np.ndarray]], recomputed: list[list[np.ndarray]]) -> list[float]:
+    """Each sample's median ``exp|recorded - recomputed| - 1`` over its tokens (what the recompute check judges)."""
+    from stoa.trainer.quarantine import disagreement_values
+
+    return [float(np.median(disagreement_values(r, c))) for rg, cg in zip(recorded, recomputed, strict=True)
+            for r, c in zip(rg, cg, strict=True) if len(r)]
+
+
 def _values(recorded: list[list[np.ndarray]], recomputed: list[list[np.ndarray]]) -> np.ndarray:
     from stoa.trainer.quarantine import disagreement_values
 
@@ -241,12 +252,24 @@ class Bench:
             seconds: sampling time.
             lie: replaces the recorded logprobs of a batch (None: as sampled).
         """
+        from stoa.trainer.quarantine import effective_threshold
+        from stoa.trainer.recompute_check import RECOMPUTE_LIMIT
+
+        limit = effective_threshold(RECOMPUTE_LIMIT, self.args.temperature, self.args.top_p)
         recorded = [lie(b) if lie else b.logprobs for b in batches]
         out = []
         for trainer, autocast in (("fp32", False), ("bf16-autocast", True)):
             self.policy.autocast = autocast
-            vals = [_values(r, recompute(self.policy, b)) for r, b in zip(recorded, batches, strict=True)]
-            out.append(judge(setting, trainer, vals, self.args, seconds))
+            vals, meds = [], []
+            for r, b in zip(recorded, batches, strict=True):
+                rc = recompute(self.policy, b)
+                vals.append(_values(r, rc))
+                meds += _sample_medians(r, rc)
+            row = judge(setting, trainer, vals, self.args, seconds)
+            row.extra = {"samples": len(meds), "sample_median_max": max(meds, default=0.0),
+                         "sample_median_min": min(meds, default=0.0),
+                         "samples_over_limit": sum(m > limit for m in meds)}
+            out.append(row)
         self.policy.autocast = False
         return out
 
@@ -340,6 +363,7 @@ def report(rows: list[Row], args: argparse.Namespace, echo: Callable[[str], Any]
         echo: where lines go.
     """
     from stoa.trainer.quarantine import effective_threshold
+    from stoa.trainer.recompute_check import RECOMPUTE_LIMIT
 
     thr = effective_threshold(args.threshold, args.temperature, args.top_p)
     echo(f"\n{'setting':44} {'trainer':13} {'tokens':>6} {'batch median min/med/max':>28} {'max/thr':>7} "
@@ -357,11 +381,22 @@ def report(rows: list[Row], args: argparse.Namespace, echo: Callable[[str], Any]
                "false_positives": sum(r.quarantined for r in honest), "honest_settings": len(honest),
                "liars_caught": sum(r.quarantined for r in liars), "liar_settings": len(liars),
                "liar_min_batch_median": least}
+    limit = effective_threshold(RECOMPUTE_LIMIT, args.temperature, args.top_p)
+    summary.update({"recompute_limit": limit,
+                    "honest_sample_median_max": max((r.extra["sample_median_max"] for r in honest), default=0.0),
+                    "honest_samples_over_limit": sum(r.extra["samples_over_limit"] for r in honest),
+                    "honest_samples": sum(r.extra["samples"] for r in honest),
+                    "liar_samples_over_limit": sum(r.extra["samples_over_limit"] for r in liars),
+                    "liar_samples": sum(r.extra["samples"] for r in liars)})
     echo(f"\nthreshold {thr:.4g} ({args.threshold} at T={args.temperature}, top_p={args.top_p}): honest max "
          f"batch median {worst:.5f} (margin {summary['margin']:.1f}x), false positives "
          f"{summary['false_positives']} of {len(honest)}; liars caught {summary['liars_caught']} of "
          f"{len(liars)} "
          f"(least liar batch median {least:.4f})")
+    echo(f"per sample (the step's recompute check, limit {limit:.4g}): honest max median "
+         f"{summary['honest_sample_median_max']:.5f}, {summary['honest_samples_over_limit']} of "
+         f"{summary['honest_samples']} honest samples over the limit; {summary['liar_samples_over_limit']} of "
+         f"{summary['liar_samples']} liar samples over it")
     return summary
 
 

@@ -125,10 +125,20 @@ class Tools(Protocol):
 
 @runtime_checkable
 class Environment(Protocol):
-    """One episode of one prompt and seed (built by the task: ``task.make_env(prompt, seed)``)."""
+    """One episode of one prompt and seed (built by the task: ``task.make_env(prompt, seed)``).
+
+    The policy's turns may hold any text, observation markup included (``<information>`` written by the
+    policy, not by ``observe``). Each task's reward states what such text is worth, and must never reward an
+    answer for following a document the policy wrote itself: the search tasks score an episode whose own turns
+    hold ``<information>`` or ``</information>`` 0 (``stoa.tasks.search.OBSERVATION_MARKUP``); the walk's reward
+    replays the moves and never reads a ``<state>`` tag. Rewards read ``episode_text`` (the policy's turns
+    only), never an observation.
+    """
 
     stop_strings: tuple[str, ...]
-    """Strings that end a model turn (e.g. ``</search>``, ``</answer>``)."""
+    """Strings that end a model turn (e.g. ``</search>``, ``</answer>``). The engines pause a row at the first
+    sampled token after which the decoded tail of its turn holds one; the trainer's replay rejects a recorded
+    turn that holds one anywhere but at its end (``turn_end``)."""
 
     def initial_state(self) -> str:
         """Key of the state before the first turn (GiGPO's first anchor)."""

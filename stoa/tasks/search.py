@@ -2,7 +2,9 @@
 
 The model reasons, calls ``<search> query </search>``, reads ``<information> ... </information>`` and answers
 ``<answer> ... </answer>``; a turn ends at ``</search>`` or ``</answer>``. The reward is EM or cover-EM of the
-last answer span of the episode text (``stoa.tasks.qa``). ``SearchTaskBase`` holds what every search task
+last answer span of the episode text (``stoa.tasks.qa``), and 0 for an episode whose own turns hold
+``<information>`` markup (``OBSERVATION_MARKUP``): an answer after a document the policy wrote itself earns
+nothing, whatever the document says. ``SearchTaskBase`` holds what every search task
 shares (options, environment, tools, reward); ``SearchTask`` is the built-in task over a generated world of
 invented entities (``stoa.tasks.world``), whose answers no model knows without searching.
 """
@@ -36,7 +38,8 @@ from stoa.tasks.qa import (
 )
 from stoa.tasks.world import World, build_world
 
-__all__ = ["INSTRUCTIONS", "SEARCH_OPTIONS", "SearchEnv", "SearchTask", "SearchTaskBase", "search_messages"]
+__all__ = ["INSTRUCTIONS", "OBSERVATION_MARKUP", "SEARCH_OPTIONS", "SearchEnv", "SearchTask", "SearchTaskBase",
+           "search_messages", "wrote_observation"]
 
 INSTRUCTIONS = (
     "Answer the question. To look something up, write <search> your query </search> and the results will "
@@ -52,8 +55,11 @@ SEARCH_OPTIONS: dict[str, type] = {
 """Options every search task declares."""
 
 _OPEN, _CLOSE = "<search>", "</search>"
+OBSERVATION_MARKUP = ("<information>", "</information>")
+"""The tags only observations hold: an episode whose own turns hold either scores 0 (EM, cover-EM, format)."""
 _SPLITS = ("train", "test")
-_REWARD_REV = 1
+_REWARD_REV = 2
+"""2: an episode whose own turns hold ``OBSERVATION_MARKUP`` scores 0."""
 _PROMPT_VERSION = 2
 """Revision of the built-in task's prompts; bumped with ``INSTRUCTIONS`` and with ``world.WORLD_VERSION``."""
 _CACHE: dict[tuple[int, int], World] = {}
@@ -211,22 +217,28 @@ class SearchTaskBase:
     def score(self, prompt: Prompt, completion: str) -> QAScore:
         """EM and cover-EM of the episode text's last ``<answer>`` span.
 
+        An episode text holding ``OBSERVATION_MARKUP`` scores 0 on both: the policy wrote a document itself.
+
         Args:
             prompt: the prompt (its answer holds the gold answers).
             completion: the episode text (the policy's turns only).
         """
+        if wrote_observation(completion):
+            return QAScore(extract_final_answer(completion), False, False)
         return score(completion, decode_golds(prompt.answer))
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         """1.0 if the final answer matches by the ``reward`` metric; else ``format_reward`` when the episode
-        searched and then answered in the protocol's form; else 0.0.
+        searched and then answered in the protocol's form; else 0.0. Always 0.0 when the policy's own turns hold
+        ``OBSERVATION_MARKUP``.
 
         Args:
             prompt: the prompt.
             completion: the episode text.
         """
         r = self.score(prompt, completion).reward(self.reward_kind)
-        if r < 1.0 and self.format_reward > 0 and _searched_then_answered(completion):
+        if r < 1.0 and self.format_reward > 0 and _searched_then_answered(completion) and not wrote_observation(
+                completion):
             return self.format_reward
         return r
 
@@ -238,6 +250,15 @@ class SearchTaskBase:
             completion: the episode text.
         """
         return self.score(prompt, completion).reward(self.reward_kind) == 1.0
+
+
+def wrote_observation(text: str) -> bool:
+    """Whether the policy's own text holds observation markup (``OBSERVATION_MARKUP``).
+
+    Args:
+        text: the episode text (the policy's turns only, ``stoa.envs.episode_text``).
+    """
+    return any(tag in text for tag in OBSERVATION_MARKUP)
 
 
 def _searched_then_answered(text: str) -> bool:

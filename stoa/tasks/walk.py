@@ -5,6 +5,10 @@ step with ``<move>left</move>`` or ``<move>right</move>`` (answered locally: ``t
 ``<state>position N</state>``; a turn with ``<answer>...</answer>`` (or without a valid move) ends the episode.
 The state key is the position itself, so the same states recur across the rows of a group and across turns:
 GiGPO's anchor groups are non-trivial. Reward 1.0 when the episode ends with an answer at the goal.
+
+Observation markup the policy writes itself (``<state>position N</state>`` in its own turn) earns nothing and
+costs nothing: the reward replays the moves of the episode text (``WalkTask.final_position``) and never reads a
+``<state>`` tag, so a position the policy claims is not where it stands.
 """
 
 from __future__ import annotations

@@ -284,7 +284,7 @@ class RecordPool:
         envs = [self.make_env(prompt, rec.env_seed) for _ in rec.samples]
         t0, calls0 = time.perf_counter(), self.tools.calls
         try:
-            out = replay_group(envs, rec.samples, self.tools, self.codec, self.limits)
+            out = replay_group(envs, rec.samples, self.tools, self.codec, self.limits, self.codec.eos_ids)
         finally:
             self.stats.replay_s += time.perf_counter() - t0
             self.stats.tool_calls += self.tools.calls - calls0

@@ -65,7 +65,7 @@ class RankOps:
         cfg = self.cfg
         return train_step(self.policy, self.ref, self.opt, self.algo, entries, current_version=current_version,
                           micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip, shared_prefix=cfg.shared_prefix,
-                          step=step, total_steps=cfg.steps, dist=self.dist)
+                          step=step, total_steps=cfg.steps, dist=self.dist, top_p=cfg.top_p)
 
     def export(self) -> dict[str, np.ndarray]:
         """The full fp32 master weights on rank 0 (``{}`` elsewhere)."""

@@ -4,6 +4,10 @@ Multi-turn groups (entries the pool replayed) become episodes with token roles: 
 and echo token, the algorithm's ratio, clip, gate and KL read the action tokens only (``LossInputs.mask``), GiGPO's
 per-token advantages come from the trainer's own replay (turns and anchor states, never the worker's claims),
 and the ECHO term reads the echo tokens with this step's coefficient.
+
+Every lag-0 sample is judged on the logprobs the forward computes anyway (``stoa.trainer.recompute_check``): a group
+with a sample whose recorded logprobs are far from the trainer's contributes no loss (its rows are masked; rows
+of it already accumulated in an earlier micro-batch are subtracted again) and is counted in ``StepMetrics.rejected``.
 """
 
 from __future__ import annotations
@@ -24,16 +28,20 @@ from stoa.trainer.policy import Packed as TorchPacked
 from stoa.trainer.policy import Policy, Scores
 from stoa.trainer.pool import Entry, PoolStats
 from stoa.trainer.quarantine import Disagreement, disagreement_values
+from stoa.trainer.recompute_check import RecomputeCheck
 
 
 class StepMetrics(dict):
     """``train_step``'s flat float metrics (a plain ``dict[str, float]`` to its callers), plus
     ``disagreement``: per worker id, its lag-0 tokens' ``exp|recorded - recomputed| - 1``
-    (see ``stoa.trainer.quarantine``), measured on the logprobs the step computes anyway."""
+    (see ``stoa.trainer.quarantine``), measured on the logprobs the step computes anyway; and ``rejected``:
+    per reason (``recompute``), the groups the step did not train on (``rollout/rejected/<reason>``)."""
 
-    def __init__(self, metrics: dict[str, float], disagreement: dict[str, Disagreement]):
+    def __init__(self, metrics: dict[str, float], disagreement: dict[str, Disagreement],
+                 rejected: dict[str, int] | None = None):
         super().__init__(metrics)
         self.disagreement = disagreement
+        self.rejected = rejected or {}
 
 
 def entry_worker(e: Entry) -> str:
@@ -127,6 +135,8 @@ def train_step(
     step: int = 0,
     total_steps: int = 0,
     dist: Dist = SINGLE,
+    top_p: float = 1.0,
+    recompute_limit: float | None = None,
 ) -> StepMetrics:
     """Compute advantages, accumulate the loss over micro-batches, clip, and step the optimizer.
 
@@ -149,35 +159,51 @@ def train_step(
         step: the optimizer step about to be taken (0 for the first), for the ECHO schedule.
         total_steps: the run's total steps (0: unbounded), for the ECHO schedule.
         dist: the trainer's ranks (every rank calls this with the same entries).
+        top_p: the run's nucleus mass (widens the recompute check's limit below 1).
+        recompute_limit: the recompute check's limit at temperature 1, top_p 1 (None: ``RECOMPUTE_LIMIT``;
+            ``float("inf")`` turns the check off).
 
     Returns:
-        flat metrics without the ``train/`` prefix; ``.disagreement`` holds the lag-0 values per worker (on rank 0;
-        other ranks return empty metrics).
+        flat metrics without the ``train/`` prefix; ``.disagreement`` holds the lag-0 values per worker and
+        ``.rejected`` the groups the recompute check dropped (on rank 0; other ranks return empty metrics).
     """
     shared_prefix = shared_prefix and not policy.gradient_checkpointing
     t0 = time.perf_counter()
     batch = entries_batch(entries, algo, current_version)
     echo = echo_step(batch, algo, step, total_steps)
     micro, padding = rank_micro_batches(batch, dist, micro_batch, shared_prefix)
+    check = RecomputeCheck(batch.group_ids, batch.version_lag, temperature=policy.temperature, top_p=top_p,
+                           limit=recompute_limit)
     parts: list[dict[str, float]] = []
     lag0: dict[str, list[np.ndarray]] = {}
     loss_total = 0.0
+    trained: list[np.ndarray] = []
     for idx in micro:
         fw, ref_lp = _forward(policy, ref, batch, idx, shared_prefix, echo)
-        _collect_lag0(batch, idx, fw.logp, lag0)
-        loss, diag = algo.loss(_loss_inputs(batch, idx, fw, ref_lp, policy.device, echo.alpha))
+        _collect_lag0(batch, idx, fw.logp, lag0, check)
+        keep = check.keep(idx)
+        loss, diag = algo.loss(_loss_inputs(batch, idx, fw, ref_lp, policy.device, echo.alpha, keep))
         loss.backward()
         loss_total += float(loss.detach())
         parts.append(diag)
+        trained.append(idx[keep > 0])
+    undo, undo_padding = _undo_batches(batch, check, trained, micro_batch, dist)
+    for idx in undo:  # rows that trained before their group was rejected (packed mode): subtract their loss
+        fw, ref_lp = _forward(policy, ref, batch, idx, False, echo)
+        loss, _diag = algo.loss(_loss_inputs(batch, idx, fw, ref_lp, policy.device, echo.alpha))
+        (-loss).backward()
+        loss_total -= float(loss.detach())
+    padding += undo_padding
     for _ in range(padding):  # an empty share still joins every all-gather and reduce-scatter
         fw, _ref = _forward(policy, ref, batch, group_indices(batch)[0][:1], shared_prefix, echo)
         (fw.logp.sum() * 0.0).backward()
     grad_norm = _apply_update(policy, opt, grad_clip)
-    shares = dist.gather((parts, loss_total, lag0))
+    shares = dist.gather((parts, loss_total, lag0, len(check.rejected), check.worst))
     if not dist.main:
         return StepMetrics({}, {})
     parts = [d for share in shares for d in share[0]]
     loss_total = sum(share[1] for share in shares)
+    rejected = sum(share[3] for share in shares)
     for share in shares[1:]:
         for worker, values in share[2].items():
             lag0.setdefault(worker, []).extend(values)
@@ -185,7 +211,8 @@ def train_step(
     out.update(_step_figures(batch, loss_total, grad_norm, time.perf_counter() - t0))
     if echo.alpha is not None:
         out["echo_alpha"] = echo.alpha
-    return StepMetrics(out, _disagreement(batch, lag0))
+    out["recompute_median_max"] = max(share[4] for share in shares)
+    return StepMetrics(out, _disagreement(batch, lag0), {"recompute": rejected} if rejected else {})
 
 
 def rank_micro_batches(batch: Batch, dist: Dist, micro_batch: int, shared_prefix: bool
@@ -247,19 +274,23 @@ def _on_device(pk: Packed, scored: np.ndarray, device: torch.device) -> TorchPac
 
 
 def _loss_inputs(batch: Batch, idx: np.ndarray, fw: Scores, ref_lp: torch.Tensor | None, device: torch.device,
-                 echo_alpha: float | None) -> LossInputs[torch.Tensor]:
+                 echo_alpha: float | None, keep: np.ndarray | None = None) -> LossInputs[torch.Tensor]:
     """The algorithm's inputs for the rows ``idx``: their old-policy logprobs, advantages (per token when the
-    algorithm makes them), action mask and lags, and the echo mask with this step's coefficient (when set)."""
+    algorithm makes them), action mask and lags, and the echo mask with this step's coefficient (when set); rows
+    whose ``keep`` [b] is 0 get empty masks (no loss)."""
     assert batch.old_logp is not None  # entries_batch sets the workers' logprobs
 
     def t(a: np.ndarray) -> torch.Tensor:
         return _tensor(a[idx], device)
 
+    def masked(a: np.ndarray) -> torch.Tensor:
+        return t(a) if keep is None else _tensor(a[idx] * keep[:, None].astype(a.dtype), device)
+
     return LossInputs(logp=fw.logp, behaviour_logp=t(batch.old_logp), ref_logp=ref_lp,
-                      advantages=t(batch.advantages), mask=t(batch.mask), normalizer=batch.normalizer,
+                      advantages=t(batch.advantages), mask=masked(batch.mask), normalizer=batch.normalizer,
                       version_lag=batch.version_lag[idx],
                       token_advantages=None if batch.token_advantages is None else t(batch.token_advantages),
-                      echo_mask=None if echo_alpha is None else t(batch.echo_mask),
+                      echo_mask=None if echo_alpha is None else masked(batch.echo_mask),
                       echo_normalizer=batch.echo_normalizer, echo_alpha=echo_alpha, echo_hits=fw.hits)
 
 
@@ -286,17 +317,42 @@ def _step_figures(batch: Batch, loss: float, grad_norm: float, seconds: float) -
             "groups": float(len(batch.rewards)), "adv_abs_mean": float(np.abs(batch.advantages).mean())}
 
 
-def _collect_lag0(batch: Batch, idx: np.ndarray, logp: torch.Tensor, out: dict[str, list[np.ndarray]]
-                  ) -> None:
-    """Append ``exp|recorded - recomputed| - 1`` of each lag-0 row's tokens to ``out[its worker]``."""
+def _collect_lag0(batch: Batch, idx: np.ndarray, logp: torch.Tensor, out: dict[str, list[np.ndarray]],
+                  check: RecomputeCheck) -> None:
+    """Append ``exp|recorded - recomputed| - 1`` of each lag-0 row's tokens to ``out[its worker]``, and judge
+    the rows (``check``)."""
     sel = [j for j, i in enumerate(idx) if batch.version_lag[i] == 0]
     if not sel:
         return
     with torch.no_grad():
         recomputed = logp.detach()[sel].float().cpu().numpy()
     rows = idx[sel]
+    check.judge(rows, batch.rollout_logp[rows], recomputed, batch.mask[rows])
     for i, vals in zip(rows, disagreement_values(batch.rollout_logp[rows], recomputed), strict=True):
         out.setdefault(batch.sources[i], []).append(vals[batch.mask[i] > 0])
+
+
+def _undo_batches(batch: Batch, check: RecomputeCheck, trained: Sequence[np.ndarray], micro_batch: int, dist: Dist
+                  ) -> tuple[list[np.ndarray], int]:
+    """Micro-batches of the rows whose loss was accumulated before their group was rejected (a group split over
+    micro-batches in packed mode), and the empty ones this rank adds so every rank runs as many forwards.
+
+    Args:
+        batch: the step's batch.
+        check: the step's recompute check (every row judged).
+        trained: per micro-batch, the rows whose loss it accumulated.
+        micro_batch: rows per micro-batch.
+        dist: the ranks.
+    """
+    rows = np.concatenate(trained) if trained else np.zeros(0, np.int64)
+    rows = rows[check.keep(rows) == 0] if check.rejected else rows[:0]
+    mine = [rows[m] for m in micro_batches(len(rows), micro_batch, lengths=batch.seq_lengths[rows])] if len(
+        rows) else []
+    if not dist.sharded:
+        return mine, 0
+    counts = dist.gather(len(mine))
+    most = int(dist.broadcast(max(counts) if counts else 0))
+    return mine, most - len(mine)
 
 
 def _disagreement(batch: Batch, lag0: dict[str, list[np.ndarray]]) -> dict[str, Disagreement]:

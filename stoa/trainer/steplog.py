@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -42,7 +43,8 @@ def step_row(entries: Sequence[Entry], m: dict[str, float], ps: PoolStats, *, ve
                 "rollout/reward_mismatch": ps.reward_mismatch, "rollout/lag_mean": float(lags.mean()),
                 "rollout/lag_max": int(lags.max()),
                 "rollout/reuse_mean": float(np.mean([e.uses for e in entries]))})
-    row.update({f"rollout/rejected/{k}": v for k, v in ps.rejected.items()})
+    rejected = ps.rejected + collections.Counter(getattr(m, "rejected", {}))  # the step's own (recompute)
+    row.update({f"rollout/rejected/{k}": v for k, v in rejected.items()})
     row["rollout/filtered"] = ps.filtered
     row["rollout/skipped_uniform"] = ps.skipped_uniform
     row["rollout/deleted_objects"] = deleted

@@ -44,7 +44,9 @@ def scenario(model_dir: str, mode: str, dist=None) -> dict[str, np.ndarray]:
 
     Args:
         model_dir: the tiny model.
-        mode: ``packed`` (micro-batches of 3 rows) or ``shared`` (one group per micro-batch).
+        mode: ``packed`` (micro-batches of 3 rows) or ``shared`` (one group per micro-batch), both without the
+            recompute check (the logprobs are made up); ``checked``: packed, the check's limit at 150, which the
+            made-up logprobs of 3 of the first step's 6 groups pass (groups split over micro-batches and ranks).
         dist: the ranks (None: alone).
 
     Returns:
@@ -68,8 +70,9 @@ def scenario(model_dir: str, mode: str, dist=None) -> dict[str, np.ndarray]:
     # eps 1e-4: coordinates with a near-zero gradient would otherwise turn fp32 sum-order noise into whole steps
     opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-2, eps=1e-4)
     start = {f"init/{k}": v.copy() for k, v in policy.export_f32().items()}
+    limit = 150.0 if mode == "checked" else float("inf")
     ms = [train_step(policy, ref, opt, algo, entries(s), current_version=1, micro_batch=3, grad_clip=0.5,
-                     shared_prefix=mode == "shared", dist=dist) for s in range(2)]
+                     shared_prefix=mode == "shared", dist=dist, recompute_limit=limit) for s in range(2)]
     stepped = policy.export_f32()
     out = {**start, **{f"step/{k}": v.copy() for k, v in stepped.items()}}
     shapes = {k: tuple(p.shape) for k, p in policy.named_parameters().items()}
@@ -78,6 +81,7 @@ def scenario(model_dir: str, mode: str, dist=None) -> dict[str, np.ndarray]:
     if dist.main:
         out["loss"] = np.array([m["loss"] for m in ms])
         out["grad_norm"] = np.array([m["grad_norm"] for m in ms])
+        out["rejected"] = np.array([m.rejected.get("recompute", 0) for m in ms])
     return out if dist.main else {}
 
 

@@ -23,7 +23,7 @@ def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.Complet
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["packed", "shared"])
+@pytest.mark.parametrize("mode", ["packed", "shared", "checked"])
 def test_two_ranks_step_equals_one_process_and_publishes_the_same_bits(tiny_dir, tmp_path, mode):
     from stoa.weights.planes import state_from_f32
 
@@ -36,6 +36,7 @@ def test_two_ranks_step_equals_one_process_and_publishes_the_same_bits(tiny_dir,
     # The step: same losses, norms and master weights up to the order of fp32 sums.
     np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(two["grad_norm"], one["grad_norm"], rtol=1e-5)
+    assert two["rejected"].tolist() == one["rejected"].tolist() == ([3, 0] if mode == "checked" else [0, 0])
     step_keys = [k for k in one if k.startswith("step/")]
     worst = max(float(np.abs(one[k] - two[k]).max()) for k in step_keys)
     print(f"max |w(2 ranks) - w(1 process)| after two steps: {worst:.2e}")

@@ -146,3 +146,18 @@ def test_a_driver_of_another_batch_size_is_refused(torch_engine, codec):
     driver = EpisodeDriver([LetterEnv()], RecordingTools(), codec, LIMITS, codec.eos_ids)
     with pytest.raises(ValueError, match="driver"):
         torch_engine.generate_episodes(prompts_of(codec, QUESTIONS[:2]), 1, driver)
+
+
+@pytest.mark.parametrize("seed,greedy", [(1, False), (2, False), (4, False), (5, True)])
+def test_the_trainers_replay_accepts_every_honest_episode(torch_engine, codec, seed, greedy):
+    """Every episode the driver recorded ends its turns where the replay re-derives them (stop strings 'a' and
+    'e' are matched on decoded text, so multi-character tokens end turns mid-token): zero false rejections."""
+    from stoa.envs.replay import replay_group
+    from stoa.envs.rollout import episode_sample
+
+    groups, _, _ = run(torch_engine, codec, QUESTIONS, 3, seed=seed, greedy=greedy)
+    eps = [e for g in groups for e in g]
+    assert {e.end_reason for e in eps} - {"stop"} and max(len(e.calls) for e in eps) >= 2  # varied episodes
+    samples = [episode_sample(e, 0.0) for e in eps]
+    out = replay_group([LetterEnv() for _ in samples], samples, RecordingTools(), codec, LIMITS, codec.eos_ids)
+    assert [r.calls for r in out] == [len(e.calls) for e in eps]

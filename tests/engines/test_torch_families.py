@@ -1,6 +1,7 @@
 """The torch engine on every tiny family (qwen3, MoE, lfm2 convolutions, qwen3.5 gated-delta hybrids): recorded
 logprobs equal a transformers fp32 full forward of each row alone, so left padding never leaks into a conv or
-recurrent state and finished rows drop out of every layer kind; multi-turn episodes pass the same gate."""
+recurrent state and finished rows drop out of every layer kind; multi-turn episodes pass the same gate, and the
+trainer's replay accepts them on each family's tokenizer."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 from stoa.engines.episodes import EpisodeDriver
 from stoa.engines.torch import TorchEngine, sampling_logprobs_torch
 from stoa.envs.base import ROLE_ACTION
+from stoa.envs.replay import replay_group
+from stoa.envs.rollout import episode_sample
 from stoa.tokenize import TextCodec
 from tests.engines.test_torch_episodes import LIMITS, QUESTIONS, LetterEnv, RecordingTools, prompts_of
 
@@ -90,3 +93,7 @@ def test_multi_turn_episodes_on_hybrids_equal_a_full_forward(name: str, stoa_cac
             d = alone_logprobs(ref, prompt, e.tokens, 0.9, 1.0)[act] - np.array(e.logprobs)[act]
             worst = max(worst, float(np.abs(d).max()))
     assert worst < TOL, f"{name}: multi-turn logprobs drift from the recompute: max |d| {worst:.2e}"
+    # The trainer's replay re-derives the same turn ends on this family's tokenizer: every episode is accepted.
+    samples = [episode_sample(e, 0.0) for e in eps]
+    out = replay_group([LetterEnv() for _ in samples], samples, RecordingTools(), codec, LIMITS, codec.eos_ids)
+    assert [r.calls for r in out] == [len(e.calls) for e in eps]

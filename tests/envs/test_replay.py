@@ -134,7 +134,7 @@ def _action_marked_observation_keeping_logprobs(sample):
 @pytest.mark.parametrize("lie,reason", [
     (_observation_marked_action, "roles"),
     (_echo_marked_action_consistently, "observation"),
-    (_action_marked_observation, "observation"),
+    (_action_marked_observation, "turn_end"),
     (_echo_marked_masked, "observation"),
     (_action_marked_observation_keeping_logprobs, "roles"),
 ])
@@ -167,3 +167,64 @@ def test_unavailable_tools_raise_not_reject():
 def test_a_group_without_calls_needs_no_tools():
     out, tools = replay(group(NO_SEARCH, NO_SEARCH), tools=FakeTools(fail=True))
     assert tools.batches == [] and [r.calls for r in out] == [0, 0]
+
+
+EOS = 3  # a control character: CharCodec never writes it for text
+
+
+WIDE = EpisodeLimits(max_turns=3, max_turn_tokens=96, max_obs_tokens=64, max_total_tokens=512)
+
+
+def replay_eos(samples):
+    return replay_group([SearchEnv(7) for _ in samples], samples, FakeTools(), CODEC, WIDE, [EOS])
+
+
+def _with_eos(sample, at: int) -> None:
+    sample.tokens[at] = EOS
+
+
+@pytest.mark.parametrize("turns,end,edit,detail", [
+    # the whole forged observation claimed as the model's own turn: the engine would have paused at </search>
+    (["<search>color of y</search><information>Y is red</information><answer>red</answer>"], "stop", None,
+     "completes at token 26 of 82"),
+    (["<search>color of y</search> <search>capital of x</search>", "<answer>blue</answer>"], "stop", None,
+     "completes at token 26 of 57"),
+    (["I say <answer>red</answer> then <search>color of y</search>", "<answer>blue</answer>"], "stop", None,
+     "completes at token 25 of 59"),
+    (["<search>color of y</search>", "<answer>blue</answer> after the answer"], "stop", None, "completes at token"),
+    (["abc<search>color of y</search>", "<answer>blue</answer>"], "stop", 1, "EOS at token 1"),
+    (["<answer>blue</answer>"], "length", None, "gives stop"),  # ended at a stop string, not at the cap
+    (["<answer>blue"], "stop", None, "without EOS, a stop string"),  # no reason to end there
+    (["<search>color of y</search>", "<search>capital of x</search>"], "stop", None, "gives max_obs_tokens"),
+])
+def test_turns_must_end_where_an_engine_ends_them(turns, end, edit, detail):
+    samples = [honest_sample(NO_SEARCH, CODEC, seed=7), honest_sample(turns, CODEC, seed=7, end=end)]
+    if edit is not None:
+        _with_eos(samples[1], edit)
+    with pytest.raises(RecordRejected) as e:
+        replay_eos(samples)
+    assert e.value.reason == "turn_end" and "sample 1" in str(e.value) and detail in str(e.value), e.value
+
+
+def test_a_sample_that_ends_with_an_observation_is_rejected():
+    samples = group(ONE_SEARCH, ONE_SEARCH)
+    cut = samples[1].turn_starts[1]
+    s = samples[1]
+    s.tokens, s.logprobs, s.roles, s.turn_starts = s.tokens[:cut], s.logprobs[:cut], s.roles[:cut], s.turn_starts[:1]
+    with pytest.raises(RecordRejected) as e:
+        replay(samples)
+    assert e.value.reason == "turn_end" and "ends with an observation" in str(e.value)
+
+
+def test_every_honest_ending_is_accepted():
+    """EOS, a final answer, a call on the last turn, the turn cap and the episode's token budget."""
+    eos = honest_sample(["<search>color of y</search>", "fine"], CODEC, seed=7)
+    eos.tokens[-1] = EOS
+    capped = honest_sample(["<search>color of y</search>", "x" * 64], CODEC, seed=7, end="length")
+    budget = honest_sample(["<search>color of y</search>", "y" * 20], CODEC, seed=7, end="max_total_tokens")
+    tight = EpisodeLimits(max_turns=3, max_turn_tokens=64, max_obs_tokens=64, max_total_tokens=budget.tokens.size)
+    samples = [eos, capped, honest_sample(TWO_SEARCHES, CODEC, seed=7),
+               honest_sample(TWO_SEARCHES[:2] + TWO_SEARCHES[:1], CODEC, seed=7, end="max_turns"),
+               honest_sample(ONE_SEARCH[:1], CODEC, seed=7, end="max_obs_tokens"), budget]
+    out = replay_group([SearchEnv(7) for _ in samples], samples, FakeTools(), CODEC, tight, [EOS])
+    assert [r.calls for r in out] == [1, 1, 2, 2, 0, 1]

@@ -20,7 +20,7 @@ import pytest
 from stoa.bucket import open_bucket
 from stoa.config import TrainerConfig
 from stoa.contract import RunContract
-from stoa.envs import ROLE_ECHO
+from stoa.envs import ROLE_ACTION, ROLE_ECHO
 from stoa.layout import contract_key, rollout_key
 from stoa.records import RolloutRecord, Sample
 from stoa.tasks import get_task, parse_task_spec
@@ -60,8 +60,24 @@ def tampered(s: Sample, codec) -> Sample:
                   calls=s.calls, digests=s.digests, end_reason=s.end_reason)
 
 
-def inject(bucket_url: str, run: str, codec, prompt_id: str, turns: Sequence[str], make_tools: Callable,
-           errors: list[BaseException]) -> None:
+def with_policy_logprobs(samples: list[Sample], prompt: np.ndarray, model_dir: Path) -> list[Sample]:
+    """The samples with the v1 policy's own logprobs on their action tokens (what an honest engine records, so
+    the step's recompute check passes them at lag 0)."""
+    import torch
+
+    from stoa.trainer.policy import Policy
+
+    pol = Policy(model_dir, torch.device("cpu"), trainable=False)
+    with torch.no_grad():
+        lp = pol.group_logprobs(prompt, [s.tokens for s in samples], max(s.tokens.size for s in samples)).numpy()
+    for i, s in enumerate(samples):
+        act = s.role_array() == ROLE_ACTION
+        s.logprobs = np.where(act, lp[i, : s.tokens.size], 0.0).astype(np.float32)
+    return samples
+
+
+def inject(bucket_url: str, run: str, codec, model_dir: Path, prompt_id: str, turns: Sequence[str],
+           make_tools: Callable, errors: list[BaseException]) -> None:
     """Once the contract exists: write an honest hand-made record (worker ``scripted``) and the same record
     with a tampered observation (worker ``forger``), both at v1."""
     try:
@@ -71,8 +87,9 @@ def inject(bucket_url: str, run: str, codec, prompt_id: str, turns: Sequence[str
         task: Any = get_task(contract.task_id, **contract.task_spec)
         tools = make_tools(task, bucket, contract)
         prompt = task.get(prompt_id)
-        honest = [episode(task.make_env(prompt, 0), tools, codec, turns) for _ in range(contract.n_samples)]
         ptoks = np.array(codec.encode_prompt(prompt.messages), np.int32)
+        honest = with_policy_logprobs([episode(task.make_env(prompt, 0), tools, codec, turns)
+                                       for _ in range(contract.n_samples)], ptoks, model_dir)
         for worker, samples in (("scripted", honest), ("forger", [tampered(honest[0], codec), *honest[1:]])):
             rec = RolloutRecord(worker, 0, 1, contract.fingerprint(), contract.task_id, prompt_id, ptoks, samples)
             bucket.put_create(rollout_key(run, 1, worker, 0), rec.encode())
@@ -92,8 +109,8 @@ def run_fleet(procs, tmp_path: Path, tiny_dir, run: str, task: str, steps: int, 
     """Trainer here, one worker process, the two hand-made records injected once the contract is written."""
     bucket = str(tmp_path / "bucket")
     errors: list[BaseException] = []
-    t = threading.Thread(target=inject, args=(bucket, run, TextCodec(tiny_dir), prompt_id, turns, make_tools,
-                                              errors), daemon=True)
+    t = threading.Thread(target=inject, args=(bucket, run, TextCodec(tiny_dir), tiny_dir, prompt_id, turns,
+                                              make_tools, errors), daemon=True)
     t.start()
     worker = start_worker(procs, bucket, run)
     lines: list[str] = []

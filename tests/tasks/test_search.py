@@ -230,3 +230,19 @@ def test_format_reward_pays_a_searched_then_answered_episode_only(task: SearchTa
         assert shaped.reward(prompt, text) == reward, text
         assert shaped.is_correct(prompt, text) is (reward == 1.0)
         assert task.reward(prompt, text) == (1.0 if reward == 1.0 else 0.0)
+
+
+def test_an_answer_after_observation_markup_the_policy_wrote_earns_nothing(task: SearchTask) -> None:
+    prompt = task.get("train:3")
+    gold = decode_golds(prompt.answer)[0]
+    shaped = SearchTask(format_reward=0.1)
+    doc = f"<information>Doc 1(Title: x) the answer is {gold}.</information>"
+    for text in [f"{doc} <search> q </search>\n<answer> {gold} </answer>",  # a document before its search
+                 f"<search> q </search>\n\n{doc}\n\n<answer> {gold} </answer>",  # the observation claimed
+                 f"<search> q </search>\n</information> <answer> {gold} </answer>",  # a closing tag alone
+                 f"<search> q </search>\n<answer> {gold} </answer> <information>"]:  # markup after the answer
+        for t in (task, shaped):
+            assert t.reward(prompt, text) == 0.0 and not t.is_correct(prompt, text), text
+        s = task.score(prompt, text)
+        assert not s.em and not s.cover_em
+    assert task.reward(prompt, f"<search> q </search>\n<answer> {gold} </answer>") == 1.0  # without markup
