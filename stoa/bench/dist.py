@@ -291,7 +291,8 @@ def run_setting(args: argparse.Namespace, model_dir: Path, dist: Any, device: An
         dist.barrier()
         t0 = time.perf_counter()
         train_step(policy, None, opt, algo, entries, current_version=1, micro_batch=args.micro_batch,
-                   grad_clip=1.0, shared_prefix=shared, dist=dist)
+                   grad_clip=1.0, shared_prefix=shared, dist=dist,
+                   recompute_limit=float("inf"))  # synthetic records: no worker's logprobs to judge
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if r:

@@ -110,7 +110,8 @@ def main(args: argparse.Namespace) -> int:
             entries = on_policy(raw, policy, args.tokens)  # made-up logprobs clip every ratio: denormal AdamW
             t0 = time.perf_counter()
             train_step(policy, ref, opt, algo, entries, current_version=1, micro_batch=args.micro_batch,
-                       grad_clip=1.0, shared_prefix=(mode == "shared"))
+                       grad_clip=1.0, shared_prefix=(mode == "shared"),
+                       recompute_limit=float("inf"))  # synthetic records: no worker's logprobs to judge
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if r:

@@ -238,7 +238,8 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
         entries = on_policy(raw, policy, spec["tokens"])
         t0 = time.perf_counter()
         train_step(policy, ref, opt, algo, entries, current_version=1, micro_batch=spec["micro_batch"],
-                   grad_clip=1.0, shared_prefix=False)
+                   grad_clip=1.0, shared_prefix=False,
+                   recompute_limit=float("inf"))  # synthetic records: no worker's logprobs to judge
         rows.append({"step_s": time.perf_counter() - t0,
                      "tokens": float(spec["prompts"] * spec["generations"] * spec["tokens"])})
     return {"rows": rows, "threads": torch.get_num_threads(),
