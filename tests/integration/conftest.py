@@ -70,7 +70,7 @@ def train_rows(metrics_path: Path) -> list[dict]:
 
 
 def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path,
-                  route_margin: float = 0.0) -> tuple[int, float, int]:
+                  route_margin: float = 0.0, quantile: float = 1.0) -> tuple[int, float, int]:
     """Rebuild the run's newest published weights as a worker does (anchor, then patches), score every record
     under ``rollouts`` with the trainer's policy at those weights, and return (version, max |recorded -
     recomputed logprob|, tokens compared). Every record must carry that version.
@@ -78,7 +78,9 @@ def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path,
     ``route_margin`` > 0 (MoE models): a token from the first position where some router's k-th and (k+1)-th
     scores lie closer than this on, is left out. Two engines' router inputs differ by rounding, so at such a
     near-tie each can pick another expert honestly, and every later token attends to that position. Leaving
-    out more than half of the tokens fails: that is no near-tie but another model."""
+    out more than half of the tokens fails: that is no near-tie but another model.
+
+    ``quantile`` < 1 returns that quantile of the per-token gaps instead of their maximum."""
     import numpy as np
     import torch
 
@@ -95,7 +97,8 @@ def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path,
     version, state = WeightSync(b, run, contract.plane).sync()
     policy = Policy(model_dir, torch.device("cpu"), temperature=contract.sampling.temperature, trainable=False)
     policy.load_f32(state_to_f32(state, contract.plane))
-    worst, tokens, total = 0.0, 0, 0
+    gaps: list[np.ndarray] = []
+    tokens, total = 0, 0
     for path in sorted(rollouts.glob("*.rec")):
         rec = RolloutRecord.decode(path.read_bytes())
         assert rec.policy_version == version
@@ -112,9 +115,10 @@ def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path,
                 n = min(n, max(0, int(tie[0]) - first)) if tie.size else n
             total += s.tokens.size
             if n:
-                worst = max(worst, float(np.abs(recomputed[i, :n] - s.logprobs[:n]).max()))
+                gaps.append(np.abs(recomputed[i, :n] - s.logprobs[:n]))
             tokens += n
     assert tokens >= 0.5 * total, f"{total - tokens} of {total} tokens follow a router near-tie"
+    worst = float(np.quantile(np.concatenate(gaps), quantile)) if gaps else 0.0
     return version, worst, tokens
 
 

@@ -33,12 +33,16 @@ def test_an_mlx_worker_follows_a_family_model_bit_for_bit(procs, tmp_path, model
     w.kill()
     w.wait(timeout=30)
     assert "now at v4" in procs.log("w0"), procs.log("w0")
-    # A router near-tie can honestly route another way in the two engines: tokens from there on are left out
-    # (int8g64: the worker's weights skip the bf16 rounding, so its router scores move more).
-    # Measured: 5e-3 leaves out 0-10% of the tokens on tiny-qwen3-moe int8g64 (the weights differ ~2e-3 relative).
-    margin = 5e-3 if plane == "int8g64" else 1e-4
-    version, worst, tokens = recompute_gap(bucket, run, resolve_model(model), newest, route_margin=margin)
+    # bf16 plane: the same fp32 weights on both sides, so every token agrees to 1e-4 except after a router near-tie,
+    # where the two engines can honestly route apart (those tokens are left out). int8g64: MLX's quantized matmul
+    # dequantizes without the bf16 rounding state_to_f32 applies (docs/mlx.md): the router scores move by about as
+    # much as their gaps on a random tiny model, so a flip can sit anywhere (the prompt too); the median token
+    # holds (measured max 1.2e-2 without a flip, 0.17 with one), while a wrong expert tensor or bias moves most.
+    if plane == "int8g64":
+        version, worst, tokens = recompute_gap(bucket, run, resolve_model(model), newest, quantile=0.5)
+        limit = 1e-2
+    else:
+        version, worst, tokens = recompute_gap(bucket, run, resolve_model(model), newest, route_margin=1e-4)
+        limit = 1e-4
     assert version == 4
-    # int8g64: MLX's quantized matmul dequantizes without the bf16 rounding state_to_f32 applies (docs/mlx.md),
-    # about 1e-2 in logprob; bf16 plane: the same fp32 weights on both sides.
-    assert tokens >= 8 and worst <= (5e-2 if plane == "int8g64" else 1e-4), (model, worst)
+    assert tokens >= 8 and worst <= limit, (model, worst)
