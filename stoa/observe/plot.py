@@ -16,6 +16,8 @@ from stoa.observe.plotdata import PANELS, Panel, Points, RunCurves, load_run
 
 PLOT_HINT = "matplotlib is not installed; pip install 'stoa[plot]'"
 STYLES = ("-", "--", ":", "-.")
+EMPTY = {"kl": "no data: logged only when kl_beta > 0", "eval": "no data: set eval_every or run stoa eval"}
+"""What an empty panel says where the usual reason is a setting, not a missing run."""
 
 
 class PlotUnavailable(Exception):
@@ -143,7 +145,8 @@ def draw_panel(ax: Any, panel: Panel, runs: Sequence[RunCurves], x: str,
     title = panel.title + (f": {' / '.join(shown)}" if panel.first_only and shown else "")
     ax.set_title(title, fontsize=10)
     if lines == 0:
-        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="0.45", fontsize=12)
+        ax.text(0.5, 0.5, EMPTY.get(panel.name, "no data"), transform=ax.transAxes, ha="center", va="center",
+                color="0.45", fontsize=10)
         ax.set_xticks([])
         ax.set_yticks([])
         return 0
