@@ -29,6 +29,8 @@ from stoa.weights.sync import WeightSync
 
 SOURCE = "eval"
 """The metrics chunks' source (``runs/<run>/metrics/eval-<start>-<seq>.jsonl``)."""
+MAX_VERSION = 2**53
+"""Largest version an ``eval`` row may name (larger or negative ones are forged and ignored)."""
 FINAL_ATTEMPTS = 3
 """After the run finished, give up on a final version whose weights were refused this many times in a row."""
 
@@ -138,12 +140,16 @@ class _Evaluator:
 def evaluated_versions(bucket: Bucket, run_id: str) -> set[int]:
     """Versions that already have an evaluation in the run's ``eval`` metrics chunks.
 
+    The chunks are untrusted: lines that are not bounded rows are skipped (one warning per chunk), and only
+    versions in ``[0, MAX_VERSION]`` count.
+
     Args:
         bucket: the run's bucket.
         run_id: the run.
     """
-    return {r["version"] for r in read_bucket_metrics(bucket, run_id, source=SOURCE)
-            if type(r.get("version")) is int and isinstance(r.get("eval/accuracy"), int | float)}
+    return {v for r in read_bucket_metrics(bucket, run_id, source=SOURCE)
+            if type(v := r.get("version")) is int and 0 <= v <= MAX_VERSION
+            and isinstance(r.get("eval/accuracy"), int | float)}
 
 
 def read_contract(bucket: Bucket, run_id: str, wait_s: float, poll_s: float, echo: Callable[[str], Any]) -> RunContract:
@@ -288,8 +294,8 @@ def _loop(ev: _Evaluator, echo: Callable[[str], Any]) -> None:
 def _due(ev: _Evaluator, pointer: Pointer, final: bool) -> list[int]:
     """Versions to evaluate now: not done, after ``ev.lo``, divisible by ``every`` (or final), within budget."""
     cfg, t = ev.cfg, pointer.version
-    if ev.lo is None:
-        ev.lo = max(ev.done) if ev.done else (0 if cfg.backfill else t - 1)
+    if ev.lo is None:  # a version past the pointer (a forged eval row) moves nothing
+        ev.lo = max((v for v in ev.done if v <= t), default=0 if cfg.backfill else t - 1)
     if not cfg.follow:
         due = [t] if t not in ev.done else []
     else:
