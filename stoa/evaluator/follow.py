@@ -208,7 +208,7 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     from stoa.engines import default_engine, make_engine
     from stoa.envs.tools import open_tools
     from stoa.models import default_cache_dir, model_fingerprint
-    from stoa.taskdata import localize_options
+    from stoa.taskdata import contract_refs, localize_contract_options
     from stoa.tasks import get_task
     from stoa.tasks.multiturn import is_multiturn
     from stoa.tokenize import TextCodec
@@ -217,6 +217,7 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     bucket = open_bucket(cfg.bucket, create=cfg.wait_seconds > 0)  # waiting: the trainer may not have started
     contract = read_contract(bucket, cfg.run, cfg.wait_seconds, cfg.poll_seconds or 1.0, echo)
     run_key = trusted_run_key(contract.run_key, bucket.url, cfg.run, echo=echo, who="eval")
+    contract_refs(contract.task_id, contract.task_spec)  # task data by content address only, before any download
     done = evaluated_versions(bucket, cfg.run)
     dest = default_cache_dir() / "runs" / digest_hex(bucket.url.encode())[:12] / cfg.run / "eval-model"
     model_dir = download_model_files(bucket, cfg.run, dest, timeout_s=cfg.wait_seconds,
@@ -229,7 +230,8 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     name = default_engine() if cfg.engine == "auto" else cfg.engine
     engine = make_engine(name, model_dir, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads,
                          plane=contract.plane)
-    task = get_task(contract.task_id, **localize_options(bucket, cfg.run, contract.task_id, contract.task_spec))
+    task = get_task(contract.task_id,
+                    **localize_contract_options(bucket, cfg.run, contract.task_id, contract.task_spec))
     tools = (open_tools(task, cfg.retriever, bucket=bucket, run_id=cfg.run, spec=contract.retriever, note=echo)
              if is_multiturn(task) else None)
     sink = BucketMetrics(bucket, cfg.run, source=SOURCE, flush_rows=1 << 30, flush_seconds=float("inf"))
