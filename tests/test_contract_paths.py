@@ -132,3 +132,38 @@ def test_worker_and_evaluator_exit_3_with_one_line_and_write_nothing(tmp_path, m
     assert "task_spec.path" in err[0] and "bucket:<sha256>/<name>" in err[0]
     assert sorted(o.key for o in bucket.list("")) == before
     assert not (tmp_path / "cache" / "task-data").exists()
+
+
+HOSTILE_LINES = {
+    "deep": b"[" * 100_000,
+    "long integer": b'{"question": "q", "answer": "#### 2", "n": ' + b"1" * 5001 + b"}",
+    "NaN": b'{"question": "q", "answer": "#### 2", "n": NaN}',
+    "invalid UTF-8": b'{"question": "\xff\xfe", "answer": "#### 2"}',
+    "a list": b'["q", "#### 2"]',
+}
+"""Lines of a data file a bucket writer could publish under its own (correct) digest with a forged contract."""
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_LINES))
+def test_referenced_data_with_a_hostile_line_is_one_line_exit_2(tmp_path, kind):
+    from stoa.cli import user_error
+    from stoa.retrieval import CorpusError, read_corpus
+    from stoa.taskdata import DataRef, TaskFile
+    from stoa.tasks import get_task
+
+    bucket = open_bucket(str(tmp_path / "b"))
+    local = tmp_path / "train.jsonl"
+    good = b'{"id": "d1", "text": "t", "question": "1 + 1?", "answer": "2\\n#### 2", "golden_answers": ["2"]}\n'
+    local.write_bytes(good + HOSTILE_LINES[kind] + b"\n")  # a row every reader takes, then the hostile one
+    digest = hashlib.sha256(local.read_bytes()).hexdigest()
+    upload_task_files(bucket, "r", [TaskFile("path", local, DataRef(digest, "train.jsonl"))])
+    spec = {"path": f"bucket:{digest}/train.jsonl"}
+    for task_id in ("gsm8k", "searchqa"):
+        opts = localize_contract_options(bucket, "r", task_id, spec, cache_dir=tmp_path / "cache")
+        with pytest.raises(ValueError) as e:
+            get_task(task_id, **opts)
+        row = user_error(e.value)
+        assert row is not None and row.code == 2 and "\n" not in row.line(e.value), (task_id, e.value)
+        assert ":2:" in str(e.value) or kind == "a list", e.value  # names the line
+    with pytest.raises(CorpusError, match=":2:"):
+        list(read_corpus(local))

@@ -23,6 +23,7 @@ from stoa.layout import retriever_file_key, retriever_prefix
 from stoa.retrieval.base import Searcher
 from stoa.retrieval.bm25 import INDEX_MANIFEST, BadIndex, BM25Index, read_manifest, verify_index_dir
 from stoa.retrieval.client import HTTPSearcher, RetrieverMismatch
+from stoa.retrieval.manifest import MAX_MANIFEST_BYTES
 
 __all__ = ["default_index_cache", "download_index", "open_searcher", "upload_index"]
 
@@ -105,7 +106,8 @@ def download_index(bucket: Bucket, run_id: str, fingerprint: str, dest: str | Pa
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise BadIndex(f"{dest} exists and is not index {fingerprint}; remove it or choose another directory")
     try:
-        manifest_bytes = bucket.get(retriever_file_key(run_id, fingerprint, INDEX_MANIFEST))
+        manifest_bytes = bucket.get_range(retriever_file_key(run_id, fingerprint, INDEX_MANIFEST), 0,
+                                          MAX_MANIFEST_BYTES + 1)  # a larger one is refused unread
     except ObjectNotFound:
         raise ObjectNotFound(f"run {run_id!r} has no complete retriever index under "
                              f"{retriever_prefix(run_id, fingerprint)}; upload it (stoa retriever upload)") from None
