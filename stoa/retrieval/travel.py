@@ -33,8 +33,8 @@ _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 def _check_fingerprint(fingerprint: str) -> str:
     if not isinstance(fingerprint, str) or not _FINGERPRINT.fullmatch(fingerprint):
-        raise ValueError(f"fingerprint {fingerprint!r}: must be 32 lowercase hex digits (stoa retriever index "
-                         "prints it)")
+        raise BadIndex(f"fingerprint {str(fingerprint)[:80]!r}: must be 32 lowercase hex digits (stoa retriever "
+                       "index prints it)")
     return fingerprint
 
 
@@ -176,6 +176,7 @@ def open_searcher(*, url: str | None = None, index_dir: str | Path | None = None
         return index
     if bucket is not None and run_id and fingerprint:
         cache = Path(cache_dir) if cache_dir is not None else default_index_cache()
-        return BM25Index.load(download_index(bucket, run_id, fingerprint, cache / fingerprint, note=note), mmap=True)
+        dest = cache / _check_fingerprint(fingerprint)  # the contract's (untrusted): 32 hex digits or refused
+        return BM25Index.load(download_index(bucket, run_id, fingerprint, dest, note=note), mmap=True)
     raise ValueError("retriever: give an endpoint URL, an index directory, or a bucket with the run id and the "
                      "index fingerprint")
