@@ -55,6 +55,7 @@ REF_PREFIX = "bucket:"
 
 _REF = re.compile(r"bucket:(?P<digest>[0-9a-f]{64})/(?P<name>[A-Za-z0-9_-][A-Za-z0-9._-]{0,127})")
 _CHUNK = 1 << 20
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
 
 class TaskDataMismatch(ContractMismatch):
@@ -126,6 +127,13 @@ def file_options(task_id: str) -> tuple[str, ...]:
 
     cls = TASKS.get(task_id)
     return tuple(getattr(cls, "FILE_OPTIONS", ())) if cls is not None else ()
+
+
+def _hub_options(task_id: str) -> tuple[str, ...]:
+    """The options of a registered task that name a hub dataset (``HUB_OPTIONS``; ``()`` for none)."""
+    from stoa.tasks import TASKS
+
+    return tuple(getattr(TASKS.get(task_id), "HUB_OPTIONS", ()))
 
 
 def parse_ref(value: object) -> DataRef | None:
@@ -274,15 +282,23 @@ def contract_refs(task_id: str, task_spec: Mapping[str, object]) -> dict[str, Da
 
     A worker or an evaluator reads task data only by content address in the run's bucket: a value that is not
     ``bucket:<sha256>/<name>`` (a local, absolute or home path, ``..``, a URL, anything malformed) is refused,
-    so a contract can never make a machine open its own files.
+    so a contract can never make a machine open its own files. A hub dataset option (``HUB_OPTIONS``: gsm8k's
+    ``hf``) must be a hub id (``owner/name``), never a path ``datasets`` would read locally.
 
     Args:
         task_id: the contract's task.
         task_spec: the contract's task options (untrusted).
 
     Raises:
-        TaskDataRefused: a file option that is not a ``bucket:`` reference (the first one, named).
+        TaskDataRefused: a file option that is not a ``bucket:`` reference, or a hub option that is not a hub id
+            (the first one, named).
     """
+    for option in _hub_options(task_id):
+        value = task_spec.get(option)
+        if value is not None and not (isinstance(value, str) and _HUB_ID.fullmatch(value) and ".." not in value):
+            raise TaskDataRefused(option, f"the run contract names {_not_a_reference(value)} as a hub dataset; "
+                                          "workers and evaluators accept only a hub id (owner/name) there, nothing "
+                                          "was opened")
     refs: dict[str, DataRef] = {}
     for option in file_options(task_id):
         value = task_spec.get(option)

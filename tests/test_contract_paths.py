@@ -167,3 +167,11 @@ def test_referenced_data_with_a_hostile_line_is_one_line_exit_2(tmp_path, kind):
         assert ":2:" in str(e.value) or kind == "a list", e.value  # names the line
     with pytest.raises(CorpusError, match=":2:"):
         list(read_corpus(local))
+
+
+def test_a_hub_dataset_option_takes_a_hub_id_never_a_path():
+    for value in ("/etc", "~/data", "../data", "./data", "a/b/c", "a/../b", "file:///x", "C:\\data", "", 3, ["x"]):
+        with pytest.raises(TaskDataRefused, match=r"task_spec\.hf .*hub id"):
+            contract_refs("gsm8k", {"hf": value})
+    for value in ("openai/gsm8k", "gsm8k", "my-org/gsm8k.v2"):
+        assert contract_refs("gsm8k", {"hf": value}) == {}
