@@ -46,6 +46,7 @@ from stoa.untrusted import loads_bounded
 __all__ = ["BM25Index", "DOCS_FILE", "ENGLISH_STOPWORDS", "INDEX_FORMAT", "INDEX_MANIFEST", "BadIndex",
            "IndexSettings", "OFFSETS_FILE", "corpus_fingerprint", "read_manifest", "verify_index_dir"]
 
+
 class _Fingerprint:
     """Streaming xxh3-128 over the settings and every document's fields (length-prefixed)."""
 
@@ -112,12 +113,14 @@ class _MappedDocs:
     def __init__(self, root: Path, use_mmap: bool):
         try:
             self._offsets = np.load(root / OFFSETS_FILE, mmap_mode="r" if use_mmap else None)
+            size = (root / DOCS_FILE).stat().st_size
         except (ValueError, OSError, EOFError) as e:
-            raise BadIndex(f"{root / OFFSETS_FILE}: not a saved array ({e}); the index is damaged") from e
+            raise BadIndex(f"{root}: {OFFSETS_FILE} or {DOCS_FILE} not readable ({str(e)[:200]}); the index is "
+                           "damaged") from e
         if self._offsets.ndim != 1 or self._offsets.dtype.kind not in "iu" or len(self._offsets) < 1:
             raise BadIndex(f"{root / OFFSETS_FILE}: not a list of offsets; the index is damaged")
         self._where = root / DOCS_FILE
-        if use_mmap:
+        if use_mmap and size > 0:  # an empty file cannot be mapped
             with open(root / DOCS_FILE, "rb") as f:
                 self._buf: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         else:
@@ -166,7 +169,7 @@ def verify_index_dir(root: str | Path) -> str:
                        "the index is damaged")
     for i in range(len(docs)):
         fp.add(docs[i])
-    if fp.hexdigest() != manifest["fingerprint"] or len(docs) != manifest["docs"]:
+    if fp.hexdigest() != manifest["fingerprint"]:
         raise BadIndex(f"{root}: documents give fingerprint {fp.hexdigest()}, {INDEX_MANIFEST} says "
                           f"{manifest['fingerprint']}; the index is damaged")
     return manifest["fingerprint"]

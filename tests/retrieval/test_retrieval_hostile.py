@@ -148,8 +148,19 @@ def test_offsets_that_are_not_a_list_are_refused(index_dir, tmp_path):
     np.save(buf, np.zeros((2, 2), dtype=np.int64))
     with pytest.raises(BadIndex, match="offsets"):
         verify_index_dir(_forge(index_dir, tmp_path / "2d", OFFSETS_FILE, buf.getvalue()))
-    with pytest.raises(BadIndex, match="not a saved array"):
+    with pytest.raises(BadIndex, match="not readable"):
         verify_index_dir(_forge(index_dir, tmp_path / "junk", OFFSETS_FILE, b"junk"))
+    from stoa.retrieval import BM25Index
+
+    empty = _forge(index_dir, tmp_path / "empty", DOCS_FILE, b"")  # the offsets still name 43 documents
+    with pytest.raises(BadIndex, match="document 0"):  # an empty file is never memory-mapped: one line, not a crash
+        BM25Index.load(empty, mmap=True).search(["entity"], 1)
+    (empty / DOCS_FILE).unlink()
+    manifest = _manifest(empty)
+    del manifest["files"][DOCS_FILE]  # a manifest that does not list the documents at all
+    (empty / INDEX_MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BadIndex, match="not readable"):
+        BM25Index.load(empty, mmap=True)
 
 
 @pytest.mark.parametrize("fingerprint", ["../x", "/etc/passwd", "file:///x", "~/x", "AB" * 16, "a" * 31, ["a" * 32],
