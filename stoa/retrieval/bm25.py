@@ -43,6 +43,11 @@ from stoa.retrieval.manifest import (
 )
 from stoa.untrusted import loads_bounded
 
+_ARRAYS = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy")
+"""bm25s's score matrix (scores, document ids, each token's column start)."""
+PARAMS_FILE, VOCAB_FILE = "params.index.json", "vocab.index.json"
+"""bm25s's parameters and vocabulary (token -> column)."""
+
 __all__ = ["BM25Index", "DOCS_FILE", "ENGLISH_STOPWORDS", "INDEX_FORMAT", "INDEX_MANIFEST", "BadIndex",
            "IndexSettings", "OFFSETS_FILE", "corpus_fingerprint", "read_manifest", "verify_index_dir"]
 
@@ -161,18 +166,39 @@ def verify_index_dir(root: str | Path) -> str:
             raise BadIndex(f"{path}: missing or not {meta.get('size')} bytes as {INDEX_MANIFEST} says")
         if file_digest(path) != meta.get("digest"):
             raise BadIndex(f"{path}: content differs from its digest in {INDEX_MANIFEST}; the index is damaged")
-    check_json_files(root, manifest["files"])
+    parsed = check_json_files(root, manifest["files"])
     docs = _MappedDocs(root, use_mmap=False)
     fp = _Fingerprint(IndexSettings.from_json(manifest["settings"]))
     if len(docs) != manifest["docs"]:
         raise BadIndex(f"{root / OFFSETS_FILE}: {len(docs)} documents, {INDEX_MANIFEST} says {manifest['docs']}; "
                        "the index is damaged")
+    _check_arrays(root, len(docs), parsed.get(PARAMS_FILE), parsed.get(VOCAB_FILE))
     for i in range(len(docs)):
         fp.add(docs[i])
     if fp.hexdigest() != manifest["fingerprint"]:
         raise BadIndex(f"{root}: documents give fingerprint {fp.hexdigest()}, {INDEX_MANIFEST} says "
                           f"{manifest['fingerprint']}; the index is damaged")
     return manifest["fingerprint"]
+
+
+def _check_arrays(root: Path, n_docs: int, params: Any, vocab: Any) -> None:
+    """bm25s's score matrix, parameters and vocabulary agree with the documents (the fingerprint covers only the
+    documents and settings): every document id in range, every token's column inside the arrays, finite scores,
+    and ``num_docs`` equal to the documents (bm25s allocates that many scores per query)."""
+    try:
+        data, ind, ptr = (np.load(root / name, mmap_mode="r") for name in _ARRAYS)
+    except (ValueError, OSError, EOFError) as e:
+        raise BadIndex(f"{root}: bm25s's arrays not readable ({str(e)[:200]}); the index is damaged") from e
+    shapes = (data.ndim == ind.ndim == ptr.ndim == 1 and len(data) == len(ind) and len(ptr) >= 1
+              and ind.dtype.kind in "iu" and ptr.dtype.kind in "iu" and data.dtype.kind == "f")
+    ok = (shapes and int(ptr[0]) == 0 and int(ptr[-1]) == len(ind) and bool((np.diff(ptr) >= 0).all())
+          and (len(ind) == 0 or (int(ind.min()) >= 0 and int(ind.max()) < n_docs)) and bool(np.isfinite(data).all())
+          and isinstance(params, dict) and params.get("num_docs") == n_docs and isinstance(vocab, dict)
+          and all(type(v) is int and (0 <= v < len(ptr) - 1 or (k == "" and v == len(ptr) - 1))
+                  for k, v in vocab.items()))  # bm25s gives the empty token the id past the last column
+    if not ok:
+        raise BadIndex(f"{root}: bm25s's arrays, parameters or vocabulary disagree with the {n_docs} documents; "
+                       "the index is damaged")
 
 
 class BM25Index:

@@ -140,7 +140,7 @@ def _check_files(files: dict[str, Any]) -> None:
         field_str(meta, "digest", max_len=128)
 
 
-def check_json_files(root: Path, files: dict[str, Any]) -> None:
+def check_json_files(root: Path, files: dict[str, Any]) -> dict[str, Any]:
     """Parse each bm25s JSON file (vocabulary, parameters) with bounds before bm25s does: a forged one (too deep,
     a number too long) is refused here instead of crashing bm25s's parser.
 
@@ -148,12 +148,17 @@ def check_json_files(root: Path, files: dict[str, Any]) -> None:
         root: the index directory.
         files: the manifest's ``files``.
 
+    Returns:
+        File name -> its parsed content.
+
     Raises:
         BadIndex: a JSON file that is not bounded JSON (names it).
     """
+    parsed = {}
     for name in files:
         if name.endswith(".json"):
             try:
-                loads_bounded((root / name).read_bytes(), max_bytes=MAX_JSON_FILE_BYTES, max_depth=2)
-            except ValueError as e:
+                parsed[name] = loads_bounded((root / name).read_bytes(), max_bytes=MAX_JSON_FILE_BYTES, max_depth=2)
+            except (ValueError, OSError) as e:
                 raise BadIndex(f"{root / name}: not an index file ({str(e)[:200]}); the index is damaged") from e
+    return parsed

@@ -177,3 +177,46 @@ def test_a_contract_names_the_index_only_by_its_fingerprint(published, tmp_path,
     row = user_error(e.value)
     assert row is not None and row.code == 2 and "\n" not in row.line(e.value)
     assert not (tmp_path / "cache").exists()  # nothing fetched, nothing written
+
+
+def _npy(a) -> bytes:
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(a))
+    return buf.getvalue()
+
+
+def _array_forgeries(index_dir: Path) -> dict[str, tuple[str, bytes]]:
+    """bm25s files a bucket writer could swap in (with a manifest that agrees): the fingerprint does not see them."""
+    import numpy as np
+
+    ind, ptr, data = (np.load(index_dir / f"{n}.csc.index.npy") for n in ("indices", "indptr", "data"))
+    params = json.loads((index_dir / "params.index.json").read_bytes())
+    vocab = json.loads((index_dir / "vocab.index.json").read_bytes())
+    n_docs = params["num_docs"]
+    return {
+        "num_docs huge": ("params.index.json", json.dumps({**params, "num_docs": 10**12}).encode()),
+        "num_docs a string": ("params.index.json", json.dumps({**params, "num_docs": "43"}).encode()),
+        "document id out of range": ("indices.csc.index.npy", _npy(np.where(ind == 0, n_docs, ind).astype(ind.dtype))),
+        "negative document id": ("indices.csc.index.npy", _npy(np.where(ind == 0, -1, ind).astype(ind.dtype))),
+        "column past the end": ("indptr.csc.index.npy", _npy(np.append(ptr[:-1], ptr[-1] + 5))),
+        "columns backwards": ("indptr.csc.index.npy", _npy(ptr[::-1].copy())),
+        "NaN scores": ("data.csc.index.npy", _npy(np.where(np.arange(len(data)) == 0, np.nan, data).astype(
+            data.dtype))),
+        "2-D ids": ("indices.csc.index.npy", _npy(ind.reshape(2, -1))),
+        "token past the columns": ("vocab.index.json", json.dumps({**vocab, "entity": len(ptr) - 1}).encode()),
+        "token id a float": ("vocab.index.json", json.dumps({**vocab, "entity": 0.5}).encode()),
+    }
+
+
+def test_forged_bm25s_arrays_that_disagree_with_the_documents_are_refused(index_dir, tmp_path):
+    from stoa.retrieval import BM25Index
+
+    assert verify_index_dir(index_dir)  # the honest index passes the same checks
+    for kind, (name, data) in _array_forgeries(index_dir).items():
+        root = _forge(index_dir, tmp_path / kind.replace(" ", "-"), name, data)
+        with pytest.raises(BadIndex, match="disagree|not readable"):
+            BM25Index.load(root, verify=True)
