@@ -172,7 +172,8 @@ def verify_index_dir(root: str | Path) -> str:
     if len(docs) != manifest["docs"]:
         raise BadIndex(f"{root / OFFSETS_FILE}: {len(docs)} documents, {INDEX_MANIFEST} says {manifest['docs']}; "
                        "the index is damaged")
-    _check_arrays(root, len(docs), parsed.get(PARAMS_FILE), parsed.get(VOCAB_FILE))
+    _check_arrays(root, len(docs), IndexSettings.from_json(manifest["settings"]), parsed.get(PARAMS_FILE),
+                  parsed.get(VOCAB_FILE))
     for i in range(len(docs)):
         fp.add(docs[i])
     if fp.hexdigest() != manifest["fingerprint"]:
@@ -181,10 +182,11 @@ def verify_index_dir(root: str | Path) -> str:
     return manifest["fingerprint"]
 
 
-def _check_arrays(root: Path, n_docs: int, params: Any, vocab: Any) -> None:
-    """bm25s's score matrix, parameters and vocabulary agree with the documents (the fingerprint covers only the
-    documents and settings): every document id in range, every token's column inside the arrays, finite scores,
-    and ``num_docs`` equal to the documents (bm25s allocates that many scores per query)."""
+def _check_arrays(root: Path, n_docs: int, settings: IndexSettings, params: Any, vocab: Any) -> None:
+    """bm25s's score matrix, parameters and vocabulary agree with the documents and settings (the fingerprint
+    covers only those two): every document id in range, every token's column inside the arrays, finite scores,
+    ``num_docs`` equal to the documents (bm25s allocates that many scores per query), and the parameters the ones
+    stoa builds with (a forged backend or dtype would make bm25s import or index with something else)."""
     try:
         data, ind, ptr = (np.load(root / name, mmap_mode="r") for name in _ARRAYS)
     except (ValueError, OSError, EOFError) as e:
@@ -193,12 +195,26 @@ def _check_arrays(root: Path, n_docs: int, params: Any, vocab: Any) -> None:
               and ind.dtype.kind in "iu" and ptr.dtype.kind in "iu" and data.dtype.kind == "f")
     ok = (shapes and int(ptr[0]) == 0 and int(ptr[-1]) == len(ind) and bool((np.diff(ptr) >= 0).all())
           and (len(ind) == 0 or (int(ind.min()) >= 0 and int(ind.max()) < n_docs)) and bool(np.isfinite(data).all())
-          and isinstance(params, dict) and params.get("num_docs") == n_docs and isinstance(vocab, dict)
+          and _params_ok(params, n_docs, settings) and isinstance(vocab, dict)
           and all(type(v) is int and (0 <= v < len(ptr) - 1 or (k == "" and v == len(ptr) - 1))
                   for k, v in vocab.items()))  # bm25s gives the empty token the id past the last column
     if not ok:
-        raise BadIndex(f"{root}: bm25s's arrays, parameters or vocabulary disagree with the {n_docs} documents; "
-                       "the index is damaged")
+        raise BadIndex(f"{root}: bm25s's arrays, parameters or vocabulary disagree with the {n_docs} documents and "
+                       "the settings; the index is damaged")
+
+
+def _params_ok(params: Any, n_docs: int, settings: IndexSettings) -> bool:
+    """Whether bm25s's parameters are those :meth:`BM25Index.build` writes for ``settings`` (absent optional ones
+    take bm25s's defaults; ``delta`` and ``version`` are free but typed)."""
+    if not isinstance(params, dict):
+        return False
+    need = {"k1": settings.k1, "b": settings.b, "method": settings.method, "num_docs": n_docs}
+    optional = {"idf_method": settings.method, "backend": "numpy", "dtype": "float32", "int_dtype": "int32"}
+    delta = params.get("delta", 0.5)
+    return (set(params) <= {*need, *optional, "delta", "version"} and all(
+        k in params and params[k] == v and type(params[k]) is type(v) for k, v in need.items())
+        and all(params.get(k, v) == v for k, v in optional.items()) and isinstance(params.get("version", ""), str)
+        and isinstance(delta, int | float) and not isinstance(delta, bool) and abs(delta) <= 1e6)
 
 
 class BM25Index:

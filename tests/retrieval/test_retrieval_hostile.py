@@ -200,6 +200,12 @@ def _array_forgeries(index_dir: Path) -> dict[str, tuple[str, bytes]]:
     return {
         "num_docs huge": ("params.index.json", json.dumps({**params, "num_docs": 10**12}).encode()),
         "num_docs a string": ("params.index.json", json.dumps({**params, "num_docs": "43"}).encode()),
+        "another backend": ("params.index.json", json.dumps({**params, "backend": "numba"}).encode()),
+        "another int dtype": ("params.index.json", json.dumps({**params, "int_dtype": "float64"}).encode()),
+        "another method": ("params.index.json", json.dumps({**params, "method": "bm25l"}).encode()),
+        "a delta string": ("params.index.json", json.dumps({**params, "delta": "x"}).encode()),
+        "an unknown parameter": ("params.index.json", json.dumps({**params, "corpus": "/etc/passwd"}).encode()),
+        "k1 not the settings'": ("params.index.json", json.dumps({**params, "k1": 9.0}).encode()),
         "document id out of range": ("indices.csc.index.npy", _npy(np.where(ind == 0, n_docs, ind).astype(ind.dtype))),
         "negative document id": ("indices.csc.index.npy", _npy(np.where(ind == 0, -1, ind).astype(ind.dtype))),
         "column past the end": ("indptr.csc.index.npy", _npy(np.append(ptr[:-1], ptr[-1] + 5))),
