@@ -1,4 +1,10 @@
-"""Metrics as JSONL lines (``train/*``, ``rollout/*``, ``worker/*``, ``eval/*``), bucket chunks and trackers."""
+"""Metrics as JSONL lines (``train/*``, ``rollout/*``, ``worker/*``, ``eval/*``), bucket chunks and trackers.
+
+Every chunk read back is untrusted (any bucket writer can forge one): each line goes through the bounded parser
+of ``stoa.untrusted`` (size, depth, number literals; NaN and Infinity refused), a line that is not an object is
+skipped and counted, a chunk over :data:`MAX_CHUNK_BYTES` is never read past that, and each chunk with something
+skipped logs one warning line.
+"""
 
 from __future__ import annotations
 
