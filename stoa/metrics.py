@@ -1,4 +1,10 @@
-"""Metrics as JSONL lines (``train/*``, ``rollout/*``, ``worker/*``, ``eval/*``), bucket chunks and trackers."""
+"""Metrics as JSONL lines (``train/*``, ``rollout/*``, ``worker/*``, ``eval/*``), bucket chunks and trackers.
+
+Every chunk read back is untrusted (any bucket writer can forge one): each line goes through the bounded parser
+of ``stoa.untrusted`` (size, depth, number literals; NaN and Infinity refused), a line that is not an object is
+skipped and counted, a chunk over :data:`MAX_CHUNK_BYTES` is never read past that, and each chunk with something
+skipped logs one warning line.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,12 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from stoa.untrusted import loads_bounded
 
 if TYPE_CHECKING:
     from stoa.trackers import Completion, Tracker
@@ -153,49 +162,159 @@ class BucketMetrics:
         return False
 
 
-def read_bucket_metrics(bucket: Any, run_id: str, source: str | None = "trainer") -> list[dict[str, Any]]:
+MAX_CHUNK_BYTES = 64 << 20
+"""A metrics chunk larger than this is skipped unread (the trainer's are a few kB)."""
+MAX_LINE_BYTES = 1 << 20
+"""A metrics line longer than this is skipped (a row with ``rollout/keys`` of a large batch is tens of kB)."""
+MAX_ROW_DEPTH = 4
+"""Deepest JSON nesting of a row accepted (rows are flat objects; ``rollout/keys`` is a list in one)."""
+
+
+class ChunkLines(NamedTuple):
+    """The rows of one metrics chunk (or file) and the lines skipped.
+
+    Args:
+        rows: every line that is a bounded JSON object, in order.
+        bad: lines skipped (not JSON, invalid UTF-8, too long, too deep, a number too long, not an object).
+        first_error: why the first skipped line was skipped (empty when none was).
+    """
+
+    rows: list[dict[str, Any]]
+    bad: int
+    first_error: str
+
+
+@dataclass
+class ReadCounts:
+    """What a read of a run's metrics chunks skipped (forged or damaged chunks are skipped, never fatal)."""
+
+    chunks: int = 0
+    """Chunks read."""
+    bad_chunks: int = 0
+    """Chunks skipped whole (larger than the cap)."""
+    bad_lines: int = 0
+    """Lines skipped inside the chunks read."""
+
+
+def parse_metrics_line(line: bytes) -> dict[str, Any]:
+    """One metrics row from untrusted bytes (bounded size, depth and numbers; NaN and Infinity refused).
+
+    Args:
+        line: one line of a chunk or a metrics file.
+
+    Raises:
+        ValueError: not a bounded JSON object (the message says why).
+    """
+    row = loads_bounded(line, max_bytes=MAX_LINE_BYTES, max_depth=MAX_ROW_DEPTH)
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be a JSON object, got {type(row).__name__}")
+    return row
+
+
+def parse_metrics_lines(lines: Iterable[bytes]) -> ChunkLines:
+    """The rows of untrusted lines; a line that is not a row is counted and skipped (blank lines are ignored).
+
+    Args:
+        lines: the lines (``data.split(b"\\n")`` of a chunk).
+    """
+    rows: list[dict[str, Any]] = []
+    bad, first = 0, ""
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            rows.append(parse_metrics_line(line))
+        except ValueError as e:
+            bad, first = bad + 1, first or str(e)[:200]
+    return ChunkLines(rows, bad, first)
+
+
+def read_chunk(bucket: Any, key: str, max_bytes: int = MAX_CHUNK_BYTES) -> ChunkLines | None:
+    """The rows of one metrics chunk, reading at most ``max_bytes + 1`` bytes; None when it is larger or gone.
+
+    Args:
+        bucket: the run's bucket.
+        key: the chunk's key.
+        max_bytes: largest chunk read.
+    """
+    from stoa.bucket import ObjectNotFound
+
+    try:
+        data = bucket.get_range(key, 0, max_bytes + 1)
+    except ObjectNotFound:  # deleted since the listing
+        return ChunkLines([], 0, "")
+    return parse_metrics_lines(data.split(b"\n")) if len(data) <= max_bytes else None
+
+
+def read_sourced_chunks(bucket: Any, run_id: str, source: str | None = None, *,
+                        max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                        counts: ReadCounts | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """Every row of a run's metrics chunks with the writer (``source``) of its chunk.
+
+    Chunks are read in writer, process start, chunk order. Every chunk is untrusted: one larger than
+    ``max_chunk_bytes`` is skipped unread, a line that is not a bounded JSON object is skipped, and each
+    chunk with something skipped logs one warning line (never one per line).
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run id.
+        source: only chunks of this writer (None: every writer).
+        max_chunk_bytes: largest chunk read.
+        counts: where the skipped chunks and lines are added up (optional).
+    """
+    from stoa.layout import metrics_prefix, parse_metrics_chunk_key
+
+    counts = counts if counts is not None else ReadCounts()
+    chunks = []
+    for info in bucket.list(metrics_prefix(run_id)):
+        parsed = parse_metrics_chunk_key(run_id, info.key)
+        if parsed is not None and (source is None or parsed.source == source):
+            chunks.append((parsed.source, parsed.start, parsed.seq, info.key, info.size))
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for writer, _, _, key, size in sorted(chunks):
+        got = read_chunk(bucket, key, max_chunk_bytes) if size <= max_chunk_bytes else None
+        if got is None:
+            counts.bad_chunks += 1
+            log.warning("metrics chunk %s: skipped, larger than %d bytes", key, max_chunk_bytes)
+            continue
+        counts.chunks, counts.bad_lines = counts.chunks + 1, counts.bad_lines + got.bad
+        if got.bad:
+            log.warning("metrics chunk %s: skipped %d of its lines (first: %s)", key, got.bad, got.first_error)
+        rows += [(writer, row) for row in got.rows]
+    return rows
+
+
+def read_bucket_metrics(bucket: Any, run_id: str, source: str | None = "trainer",
+                        counts: ReadCounts | None = None) -> list[dict[str, Any]]:
     """Every row of a run's metrics chunks, in order (process start, then chunk number).
 
     Args:
         bucket: the run's bucket.
         run_id: the run id.
         source: only chunks of this writer (None: every writer, ordered by writer first).
+        counts: where skipped chunks and lines are added up (see :func:`read_sourced_chunks`).
     """
-    from stoa.layout import metrics_prefix, parse_metrics_chunk_key
-
-    chunks = []
-    for info in bucket.list(metrics_prefix(run_id)):
-        parsed = parse_metrics_chunk_key(run_id, info.key)
-        if parsed is not None and (source is None or parsed.source == source):
-            chunks.append((parsed.source, parsed.start, parsed.seq, info.key))
-    rows: list[dict[str, Any]] = []
-    for *_, key in sorted(chunks):
-        for line in bucket.get(key).decode(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
+    return [row for _, row in read_sourced_chunks(bucket, run_id, source, counts=counts)]
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Read every row of a metrics JSONL file (skipping a torn last line).
+    """Read every row of a metrics JSONL file, skipping a torn last line and any line that is not a row.
 
     Args:
         path: the JSONL file.
     """
-    rows = []
     p = Path(path)
     if not p.exists():
-        return rows
-    for line in p.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+        return []
+
+    def lines() -> Iterator[bytes]:
+        with open(p, "rb") as f:
+            while line := f.readline(MAX_LINE_BYTES + 1):
+                yield line  # an overlong line comes as its first MAX_LINE_BYTES + 1 bytes: refused as too long
+                while len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                    line = f.readline(MAX_LINE_BYTES + 1)  # the rest of it, dropped
+
+    return parse_metrics_lines(lines()).rows
 
 
 def default_log_dir(bucket_url: str, run_id: str, explicit: str = "") -> Path:

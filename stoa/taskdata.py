@@ -9,6 +9,12 @@ trainer turns the references back into local files with :func:`localize_options`
 once into a content-addressed cache, its SHA-256 checked (a mismatch is refused, the file never used), and
 the option rewritten to the local path before ``get_task``. Tasks without file options are untouched.
 
+A contract is untrusted (any bucket writer may have written it): workers and evaluators use
+:func:`localize_contract_options`, which accepts a file option only as a ``bucket:`` reference and refuses a
+local, absolute or home path, ``..``, a URL or a malformed reference (``TaskDataRefused``, exit 3) before
+anything is opened. :func:`localize_options` passes such values through: it is the trainer's, whose ``--task``
+names the user's own files.
+
 Keys come from ``stoa.layout``. This module imports neither torch nor mlx.
 """
 
@@ -32,9 +38,11 @@ __all__ = [
     "DataRef",
     "TaskData",
     "TaskDataMismatch",
+    "TaskDataRefused",
     "TaskFile",
     "file_options",
     "file_sha256",
+    "localize_contract_options",
     "localize_options",
     "parse_ref",
     "portable_task_data",
@@ -47,6 +55,7 @@ REF_PREFIX = "bucket:"
 
 _REF = re.compile(r"bucket:(?P<digest>[0-9a-f]{64})/(?P<name>[A-Za-z0-9_-][A-Za-z0-9._-]{0,127})")
 _CHUNK = 1 << 20
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
 
 class TaskDataMismatch(ContractMismatch):
@@ -59,6 +68,16 @@ class TaskDataMismatch(ContractMismatch):
 
     def __init__(self, option: str, detail: str):
         super().__init__([f"task_spec.{option}"], detail)
+
+
+class TaskDataRefused(TaskDataMismatch):
+    """A run contract names task data by something other than its content address in the bucket (a local,
+    absolute or home path, ``..``, a URL, a malformed ``bucket:`` reference); nothing it names is opened.
+
+    Args:
+        option: the task option.
+        detail: what the value names and the fix.
+    """
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,13 @@ def file_options(task_id: str) -> tuple[str, ...]:
 
     cls = TASKS.get(task_id)
     return tuple(getattr(cls, "FILE_OPTIONS", ())) if cls is not None else ()
+
+
+def _hub_options(task_id: str) -> tuple[str, ...]:
+    """The options of a registered task that name a hub dataset (``HUB_OPTIONS``; ``()`` for none)."""
+    from stoa.tasks import TASKS
+
+    return tuple(getattr(TASKS.get(task_id), "HUB_OPTIONS", ()))
 
 
 def parse_ref(value: object) -> DataRef | None:
@@ -230,4 +256,84 @@ def localize_options(bucket: Bucket, run_id: str, task_id: str, options: Mapping
         ref = parse_ref(out.get(option))
         if ref is not None:
             out[option] = str(_fetch(bucket, run_id, option, ref, cache_dir or task_data_cache()))
+    return out
+
+
+def _not_a_reference(value: object) -> str:
+    """What a file option value that is not a ``bucket:`` reference names, for the refusal line."""
+    if not isinstance(value, str):
+        return f"a {type(value).__name__}, not a bucket: reference"
+    shown = repr(value[:120]) + ("…" if len(value) > 120 else "")
+    if value.startswith(REF_PREFIX):
+        return f"the malformed reference {shown} (not bucket:<64 hex digits>/<plain file name>)"
+    if value.startswith("~"):
+        return f"the home path {shown}"
+    if value.startswith(("/", "\\")) or re.match(r"[A-Za-z]:[\\/]", value):
+        return f"the absolute path {shown}"
+    if "://" in value or re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", value):
+        return f"the URL {shown}"
+    if ".." in re.split(r"[\\/]", value):
+        return f"the path {shown}, which climbs out with '..'"
+    return f"the local path {shown}"
+
+
+def contract_refs(task_id: str, task_spec: Mapping[str, object]) -> dict[str, DataRef]:
+    """The ``bucket:`` reference of every file option a run contract's task spec sets, checked before any is used.
+
+    A worker or an evaluator reads task data only by content address in the run's bucket: a value that is not
+    ``bucket:<sha256>/<name>`` (a local, absolute or home path, ``..``, a URL, anything malformed) is refused,
+    so a contract can never make a machine open its own files. A hub dataset option (``HUB_OPTIONS``: gsm8k's
+    ``hf``) must be a hub id (``owner/name``), never a path ``datasets`` would read locally.
+
+    Args:
+        task_id: the contract's task.
+        task_spec: the contract's task options (untrusted).
+
+    Raises:
+        TaskDataRefused: a file option that is not a ``bucket:`` reference, or a hub option that is not a hub id
+            (the first one, named).
+    """
+    for option in _hub_options(task_id):
+        value = task_spec.get(option)
+        if value is not None and not (isinstance(value, str) and _HUB_ID.fullmatch(value) and ".." not in value):
+            raise TaskDataRefused(option, f"the run contract names {_not_a_reference(value)} as a hub dataset; "
+                                          "workers and evaluators accept only a hub id (owner/name) there, nothing "
+                                          "was opened")
+    refs: dict[str, DataRef] = {}
+    for option in file_options(task_id):
+        value = task_spec.get(option)
+        if value is None:
+            continue
+        ref = parse_ref(value)
+        if ref is None:
+            raise TaskDataRefused(option, f"the run contract names {_not_a_reference(value)}; workers and "
+                                          "evaluators read task data only as bucket:<sha256>/<name> from the run's "
+                                          "bucket, nothing was opened; restart the run's trainer, which uploads "
+                                          "its files and names them so")
+        refs[option] = ref
+    return refs
+
+
+def localize_contract_options(bucket: Bucket, run_id: str, task_id: str, task_spec: Mapping[str, object],
+                              cache_dir: Path | None = None) -> dict[str, object]:
+    """A run contract's task options with every file option replaced by a verified local copy from the bucket.
+
+    The strict form of :func:`localize_options` for machines that follow a run (workers, evaluators): every
+    file option must be a ``bucket:`` reference (:func:`contract_refs`, checked for all options before anything
+    is fetched), and each copy's SHA-256 must equal its reference's.
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run.
+        task_id: the contract's task.
+        task_spec: the contract's task options (untrusted).
+        cache_dir: where copies live (default :func:`task_data_cache`).
+
+    Raises:
+        TaskDataRefused: a file option that is not a ``bucket:`` reference.
+        TaskDataMismatch: a referenced file is missing from the bucket or does not match its digest.
+    """
+    out = dict(task_spec)
+    for option, ref in contract_refs(task_id, task_spec).items():
+        out[option] = str(_fetch(bucket, run_id, option, ref, cache_dir or task_data_cache()))
     return out

@@ -35,15 +35,15 @@ def open_tools(task: Any, retriever: str = "", *, bucket: Any = None, run_id: st
         note: where waiting and download messages go.
 
     Raises:
-        ValueError: a search task without any way to reach its index (names the setting to give).
+        BadIndex: a search task without any way to reach its index (names the setting to give; a ``ValueError``).
     """
     if task.tool_kind != "search":
         return task.make_tools(None)
-    from stoa.retrieval import open_searcher
+    from stoa.retrieval import BadIndex, open_searcher
 
     fingerprint = (spec or {}).get("fingerprint") or None
     if not retriever and (bucket is None or fingerprint is None):
-        raise ValueError("retriever: a search task needs an index; give --retriever URL or an index directory "
+        raise BadIndex("retriever: a search task needs an index; give --retriever URL or an index directory "
                          "(stoa retriever index CORPUS.jsonl DIR)")
     searcher = open_searcher(url=retriever if is_url(retriever) else None,
                              index_dir=Path(retriever) if retriever and not is_url(retriever) else None,

@@ -29,6 +29,8 @@ from stoa.weights.sync import WeightSync
 
 SOURCE = "eval"
 """The metrics chunks' source (``runs/<run>/metrics/eval-<start>-<seq>.jsonl``)."""
+MAX_VERSION = 2**53
+"""Largest version an ``eval`` row may name (larger or negative ones are forged and ignored)."""
 FINAL_ATTEMPTS = 3
 """After the run finished, give up on a final version whose weights were refused this many times in a row."""
 
@@ -138,12 +140,16 @@ class _Evaluator:
 def evaluated_versions(bucket: Bucket, run_id: str) -> set[int]:
     """Versions that already have an evaluation in the run's ``eval`` metrics chunks.
 
+    The chunks are untrusted: lines that are not bounded rows are skipped (one warning per chunk), and only
+    versions in ``[0, MAX_VERSION]`` count.
+
     Args:
         bucket: the run's bucket.
         run_id: the run.
     """
-    return {r["version"] for r in read_bucket_metrics(bucket, run_id, source=SOURCE)
-            if type(r.get("version")) is int and isinstance(r.get("eval/accuracy"), int | float)}
+    return {v for r in read_bucket_metrics(bucket, run_id, source=SOURCE)
+            if type(v := r.get("version")) is int and 0 <= v <= MAX_VERSION
+            and isinstance(r.get("eval/accuracy"), int | float)}
 
 
 def read_contract(bucket: Bucket, run_id: str, wait_s: float, poll_s: float, echo: Callable[[str], Any]) -> RunContract:
@@ -202,7 +208,7 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     from stoa.engines import default_engine, make_engine
     from stoa.envs.tools import open_tools
     from stoa.models import default_cache_dir, model_fingerprint
-    from stoa.taskdata import localize_options
+    from stoa.taskdata import contract_refs, localize_contract_options
     from stoa.tasks import get_task
     from stoa.tasks.multiturn import is_multiturn
     from stoa.tokenize import TextCodec
@@ -211,6 +217,7 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     bucket = open_bucket(cfg.bucket, create=cfg.wait_seconds > 0)  # waiting: the trainer may not have started
     contract = read_contract(bucket, cfg.run, cfg.wait_seconds, cfg.poll_seconds or 1.0, echo)
     run_key = trusted_run_key(contract.run_key, bucket.url, cfg.run, echo=echo, who="eval")
+    contract_refs(contract.task_id, contract.task_spec)  # task data by content address only, before any download
     done = evaluated_versions(bucket, cfg.run)
     dest = default_cache_dir() / "runs" / digest_hex(bucket.url.encode())[:12] / cfg.run / "eval-model"
     model_dir = download_model_files(bucket, cfg.run, dest, timeout_s=cfg.wait_seconds,
@@ -223,7 +230,8 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     name = default_engine() if cfg.engine == "auto" else cfg.engine
     engine = make_engine(name, model_dir, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads,
                          plane=contract.plane)
-    task = get_task(contract.task_id, **localize_options(bucket, cfg.run, contract.task_id, contract.task_spec))
+    task = get_task(contract.task_id,
+                    **localize_contract_options(bucket, cfg.run, contract.task_id, contract.task_spec))
     tools = (open_tools(task, cfg.retriever, bucket=bucket, run_id=cfg.run, spec=contract.retriever, note=echo)
              if is_multiturn(task) else None)
     sink = BucketMetrics(bucket, cfg.run, source=SOURCE, flush_rows=1 << 30, flush_seconds=float("inf"))
@@ -288,8 +296,8 @@ def _loop(ev: _Evaluator, echo: Callable[[str], Any]) -> None:
 def _due(ev: _Evaluator, pointer: Pointer, final: bool) -> list[int]:
     """Versions to evaluate now: not done, after ``ev.lo``, divisible by ``every`` (or final), within budget."""
     cfg, t = ev.cfg, pointer.version
-    if ev.lo is None:
-        ev.lo = max(ev.done) if ev.done else (0 if cfg.backfill else t - 1)
+    if ev.lo is None:  # a version past the pointer (a forged eval row) moves nothing
+        ev.lo = max((v for v in ev.done if v <= t), default=0 if cfg.backfill else t - 1)
     if not cfg.follow:
         due = [t] if t not in ev.done else []
     else:

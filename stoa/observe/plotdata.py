@@ -6,12 +6,13 @@ number where one is expected is skipped, never an exception. Plain data, no matp
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from stoa.metrics import ReadCounts, read_sourced_chunks
 
 MAX_CHUNK_BYTES = 64 << 20
 """A metrics chunk larger than this is skipped (the trainer's are a few kB)."""
@@ -122,38 +123,19 @@ def version_of(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_VERSION else None
 
 
-def read_sourced_rows(bucket: Any, run_id: str) -> list[tuple[str, dict[str, Any]]]:
+def read_sourced_rows(bucket: Any, run_id: str, counts: ReadCounts | None = None) -> list[tuple[str, dict[str, Any]]]:
     """Every JSON-object row of a run's metrics chunks with the writer (``source``) of its chunk.
 
-    Chunks are read in writer, process start, chunk order; an oversized chunk, one deleted since the listing
-    and any line that is not a JSON object are skipped.
+    Chunks are read in writer, process start, chunk order through the bounded parser of ``stoa.metrics``: a
+    chunk over :data:`MAX_CHUNK_BYTES`, one deleted since the listing and any line that is not a bounded JSON
+    object (too deep, a number too long, NaN, invalid UTF-8) are skipped, one warning line per chunk.
 
     Args:
         bucket: the run's bucket.
         run_id: the run id.
+        counts: where skipped chunks and lines are added up (optional).
     """
-    from stoa.bucket import ObjectNotFound
-    from stoa.layout import metrics_prefix, parse_metrics_chunk_key
-
-    chunks = []
-    for info in bucket.list(metrics_prefix(run_id)):
-        parsed = parse_metrics_chunk_key(run_id, info.key)
-        if parsed is not None and info.size <= MAX_CHUNK_BYTES:
-            chunks.append((parsed.source, parsed.start, parsed.seq, info.key))
-    rows: list[tuple[str, dict[str, Any]]] = []
-    for source, _, _, key in sorted(chunks):
-        try:
-            data = bucket.get(key)
-        except ObjectNotFound:
-            continue
-        for line in data.decode(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
-                continue
-            if isinstance(row, dict):
-                rows.append((source, row))
-    return rows
+    return read_sourced_chunks(bucket, run_id, max_chunk_bytes=MAX_CHUNK_BYTES, counts=counts)
 
 
 def worker_versions(source: str, row: dict[str, Any]) -> list[tuple[int, str]]:

@@ -20,7 +20,6 @@ import logging
 import mmap
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,65 +29,27 @@ import xxhash
 from stoa.bucket.base import file_digest
 from stoa.retrieval.base import Doc
 from stoa.retrieval.corpus import CorpusError, check_unique
+from stoa.retrieval.manifest import (
+    DOCS_FILE,
+    ENGLISH_STOPWORDS,
+    INDEX_FORMAT,
+    INDEX_MANIFEST,
+    MAX_DOC_BYTES,
+    OFFSETS_FILE,
+    BadIndex,
+    IndexSettings,
+    check_json_files,
+    read_manifest,
+)
+from stoa.untrusted import loads_bounded
 
-__all__ = ["BM25Index", "DOCS_FILE", "INDEX_FORMAT", "INDEX_MANIFEST", "BadIndex", "IndexSettings",
-           "OFFSETS_FILE", "corpus_fingerprint", "read_manifest", "verify_index_dir"]
+_ARRAYS = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy")
+"""bm25s's score matrix (scores, document ids, each token's column start)."""
+PARAMS_FILE, VOCAB_FILE = "params.index.json", "vocab.index.json"
+"""bm25s's parameters and vocabulary (token -> column)."""
 
-INDEX_MANIFEST = "stoa-index.json"
-"""The index directory's manifest (written last: an index without it is incomplete)."""
-DOCS_FILE = "docs.jsonl"
-"""The documents, one ``[id, title, text]`` JSON array per line, in index order."""
-OFFSETS_FILE = "docs.offsets.npy"
-"""int64 byte offsets of every line of ``DOCS_FILE`` and its end (documents + 1 entries)."""
-INDEX_FORMAT = 1
-"""Version of the directory layout."""
-
-ENGLISH_STOPWORDS = ("a", "an", "and", "are", "as", "at", "be", "but", "by", "for", "if", "in", "into", "is", "it",
-                     "no", "not", "of", "on", "or", "such", "that", "the", "their", "then", "there", "these",
-                     "they", "this", "to", "was", "will", "with")
-"""bm25s's English stopwords (``bm25s.stopwords.STOPWORDS_EN``), frozen here so settings never drift."""
-
-
-class BadIndex(ValueError):
-    """An index directory that is incomplete, damaged or of another corpus; the message names the file."""
-
-
-@dataclass(frozen=True)
-class IndexSettings:
-    """What the index computes besides the corpus (part of the fingerprint)."""
-
-    k1: float = 1.5
-    """BM25 term-frequency saturation."""
-    b: float = 0.75
-    """BM25 length normalisation."""
-    method: str = "lucene"
-    """bm25s scoring variant."""
-    token_pattern: str = r"(?u)\b\w\w+\b"
-    """Regex of a token (on lowercased text): words of two or more characters, as bm25s and scikit-learn."""
-    stopwords: tuple[str, ...] = field(default=ENGLISH_STOPWORDS)
-    """Tokens dropped from documents and queries."""
-
-    def to_json(self) -> dict[str, Any]:
-        """The settings as a JSON object."""
-        d = asdict(self)
-        d["stopwords"] = list(self.stopwords)
-        return d
-
-    @classmethod
-    def from_json(cls, d: Any) -> IndexSettings:
-        """Settings from ``to_json``'s form.
-
-        Args:
-            d: the decoded object.
-
-        Raises:
-            BadIndex: unknown or missing fields.
-        """
-        try:
-            return cls(k1=float(d["k1"]), b=float(d["b"]), method=str(d["method"]),
-                       token_pattern=str(d["token_pattern"]), stopwords=tuple(str(s) for s in d["stopwords"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadIndex(f"{INDEX_MANIFEST}: bad 'settings' ({e}); rebuild with stoa retriever index") from e
+__all__ = ["BM25Index", "DOCS_FILE", "ENGLISH_STOPWORDS", "INDEX_FORMAT", "INDEX_MANIFEST", "BadIndex",
+           "IndexSettings", "OFFSETS_FILE", "corpus_fingerprint", "read_manifest", "verify_index_dir"]
 
 
 class _Fingerprint:
@@ -147,11 +108,24 @@ class _Tokenizer:
 
 
 class _MappedDocs:
-    """Documents of a saved index, read by offset from ``DOCS_FILE`` (memory-mapped or in memory)."""
+    """Documents of a saved index, read by offset from ``DOCS_FILE`` (memory-mapped or in memory).
+
+    Raises:
+        BadIndex: the offsets are not a 1-D integer array (on open), or a document line is not a bounded
+            ``[id, title, text]`` array of strings (when read).
+    """
 
     def __init__(self, root: Path, use_mmap: bool):
-        self._offsets = np.load(root / OFFSETS_FILE, mmap_mode="r" if use_mmap else None)
-        if use_mmap:
+        try:
+            self._offsets = np.load(root / OFFSETS_FILE, mmap_mode="r" if use_mmap else None)
+            size = (root / DOCS_FILE).stat().st_size
+        except (ValueError, OSError, EOFError) as e:
+            raise BadIndex(f"{root}: {OFFSETS_FILE} or {DOCS_FILE} not readable ({str(e)[:200]}); the index is "
+                           "damaged") from e
+        if self._offsets.ndim != 1 or self._offsets.dtype.kind not in "iu" or len(self._offsets) < 1:
+            raise BadIndex(f"{root / OFFSETS_FILE}: not a list of offsets; the index is damaged")
+        self._where = root / DOCS_FILE
+        if use_mmap and size > 0:  # an empty file cannot be mapped
             with open(root / DOCS_FILE, "rb") as f:
                 self._buf: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         else:
@@ -162,33 +136,14 @@ class _MappedDocs:
 
     def __getitem__(self, i: int) -> Doc:
         a, b = int(self._offsets[i]), int(self._offsets[i + 1])
-        doc_id, title, text = json.loads(self._buf[a:b])
-        return Doc(doc_id, title, text)
-
-
-def read_manifest(root: str | Path) -> dict[str, Any]:
-    """The manifest of an index directory.
-
-    Args:
-        root: the index directory.
-
-    Raises:
-        BadIndex: missing (an incomplete index) or malformed.
-    """
-    path = Path(root) / INDEX_MANIFEST
-    try:
-        manifest = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise BadIndex(f"{path} missing: not a complete index; build one with stoa retriever index") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadIndex(f"{path}: not valid JSON ({e}); rebuild the index") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != INDEX_FORMAT:
-        raise BadIndex(f"{path}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
-                          f"this stoa reads {INDEX_FORMAT}; rebuild the index")
-    for key, kind in (("fingerprint", str), ("docs", int), ("files", dict), ("settings", dict)):
-        if not isinstance(manifest.get(key), kind):
-            raise BadIndex(f"{path}: field {key!r} missing or not a {kind.__name__}; rebuild the index")
-    return manifest
+        try:
+            row = loads_bounded(self._buf[max(a, 0):max(b, 0)], max_bytes=MAX_DOC_BYTES, max_depth=1)
+        except ValueError as e:
+            raise BadIndex(f"{self._where}: document {i} is not valid JSON ({str(e)[:200]}); the index is damaged") \
+                from e
+        if not isinstance(row, list) or len(row) != 3 or not all(isinstance(x, str) for x in row):
+            raise BadIndex(f"{self._where}: document {i} is not [id, title, text]; the index is damaged")
+        return Doc(*row)
 
 
 def verify_index_dir(root: str | Path) -> str:
@@ -211,14 +166,55 @@ def verify_index_dir(root: str | Path) -> str:
             raise BadIndex(f"{path}: missing or not {meta.get('size')} bytes as {INDEX_MANIFEST} says")
         if file_digest(path) != meta.get("digest"):
             raise BadIndex(f"{path}: content differs from its digest in {INDEX_MANIFEST}; the index is damaged")
+    parsed = check_json_files(root, manifest["files"])
     docs = _MappedDocs(root, use_mmap=False)
     fp = _Fingerprint(IndexSettings.from_json(manifest["settings"]))
+    if len(docs) != manifest["docs"]:
+        raise BadIndex(f"{root / OFFSETS_FILE}: {len(docs)} documents, {INDEX_MANIFEST} says {manifest['docs']}; "
+                       "the index is damaged")
+    _check_arrays(root, len(docs), IndexSettings.from_json(manifest["settings"]), parsed.get(PARAMS_FILE),
+                  parsed.get(VOCAB_FILE))
     for i in range(len(docs)):
         fp.add(docs[i])
-    if fp.hexdigest() != manifest["fingerprint"] or len(docs) != manifest["docs"]:
+    if fp.hexdigest() != manifest["fingerprint"]:
         raise BadIndex(f"{root}: documents give fingerprint {fp.hexdigest()}, {INDEX_MANIFEST} says "
                           f"{manifest['fingerprint']}; the index is damaged")
     return manifest["fingerprint"]
+
+
+def _check_arrays(root: Path, n_docs: int, settings: IndexSettings, params: Any, vocab: Any) -> None:
+    """bm25s's score matrix, parameters and vocabulary agree with the documents and settings (the fingerprint
+    covers only those two): every document id in range, every token's column inside the arrays, finite scores,
+    ``num_docs`` equal to the documents (bm25s allocates that many scores per query), and the parameters the ones
+    stoa builds with (a forged backend or dtype would make bm25s import or index with something else)."""
+    try:
+        data, ind, ptr = (np.load(root / name, mmap_mode="r") for name in _ARRAYS)
+    except (ValueError, OSError, EOFError) as e:
+        raise BadIndex(f"{root}: bm25s's arrays not readable ({str(e)[:200]}); the index is damaged") from e
+    shapes = (data.ndim == ind.ndim == ptr.ndim == 1 and len(data) == len(ind) and len(ptr) >= 1
+              and ind.dtype.kind in "iu" and ptr.dtype.kind in "iu" and data.dtype.kind == "f")
+    ok = (shapes and int(ptr[0]) == 0 and int(ptr[-1]) == len(ind) and bool((np.diff(ptr) >= 0).all())
+          and (len(ind) == 0 or (int(ind.min()) >= 0 and int(ind.max()) < n_docs)) and bool(np.isfinite(data).all())
+          and _params_ok(params, n_docs, settings) and isinstance(vocab, dict)
+          and all(type(v) is int and (0 <= v < len(ptr) - 1 or (k == "" and v == len(ptr) - 1))
+                  for k, v in vocab.items()))  # bm25s gives the empty token the id past the last column
+    if not ok:
+        raise BadIndex(f"{root}: bm25s's arrays, parameters or vocabulary disagree with the {n_docs} documents and "
+                       "the settings; the index is damaged")
+
+
+def _params_ok(params: Any, n_docs: int, settings: IndexSettings) -> bool:
+    """Whether bm25s's parameters are those :meth:`BM25Index.build` writes for ``settings`` (absent optional ones
+    take bm25s's defaults; ``delta`` and ``version`` are free but typed)."""
+    if not isinstance(params, dict):
+        return False
+    need = {"k1": settings.k1, "b": settings.b, "method": settings.method, "num_docs": n_docs}
+    optional = {"idf_method": settings.method, "backend": "numpy", "dtype": "float32", "int_dtype": "int32"}
+    delta = params.get("delta", 0.5)
+    return (set(params) <= {*need, *optional, "delta", "version"} and all(
+        k in params and params[k] == v and type(params[k]) is type(v) for k, v in need.items())
+        and all(params.get(k, v) == v for k, v in optional.items()) and isinstance(params.get("version", ""), str)
+        and isinstance(delta, int | float) and not isinstance(delta, bool) and abs(delta) <= 1e6)
 
 
 class BM25Index:
@@ -320,7 +316,11 @@ class BM25Index:
         missing = [n for n in manifest["files"] if not (root / n).is_file()]
         if missing:
             raise BadIndex(f"{root}: files {missing} missing; the index is incomplete, rebuild or download it")
-        model = bm25s.BM25.load(str(root), mmap=mmap, load_corpus=False, show_progress=False)
+        try:
+            model = bm25s.BM25.load(str(root), mmap=mmap, load_corpus=False, show_progress=False)
+        except (ValueError, TypeError, KeyError, OSError, RecursionError) as e:  # a damaged or forged file
+            raise BadIndex(f"{root}: bm25s cannot load it ({type(e).__name__}: {str(e)[:200]}); the index is "
+                           "damaged, rebuild or download it") from e
         docs = _MappedDocs(root, use_mmap=mmap)
         if len(docs) != manifest["docs"]:
             raise BadIndex(f"{root / OFFSETS_FILE}: {len(docs)} documents, {INDEX_MANIFEST} says "

@@ -7,19 +7,25 @@ Accepted line forms (``title`` optional in both)::
 
 With both ``title`` and ``contents``, the first line of ``contents`` is dropped only when it is the title.
 
-A line that is not a JSON object, lacks an id or a text, or repeats an id raises ``CorpusError`` naming the
-file and the line. Pure stdlib.
+A line that is not a bounded JSON object (``stoa.untrusted``: size, depth, numbers), lacks an id or a text, or
+repeats an id raises ``CorpusError`` naming the file and the line.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from stoa.retrieval.base import Doc
+from stoa.untrusted import loads_bounded
 
 __all__ = ["CorpusError", "check_unique", "doc_from_json", "read_corpus", "split_contents"]
+
+
+MAX_LINE_BYTES = 16 << 20
+"""Longest corpus line read (a corpus may come from a run's bucket: every line is parsed with bounds)."""
+MAX_LINE_DEPTH = 16
+"""Deepest JSON nesting of a line (a document is a flat object)."""
 
 
 class CorpusError(ValueError):
@@ -87,9 +93,12 @@ def read_corpus(path: str | Path) -> Iterator[Doc]:
             if not raw.strip():
                 continue
             try:
-                doc = doc_from_json(json.loads(raw))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CorpusError(f"{path}:{number}: not a JSON line ({e}); write one JSON object per line") from e
+                obj = loads_bounded(raw, max_bytes=MAX_LINE_BYTES, max_depth=MAX_LINE_DEPTH)
+            except ValueError as e:  # also invalid UTF-8, too deep, a number too long, NaN
+                raise CorpusError(f"{path}:{number}: not a JSON line ({str(e)[:200]}); write one JSON object "
+                                  "per line") from e
+            try:
+                doc = doc_from_json(obj)
             except ValueError as e:
                 raise CorpusError(f"{path}:{number}: {e}") from e
             if doc.id in seen:

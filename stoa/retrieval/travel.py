@@ -23,6 +23,7 @@ from stoa.layout import retriever_file_key, retriever_prefix
 from stoa.retrieval.base import Searcher
 from stoa.retrieval.bm25 import INDEX_MANIFEST, BadIndex, BM25Index, read_manifest, verify_index_dir
 from stoa.retrieval.client import HTTPSearcher, RetrieverMismatch
+from stoa.retrieval.manifest import MAX_MANIFEST_BYTES
 
 __all__ = ["default_index_cache", "download_index", "open_searcher", "upload_index"]
 
@@ -32,8 +33,8 @@ _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 def _check_fingerprint(fingerprint: str) -> str:
     if not isinstance(fingerprint, str) or not _FINGERPRINT.fullmatch(fingerprint):
-        raise ValueError(f"fingerprint {fingerprint!r}: must be 32 lowercase hex digits (stoa retriever index "
-                         "prints it)")
+        raise BadIndex(f"fingerprint {str(fingerprint)[:80]!r}: must be 32 lowercase hex digits (stoa retriever "
+                       "index prints it)")
     return fingerprint
 
 
@@ -105,7 +106,8 @@ def download_index(bucket: Bucket, run_id: str, fingerprint: str, dest: str | Pa
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise BadIndex(f"{dest} exists and is not index {fingerprint}; remove it or choose another directory")
     try:
-        manifest_bytes = bucket.get(retriever_file_key(run_id, fingerprint, INDEX_MANIFEST))
+        manifest_bytes = bucket.get_range(retriever_file_key(run_id, fingerprint, INDEX_MANIFEST), 0,
+                                          MAX_MANIFEST_BYTES + 1)  # a larger one is refused unread
     except ObjectNotFound:
         raise ObjectNotFound(f"run {run_id!r} has no complete retriever index under "
                              f"{retriever_prefix(run_id, fingerprint)}; upload it (stoa retriever upload)") from None
@@ -174,6 +176,7 @@ def open_searcher(*, url: str | None = None, index_dir: str | Path | None = None
         return index
     if bucket is not None and run_id and fingerprint:
         cache = Path(cache_dir) if cache_dir is not None else default_index_cache()
-        return BM25Index.load(download_index(bucket, run_id, fingerprint, cache / fingerprint, note=note), mmap=True)
+        dest = cache / _check_fingerprint(fingerprint)  # the contract's (untrusted): 32 hex digits or refused
+        return BM25Index.load(download_index(bucket, run_id, fingerprint, dest, note=note), mmap=True)
     raise ValueError("retriever: give an endpoint URL, an index directory, or a bucket with the run id and the "
                      "index fingerprint")

@@ -22,6 +22,7 @@ from stoa.tasks.base import (
     parse_prompt_id,
 )
 from stoa.tasks.extract import EXTRACT_VERSION, answers_match, extract_answer, normalize_number
+from stoa.untrusted import loads_bounded
 
 __all__ = ["GSM8KTask", "Problem", "load_hf", "load_jsonl", "parse_gsm8k_answer"]
 
@@ -29,6 +30,10 @@ _SPLITS = ("train", "test")
 _REWARD_REV = 1
 _PROMPT_VERSION = 1
 _DEFAULT_HF = "openai/gsm8k"
+MAX_LINE_BYTES = 16 << 20
+"""Longest jsonl line read (the data may come from a run's bucket: every line is parsed with bounds)."""
+MAX_LINE_DEPTH = 16
+"""Deepest JSON nesting of a line (a problem is a flat object)."""
 _INSTRUCTIONS = {
     "hashes": "Solve the problem step by step. Then write the final answer as a number on its own line, "
               'as "#### <number>".',
@@ -96,14 +101,14 @@ def load_jsonl(path: str | Path) -> list[Problem]:
         raise FileNotFoundError(f"gsm8k: no such file: {p}")
 
     def rows() -> Iterable[tuple[str, Any]]:
-        with p.open(encoding="utf-8") as f:
+        with p.open("rb") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    yield f":{lineno}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"gsm8k: {p}:{lineno}: not valid JSON ({e.msg})") from None
+                    yield f":{lineno}", loads_bounded(line, max_bytes=MAX_LINE_BYTES, max_depth=MAX_LINE_DEPTH)
+                except ValueError as e:  # also too deep, a number too long, NaN or invalid UTF-8
+                    raise ValueError(f"gsm8k: {p}:{lineno}: not valid JSON ({str(e)[:200]})") from None
 
     return _problems_from_rows(rows(), str(p))
 
@@ -181,6 +186,9 @@ class GSM8KTask:
     FILE_OPTIONS: ClassVar[tuple[str, ...]] = ("path", "test_path")
     """Options naming local files: the trainer uploads them and the contract names them ``bucket:<sha256>/<name>``
     (``stoa.taskdata``), so workers elsewhere need no copy."""
+    HUB_OPTIONS: ClassVar[tuple[str, ...]] = ("hf",)
+    """Options naming a Hugging Face hub dataset: a worker or evaluator accepts only a hub id there
+    (``owner/name``), never a local path, which ``datasets`` would read (``stoa.taskdata.contract_refs``)."""
 
     def __init__(
         self,

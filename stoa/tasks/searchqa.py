@@ -37,11 +37,16 @@ from stoa.tasks.base import (
 )
 from stoa.tasks.qa import encode_golds
 from stoa.tasks.search import SEARCH_OPTIONS, SearchTaskBase, search_messages
+from stoa.untrusted import loads_bounded
 
 __all__ = ["QAItem", "SearchQATask", "load_qa"]
 
 _SPLITS = ("train", "test")
 _PROMPT_VERSION = 1
+MAX_LINE_BYTES = 64 << 20
+"""Longest jsonl line read (the data may come from a run's bucket: every line is parsed with bounds)."""
+MAX_LINE_DEPTH = 32
+"""Deepest JSON nesting of a line (Search-R1 rows nest ``reward_model.ground_truth.target`` a few deep)."""
 
 
 @dataclass(frozen=True)
@@ -105,14 +110,14 @@ def _items(rows: Iterable[tuple[str, Any]], system: str, use_prompt: bool, shots
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"searchqa: {path}:{lineno}: not valid JSON ({e.msg})") from None
+                yield f"{path}:{lineno}", loads_bounded(line, max_bytes=MAX_LINE_BYTES, max_depth=MAX_LINE_DEPTH)
+            except ValueError as e:  # also too deep, a number too long, NaN or invalid UTF-8
+                raise ValueError(f"searchqa: {path}:{lineno}: not valid JSON ({str(e)[:200]})") from None
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:

@@ -206,7 +206,7 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
         echo: where progress lines go.
     """
     from stoa.envs.tools import open_tools
-    from stoa.taskdata import localize_options
+    from stoa.taskdata import contract_refs, localize_contract_options
     from stoa.tasks import get_task
     from stoa.tasks.multiturn import is_multiturn
     from stoa.tokenize import TextCodec
@@ -220,6 +220,7 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     contract = wait_for_contract(bucket, cfg.run, cfg.wait_seconds, echo=echo)
     check_expectations(cfg, contract)
     run_key = trusted_run_key(contract.run_key, bucket.url, cfg.run, cfg.run_key_pub, echo)
+    contract_refs(contract.task_id, contract.task_spec)  # task data by content address only, before any download
     if cfg.model:
         model_dir = Path(cfg.model)
         check_model(model_dir, contract)
@@ -228,7 +229,8 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     engine_name = default_engine() if cfg.engine == "auto" else cfg.engine
     engine = make_engine(engine_name, model_dir, cfg, contract.plane)
     codec = TextCodec(model_dir)
-    task = get_task(contract.task_id, **localize_options(bucket, cfg.run, contract.task_id, contract.task_spec))
+    task = get_task(contract.task_id,
+                    **localize_contract_options(bucket, cfg.run, contract.task_id, contract.task_spec))
     sync = WeightSync(bucket, cfg.run, contract.plane, run_key=run_key)
     follower = WeightFollower(sync, contract.staleness_bound, base_delay_s=cfg.poll_seconds)
     sink = BucketMetrics(bucket.inner, cfg.run, source=f"worker-{wid}", flush_rows=METRICS_FLUSH_ROWS,
