@@ -50,7 +50,7 @@ _ANCHOR_DIR = re.compile(r"v([0-9]{8})")
 _ROLLOUT_NAME = re.compile(r"v([0-9]{8})/([A-Za-z0-9][A-Za-z0-9._-]{0,127})-([0-9]{8})\.rec")
 _METRICS_CHUNK = re.compile(
     r"(?P<source>[A-Za-z0-9][A-Za-z0-9._-]{0,127})-(?P<start>[0-9]{10})-(?P<seq>[0-9]{8})\.jsonl")
-_FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 _ROLLOUT_TAIL = re.compile(r"/rollouts/v[0-9]{8}/(?P<worker>[^/]+)-[0-9]{8}\.rec\Z")
 
 
@@ -106,7 +106,7 @@ def model_prefix(run_id: str) -> str:
 
 def is_file_name(name: str) -> bool:
     """Whether a listed name is one a client may copy to a local file: 1-255 of letters, digits, '.', '_' or
-    '-', not starting with '.' (every model and tokenizer file; a foreign name is skipped).
+    '-', starting with a letter, digit or '_' (every model and tokenizer file; a foreign name is skipped).
 
     Args:
         name: a listed name (untrusted: any string).

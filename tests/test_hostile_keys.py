@@ -1,0 +1,192 @@
+"""Object names are untrusted: whatever bytes a key holds, listing it never raises, every parser answers (None for
+a foreign key), the trainer counts it (``rollout/rejected/key``) and retention deletes it by its listed name."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+import stoa.layout as L
+from stoa.bucket import open_bucket
+from stoa.bucket.base import check_listed_key
+from stoa.config import TrainerConfig, WorkerConfig, load_config
+from stoa.layout import (
+    anchors_prefix,
+    checkpoint_files_prefix,
+    metrics_prefix,
+    patches_prefix,
+    rollout_version_prefix,
+    rollouts_prefix,
+)
+from stoa.metrics import read_bucket_metrics
+from stoa.trainer.lifecycle import RolloutRetention
+
+HOSTILE_NAMES = [
+    "a\\b.rec",  # backslash
+    "a\nb.rec",  # newline
+    "a\rb", "a\tb", "a\x01b", "a\x1fb", "a\x7fb",  # other control characters
+    "..x", ".hidden", "x.", "...",  # dots that are not path segments
+    "w-00000001.rec ", " w-00000001.rec", "w-00000001.rec\n",  # a record key with a space or newline around it
+    "w-99999999999999999999.rec", "w--0000001.rec", "w-0000001.rec", "w-000000001.rec",  # garbage sequences
+    "\u00e9-00000001.rec", "e\u0301-00000001.rec",  # the same name in NFC and NFD
+    "W-00000001.REC", "w\u2010x-00000001.rec",  # case, a unicode hyphen
+    "w-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661.rec",  # Arabic-Indic digits
+    "x" * 250,  # a long name (a whole key of 1,000+ characters is planted below)
+]
+"""Names planted inside a version's prefix of a local bucket (one file each)."""
+
+
+def long_name() -> str:
+    """A name of 1,000+ characters made of nested directories (one segment may hold at most 255 bytes)."""
+    return "/".join(["d" * 200] * 5) + "/x.rec"
+
+
+def plant(root: Path, key: str, data: bytes = b"hostile") -> None:
+    """Write ``key`` straight into a local bucket's directory, as any process with access could."""
+    path = root / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def plant_bytes(root: Path, rel: bytes) -> None:
+    """Write a file whose name is not UTF-8 (a local bucket lists it with surrogate escapes)."""
+    path = os.path.join(os.fsencode(root), rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(b"hostile")
+
+
+def plant_everywhere(root: Path, version: int) -> int:
+    """Plant every hostile name under the rollouts prefix of ``version``; returns how many objects."""
+    prefix = rollout_version_prefix("r", version)
+    for name in HOSTILE_NAMES:
+        plant(root, prefix + name)
+    plant(root, prefix + long_name())
+    plant_bytes(root, os.fsencode(prefix) + b"w\xff\xfe-00000001.rec")
+    return len(HOSTILE_NAMES) + 2
+
+
+def test_a_local_listing_returns_every_hostile_name_and_retention_deletes_them(tmp_path):
+    bucket = open_bucket(str(tmp_path))
+    planted = plant_everywhere(tmp_path, 1)
+    keys = [i.key for i in bucket.list(rollouts_prefix("r"))]
+    assert len(keys) == planted and keys == sorted(keys)
+    assert rollout_version_prefix("r", 1) + long_name() in keys and len(max(keys, key=len)) > 1000
+    assert all(L.parse_rollout_key("r", k) is None for k in keys if "W-" not in k)
+    retention = RolloutRetention(bucket, "r", staleness_bound=0, keep_extra=0)
+    assert retention.collect(2) == planted and retention.kept_from == 2 and retention.skipped == 0
+    assert list(bucket.list("")) == [] and sorted(os.listdir(tmp_path)) == [".stoa"]  # empty dirs pruned too
+
+
+def test_a_listed_key_outside_the_root_is_never_deleted(tmp_path):
+    bucket = open_bucket(str(tmp_path / "b"))
+    plant(tmp_path, "outside")
+    for key in ("../outside", "a/../../outside", "/etc/passwd", ".stoa/locks/000.lock", "a//b", "a/./b", "", "a\0b",
+                "trailing/"):
+        with pytest.raises(ValueError):
+            bucket.delete(key)
+        with pytest.raises(ValueError):
+            check_listed_key(key)
+    assert (tmp_path / "outside").exists()
+    assert check_listed_key("a\\b\n\x01") == "a\\b\n\x01"
+
+
+def test_every_parser_is_total_and_takes_only_ascii_digits():
+    odd = ["", "/", "//", "runs/", "runs//x", "runs/r", "runs/r/", "\0", "\udcff", "x" * 5000, "runs/r/rollouts/",
+           "runs/r/rollouts/v00000001/", "runs/r/rollouts/v-0000001/w-00000001.rec",
+           "runs/r/rollouts/v99999999999999999999/w-00000001.rec", "runs/r/rollouts/v0000001/w-00000001.rec",
+           "runs/r/weights/versions/v\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661.patch",
+           "runs/r/weights/versions/v-0000001.patch", "runs/r/weights/versions/v000000001.patch",
+           "runs/r/weights/anchors/v\u0661\u0661\u0661\u0661\u0661\u0661\u0661\u0661/manifest.json",
+           "runs/r/weights/anchors/v00000001", "runs/r/metrics/trainer-00000000001-00000001.jsonl",
+           "runs/r/metrics/trainer-\u0661\u0661\u0661\u0661\u0661\u0661\u0661\u0661\u0661\u0661-00000001.jsonl"]
+    for key in odd + [rollout_version_prefix("r", 1) + n for n in HOSTILE_NAMES if "W-" not in n]:
+        assert L.parse_rollout_key("r", key) is None
+        assert L.parse_patch_key("r", key) is None
+        assert L.parse_anchor_key("r", key) is None
+        assert L.parse_metrics_chunk_key("r", key) is None
+        L.parse_run_key(key), L.rollout_worker(key), L.rollout_label(key)  # any string: an answer, never a raise
+    assert L.parse_patch_key("r", L.patch_key("r", 7)) == 7
+    assert L.parse_anchor_key("r", L.anchor_prefix("r", 7) + "manifest.json") == L.AnchorObject(7, "manifest.json")
+    assert not any(L.is_file_name(n) for n in ["", ".", "..", ".x", "a/b", "a\\b", "a\nb", "config.json\n", "x" * 256])
+    assert L.is_file_name("tokenizer_config.json") and L.is_file_name("merges.txt")
+
+
+def trainer_cfg(url: str) -> TrainerConfig:
+    return TrainerConfig(bucket=url, run="r", model="tiny", task="toy", n_samples=2, eval_n=0, kl_beta=0.0,
+                         anchor_every=2, groups_per_step=1, staleness_bound=1,
+                         keep_rollout_versions=0, steps=4, poll_seconds=0.02, max_wait_seconds=120,
+                         metrics_flush_rows=1, log_dir="").validate()
+
+
+def worker_cfg(url: str, tiny_dir: Path, logs: Path) -> WorkerConfig:
+    return load_config(WorkerConfig, env={}, overrides={
+        "bucket": url, "run": "r", "name": "w", "model": str(tiny_dir), "engine": "torch", "threads": 1,
+        "groups_in_flight": 1, "poll_seconds": 0.02, "wait_seconds": 120, "seed": 1, "status_seconds": 0.02,
+        "log_dir": str(logs)})
+
+
+def test_a_live_run_counts_hostile_keys_and_keeps_stepping_past_their_retention(tmp_path, tiny_dir, stoa_cache):
+    from stoa.trainer.loop import _Trainer
+    from stoa.worker.loop import run_worker
+
+    root = tmp_path / "b"
+    url = str(root)
+    planted = sum(plant_everywhere(root, v) for v in (1, 2, 3))
+    for prefix in (patches_prefix("r"), anchors_prefix("r"), metrics_prefix("r"), checkpoint_files_prefix("r")):
+        for name in ("a\\b", "a\nb", "v00000001.patch\n", "v99999999999999999999.patch", "v00000001/a\x01b"):
+            plant(root, prefix + name)
+    t = _Trainer(trainer_cfg(url), echo=lambda *_: None)
+    worker = threading.Thread(target=run_worker, args=(worker_cfg(url, tiny_dir, tmp_path / "logs"),),
+                              kwargs={"echo": lambda *_: None}, daemon=True)
+    worker.start()
+    try:
+        summary = t.run()
+    finally:
+        t.close()
+    worker.join(timeout=60)
+    assert summary["step"] == 4 and summary["version"] == 5
+    rows = [r for r in read_bucket_metrics(open_bucket(url), "r") if "rollout/keys" in r]
+    assert len(rows) == 4
+    assert sum(r.get("rollout/rejected/key", 0) for r in rows) == planted
+    left = {i.key.split("/")[3] for i in open_bucket(url).list(rollouts_prefix("r"))}
+    assert left <= {"v00000004", "v00000005"}  # v1..v3 and every hostile name in them deleted by retention
+    other_clients_read_the_run(url, planted)
+
+
+def other_clients_read_the_run(url: str, rejected: int) -> None:
+    """``stoa status``, ``stoa runs``, ``stoa plot``'s data, a worker's weight sync, ``stoa runs rm``: hostile keys
+    left under the run's prefixes (and a version's prefix planted again) are skipped, never raised on."""
+    from stoa.observe.plotdata import listed_records, read_sourced_rows
+    from stoa.observe.runs import delete_run, list_runs
+    from stoa.observe.snapshot import take_snapshot
+    from stoa.weights.sync import WeightSync
+
+    bucket = open_bucket(url)
+    again = plant_everywhere(Path(url), 5)
+    plant(Path(url), L.run_prefix("r") + "/a\b\n\x01")
+    snap = take_snapshot(bucket, "r")
+    assert snap.rejected == {"key": rejected} and snap.version == 5
+    plant(Path(url), "runs/stray\x01")  # names no run
+    plant(Path(url), "runs/q\\\n/x")  # a run id no stoa writes
+    listing = list_runs(bucket)
+    assert [(row.run, row.objects > again) for row in listing.runs] == [("q\\\n", False), ("r", True)]
+    assert listing.stray == 1
+    assert all(w == "w" or w.startswith("w-") for _, w in listed_records(bucket, "r"))
+    assert {source for source, _ in read_sourced_rows(bucket, "r")} >= {"trainer"}
+    assert WeightSync(bucket, "r", "bf16").sync()[0] == 5
+    assert delete_run(bucket, "r") > again and not list(bucket.list("runs/r/"))
+
+
+def test_a_worker_copies_only_plain_model_file_names(tmp_path, tiny_dir):
+    from stoa.contract import download_model_files, upload_model_files
+
+    bucket = open_bucket(str(tmp_path / "b"))
+    uploaded = sorted(k[len(L.model_prefix("r")):] for k in upload_model_files(bucket, "r", tiny_dir))
+    for name in ("a\\b", "a\nb", "config.json\n", ".env", "-x", "sub/dir.json", "\u00e9.json"):
+        plant(tmp_path / "b", L.model_prefix("r") + name)
+    out = download_model_files(bucket, "r", tmp_path / "m")
+    assert sorted(p.name for p in out.iterdir()) == uploaded and "config.json" in uploaded
