@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from stoa.layout import (
 )
 from stoa.metrics import read_bucket_metrics
 from stoa.trainer.lifecycle import RolloutRetention
+from tests.bucket.conftest import MOTO_SECRET, TEST_BUCKET, moto_endpoint, moto_env  # noqa: F401 (a fixture)
 
 HOSTILE_NAMES = [
     "a\\b.rec",  # backslash
@@ -79,6 +81,23 @@ def test_a_local_listing_returns_every_hostile_name_and_retention_deletes_them(t
     retention = RolloutRetention(bucket, "r", staleness_bound=0, keep_extra=0)
     assert retention.collect(2) == planted and retention.kept_from == 2 and retention.skipped == 0
     assert list(bucket.list("")) == [] and sorted(os.listdir(tmp_path)) == [".stoa"]  # empty dirs pruned too
+
+
+def test_retention_skips_and_counts_a_version_the_bucket_cannot_delete(tmp_path):
+    class Refusing:
+        def __init__(self) -> None:
+            self.prefixes: list[str] = []
+
+        def delete_prefix(self, prefix: str) -> int:
+            self.prefixes.append(prefix)
+            if prefix == rollout_version_prefix("r", 2):
+                raise ValueError("bucket key 'x\\y' must not contain backslashes")
+            return 1
+
+    bucket = Refusing()
+    retention = RolloutRetention(bucket, "r", staleness_bound=0, keep_extra=0)  # type: ignore[arg-type]
+    assert retention.collect(4) == 2 and retention.skipped == 1 and retention.kept_from == 4
+    assert retention.collect(5) == 1 and bucket.prefixes.count(rollout_version_prefix("r", 2)) == 1  # never again
 
 
 def test_a_listed_key_outside_the_root_is_never_deleted(tmp_path):
@@ -190,3 +209,56 @@ def test_a_worker_copies_only_plain_model_file_names(tmp_path, tiny_dir):
         plant(tmp_path / "b", L.model_prefix("r") + name)
     out = download_model_files(bucket, "r", tmp_path / "m")
     assert sorted(p.name for p in out.iterdir()) == uploaded and "config.json" in uploaded
+
+
+S3_NAMES = [
+    "a\\b.rec", "a\x01b.rec", "a\tb", "a\rb", "a\x7fb",  # backslash, control characters
+    "a//b.rec", "../x", "./x", "x/../y", "x/./y", "dir/",  # empty, '.' and '..' segments, a trailing '/'
+    "x" * 1000,  # the whole key over S3's 1,024 bytes (moto stores it)
+    "\u00e9-00000001.rec", "e\u0301-00000001.rec", "a%2Fb", "w-99999999999999999999.rec", "v9/w-00000001.rec",
+    "W-00000001.rec",  # a record key of another worker id: read, and rejected for its content
+]
+"""Names planted under a version's prefix of an S3 bucket (moto refuses a key holding a newline: 404)."""
+
+
+@pytest.mark.parametrize("listing", ["server", "client"])
+def test_s3_lists_counts_and_deletes_keys_obstore_cannot_parse(moto_endpoint, listing, tiny_dir):  # noqa: F811
+    import boto3
+
+    from stoa.contract import ModelSpec, RunContract, SamplingSpec
+    from stoa.tasks import get_task
+    from stoa.tokenize import TextCodec
+    from stoa.trainer.pool import RecordPool
+    from stoa.weights.pointer import list_anchors, list_patches
+    from tests.test_pool import put
+
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    bucket = open_bucket(f"s3://{TEST_BUCKET}/{prefix}", {**moto_env(moto_endpoint), "STOA_S3_LISTING": listing,
+                                                             "STOA_BUCKET_RETRY_TIMEOUT_S": "2"})
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, aws_access_key_id="moto", region_name="us-east-1",
+                      aws_secret_access_key=MOTO_SECRET)
+    for name in S3_NAMES:
+        s3.put_object(Bucket=TEST_BUCKET, Key=f"{prefix}/{rollout_version_prefix('r', 1)}{name}", Body=b"hostile")
+    for head in (patches_prefix("r"), anchors_prefix("r"), metrics_prefix("r")):
+        for name in ("a\x01b", "v00000001/../x", "v00000001.patch/"):
+            s3.put_object(Bucket=TEST_BUCKET, Key=f"{prefix}/{head}{name}", Body=b"hostile")
+    codec, task = TextCodec(tiny_dir), get_task("toy")
+    contract = RunContract(
+        run_id="r", model=ModelSpec("llama", "c", "t", vocab_size=512, eos_token_ids=codec.eos_ids), n_samples=2,
+        plane="bf16", task_id="toy", task_spec=task.spec(), reward_version=task.reward_version,
+        sampling=SamplingSpec(1.0, 1.0, 8))
+    good = put(bucket, contract, task, codec)
+    listed = [i.key for i in bucket.list(rollout_version_prefix("r", 1))]
+    assert sorted(listed) == listed and len(listed) == len(S3_NAMES) + 1
+    assert {k[len(rollout_version_prefix("r", 1)):] for k in listed} == {*S3_NAMES, good.rsplit("/", 1)[1]}
+    pool = RecordPool(bucket, contract, task, codec, staleness_bound=1, reuse_cap=1)
+    assert pool.refresh(1) == 1 and pool.stats.rejected["key"] == len(S3_NAMES) - 1
+    assert sum(pool.stats.rejected.values()) == len(S3_NAMES)
+    assert list_patches(bucket, "r") == {} and list_anchors(bucket, "r") == {}
+    assert read_bucket_metrics(bucket, "r", None) == []
+    retention = RolloutRetention(bucket, "r", staleness_bound=0, keep_extra=0)
+    assert retention.collect(2) == len(S3_NAMES) + 1 and retention.skipped == 0
+    assert "Contents" not in s3.list_objects_v2(Bucket=TEST_BUCKET, Prefix=f"{prefix}/runs/r/rollouts/")
+    bucket.delete(metrics_prefix("r") + "a\x01b")  # one listed key deleted by its name
+    assert bucket.delete_prefix("runs/") == 8 and "Contents" not in s3.list_objects_v2(Bucket=TEST_BUCKET,
+                                                                                         Prefix=f"{prefix}/")
