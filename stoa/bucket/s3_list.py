@@ -65,7 +65,7 @@ class S3Listing:
         cut = prefix.rfind("/")
         directory = prefix[:cut] if cut >= 0 else ""
         list_prefix = self._full(directory) if directory else (self.prefix or None)
-        if prefix in self._raw_prefixes or (directory and not obstore_can_name(directory)):
+        if prefix in self._raw_prefixes:
             raw = self._list_raw(prefix, start_after)
             yield from (sorted(raw, key=lambda info: info.key) if self._listing == "client" else raw)
         elif self._listing == "client":
