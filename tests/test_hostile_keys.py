@@ -127,7 +127,8 @@ def test_every_parser_is_total_and_takes_only_ascii_digits():
         assert L.parse_patch_key("r", key) is None
         assert L.parse_anchor_key("r", key) is None
         assert L.parse_metrics_chunk_key("r", key) is None
-        L.parse_run_key(key), L.rollout_worker(key), L.rollout_label(key)  # any string: an answer, never a raise
+        assert L.parse_run_key(key) in (None, "r") and isinstance(L.rollout_label(key), str)
+        assert L.rollout_worker(key) is None or isinstance(L.rollout_worker(key), str)  # lenient: admitted keys
     assert L.parse_patch_key("r", L.patch_key("r", 7)) == 7
     assert L.parse_anchor_key("r", L.anchor_prefix("r", 7) + "manifest.json") == L.AnchorObject(7, "manifest.json")
     assert not any(L.is_file_name(n) for n in ["", ".", "..", ".x", "a/b", "a\\b", "a\nb", "config.json\n", "x" * 256])
@@ -136,7 +137,7 @@ def test_every_parser_is_total_and_takes_only_ascii_digits():
 
 def trainer_cfg(url: str) -> TrainerConfig:
     return TrainerConfig(bucket=url, run="r", model="tiny", task="toy", n_samples=2, eval_n=0, kl_beta=0.0,
-                         anchor_every=2, groups_per_step=1, staleness_bound=1,
+                         anchor_every=2, keep_versions=2, groups_per_step=1, staleness_bound=1,
                          keep_rollout_versions=0, steps=4, poll_seconds=0.02, max_wait_seconds=120,
                          metrics_flush_rows=1, log_dir="").validate()
 
@@ -173,6 +174,9 @@ def test_a_live_run_counts_hostile_keys_and_keeps_stepping_past_their_retention(
     assert sum(r.get("rollout/rejected/key", 0) for r in rows) == planted
     left = {i.key.split("/")[3] for i in open_bucket(url).list(rollouts_prefix("r"))}
     assert left <= {"v00000004", "v00000005"}  # v1..v3 and every hostile name in them deleted by retention
+    weights = [i.key for i in open_bucket(url).list(anchors_prefix("r"))]
+    assert not [k for k in weights if k.startswith(L.anchor_prefix("r", 1))]  # the old anchor, its planted key too
+    assert L.anchor_prefix("r", 2) + "manifest.json" in weights
     other_clients_read_the_run(url, planted)
 
 
