@@ -269,3 +269,24 @@ def test_s3_lists_counts_and_deletes_keys_obstore_cannot_parse(moto_endpoint, li
     bucket.delete(metrics_prefix("r") + "a\x01b")  # one listed key deleted by its name
     assert bucket.delete_prefix("runs/") == 8 and "Contents" not in s3.list_objects_v2(Bucket=TEST_BUCKET,
                                                                                          Prefix=f"{prefix}/")
+
+
+def test_raw_listing_pages_in_order_and_resumes_after_a_key(moto_endpoint):  # noqa: F811
+    import boto3
+
+    from stoa.bucket.s3_raw import RawS3
+
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    bucket = open_bucket(f"s3://{TEST_BUCKET}/{prefix}", moto_env(moto_endpoint))
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, aws_access_key_id="moto", region_name="us-east-1",
+                      aws_secret_access_key=MOTO_SECRET)
+    names = sorted(["a\x01", "a//b", "../c", "d/", "e\\f", "g%41", "\u00e9", "x" * 900])
+    for name in names:
+        s3.put_object(Bucket=TEST_BUCKET, Key=f"{prefix}/p/{name}", Body=b"x")
+    raw = RawS3(bucket._failures, page_size=3)  # type: ignore[attr-defined]
+    assert [i.key for i in raw.list(f"{prefix}/p/", None)] == [f"{prefix}/p/{n}" for n in names]
+    assert [i.key for i in raw.list(f"{prefix}/p/", f"{prefix}/p/{names[2]}")] == [f"{prefix}/p/{n}" for n in names[3:]]
+    assert [i.key for i in bucket.list("p/", start_after=f"p/{names[4]}")] == [f"p/{n}" for n in names[5:]]
+    for name in names:
+        raw.delete(f"{prefix}/p/{name}")
+    assert list(bucket.list("p/")) == []

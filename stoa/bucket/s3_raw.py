@@ -46,10 +46,11 @@ class RawS3:
     Args:
         failures: the bucket's error mapping (credentials, retry policy, message scrubbing).
         timeout_s: seconds one request may take.
+        page_size: keys per listing page (S3's most is 1,000).
     """
 
-    def __init__(self, failures: S3Failures, timeout_s: float = 60.0) -> None:
-        self.failures, self.timeout_s = failures, timeout_s
+    def __init__(self, failures: S3Failures, timeout_s: float = 60.0, page_size: int = 1000) -> None:
+        self.failures, self.timeout_s, self.page_size = failures, timeout_s, page_size
         creds = failures.creds
         endpoint = redact_url(creds.endpoint) if creds.endpoint else f"https://s3.{creds.region}.amazonaws.com"
         parts = urlsplit(endpoint)
@@ -72,14 +73,14 @@ class RawS3:
             token = page.next_token
 
     def list_page(self, prefix: str | None, start_after: str | None, token: str | None) -> Page:
-        """One ListObjectsV2 page (up to 1,000 keys).
+        """One ListObjectsV2 page (up to ``page_size`` keys).
 
         Args:
             prefix: full-key prefix (None: the whole bucket).
             start_after: full key; only keys after it (ignored by the store with a continuation token).
             token: the previous page's continuation token.
         """
-        query = [("list-type", "2"), ("encoding-type", "url"), ("max-keys", "1000")]
+        query = [("list-type", "2"), ("encoding-type", "url"), ("max-keys", str(self.page_size))]
         query += [(k, v) for k, v in (("prefix", prefix), ("start-after", start_after),
                                       ("continuation-token", token)) if v]
         body = self._request("GET", "", query, "list", prefix or "")
