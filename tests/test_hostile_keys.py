@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import stoa.layout as L
-from stoa.bucket import open_bucket
+from stoa.bucket import AccessDenied, open_bucket
 from stoa.bucket.base import check_listed_key
 from stoa.config import TrainerConfig, WorkerConfig, load_config
 from stoa.layout import (
@@ -24,7 +24,16 @@ from stoa.layout import (
 )
 from stoa.metrics import read_bucket_metrics
 from stoa.trainer.lifecycle import RolloutRetention
-from tests.bucket.conftest import MOTO_SECRET, TEST_BUCKET, moto_endpoint, moto_env  # noqa: F401 (a fixture)
+from tests.bucket.conftest import (  # noqa: F401 (fixtures)
+    MOTO_SECRET,
+    SEAWEED_KEY,
+    SEAWEED_SECRET,
+    TEST_BUCKET,
+    moto_endpoint,
+    moto_env,
+    seaweed,
+    seaweed_env,
+)
 
 HOSTILE_NAMES = [
     "a\\b.rec",  # backslash
@@ -290,3 +299,24 @@ def test_raw_listing_pages_in_order_and_resumes_after_a_key(moto_endpoint):  # n
     for name in names:
         raw.delete(f"{prefix}/p/{name}")
     assert list(bucket.list("p/")) == []
+
+
+@pytest.mark.seaweedfs
+def test_seaweedfs_checks_the_signature_of_raw_requests_and_they_list_and_delete_exact_keys(seaweed):  # noqa: F811
+    import boto3
+
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    env = {**seaweed_env(seaweed.endpoint), "STOA_BUCKET_RETRY_TIMEOUT_S": "2"}
+    bucket = open_bucket(f"s3://{TEST_BUCKET}/{prefix}", env)
+    s3 = boto3.client("s3", endpoint_url=seaweed.endpoint, aws_access_key_id=SEAWEED_KEY, region_name="us-east-1",
+                      aws_secret_access_key=SEAWEED_SECRET)
+    names = ["a\nb.rec", "a\tb", "a\rb", "a\x7fb", "w-00000001.rec"]
+    for name in names:
+        s3.put_object(Bucket=TEST_BUCKET, Key=f"{prefix}/{rollout_version_prefix('r', 1)}{name}", Body=b"x")
+    assert [i.key for i in bucket.list(rollouts_prefix("r"))] == [rollout_version_prefix("r", 1) + n
+                                                                  for n in sorted(names)]
+    forged = open_bucket(f"s3://{TEST_BUCKET}/{prefix}", {**env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"})
+    with pytest.raises(AccessDenied):
+        forged._raw.delete(f"{prefix}/{rollout_version_prefix('r', 1)}a\tb")  # type: ignore[attr-defined]
+    assert RolloutRetention(bucket, "r", staleness_bound=0, keep_extra=0).collect(2) == len(names)
+    assert "Contents" not in s3.list_objects_v2(Bucket=TEST_BUCKET, Prefix=f"{prefix}/")
