@@ -320,3 +320,35 @@ def test_seaweedfs_checks_the_signature_of_raw_requests_and_they_list_and_delete
         forged._raw.delete(f"{prefix}/{rollout_version_prefix('r', 1)}a\tb")  # type: ignore[attr-defined]
     assert RolloutRetention(bucket, "r", staleness_bound=0, keep_extra=0).collect(2) == len(names)
     assert "Contents" not in s3.list_objects_v2(Bucket=TEST_BUCKET, Prefix=f"{prefix}/")
+
+
+@pytest.mark.parametrize(("method", "key", "query"), [
+    ("DELETE", "runs/r/rollouts/v00000001/a\tb//../c d+e%f\u00e9*!", []),
+    ("GET", "", [("list-type", "2"), ("encoding-type", "url"), ("prefix", "p/a b\x01/"), ("start-after", "p/~x")]),
+])
+def test_raw_requests_are_signed_as_botocore_signs_them(monkeypatch, method, key, query):
+    from datetime import UTC, datetime
+    from urllib.parse import quote
+
+    import botocore.auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    import stoa.bucket.s3_raw as raw
+    from stoa.bucket.credentials import S3Credentials
+    from stoa.bucket.outage import RetryPolicy
+    from stoa.bucket.s3_retry import S3Failures
+
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    monkeypatch.setattr(raw, "datetime", type("Frozen", (), {"now": staticmethod(lambda tz=None: now)}))
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: now.replace(tzinfo=None))
+    creds = S3Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", session_token="tok/en+=",
+                          endpoint="http://127.0.0.1:9000", region="eu-west-3")
+    failures = S3Failures("s3://bkt", "http://127.0.0.1:9000", "bkt", creds, RetryPolicy())
+    path = "/bkt/" + quote(key, safe="/-_.~")
+    canonical_query = "&".join(f"{raw._enc(k)}={raw._enc(v)}" for k, v in sorted(query))
+    ours = raw._signed_headers(failures, method, "127.0.0.1:9000", path, canonical_query)
+    request = AWSRequest(method=method, url=f"http://127.0.0.1:9000{path}" + (f"?{canonical_query}" if query else ""))
+    botocore.auth.S3SigV4Auth(Credentials(creds.access_key_id, creds.secret_access_key, creds.session_token), "s3",
+                              "eu-west-3").add_auth(request)
+    assert ours["authorization"] == request.headers["Authorization"]
