@@ -352,3 +352,22 @@ def test_raw_requests_are_signed_as_botocore_signs_them(monkeypatch, method, key
     botocore.auth.S3SigV4Auth(Credentials(creds.access_key_id, creds.secret_access_key, creds.session_token), "s3",
                               "eu-west-3").add_auth(request)
     assert ours["authorization"] == request.headers["Authorization"]
+
+
+def test_a_raw_request_to_a_dead_endpoint_is_bucket_unreachable_and_a_refusal_names_the_key(moto_endpoint):  # noqa: F811
+    from stoa.bucket import BucketError, BucketUnreachable
+    from stoa.bucket.credentials import S3Credentials
+    from stoa.bucket.outage import RetryPolicy
+    from stoa.bucket.s3_raw import RawS3
+    from stoa.bucket.s3_retry import S3Failures
+    from tests.bucket.conftest import closed_port
+
+    dead = f"http://127.0.0.1:{closed_port()}"
+    creds = S3Credentials("k", "s", endpoint=dead)
+    raw = RawS3(S3Failures("s3://b", dead, "b", creds, RetryPolicy(total_timeout_s=0.5, max_attempts=3)))
+    with pytest.raises(BucketUnreachable, match="delete on s3://b .*after 3 attempt"):
+        raw.delete("a\x01b")
+    missing = RawS3(S3Failures("s3://nope", moto_endpoint, "no-such-bucket-here", S3Credentials(
+        "moto", MOTO_SECRET, endpoint=moto_endpoint), RetryPolicy(total_timeout_s=0.5)))
+    with pytest.raises(BucketError, match="list s3://nope key 'p/' .*404"):
+        next(iter(missing.list("p/", None)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import http.client
 import time
 import urllib.error
 import urllib.request
@@ -104,7 +105,7 @@ class RawS3:
                 if e.code < 500 and e.code not in _TRANSIENT_STATUS:
                     raise self._refused(e, op, what) from None
                 last: Exception = e
-            except (urllib.error.URLError, OSError) as e:
+            except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, resets, a cut-off response
                 last = e
             failures += 1
             elapsed, delay = time.monotonic() - started, policy.delay(failures)
