@@ -202,6 +202,8 @@ def other_clients_read_the_run(url: str, rejected: int) -> None:
 
     bucket = open_bucket(url)
     again = plant_everywhere(Path(url), 5)
+    for version in ("v99999999999999999999", "v-0000001", "v000000001", "v0000001", "v" + "\u0661" * 8):
+        plant(Path(url), f"{rollouts_prefix('r')}{version}/w-00000001.rec")  # versions no stoa writes
     plant(Path(url), L.run_prefix("r") + "/a\b\n\x01")
     snap = take_snapshot(bucket, "r")
     assert snap.rejected == {"key": rejected} and snap.version == 5
@@ -210,7 +212,7 @@ def other_clients_read_the_run(url: str, rejected: int) -> None:
     listing = list_runs(bucket)
     assert [(row.run, row.objects > again) for row in listing.runs] == [("q\\\n", False), ("r", True)]
     assert listing.stray == 1
-    assert all(w == "w" or w.startswith("w-") for _, w in listed_records(bucket, "r"))
+    assert all(3 <= v <= 5 and w.startswith("w-") for v, w in listed_records(bucket, "r"))  # no planted one
     assert {source for source, _ in read_sourced_rows(bucket, "r")} >= {"trainer"}
     assert WeightSync(bucket, "r", "bf16").sync()[0] == 5
     assert delete_run(bucket, "r") > again and not list(bucket.list("runs/r/"))
