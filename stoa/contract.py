@@ -20,7 +20,7 @@ from typing import Any
 import xxhash
 
 from stoa.bucket import Bucket, ObjectExists, ObjectNotFound
-from stoa.layout import contract_key, model_file_key, model_prefix
+from stoa.layout import contract_key, is_file_name, model_file_key, model_prefix
 
 SCHEMA_VERSION = 1
 """Version of the contract and of every record type; bump on any incompatible change."""
@@ -246,11 +246,11 @@ def upload_model_files(bucket: Bucket, run_id: str, model_dir: Path) -> list[str
 
 
 def _model_names(bucket: Bucket, prefix: str) -> list[str]:
-    """File names directly under the model prefix (no sub-keys, no dot files)."""
+    """File names directly under the model prefix (no sub-keys, no dot files, no foreign names)."""
     names = []
     for info in bucket.list(prefix):
         name = info.key[len(prefix):]
-        if name and "/" not in name and not name.startswith("."):
+        if is_file_name(name):
             names.append(name)
     return names
 

@@ -45,12 +45,13 @@ JOURNAL_NAME = "journal.json"
 LEASE_NAME = "lease.json"
 """Object name of the trainer's lease (one trainer per run)."""
 
-_PATCH_NAME = re.compile(r"v(\d{8})\.patch")
-_ANCHOR_DIR = re.compile(r"v(\d{8})")
+_PATCH_NAME = re.compile(r"v([0-9]{8})\.patch")
+_ANCHOR_DIR = re.compile(r"v([0-9]{8})")
 _ROLLOUT_NAME = re.compile(r"v([0-9]{8})/([A-Za-z0-9][A-Za-z0-9._-]{0,127})-([0-9]{8})\.rec")
 _METRICS_CHUNK = re.compile(
     r"(?P<source>[A-Za-z0-9][A-Za-z0-9._-]{0,127})-(?P<start>[0-9]{10})-(?P<seq>[0-9]{8})\.jsonl")
-_ROLLOUT_TAIL = re.compile(r"/rollouts/v\d{8}/(?P<worker>[^/]+)-\d{8}\.rec\Z")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+_ROLLOUT_TAIL = re.compile(r"/rollouts/v[0-9]{8}/(?P<worker>[^/]+)-[0-9]{8}\.rec\Z")
 
 
 RUNS_ROOT = "runs/"
@@ -101,6 +102,16 @@ def model_prefix(run_id: str) -> str:
         run_id: the run id.
     """
     return f"{run_prefix(run_id)}/model/"
+
+
+def is_file_name(name: str) -> bool:
+    """Whether a listed name is one a client may copy to a local file: 1-255 of letters, digits, '.', '_' or
+    '-', starting with a letter, digit or '_' (every model and tokenizer file; a foreign name is skipped).
+
+    Args:
+        name: a listed name (untrusted: any string).
+    """
+    return _FILE_NAME.fullmatch(name) is not None
 
 
 def model_file_key(run_id: str, name: str) -> str:
@@ -278,7 +289,7 @@ def rollout_label(key: str) -> str:
     Args:
         key: a record key.
     """
-    return key.rsplit("/", 2)[-2] + "/" + key.rsplit("/", 1)[-1]
+    return "/".join(key.rsplit("/", 2)[-2:])
 
 
 def trainer_prefix(run_id: str) -> str:

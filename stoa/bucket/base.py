@@ -20,6 +20,7 @@ __all__ = [
     "ObjectNotFound",
     "PreconditionFailed",
     "RESERVED_TOP_SEGMENT",
+    "check_listed_key",
     "content_digest",
     "file_digest",
     "validate_key",
@@ -135,7 +136,10 @@ class Bucket(Protocol):
 
 
 def validate_key(key: str) -> str:
-    """Check that ``key`` is a usable object key and return it unchanged.
+    """Check that ``key`` is a key stoa may write and return it unchanged (strict: for keys we build).
+
+    Deletes accept more (:func:`check_listed_key`): anyone holding write credentials can store a key these
+    rules refuse, a listing returns it as it is, and retention must be able to delete it.
 
     Keys are '/'-separated, non-empty, at most 1024 UTF-8 bytes, with no leading or trailing '/',
     no empty, '.' or '..' segments, no backslashes, no control characters, and may not start with
@@ -174,6 +178,36 @@ def validate_key(key: str) -> str:
         raise ValueError(
             f"bucket key {key!r} must not start with the reserved segment {RESERVED_TOP_SEGMENT!r}"
         )
+    return key
+
+
+def check_listed_key(key: str) -> str:
+    """Check that ``key`` can name an object a listing returned, and return it unchanged (lenient: for
+    deleting keys of any origin).
+
+    Any non-empty string is a key here (backslashes, control characters, non-UTF-8 names a local listing
+    decodes with ``surrogateescape``, any length) except what could name something outside the bucket's
+    root or its objects: a NUL, a leading '/', an empty, '.' or '..' segment (which also rules out a
+    trailing '/'), or the reserved first segment. The local bucket deletes by this rule; S3 keys are not
+    paths, so the S3 bucket deletes any non-empty key (with a raw request where obstore cannot name it,
+    see ``stoa.bucket.s3_raw``).
+
+    Args:
+        key: The key to check (untrusted: any string).
+
+    Returns:
+        The key.
+
+    Raises:
+        ValueError: When the key could name something outside the bucket's objects.
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"bucket key {key!r} must be a non-empty str")
+    if "\0" in key or key.startswith("/"):
+        raise ValueError(f"bucket key {key!r} must not start with '/' or contain NUL")
+    segments = key.split("/")
+    if any(seg in ("", ".", "..") for seg in segments) or segments[0] == RESERVED_TOP_SEGMENT:
+        raise ValueError(f"bucket key {key!r} must not hold an empty, '.', '..' or reserved segment")
     return key
 
 

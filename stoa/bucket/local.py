@@ -21,6 +21,7 @@ from .base import (
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
+    check_listed_key,
     content_digest,
     file_digest,
     validate_key,
@@ -75,7 +76,12 @@ class LocalBucket:
     # ------------------------------------------------------------------ helpers
 
     def _path(self, key: str) -> Path:
+        """Path of a key stoa writes (strict rules)."""
         return self.root / validate_key(key)
+
+    def _found(self, key: str) -> Path:
+        """Path of a key to delete: any key a listing returns (never outside the root)."""
+        return self.root / check_listed_key(key)
 
     def _sweep_stale_tmp(self) -> None:
         cutoff = time.time() - _STALE_TMP_S
@@ -192,7 +198,7 @@ class LocalBucket:
 
     @contextmanager
     def _key_lock(self, key: str) -> Iterator[None]:
-        stripe = xxhash.xxh3_64_intdigest(key.encode("utf-8")) % _LOCK_STRIPES
+        stripe = xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogateescape")) % _LOCK_STRIPES
         fd = os.open(self._locks / f"{stripe:03d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -440,10 +446,13 @@ class LocalBucket:
     def delete(self, key: str) -> None:
         """Delete an object; a missing key is fine. Empty parent directories are removed.
 
+        Any key a listing returns can be deleted, also one that stoa would refuse to write (a backslash,
+        a control character, a non-UTF-8 name).
+
         Args:
             key: Object key.
         """
-        path = self._path(key)
+        path = self._found(key)
         with self._key_lock(key):
             try:
                 os.unlink(path)

@@ -32,7 +32,8 @@ from .base import (
 from .credentials import S3Credentials, redact_url
 from .outage import RetryPolicy
 from .s3_files import DOWNLOAD_CHUNK, MAX_SINGLE_PUT, MIB, S3Files
-from .s3_list import S3Listing
+from .s3_list import S3Listing, obstore_can_name
+from .s3_raw import RawS3
 from .s3_retry import STATUS, S3Failures, check_fork
 
 if TYPE_CHECKING:
@@ -129,6 +130,8 @@ class S3Bucket(S3Listing, S3Files):
             redact_url(credentials.endpoint) if credentials.endpoint else f"AWS S3 ({credentials.region})"
         )
         self._failures = S3Failures(self.url, self.endpoint, bucket, credentials, self._retry)
+        self._raw = RawS3(self._failures, timeout_s=min(request_timeout_s, 60.0))
+        self._raw_prefixes: set[str] = set()
         self._lock = threading.Lock()
         self._stores: dict[bool, S3Store] = {}
         self._pid = os.getpid()
@@ -497,10 +500,17 @@ class S3Bucket(S3Listing, S3Files):
     def delete(self, key: str) -> None:
         """Delete an object; a missing key is fine.
 
+        Any key a listing returns can be deleted: one obstore cannot name (a control character; an empty,
+        '.' or '..' segment; a trailing '/') goes out as a raw DeleteObject request naming it exactly.
+
         Args:
             key: Object key.
         """
-        validate_key(key)
+        if not obstore_can_name(key):
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"bucket key {key!r} must be a non-empty str")
+            self._raw.delete(self._full(key))
+            return
         path = self._full(key)
 
         def attempt(_: int) -> None:
@@ -519,10 +529,14 @@ class S3Bucket(S3Listing, S3Files):
             prefix: Key prefix ('' deletes everything under the bucket prefix).
 
         Returns:
-            How many objects were listed and deleted.
+            How many objects were listed and deleted (keys obstore cannot name one raw request each).
         """
-        keys = [info.key for info in self.list(prefix)]
+        listed = [info.key for info in self.list(prefix)]
+        keys = [k for k in listed if obstore_can_name(k)]
         for i in range(0, len(keys), _DELETE_BATCH):
             batch: Sequence[str] = [self._full(k) for k in keys[i : i + _DELETE_BATCH]]
             self._failures.attempts("delete_prefix", prefix, lambda _, b=batch: obs.delete(self._store(), b))
-        return len(keys)
+        for key in listed:  # keys obstore cannot name (anyone with write credentials can store one)
+            if not obstore_can_name(key):
+                self._raw.delete(self._full(key))
+        return len(listed)

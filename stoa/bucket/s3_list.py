@@ -2,14 +2,20 @@
 
 Two modes: "server" trusts the store to list in order and pages from an offset (S3, R2, MinIO);
 "client" reads the whole prefix and sorts it (stores that list out of order, e.g. SeaweedFS).
+
+A key obstore cannot parse (a control character; an empty, '.' or '..' segment) fails obstore's whole listing
+page; such a listing is done again with raw ListObjectsV2 requests (``stoa.bucket.s3_raw``), which return every
+key exactly, and the prefix is listed that way from then on. The first time, one line says so.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import obstore as obs
+from obstore.exceptions import InvalidPathError
 
 from .base import BucketError, ObjectInfo, validate_key, validate_prefix
 from .s3_retry import Budget
@@ -17,7 +23,10 @@ from .s3_retry import Budget
 if TYPE_CHECKING:
     from obstore.store import S3Store
 
+    from .s3_raw import RawS3
     from .s3_retry import S3Failures
+
+log = logging.getLogger(__name__)
 
 
 class S3Listing:
@@ -28,6 +37,8 @@ class S3Listing:
         prefix: str
         _listing: str
         _failures: S3Failures
+        _raw: RawS3
+        _raw_prefixes: set[str]
 
         def _store(self, bulk: bool = False) -> S3Store: ...
 
@@ -54,7 +65,10 @@ class S3Listing:
         cut = prefix.rfind("/")
         directory = prefix[:cut] if cut >= 0 else ""
         list_prefix = self._full(directory) if directory else (self.prefix or None)
-        if self._listing == "client":
+        if prefix in self._raw_prefixes:
+            raw = self._list_raw(prefix, start_after)
+            yield from (sorted(raw, key=lambda info: info.key) if self._listing == "client" else raw)
+        elif self._listing == "client":
             yield from self._list_client(list_prefix, prefix, start_after)
         else:
             yield from self._list_server(list_prefix, prefix, start_after)
@@ -64,11 +78,15 @@ class S3Listing:
     ) -> Iterator[ObjectInfo]:
         def attempt(_: int) -> list[ObjectInfo]:
             out: list[ObjectInfo] = []
-            for chunk in obs.list(self._store(), prefix=list_prefix, chunk_size=1000):
-                for meta in chunk:
-                    key = self._rel(meta["path"])
-                    if key.startswith(prefix) and (start_after is None or key > start_after):
-                        out.append(ObjectInfo(key=key, size=meta["size"], etag=meta["e_tag"]))
+            try:
+                for chunk in obs.list(self._store(), prefix=list_prefix, chunk_size=1000):
+                    for meta in chunk:
+                        key = self._rel(meta["path"])
+                        if key.startswith(prefix) and (start_after is None or key > start_after):
+                            out.append(ObjectInfo(key=key, size=meta["size"], etag=meta["e_tag"]))
+            except InvalidPathError as exc:
+                self._note_raw(prefix, exc)
+                out = list(self._list_raw(prefix, start_after))
             out.sort(key=lambda info: info.key)
             return out
 
@@ -118,8 +136,37 @@ class S3Listing:
                             return
             except BucketError:
                 raise
+            except InvalidPathError as exc:
+                self._note_raw(prefix, exc)
+                yield from self._list_raw(prefix, position)
+                return
             except Exception as exc:
                 self._failures.recover(exc, "list", prefix, budget)
+
+    def _note_raw(self, prefix: str, exc: Exception) -> None:
+        """Remember that ``prefix`` holds a key obstore cannot parse; say so once per bucket."""
+        if not self._raw_prefixes:
+            log.warning("list %s: a key under %.200r is one obstore cannot parse (%s); listing such prefixes "
+                        "with raw ListObjectsV2 requests", self.url, prefix, self._failures.short(exc)[:200])
+        self._raw_prefixes.add(prefix)
+
+    def _list_raw(self, prefix: str, start_after: str | None) -> Iterator[ObjectInfo]:
+        """Keys under ``prefix`` after ``start_after``, exact whatever they hold (raw requests, store order)."""
+        full_prefix = self._full(prefix) if prefix else (self.prefix + "/" if self.prefix else None)
+        after = self._full(start_after) if start_after else None
+        for info in self._raw.list(full_prefix, after):
+            key = self._rel(info.key)
+            if key.startswith(prefix) and (start_after is None or key > start_after):
+                yield ObjectInfo(key=key, size=info.size, etag=info.etag)
+
+
+def obstore_can_name(key: str) -> bool:
+    """Whether obstore names ``key`` exactly in a request and a listing (the keys stoa writes do)."""
+    try:
+        validate_key(key)
+    except ValueError:
+        return False
+    return True
 
 
 def _safe_offset(position: str | None) -> str | None:

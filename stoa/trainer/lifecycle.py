@@ -198,6 +198,8 @@ class RolloutRetention:
         self.bucket, self.run_id = bucket, run_id
         self.staleness_bound, self.keep_extra = staleness_bound, keep_extra
         self.kept_from = max(1, kept_from)
+        self.skipped = 0
+        """Versions left in place because the bucket refused to name one of their keys (never retried)."""
 
     def cutoff(self, current_version: int) -> int:
         """The oldest version kept at ``current_version`` (every version below it is deleted).
@@ -210,7 +212,9 @@ class RolloutRetention:
     def collect(self, current_version: int) -> int:
         """Delete every version prefix below the cutoff not deleted before; return objects deleted.
 
-        A failed delete stops here and is retried at the next call (it is never skipped).
+        A failed delete (bucket outage) stops here and is retried at the next call. A version holding a key the
+        bucket cannot name at all (``ValueError``; no backend raises it for a key its own listing returned) is
+        left in place, logged and counted in ``skipped``, and never retried: one planted key never stops training.
 
         Args:
             current_version: the newest published version.
@@ -224,5 +228,8 @@ class RolloutRetention:
             except BucketError as e:
                 log.warning("deleting rollouts of v%d failed, retrying after the next step: %s", v, e)
                 break
+            except ValueError as e:
+                log.warning("rollouts of v%d hold a key the bucket cannot delete, left in place: %.200s", v, e)
+                self.skipped += 1
             self.kept_from = v + 1
         return deleted

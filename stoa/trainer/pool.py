@@ -211,7 +211,7 @@ class RecordPool:
         # anyone can copy a worker's records under its id.
         if worker is not None and self.gate is not None and reason not in ("quarantined", "duplicate"):
             self.gate.observe(worker, accepted=False)
-        log.warning("rejected %r: %s: %s", key, reason, detail)
+        log.warning("rejected %.200r: %s: %.300s", key, reason, detail)  # bounded: a listed key may be any length
         return 0
 
     def _ingest(self, info: ObjectInfo, version: int, current_version: int,
