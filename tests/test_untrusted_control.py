@@ -330,3 +330,15 @@ def test_a_hostile_journal_is_ignored_with_a_warning_and_a_bad_checkpoint_pointe
         _ckpt_ref(b"[" * 100_000)
     row = user_error(ei.value)
     assert row is not None and row.code == 13 and "delete trainer/checkpoint.json" in row.line(ei.value)
+
+
+def test_typed_readers_take_exact_types() -> None:
+    from stoa.untrusted import check_int, check_number, field_bool, field_str, int_list
+
+    for bad in (lambda: field_str({"a": "x\ud800"}, "a"), lambda: check_int(True, "v"), lambda: check_int(3.0, "v"),
+                lambda: check_number(float("nan"), "v"), lambda: check_number(False, "v"),
+                lambda: field_bool({"b": 1}, "b"), lambda: int_list([1, -1], "shape"),
+                lambda: loads_bounded("[1]", max_bytes=9)):  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            bad()
+    assert loads_bounded(memoryview(b"[1]"), max_bytes=3) == [1] and field_str({"a": "é"}, "a") == "é"
