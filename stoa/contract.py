@@ -31,7 +31,7 @@ from stoa.untrusted import (
     field_object,
     field_text,
     int_list,
-    load_object,
+    loads_bounded,
 )
 
 SCHEMA_VERSION = 1
@@ -206,13 +206,13 @@ class RunContract:
             BadBucketObject: (a ``ValueError``) malformed JSON, a missing, unknown or mistyped field.
         """
         try:
-            d = load_object(data, "run.json", max_bytes=MAX_CONTRACT_BYTES, max_depth=MAX_CONTRACT_DEPTH)
+            d = as_object(loads_bounded(data, max_bytes=MAX_CONTRACT_BYTES, max_depth=MAX_CONTRACT_DEPTH), "it")
         except ValueError as e:
             raise BadBucketObject(key, f"is not a run contract ({e})", CONTRACT_FIX) from None
         version = d.get("schema_version")
         if type(version) is not int or version != SCHEMA_VERSION:
-            shown = version if type(version) is int else type(version).__name__
-            raise ContractMismatch(["schema_version"], f"run has {shown!r}, this stoa speaks {SCHEMA_VERSION}")
+            raise ContractMismatch(["schema_version"],
+                                   f"run has {repr(version)[:40]}, this stoa speaks {SCHEMA_VERSION}")
         try:
             contract = _contract_fields(cls, d)
         except ValueError as e:

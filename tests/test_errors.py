@@ -316,7 +316,7 @@ MISTAKES = [  # (exit code, argv with {b} for the bucket and {t} for tmp_path, e
      "stoa: no run 'nope' in bucket "),
     (12, ["join-card", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: run 'nope' has no "),
     (13, ["join-card", "--bucket", "{b}", "--run", "r1"], {}, _nested_contract,
-     "stoa: runs/r1/run.json is not a run contract (run.json: JSON nested 100000 deep > 16); the trainer did not "
+     "stoa: runs/r1/run.json is not a run contract (JSON nested 100000 deep > 16); the trainer did not "
      "write it; restore it from a backup of the bucket, or start a new --run"),
 ]
 """One real command per kind of mistake in ``EXIT_CODES`` (run not found from every command that reads a run)."""

@@ -304,7 +304,7 @@ def test_a_worker_stops_on_a_hostile_contract_with_one_line_and_exit_13(tmp_path
     code = main(["worker", "--bucket", str(tmp_path / "b"), "--run", RUN, "--wait-seconds", "0.3"])
     err = capsys.readouterr().err
     assert code == 13 and err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith(f"stoa: {contract_key(RUN)} is not a run contract (run.json: JSON nested 100000 deep > 16)")
+    assert err.startswith(f"stoa: {contract_key(RUN)} is not a run contract (JSON nested 100000 deep > 16)")
     assert sorted(p for p in (tmp_path / "b").rglob("*") if p.is_file() and ".stoa" not in p.parts) == before
 
 
