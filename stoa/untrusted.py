@@ -91,7 +91,7 @@ def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
-def loads_bounded(data: bytes, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
+def loads_bounded(data: bytes | bytearray | memoryview, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
     """Parse untrusted JSON; raise ``ValueError`` (never anything else) when it is not acceptable.
 
     Args:
@@ -114,7 +114,8 @@ def loads_bounded(data: bytes, *, max_bytes: int, max_depth: int = MAX_DEPTH) ->
         raise ValueError("JSON nested too deep") from e
 
 
-def load_object(data: bytes, what: str, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
+def load_object(data: bytes | bytearray | memoryview, what: str, *, max_bytes: int,
+                max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     """``loads_bounded`` for a document that must be a JSON object; ``ValueError`` naming ``what`` otherwise.
 
     Args:

@@ -219,8 +219,8 @@ def _card_from(data: Mapping[str, Any], path: str | os.PathLike[str]) -> JoinCar
              "search": bool, "retriever": str, "credentials": list}
     for name, kind in kinds.items():
         value = data.get(name)
-        if (not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or not 1 <= value <= MAX_SAMPLES))
-                or not _utf8(value)):
+        bad_int = kind is int and (type(value) is not int or not 1 <= value <= MAX_SAMPLES)
+        if not isinstance(value, kind) or bad_int or not _utf8(value):
             raise CardError(f"card {path}: {name!r} is missing or not a {kind.__name__}; make a new card with "
                             "stoa join-card --out FILE")
     run_key = data.get("run_key", "")
