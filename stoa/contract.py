@@ -11,6 +11,7 @@ Keys come from ``stoa.layout``. Rollout records (the other half of the bucket co
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -284,6 +285,11 @@ def _diff_fields(a: Any, b: Any, path: str) -> list[str]:
 
 MODEL_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".model")
 """Non-weight files of a model directory that workers download from the bucket."""
+MAX_MODEL_FILE_BYTES = 1 << 30
+"""Largest model file downloaded (tokenizers are tens of MB)."""
+MAX_MODEL_JSON_DEPTH = 64
+"""Deepest nesting of a model ``.json`` file read (a tokenizer's pipeline is about 6 deep)."""
+_MODEL_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def upload_model_files(bucket: Bucket, run_id: str, model_dir: Path) -> list[str]:
@@ -306,14 +312,26 @@ def upload_model_files(bucket: Bucket, run_id: str, model_dir: Path) -> list[str
     return keys
 
 
-def _model_names(bucket: Bucket, prefix: str) -> list[str]:
-    """File names directly under the model prefix (no sub-keys, no dot files)."""
-    names = []
-    for info in bucket.list(prefix):
-        name = info.key[len(prefix):]
-        if name and "/" not in name and not name.startswith("."):
-            names.append(name)
-    return names
+def _model_files(bucket: Bucket, prefix: str) -> dict[str, int]:
+    """File name -> listed size of the model files directly under the model prefix: plain names with a model file
+    suffix only (no sub-keys, no dot files, nothing a local path could misread)."""
+    return {name: info.size for info in bucket.list(prefix)
+            if _MODEL_FILE.fullmatch(name := info.key[len(prefix):]) and name.endswith(MODEL_FILE_SUFFIXES)}
+
+
+def _model_file(bucket: Bucket, key: str, size: int) -> bytes:
+    """A model file's bytes, refused (``BadBucketObject``) when listed over the cap, or when a ``.json`` one is not
+    JSON that the readers after it (transformers, the fingerprints) can parse without recursing too deep."""
+    fix = "the trainer uploads the model's files once; restore them from the model, or start a new --run"
+    if size > MAX_MODEL_FILE_BYTES:
+        raise BadBucketObject(key, f"is listed at {size} bytes (> {MAX_MODEL_FILE_BYTES})", fix)
+    data = bucket.get(key)
+    if key.endswith(".json"):
+        try:
+            loads_bounded(data, max_bytes=MAX_MODEL_FILE_BYTES, max_depth=MAX_MODEL_JSON_DEPTH)
+        except ValueError as e:
+            raise BadBucketObject(key, f"is not a model file ({str(e)[:200]})", fix) from None
+    return data
 
 
 def model_files_ready(names: list[str]) -> bool:
@@ -343,11 +361,13 @@ def download_model_files(bucket: Bucket, run_id: str, dest: Path, timeout_s: flo
 
     Raises:
         ObjectNotFound: no usable model files after ``timeout_s``; names the prefix and the fix.
+        BadBucketObject: a file listed over 1 GiB, or a ``.json`` file that is not bounded JSON (nested over 64
+            deep, not UTF-8, NaN...): written by someone else, it would crash or exhaust the reader after this.
     """
     prefix = model_prefix(run_id)
     deadline = time.monotonic() + timeout_s
     noted = False
-    while not model_files_ready(names := _model_names(bucket, prefix)):
+    while not model_files_ready(list(files := _model_files(bucket, prefix))):
         if time.monotonic() >= deadline:
             raise ObjectNotFound(f"run {run_id!r} has no model files (config.json and tokenizer.json) under {prefix} "
                                  f"after {timeout_s:.0f}s; start the trainer, or pass --model DIR")
@@ -356,8 +376,8 @@ def download_model_files(bucket: Bucket, run_id: str, dest: Path, timeout_s: flo
             noted = True
         time.sleep(poll_s)
     dest.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        (dest / name).write_bytes(bucket.get(prefix + name))
+    for name, size in files.items():
+        (dest / name).write_bytes(_model_file(bucket, prefix + name, size))
     return dest
 
 

@@ -342,3 +342,22 @@ def test_typed_readers_take_exact_types() -> None:
         with pytest.raises(ValueError):
             bad()
     assert loads_bounded(memoryview(b"[1]"), max_bytes=3) == [1] and field_str({"a": "é"}, "a") == "é"
+
+
+def test_planted_model_files_are_refused_before_a_reader_parses_them(tmp_path: Path, monkeypatch) -> None:
+    import stoa.contract as contract
+    from stoa.contract import download_model_files
+    from stoa.layout import model_file_key
+
+    bucket = open_bucket(str(tmp_path / "b"))
+    bucket.put(model_file_key(RUN, "tokenizer.json"), b'{"model": {"vocab": {"a": 0}}}')
+    bucket.put(model_file_key(RUN, "config.json"), b'{"a":' * 1000 + b"1" + b"}" * 1000)
+    bucket.put(model_file_key(RUN, "bad name.json"), b"{}")  # not a model file name: never fetched
+    with pytest.raises(BadBucketObject, match=r"config\.json is not a model file \(JSON nested 1000 deep > 64\)"):
+        download_model_files(bucket, RUN, tmp_path / "m")
+    bucket.put(model_file_key(RUN, "config.json"), b'{"vocab_size": 512}')
+    assert sorted(p.name for p in download_model_files(bucket, RUN, tmp_path / "m").iterdir()) == [
+        "config.json", "tokenizer.json"]
+    monkeypatch.setattr(contract, "MAX_MODEL_FILE_BYTES", 16)
+    with pytest.raises(BadBucketObject, match=r"config\.json is listed at 19 bytes \(> 16\)"):
+        download_model_files(bucket, RUN, tmp_path / "m2")
