@@ -9,7 +9,9 @@ under a fresh ``trainer/checkpoints/<tag>/`` prefix, rank 0 adds the metadata an
 also names the older checkpoints kept (``keep_checkpoints`` in all); every other checkpoint directory, a
 half-written one included, is deleted only after the new pointer is written, so the pointer never names a
 deleted checkpoint and a kill mid-write leaves the previous one in place.
-Any world size loads any checkpoint (DCP reshards). The single-file checkpoint of older trainers still loads at
+Every file comes from a bucket others can write: the pointer is parsed by ``stoa.untrusted``, and DCP's pickles
+are read through ``stoa.trainer.dcp_safe`` (no code runs from them). Any world size loads any checkpoint (DCP
+reshards). The single-file checkpoint of older trainers still loads at
 world size 1. On restart the trainer resumes from it and continues the version sequence after the newest
 published pointer.
 """
@@ -33,6 +35,7 @@ import torch
 
 from stoa.bucket import Bucket, BucketError, ObjectNotFound
 from stoa.layout import checkpoint_files_prefix, checkpoint_key, checkpoint_pointer_key, journal_key
+from stoa.trainer.dcp_safe import SafeEmptyPlanner, SafeLoadPlanner, metadata_problem
 from stoa.trainer.dist import SINGLE, Dist
 from stoa.trainer.retry import ride_out
 from stoa.untrusted import (
@@ -246,6 +249,8 @@ def _download(bucket: Bucket, run_id: str, ref: CheckpointRef, dest: str, echo=p
         if os.path.getsize(path) != size:
             raise CheckpointError(prefix + name, f"(checkpoint file {name} of {ref.tag}) is not the size its pointer "
                                   "says", DELETE_POINTER)
+    if (problem := metadata_problem(os.path.join(dest, ".metadata"))) is not None:  # before DCP unpickles it
+        raise CheckpointError(prefix + ".metadata", f"is not DCP metadata ({problem})", DELETE_POINTER)
 
 
 def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -285,7 +290,7 @@ def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
         state = _state(model, opt)
         try:
             with _single_process_quiet():
-                dcp_load(state, checkpoint_id=tmp, no_dist=not dist.sharded)
+                dcp_load(state, checkpoint_id=tmp, planner=SafeLoadPlanner(), no_dist=not dist.sharded)
         except Exception as e:  # noqa: BLE001 - DCP raises many types for a bad file
             raise CheckpointError(checkpoint_files_prefix(run_id, plan.tag), f"does not load ({type(e).__name__})",
                                   DELETE_POINTER) from e
@@ -342,16 +347,16 @@ def checkpoint_params(bucket: Bucket, run_id: str) -> tuple[int, dict[str, torch
         bucket: the run's bucket.
         run_id: the run.
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     ref = read_pointer(bucket, run_id)
     if ref is None:
         return None
+    state: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="stoa-ckpt-") as tmp:
         _download(bucket, run_id, ref, tmp)
-        out = os.path.join(tmp, "full.pt")
-        dcp_to_torch_save(tmp, out)
-        state = torch.load(out, map_location="cpu", weights_only=True)
+        _load_state_dict(state, storage_reader=FileSystemReader(tmp), planner=SafeEmptyPlanner(), no_dist=True)
     return ref.version, {k: v.float() for k, v in state["model"].items()}
 
 
