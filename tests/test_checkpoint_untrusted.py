@@ -93,3 +93,13 @@ def test_metadata_problem_and_safe_bytes(tmp_path: Path) -> None:
     with pytest.raises(pickle.UnpicklingError):
         planner.load_bytes(item, buf)  # type: ignore[arg-type]
     assert not marker.exists()
+
+
+def test_legacy_checkpoint_metadata_is_parsed_totally() -> None:
+    key = "runs/r1/trainer/checkpoint.safetensors"
+    assert ckpt._legacy_meta({"opt_steps": '{"w": 3}', "version": "4", "step": "5"}, key) == ({"w": 3.0}, 4, 5)
+    for meta in ({"opt_steps": "[" * 100_000, "version": "4", "step": "5"}, {"version": "9" * 5000, "step": "1"},
+                 {"opt_steps": '{"w": NaN}', "version": "1", "step": "1"}, {"version": "-1", "step": "1"},
+                 {"version": "١", "step": "1"}, {}):
+        with pytest.raises(ckpt.CheckpointError, match="has malformed metadata"):
+            ckpt._legacy_meta(meta, key)
