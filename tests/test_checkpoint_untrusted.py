@@ -103,3 +103,63 @@ def test_legacy_checkpoint_metadata_is_parsed_totally() -> None:
                  {"version": "١", "step": "1"}, {}):
         with pytest.raises(ckpt.CheckpointError, match="has malformed metadata"):
             ckpt._legacy_meta(meta, key)
+
+
+@pytest.fixture(scope="module")
+def run_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A run at v2 with a checkpoint, its trainer stopped (the model files come from the session cache)."""
+    from test_trainer_resume import make_cfg
+
+    from stoa.trainer.loop import _Trainer
+
+    url = str(tmp_path_factory.mktemp("run") / "b")
+    t1 = _Trainer(make_cfg(url), echo=lambda *_: None)
+    t1.resume()
+    t1.publish(2)
+    ckpt.save_checkpoint(t1.bucket, "r", t1.policy.model, t1.opt, version=2, step=1, echo=lambda s: None)
+    ckpt.write_journal(t1.bucket, "r", {"version": 2, "step": 1, "pool": {}, "quarantine": {}})
+    t1.close()
+    return url
+
+
+def _restart(url: str, tmp_path: Path, plant: dict[str, bytes]) -> tuple[object, list[str]]:
+    """Copy the run, plant objects, restart a trainer on the copy; (the trainer or the error, its lines)."""
+    import shutil
+
+    from test_trainer_resume import make_cfg
+
+    from stoa.trainer.loop import _Trainer
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(url, copy)
+    bucket = open_bucket(copy)
+    for key, data in plant.items():
+        bucket.put(key, data)
+    lines: list[str] = []
+    t2 = _Trainer(make_cfg(copy), echo=lines.append)
+    try:
+        t2.resume()
+        return t2, lines
+    except Exception as e:  # noqa: BLE001 - the outcome under test
+        return e, lines
+    finally:
+        t2.close()
+
+
+def test_a_restart_over_a_planted_pointer_stops_with_one_line(run_url: str, tmp_path: Path, stoa_cache) -> None:
+    from stoa.untrusted import BadBucketObject
+    from stoa.weights.pointer import Pointer
+
+    p = Pointer.from_json(open_bucket(run_url).get("runs/r/weights/current.json"))
+    ahead = Pointer("r", 2**63 - 1, p.anchor_version, "bf16", p.state_hash, p.updated_at).to_json()
+    got, _ = _restart(run_url, tmp_path, {"runs/r/weights/current.json": ahead})
+    assert isinstance(got, BadBucketObject) and "is ahead of the published weights" in str(got)
+
+
+def test_a_restart_ignores_a_hostile_journal_and_stops_on_a_hostile_checkpoint_pointer(
+        run_url: str, tmp_path: Path, stoa_cache, caplog) -> None:
+    got, lines = _restart(run_url, tmp_path / "j", {"runs/r/trainer/journal.json": b"[1, 2]"})
+    assert not isinstance(got, Exception) and got.step == 1 and got.version == 2  # the checkpoint's step
+    assert "ignoring runs/r/trainer/journal.json" in caplog.text
+    got, _ = _restart(run_url, tmp_path / "c", {"runs/r/trainer/checkpoint.json": b"[" * 100_000})
+    assert isinstance(got, ckpt.CheckpointError) and "delete trainer/checkpoint.json" in str(got)
