@@ -256,8 +256,8 @@ def _contract_fields(cls: type[RunContract], d: dict[str, Any]) -> RunContract:
     samp = field_object(d, "sampling", max_items=3)
     if sorted(set(samp) - {f.name for f in fields(SamplingSpec)}):
         raise ValueError("sampling has unknown fields")
-    sampling = SamplingSpec(temperature=check_number(samp.get("temperature", 1.0), "temperature", lo=1e-6, hi=1e6),
-                            top_p=check_number(samp.get("top_p", 1.0), "top_p", lo=1e-9, hi=1.0),
+    sampling = SamplingSpec(temperature=check_number(samp.get("temperature", 1.0), "temperature", lo=1e-30, hi=1e6),
+                            top_p=check_number(samp.get("top_p", 1.0), "top_p", lo=1e-30, hi=1.0),
                             max_new_tokens=check_int(samp.get("max_new_tokens", 64), "max_new_tokens", lo=1,
                                                      hi=MAX_NEW_TOKENS))
     return cls(run_id=field_text(d, "run_id", max_len=256), model=spec,
