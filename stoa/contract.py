@@ -11,19 +11,46 @@ Keys come from ``stoa.layout``. Rollout records (the other half of the bucket co
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from stoa.bucket import Bucket, ObjectExists, ObjectNotFound
-from stoa.layout import contract_key, is_file_name, model_file_key, model_prefix
+from stoa.layout import contract_key, model_file_key, model_prefix
+from stoa.untrusted import (
+    BadBucketObject,
+    as_object,
+    check_int,
+    check_number,
+    check_text,
+    field_int,
+    field_object,
+    field_text,
+    int_list,
+    loads_bounded,
+)
 
 SCHEMA_VERSION = 1
 """Version of the contract and of every record type; bump on any incompatible change."""
+MAX_CONTRACT_BYTES = 1 << 20
+"""Longest ``run.json`` read (a real one is about 2 KB)."""
+MAX_CONTRACT_DEPTH = 16
+"""Deepest nesting of ``run.json`` read (task knobs and the algorithm are small objects)."""
+MAX_SAMPLES = 4096
+"""Largest group size n a contract may set (a record holds at most this many samples)."""
+MAX_NEW_TOKENS = 1 << 20
+"""Largest completion length a contract may set."""
+MAX_VOCAB = 1 << 24
+"""Largest vocabulary a contract may name."""
+MAX_WINDOW = 1 << 20
+"""Largest staleness bound or reuse cap a contract may set."""
+CONTRACT_FIX = "the trainer did not write it; restore it from a backup of the bucket, or start a new --run"
+"""The fix a refused ``run.json`` names."""
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -163,34 +190,34 @@ class RunContract:
         return self
 
     @classmethod
-    def from_json(cls, data: bytes) -> RunContract:
-        """Decode and type-check a contract.
+    def from_json(cls, data: bytes, key: str = "run.json") -> RunContract:
+        """Decode and type-check a contract (``stoa.untrusted``: bounded size, depth and numbers, exact types).
+
+        Anyone with bucket credentials can write ``run.json``, and nothing works without it, so a malformed one
+        stops the client with one line (``BadBucketObject``, exit 13): a worker never samples for a contract it
+        cannot read. Every number that something is sized by is bounded (group size, token budget, vocabulary).
 
         Args:
             data: the bytes of ``run.json``.
+            key: the object's key, for the message.
 
         Raises:
             ContractMismatch: on a schema version this code does not speak; ``RunKeyError`` when a signed
                 contract does not verify against the key it carries (:meth:`check_signature`).
-            ValueError: on malformed JSON or missing fields.
+            BadBucketObject: (a ``ValueError``) malformed JSON, a missing, unknown or mistyped field.
         """
         try:
-            d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"run.json is not valid JSON: {e}") from e
-        if not isinstance(d, dict):
-            raise ValueError("run.json must hold a JSON object")
-        if d.get("schema_version") != SCHEMA_VERSION:
-            raise ContractMismatch(
-                ["schema_version"], f"run has {d.get('schema_version')!r}, this stoa speaks {SCHEMA_VERSION}"
-            )
+            d = as_object(loads_bounded(data, max_bytes=MAX_CONTRACT_BYTES, max_depth=MAX_CONTRACT_DEPTH), "it")
+        except ValueError as e:
+            raise BadBucketObject(key, f"is not a run contract ({e})", CONTRACT_FIX) from None
+        version = d.get("schema_version")
+        if type(version) is not int or version != SCHEMA_VERSION:
+            raise ContractMismatch(["schema_version"],
+                                   f"run has {repr(version)[:40]}, this stoa speaks {SCHEMA_VERSION}")
         try:
-            model = dict(d.pop("model"))
-            model["eos_token_ids"] = tuple(model.get("eos_token_ids", ()))
-            sampling = d.pop("sampling")
-            contract = cls(model=ModelSpec(**model), sampling=SamplingSpec(**sampling), **d)
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"run.json is missing or has unknown fields: {e}") from e
+            contract = _contract_fields(cls, d)
+        except ValueError as e:
+            raise BadBucketObject(key, f"is not a run contract ({str(e)[:300]})", CONTRACT_FIX) from None
         return contract.check_signature()
 
     def fingerprint(self) -> str:
@@ -210,6 +237,41 @@ class RunContract:
         return _diff_fields(a, b, "")
 
 
+def _contract_fields(cls: type[RunContract], d: dict[str, Any]) -> RunContract:
+    """Every field of a parsed contract, type-checked and bounded; ``ValueError`` naming the first bad one."""
+    unknown = sorted(set(d) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"unknown fields {unknown[:5]}")
+    model = as_object(d.get("model"), "model")
+    vocab = field_int(model, "vocab_size", lo=1, hi=MAX_VOCAB)
+    base = model.get("base_weights_hash")
+    if sorted(set(model) - {f.name for f in fields(ModelSpec)}):
+        raise ValueError("model has unknown fields")
+    spec = ModelSpec(architecture=field_text(model, "architecture", max_len=128),
+                     config_hash=field_text(model, "config_hash", max_len=128),
+                     tokenizer_hash=field_text(model, "tokenizer_hash", max_len=128), vocab_size=vocab,
+                     base_weights_hash=None if base is None else check_text(base, "base_weights_hash", max_len=128),
+                     eos_token_ids=tuple(int_list(model.get("eos_token_ids", []), "eos_token_ids", max_len=64,
+                                                  hi=vocab - 1)))
+    samp = field_object(d, "sampling", max_items=3)
+    if sorted(set(samp) - {f.name for f in fields(SamplingSpec)}):
+        raise ValueError("sampling has unknown fields")
+    sampling = SamplingSpec(temperature=check_number(samp.get("temperature", 1.0), "temperature", lo=1e-30, hi=1e6),
+                            top_p=check_number(samp.get("top_p", 1.0), "top_p", lo=1e-30, hi=1.0),
+                            max_new_tokens=check_int(samp.get("max_new_tokens", 64), "max_new_tokens", lo=1,
+                                                     hi=MAX_NEW_TOKENS))
+    return cls(run_id=field_text(d, "run_id", max_len=256), model=spec,
+               n_samples=field_int(d, "n_samples", lo=1, hi=MAX_SAMPLES), plane=field_text(d, "plane", max_len=32),
+               task_id=field_text(d, "task_id", max_len=128), task_spec=field_object(d, "task_spec"),
+               reward_version=field_text(d, "reward_version", max_len=128), sampling=sampling,
+               staleness_bound=check_int(d.get("staleness_bound", 3), "staleness_bound", hi=MAX_WINDOW),
+               reuse_cap=check_int(d.get("reuse_cap", 2), "reuse_cap", hi=MAX_WINDOW),
+               algorithm=field_object(d, "algorithm", default={}), retriever=field_object(d, "retriever", default={}),
+               schema_version=SCHEMA_VERSION, created_at=check_number(d.get("created_at", 0.0), "created_at", lo=0),
+               run_key=check_text(d.get("run_key", ""), "run_key", max_len=128),
+               signature=check_text(d.get("signature", ""), "signature", max_len=256))
+
+
 def _diff_fields(a: Any, b: Any, path: str) -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out: list[str] = []
@@ -223,6 +285,11 @@ def _diff_fields(a: Any, b: Any, path: str) -> list[str]:
 
 MODEL_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".model")
 """Non-weight files of a model directory that workers download from the bucket."""
+MAX_MODEL_FILE_BYTES = 1 << 30
+"""Largest model file downloaded (tokenizers are tens of MB)."""
+MAX_MODEL_JSON_DEPTH = 64
+"""Deepest nesting of a model ``.json`` file read (a tokenizer's pipeline is about 6 deep)."""
+_MODEL_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def upload_model_files(bucket: Bucket, run_id: str, model_dir: Path) -> list[str]:
@@ -245,14 +312,26 @@ def upload_model_files(bucket: Bucket, run_id: str, model_dir: Path) -> list[str
     return keys
 
 
-def _model_names(bucket: Bucket, prefix: str) -> list[str]:
-    """File names directly under the model prefix (no sub-keys, no dot files, no foreign names)."""
-    names = []
-    for info in bucket.list(prefix):
-        name = info.key[len(prefix):]
-        if is_file_name(name):
-            names.append(name)
-    return names
+def _model_files(bucket: Bucket, prefix: str) -> dict[str, int]:
+    """File name -> listed size of the model files directly under the model prefix: plain names with a model file
+    suffix only (no sub-keys, no dot files, nothing a local path could misread)."""
+    return {name: info.size for info in bucket.list(prefix)
+            if _MODEL_FILE.fullmatch(name := info.key[len(prefix):]) and name.endswith(MODEL_FILE_SUFFIXES)}
+
+
+def _model_file(bucket: Bucket, key: str, size: int) -> bytes:
+    """A model file's bytes, refused (``BadBucketObject``) when listed over the cap, or when a ``.json`` one is not
+    JSON that the readers after it (transformers, the fingerprints) can parse without recursing too deep."""
+    fix = "the trainer uploads the model's files once; restore them from the model, or start a new --run"
+    if size > MAX_MODEL_FILE_BYTES:
+        raise BadBucketObject(key, f"is listed at {size} bytes (> {MAX_MODEL_FILE_BYTES})", fix)
+    data = bucket.get(key)
+    if key.endswith(".json"):
+        try:
+            loads_bounded(data, max_bytes=MAX_MODEL_FILE_BYTES, max_depth=MAX_MODEL_JSON_DEPTH)
+        except ValueError as e:
+            raise BadBucketObject(key, f"is not a model file ({str(e)[:200]})", fix) from None
+    return data
 
 
 def model_files_ready(names: list[str]) -> bool:
@@ -282,11 +361,13 @@ def download_model_files(bucket: Bucket, run_id: str, dest: Path, timeout_s: flo
 
     Raises:
         ObjectNotFound: no usable model files after ``timeout_s``; names the prefix and the fix.
+        BadBucketObject: a file listed over 1 GiB, or a ``.json`` file that is not bounded JSON (nested over 64
+            deep, not UTF-8, NaN...): written by someone else, it would crash or exhaust the reader after this.
     """
     prefix = model_prefix(run_id)
     deadline = time.monotonic() + timeout_s
     noted = False
-    while not model_files_ready(names := _model_names(bucket, prefix)):
+    while not model_files_ready(list(files := _model_files(bucket, prefix))):
         if time.monotonic() >= deadline:
             raise ObjectNotFound(f"run {run_id!r} has no model files (config.json and tokenizer.json) under {prefix} "
                                  f"after {timeout_s:.0f}s; start the trainer, or pass --model DIR")
@@ -295,8 +376,8 @@ def download_model_files(bucket: Bucket, run_id: str, dest: Path, timeout_s: flo
             noted = True
         time.sleep(poll_s)
     dest.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        (dest / name).write_bytes(bucket.get(prefix + name))
+    for name, size in files.items():
+        (dest / name).write_bytes(_model_file(bucket, prefix + name, size))
     return dest
 
 
@@ -314,7 +395,7 @@ def wait_for_contract(bucket: Bucket, run_id: str, timeout_s: float, poll_s: flo
     noted = False
     while True:
         try:
-            return RunContract.from_json(bucket.get(contract_key(run_id)))
+            return RunContract.from_json(bucket.get(contract_key(run_id)), contract_key(run_id))
         except ObjectNotFound:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run {run_id!r} has no contract in {bucket.url} after {timeout_s:.0f}s; "

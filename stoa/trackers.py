@@ -243,6 +243,10 @@ def _config_dict(config: Any) -> dict[str, Any]:
     return dict(config) if isinstance(config, Mapping) else {}
 
 
+MAX_HANDLE_BYTES = 4096
+"""Longest stored W&B run handle read."""
+
+
 class _IdStore:
     """Where the owner keeps its W&B run handle: the bucket's tracker key, else a file in the log dir."""
 
@@ -253,12 +257,18 @@ class _IdStore:
         self.path = Path(log_dir) / "trackers" / "wandb.json"
 
     def load(self) -> dict[str, Any] | None:
+        """The stored handle (``id``, ``project``, ``entity``: short strings, or null for the last two); None when
+        missing, unreadable or malformed (``stoa.untrusted``: anyone may write the bucket), so a new W&B run
+        starts."""
+        from stoa.untrusted import check_text, field_text, load_object
+
         try:
             raw = self.bucket.get(self.key) if self.bucket is not None else self.path.read_bytes()
-            handle = json.loads(raw)
-        except Exception:  # missing or unreadable: start a new W&B run
+            d = load_object(raw, "tracker id", max_bytes=MAX_HANDLE_BYTES, max_depth=1)
+            return {"id": field_text(d, "id", max_len=128),
+                    **{k: check_text(d[k], k, max_len=256) for k in ("project", "entity") if d.get(k) is not None}}
+        except Exception:  # missing, unreadable or malformed: start a new W&B run
             return None
-        return handle if isinstance(handle, dict) and isinstance(handle.get("id"), str) else None
 
     def save(self, handle: dict[str, Any]) -> None:
         data = json.dumps(handle).encode()

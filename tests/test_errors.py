@@ -269,6 +269,14 @@ def _run_with_contract(bucket_dir) -> None:
     open_bucket(str(bucket_dir)).put_create(contract_key("r1"), contract.to_json())
 
 
+def _nested_contract(bucket_dir) -> None:
+    """A run 'r1' whose run.json someone with bucket credentials replaced by 100,000 nested arrays."""
+    from stoa.bucket import open_bucket
+    from stoa.layout import contract_key
+
+    open_bucket(str(bucket_dir)).put(contract_key("r1"), b"[" * 100_000)
+
+
 def _hold_the_lease(bucket_dir) -> None:
     from stoa.bucket import open_bucket
     from stoa.trainer.lease import Lease
@@ -307,6 +315,9 @@ MISTAKES = [  # (exit code, argv with {b} for the bucket and {t} for tmp_path, e
     (12, ["export", "{t}/out", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract,
      "stoa: no run 'nope' in bucket "),
     (12, ["join-card", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: run 'nope' has no "),
+    (13, ["join-card", "--bucket", "{b}", "--run", "r1"], {}, _nested_contract,
+     "stoa: runs/r1/run.json is not a run contract (JSON nested 100000 deep > 16); the trainer did not "
+     "write it; restore it from a backup of the bucket, or start a new --run"),
 ]
 """One real command per kind of mistake in ``EXIT_CODES`` (run not found from every command that reads a run)."""
 

@@ -35,6 +35,7 @@ EXIT_CODES: dict[int, str] = {
     10: "published weights unusable (e.g. another trainer moved the pointer)",
     11: "the model could not be fetched",
     12: "no such run in the bucket (stoa runs --bucket B lists them)",
+    13: "an object in the bucket is malformed and nothing can go on without it (restore it or start a new run)",
     130: "interrupted",
 }
 
@@ -69,6 +70,7 @@ USER_ERRORS: tuple[UserError, ...] = (
     UserError("stoa.tasks.base:TaskDataError", 2, lambda e: f"task data: {e}"),
     UserError("stoa.contract:ContractMismatch", 3, str),
     UserError("stoa.contract:RunNotFound", 12, str),
+    UserError("stoa.untrusted:BadBucketObject", 13, str),
     UserError("stoa.bucket.credentials:CredentialsError", 9, lambda e: f"bucket credentials: {e}"),
     UserError("stoa.bucket.base:BucketError", 4, lambda e: f"bucket error: {e}"),
     UserError("builtins:TimeoutError", 5, str),

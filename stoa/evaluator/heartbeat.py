@@ -1,10 +1,9 @@
 """The evaluator's heartbeat, ``runs/<run>/evaluator.json``: tells a trainer that a follow-along evaluator is
-present (so it can skip its own periodic evaluations). Stdlib and the bucket layer only."""
+present (so it can skip its own periodic evaluations). Stdlib, numpy (``stoa.untrusted``) and the bucket layer only."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import time
@@ -12,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 from stoa.bucket import Bucket, ObjectNotFound
 from stoa.layout import evaluator_key
+from stoa.untrusted import check_int, check_number, field_bool, field_int, field_text, load_object
 
 MAX_HEARTBEAT_BYTES = 4096
 """A heartbeat object larger than this is ignored (anyone who can write the bucket can write it)."""
@@ -41,25 +41,21 @@ class Heartbeat:
 
     @classmethod
     def from_json(cls, data: bytes) -> Heartbeat | None:
-        """Parse strictly; None for anything malformed (the object is untrusted).
+        """Parse strictly (``stoa.untrusted``: at most 4 KiB, one object deep, exact types); None for anything
+        malformed (the object is untrusted): a trainer then runs its own evaluations, as without an evaluator.
 
         Args:
             data: the stored bytes.
         """
-        if len(data) > MAX_HEARTBEAT_BYTES:
-            return None
         try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError):
+            d = load_object(data, "evaluator.json", max_bytes=MAX_HEARTBEAT_BYTES, max_depth=1)
+            version = d.get("version")
+            return cls(check_number(d.get("time"), "time"), field_text(d, "host", max_len=256),
+                       field_int(d, "pid", lo=-(1 << 31), hi=(1 << 31) - 1),
+                       None if version is None else check_int(version, "version"),
+                       field_bool(d, "stopped", default=False))
+        except ValueError:
             return None
-        if not isinstance(d, dict) or type(d.get("time")) not in (int, float) or not math.isfinite(d["time"]):
-            return None
-        version, stopped = d.get("version"), d.get("stopped", False)
-        if not isinstance(d.get("host"), str) or type(d.get("pid")) is not int or type(stopped) is not bool:
-            return None
-        if version is not None and type(version) is not int:
-            return None
-        return cls(float(d["time"]), d["host"], d["pid"], version, stopped)
 
 
 def write_heartbeat(bucket: Bucket, run_id: str, version: int | None, *, stopped: bool = False) -> Heartbeat:

@@ -18,11 +18,14 @@ from typing import Any
 
 from stoa.bucket import ObjectNotFound, open_bucket, parse_bucket_url
 from stoa.bucket.credentials import R2_VARS, resolve_env
-from stoa.contract import RunContract
+from stoa.contract import MAX_SAMPLES, RunContract
 from stoa.layout import contract_key
+from stoa.untrusted import loads_bounded
 
 CARD_VERSION = 1
 """Version of the card file; ``read_card`` refuses another."""
+MAX_CARD_CHARS = 64 << 10
+"""Longest card file read (a card is about 600 characters)."""
 R2_OPTIONAL = ("R2_ENDPOINT_URL",)
 """R2 variables a joiner needs only when this machine sets them too (an EU jurisdiction endpoint)."""
 AWS_REQUIRED = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -115,7 +118,7 @@ def read_contract(bucket_url: str, run: str, env: Mapping[str, str] | None = Non
     """
     bucket = open_bucket(bucket_url, env, create=False, retry_seconds=10.0)
     try:
-        return RunContract.from_json(bucket.get(contract_key(run)))
+        return RunContract.from_json(bucket.get(contract_key(run)), contract_key(run))
     except ObjectNotFound:
         raise ObjectNotFound(f"run {run!r} has no contract in {bucket_url}; start the trainer first or check "
                              "--run/--bucket") from None
@@ -179,21 +182,36 @@ def read_card(path: str | os.PathLike[str]) -> JoinCard:
         path: the card file.
 
     Raises:
-        CardError: missing, unreadable, of another version, or with missing or mistyped keys.
+        CardError: missing, unreadable, over 64 KiB, of another version, or with missing or mistyped keys.
     """
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise CardError(f"card {path}: {e.strerror or e}; ask the run's operator for it (stoa join-card "
                         "--out)") from None
+    except UnicodeDecodeError:
+        raise CardError(f"card {path} is not UTF-8 text; write it with stoa join-card --out FILE") from None
     try:
-        data = json.loads(text) if text.lstrip().startswith("{") else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise CardError(f"card {path} is not a join card ({e}); write it with stoa join-card --out FILE") from None
+        if len(text) > MAX_CARD_CHARS:
+            raise ValueError(f"{len(text)} characters > {MAX_CARD_CHARS}")
+        data = (loads_bounded(text.encode("utf-8"), max_bytes=4 * MAX_CARD_CHARS, max_depth=2)
+                if text.lstrip().startswith("{") else tomllib.loads(text))
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, RecursionError) as e:  # TOMLDecodeError is a ValueError
+        raise CardError(f"card {path} is not a join card ({str(e)[:200]}); write it with stoa join-card --out "
+                        "FILE") from None
     if data.get("card_version") != CARD_VERSION:
         raise CardError(f"card {path} has version {data.get('card_version')!r}, this stoa reads {CARD_VERSION}; "
                         "make a new one with this stoa's join-card")
     return _card_from(data, path)
+
+
+def _utf8(value: Any) -> bool:
+    """Whether a card value holds only text that prints (no lone surrogate from a JSON ``\\ud800``)."""
+    items = value if isinstance(value, list) else [value]
+    return all(not isinstance(v, str) or v.encode("utf-8", "replace") == v.encode("utf-8", "ignore")
+               for v in items)
 
 
 def _card_from(data: Mapping[str, Any], path: str | os.PathLike[str]) -> JoinCard:
@@ -201,7 +219,8 @@ def _card_from(data: Mapping[str, Any], path: str | os.PathLike[str]) -> JoinCar
              "search": bool, "retriever": str, "credentials": list}
     for name, kind in kinds.items():
         value = data.get(name)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        bad_int = kind is int and (type(value) is not int or not 1 <= value <= MAX_SAMPLES)
+        if not isinstance(value, kind) or bad_int or not _utf8(value):
             raise CardError(f"card {path}: {name!r} is missing or not a {kind.__name__}; make a new card with "
                             "stoa join-card --out FILE")
     run_key = data.get("run_key", "")

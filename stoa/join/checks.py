@@ -21,12 +21,13 @@ from stoa.contract import ContractMismatch, RunContract
 from stoa.join.card import JoinCard
 from stoa.layout import contract_key
 from stoa.lifecycle import read_status
+from stoa.untrusted import BadBucketObject
 
 MIN_FREE_GB = 2.0
 """Free disk the stoa cache needs at least (model config and tokenizer, a search task's index, logs)."""
 ENGINE_PACKAGES = {"torch": ("torch", "transformers"), "mlx": ("mlx", "mlx_lm")}
 """Python packages each engine imports."""
-EXIT_BAD_SETUP, EXIT_CONTRACT, EXIT_BUCKET, EXIT_TIMEOUT, EXIT_CREDENTIALS = 2, 3, 4, 5, 9
+EXIT_BAD_SETUP, EXIT_CONTRACT, EXIT_BUCKET, EXIT_TIMEOUT, EXIT_CREDENTIALS, EXIT_BAD_OBJECT = 2, 3, 4, 5, 9, 13
 """Exit codes of failed checks, the kinds of ``stoa.cli.EXIT_CODES``."""
 
 
@@ -179,7 +180,9 @@ def check_bucket(card: JoinCard, env: Mapping[str, str]) -> BucketProbe:
         return BucketProbe(_fail("bucket", str(e).splitlines()[0], "check the URL, the credentials and the "
                                  "network", code))
     try:
-        contract = RunContract.from_json(data)
+        contract = RunContract.from_json(data, contract_key(card.run))
+    except BadBucketObject as e:
+        return BucketProbe(_fail("bucket", f"run {card.run!r}: {e.key} {e.problem}", e.fix, EXIT_BAD_OBJECT))
     except (ValueError, ContractMismatch) as e:
         return BucketProbe(_fail("bucket", f"run {card.run!r}: {e}", "install the stoa version the trainer runs",
                                  EXIT_CONTRACT))

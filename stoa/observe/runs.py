@@ -98,9 +98,7 @@ def lease_live(data: bytes | None, now: float) -> bool:
     """
     from stoa.trainer.lease import DEFAULT_TTL_S, LeaseRecord
 
-    if _json_obj(data) is None:
-        return False
-    rec = LeaseRecord.from_json(data or b"")
+    rec = LeaseRecord.from_json(data) if data is not None else None  # total: None for anything malformed
     return rec is not None and not rec.released and now - rec.heartbeat < DEFAULT_TTL_S
 
 
@@ -108,10 +106,10 @@ def _version(data: bytes | None) -> int | None:
     from stoa.weights.errors import WeightsError
     from stoa.weights.pointer import Pointer
 
-    if _json_obj(data) is None:
+    if data is None:
         return None
     try:
-        return Pointer.from_json(data or b"").version
+        return Pointer.from_json(data).version
     except WeightsError:
         return None
 

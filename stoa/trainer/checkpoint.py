@@ -9,7 +9,9 @@ under a fresh ``trainer/checkpoints/<tag>/`` prefix, rank 0 adds the metadata an
 also names the older checkpoints kept (``keep_checkpoints`` in all); every other checkpoint directory, a
 half-written one included, is deleted only after the new pointer is written, so the pointer never names a
 deleted checkpoint and a kill mid-write leaves the previous one in place.
-Any world size loads any checkpoint (DCP reshards). The single-file checkpoint of older trainers still loads at
+Every file comes from a bucket others can write: the pointer is parsed by ``stoa.untrusted``, and DCP's pickles
+are read through ``stoa.trainer.dcp_safe`` (no code runs from them). Any world size loads any checkpoint (DCP
+reshards). The single-file checkpoint of older trainers still loads at
 world size 1. On restart the trainer resumes from it and continues the version sequence after the newest
 published pointer.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -32,8 +35,21 @@ import torch
 
 from stoa.bucket import Bucket, BucketError, ObjectNotFound
 from stoa.layout import checkpoint_files_prefix, checkpoint_key, checkpoint_pointer_key, journal_key
+from stoa.trainer.dcp_safe import SafeEmptyPlanner, SafeLoadPlanner, metadata_problem
 from stoa.trainer.dist import SINGLE, Dist
 from stoa.trainer.retry import ride_out
+from stoa.untrusted import (
+    MAX_INT,
+    BadBucketObject,
+    as_object,
+    check_int,
+    check_number,
+    field_int,
+    field_object,
+    load_object,
+)
+
+log = logging.getLogger(__name__)
 
 FORMAT = "dcp-1"
 """The pointer's format tag."""
@@ -41,8 +57,24 @@ _FILE = re.compile(r"(?:\.metadata|__\d{1,6}_\d{1,6}\.distcp)")
 _TAG = re.compile(r"s\d{10}-[0-9a-f]{8}")
 
 
-class CheckpointError(ValueError):
-    """The named checkpoint cannot be read; the message names the fix."""
+MAX_POINTER_BYTES = 1 << 20
+"""Longest checkpoint pointer read (a world of 1,000 ranks names about 40 KB of files)."""
+MAX_FILES = 1 << 16
+"""Most files a checkpoint pointer may name."""
+MAX_JOURNAL_BYTES = 64 << 20
+"""Longest journal read (reuse counts of every record in the window, the quarantine's workers)."""
+MAX_JOURNAL_DEPTH = 6
+"""Deepest nesting of the journal read (journal, pool, records, one record's row: 4)."""
+DELETE_POINTER = "delete trainer/checkpoint.json to continue from the published weights (the optimizer state restarts)"
+"""The fix a refused checkpoint names."""
+
+
+class CheckpointError(BadBucketObject):
+    """The named checkpoint cannot be read; the message names it and the fix (exit 13).
+
+    The trainer stops rather than going on without it: the checkpoint holds the optimizer state and the master
+    weights, and dropping them silently would change the run; deleting the pointer is the operator's choice.
+    """
 
 
 @dataclass
@@ -73,28 +105,41 @@ class CheckpointRef:
                           sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> CheckpointRef:
-        """Parse a pointer strictly (it sits in a bucket others can write).
+    def from_json(cls, data: bytes, key: str = "trainer/checkpoint.json") -> CheckpointRef:
+        """Parse a pointer strictly (``stoa.untrusted``: it sits in a bucket others can write).
+
+        Args:
+            data: the pointer's bytes.
+            key: its key, for the message.
 
         Raises:
-            CheckpointError: not a pointer this trainer wrote.
+            CheckpointError: not a pointer this trainer wrote (exit 13, naming the fix).
         """
         try:
-            d = json.loads(data)
-            files = d["files"]
-            ok = (d.get("format") == FORMAT and isinstance(d["tag"], str) and _TAG.fullmatch(d["tag"])
-                  and all(type(d[k]) is int and d[k] >= 0 for k in ("version", "step", "world_size"))
-                  and isinstance(files, dict) and ".metadata" in files
-                  and all(isinstance(f, str) and _FILE.fullmatch(f) and type(n) is int and n >= 0
-                          for f, n in files.items())
-                  and isinstance(d.get("kept", []), list)
-                  and all(isinstance(t, str) and _TAG.fullmatch(t) for t in d.get("kept", [])))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            ok = False
-        if not ok:
-            raise CheckpointError("trainer/checkpoint.json is not a checkpoint pointer; delete it to continue from "
-                                  "the published weights (the optimizer state restarts)")
-        return cls(d["tag"], d["version"], d["step"], d["world_size"], dict(files), tuple(d.get("kept", [])))
+            d = load_object(data, "checkpoint pointer", max_bytes=MAX_POINTER_BYTES, max_depth=2)
+            if d.get("format") != FORMAT:
+                raise ValueError(f"format is not {FORMAT!r}")
+            files = field_object(d, "files", max_items=MAX_FILES)
+            if ".metadata" not in files:
+                raise ValueError("files names no .metadata")
+            for name, size in files.items():
+                _match(_FILE, name, "file name")
+                check_int(size, "file size")
+            kept = d.get("kept", [])
+            if not isinstance(kept, list) or len(kept) > 64:
+                raise ValueError("kept is not a list of at most 64 tags")
+            return cls(_match(_TAG, d.get("tag"), "tag"), field_int(d, "version", hi=MAX_INT),
+                       field_int(d, "step", hi=MAX_INT), field_int(d, "world_size", hi=1 << 20), files,
+                       tuple(_match(_TAG, t, "kept tag") for t in kept))
+        except ValueError as e:
+            raise CheckpointError(key, f"is not a checkpoint pointer ({str(e)[:200]})", DELETE_POINTER) from None
+
+
+def _match(pattern: re.Pattern[str], value: object, what: str) -> str:
+    """``value`` if it is a string ``pattern`` matches in full, else ``ValueError``."""
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise ValueError(f"{what} is not {pattern.pattern!r}")
+    return value
 
 
 @contextlib.contextmanager
@@ -182,7 +227,7 @@ def read_pointer(bucket: Bucket, run_id: str) -> CheckpointRef | None:
         CheckpointError: the pointer is not one this trainer wrote.
     """
     try:
-        return CheckpointRef.from_json(bucket.get(checkpoint_pointer_key(run_id)))
+        return CheckpointRef.from_json(bucket.get(checkpoint_pointer_key(run_id)), checkpoint_pointer_key(run_id))
     except ObjectNotFound:
         return None
 
@@ -191,8 +236,7 @@ def _fetch(bucket: Bucket, key: str, path: str, what: str) -> None:
     try:
         bucket.get_file(key, path)
     except ObjectNotFound:
-        raise CheckpointError(f"{what} is missing; delete trainer/checkpoint.json to continue from the published "
-                              "weights") from None
+        raise CheckpointError(key, f"({what}) is missing", DELETE_POINTER) from None
 
 
 def _download(bucket: Bucket, run_id: str, ref: CheckpointRef, dest: str, echo=print) -> None:
@@ -203,8 +247,10 @@ def _download(bucket: Bucket, run_id: str, ref: CheckpointRef, dest: str, echo=p
         ride_out(lambda n=name, p=path: _fetch(bucket, prefix + n, p, f"checkpoint file {n} of {ref.tag}"),
                  f"(reading) checkpoint file {name}", echo)
         if os.path.getsize(path) != size:
-            raise CheckpointError(f"checkpoint file {name} of {ref.tag} is not the size its pointer says; delete "
-                                  "trainer/checkpoint.json to continue from the published weights")
+            raise CheckpointError(prefix + name, f"(checkpoint file {name} of {ref.tag}) is not the size its pointer "
+                                  "says", DELETE_POINTER)
+    if (problem := metadata_problem(os.path.join(dest, ".metadata"))) is not None:  # before DCP unpickles it
+        raise CheckpointError(prefix + ".metadata", f"is not DCP metadata ({problem})", DELETE_POINTER)
 
 
 def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -236,18 +282,18 @@ def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
         return None
     if plan == "legacy":
         if dist.sharded:
-            raise CheckpointError(f"run {run_id!r} has a single-file checkpoint of an older trainer: resume once at "
-                                  "world size 1 (it then writes a sharded one), or delete it")
+            raise CheckpointError(checkpoint_key(run_id), "is the single-file checkpoint of an older trainer",
+                                  "resume once at world size 1 (it then writes a sharded one), or delete it")
         return _load_legacy(bucket, run_id, model, opt)
     with tempfile.TemporaryDirectory(prefix="stoa-ckpt-") as tmp:
         _download(bucket, run_id, plan, tmp, echo)
         state = _state(model, opt)
         try:
             with _single_process_quiet():
-                dcp_load(state, checkpoint_id=tmp, no_dist=not dist.sharded)
+                dcp_load(state, checkpoint_id=tmp, planner=SafeLoadPlanner(), no_dist=not dist.sharded)
         except Exception as e:  # noqa: BLE001 - DCP raises many types for a bad file
-            raise CheckpointError(f"checkpoint {plan.tag} does not load ({type(e).__name__}); delete "
-                                  "trainer/checkpoint.json to continue from the published weights") from e
+            raise CheckpointError(checkpoint_files_prefix(run_id, plan.tag), f"does not load ({type(e).__name__})",
+                                  DELETE_POINTER) from e
         set_optimizer_state_dict(model, opt, state["optim"])
     return Restored(version=plan.version, step=plan.step)
 
@@ -264,10 +310,11 @@ def _load_legacy(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
         tensors = load_file(path)
-    opt_steps = json.loads(meta.get("opt_steps", "{}"))
+    opt_steps, version, step = _legacy_meta(meta, checkpoint_key(run_id))
     params = dict(model.named_parameters())
     if set(params) != {k.split("/", 1)[1] for k in tensors if k.startswith("param/")}:
-        raise CheckpointError("trainer checkpoint does not match the model's parameters")
+        raise CheckpointError(checkpoint_key(run_id), "does not match the model's parameters", "delete it to "
+                              "continue from the published weights (the optimizer state restarts)")
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(tensors[f"param/{name}"].to(p.device))
@@ -275,7 +322,22 @@ def _load_legacy(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch
                 opt.state[p] = {"step": torch.tensor(opt_steps[name]),
                                 "exp_avg": tensors[f"exp_avg/{name}"].to(p.device),
                                 "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(p.device)}
-    return Restored(version=int(meta["version"]), step=int(meta["step"]))
+    return Restored(version=version, step=step)
+
+
+def _legacy_meta(meta: dict[str, str], key: str) -> tuple[dict[str, float], int, int]:
+    """The single-file checkpoint's metadata: per-parameter optimizer steps, version and step (all untrusted)."""
+    try:
+        steps = load_object((meta.get("opt_steps") or "{}").encode(), "opt_steps", max_bytes=MAX_JOURNAL_BYTES,
+                            max_depth=1)
+        opt_steps = {k: check_number(v, f"opt_steps[{k[:64]!r}]", lo=0) for k, v in steps.items()}
+        numbers = {k: meta.get(k, "") for k in ("version", "step")}
+        if not all(v.isascii() and v.isdigit() and len(v) <= 18 for v in numbers.values()):
+            raise ValueError("version or step is not a number")
+    except ValueError as e:
+        raise CheckpointError(key, f"has malformed metadata ({str(e)[:200]})", "delete it to continue from the "
+                              "published weights (the optimizer state restarts)") from None
+    return opt_steps, int(numbers["version"]), int(numbers["step"])
 
 
 def checkpoint_params(bucket: Bucket, run_id: str) -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -285,16 +347,16 @@ def checkpoint_params(bucket: Bucket, run_id: str) -> tuple[int, dict[str, torch
         bucket: the run's bucket.
         run_id: the run.
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     ref = read_pointer(bucket, run_id)
     if ref is None:
         return None
+    state: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="stoa-ckpt-") as tmp:
         _download(bucket, run_id, ref, tmp)
-        out = os.path.join(tmp, "full.pt")
-        dcp_to_torch_save(tmp, out)
-        state = torch.load(out, map_location="cpu", weights_only=True)
+        _load_state_dict(state, storage_reader=FileSystemReader(tmp), planner=SafeEmptyPlanner(), no_dist=True)
     return ref.version, {k: v.float() for k, v in state["model"].items()}
 
 
@@ -310,13 +372,31 @@ def write_journal(bucket: Bucket, run_id: str, state: dict[str, Any]) -> None:
 
 
 def read_journal(bucket: Bucket, run_id: str) -> dict[str, Any] | None:
-    """Read the journal, or ``None`` if the run has none yet.
+    """Read the journal, or ``None`` if the run has none yet or it is malformed (one warning line).
+
+    A malformed journal (``stoa.untrusted``: over 64 MiB, nested, not an object, ``step`` or ``version`` not an
+    integer, ``pool`` or ``quarantine`` not an object) is ignored rather than fatal: everything in it can be
+    rebuilt (the step comes from the checkpoint, reuse counts and the quarantine start over, at worst letting a
+    record in the window be used ``reuse_cap`` more times), the next step overwrites it, and whoever could
+    plant a malformed one could as well plant a well-formed one, so stopping would protect nothing.
 
     Args:
         bucket: the run's bucket.
         run_id: the run.
     """
     try:
-        return json.loads(bucket.get(journal_key(run_id)))
+        data = bucket.get(journal_key(run_id))
     except ObjectNotFound:
         return None
+    try:
+        journal = load_object(data, "journal", max_bytes=MAX_JOURNAL_BYTES, max_depth=MAX_JOURNAL_DEPTH)
+        for name in ("step", "version"):
+            if name in journal:
+                check_int(journal[name], name, hi=MAX_INT)
+        for name in ("pool", "quarantine"):
+            as_object(journal.get(name, {}), name)
+    except ValueError as e:
+        log.warning("[trainer] ignoring %s: %s; the step comes from the checkpoint, reuse counts and the "
+                    "quarantine start over", journal_key(run_id), str(e)[:200])
+        return None
+    return journal

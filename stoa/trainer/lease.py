@@ -29,7 +29,10 @@ from dataclasses import asdict, dataclass, replace
 
 from stoa.bucket import Bucket, ObjectInfo, ObjectNotFound, PreconditionFailed
 from stoa.layout import lease_key
+from stoa.untrusted import check_number, field_bool, field_int, field_str, field_text, load_object
 
+MAX_LEASE_BYTES = 64 << 10
+"""Longest ``lease.json`` read (the trainer writes about 200 bytes)."""
 DEFAULT_TTL_S = 120.0
 """A lease whose heartbeat is older than this may be taken over with ``--take-over``."""
 
@@ -72,15 +75,25 @@ class LeaseRecord:
 
     @classmethod
     def from_json(cls, data: bytes) -> LeaseRecord | None:
-        """Decode; ``None`` when the bytes are not a lease (anyone may write the bucket)."""
+        """Decode; ``None`` when the bytes are not a lease (anyone may write the bucket).
+
+        Parsed by ``stoa.untrusted`` (at most 64 KiB, one object deep, exact types: a pid or epoch is an integer,
+        times are finite numbers, ``released`` a boolean). A trainer treats a refused lease like a stale one
+        (``--take-over`` replaces it); ``stoa status`` shows no holder.
+
+        Args:
+            data: the object's bytes.
+        """
         try:
-            d = json.loads(data)
-            rec = cls(holder=str(d["holder"]), host=str(d["host"]), pid=int(d["pid"]), started=float(d["started"]),
-                      heartbeat=float(d["heartbeat"]), epoch=int(d["epoch"]), model=str(d.get("model", "")),
-                      released=bool(d.get("released", False)))
-        except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
+            d = load_object(data, "lease", max_bytes=MAX_LEASE_BYTES, max_depth=1)
+            return cls(holder=field_text(d, "holder", max_len=256), host=field_text(d, "host", max_len=256),
+                       pid=field_int(d, "pid", lo=-(1 << 31), hi=(1 << 31) - 1),
+                       started=check_number(d.get("started"), "started"),
+                       heartbeat=check_number(d.get("heartbeat"), "heartbeat"),
+                       epoch=field_int(d, "epoch", hi=1 << 62), model=field_str(d, "model", max_len=4096, default=""),
+                       released=field_bool(d, "released", default=False))
+        except ValueError:
             return None
-        return rec
 
 
 def pid_alive(pid: int) -> bool:

@@ -20,7 +20,10 @@ from stoa.bucket import Bucket, ObjectExists, ObjectNotFound
 from stoa.config import ConfigError, TrainerConfig
 from stoa.contract import ContractMismatch, canonical_json
 from stoa.layout import trainer_config_key
+from stoa.untrusted import load_object
 
+MAX_CONFIG_BYTES = 1 << 20
+"""Longest stored configuration read (a real one is about 3 KB)."""
 FORMAT = "stoa-trainer-config-1"
 """The stored object's format tag."""
 CONTRACT_FIELDS = frozenset({"n_samples", "plane", "temperature", "top_p", "max_new_tokens", "staleness_bound",
@@ -71,7 +74,7 @@ def parse_config(data: bytes, run_id: str) -> dict[str, Any]:
     """The stored settings, each coerced to its field's type; settings this stoa does not know are dropped.
 
     Args:
-        data: the object's bytes (the bucket is shared: treat them as untrusted).
+        data: the object's bytes (the bucket is shared: parsed by ``stoa.untrusted``, at most 1 MiB).
         run_id: the run, named in errors.
 
     Raises:
@@ -80,9 +83,9 @@ def parse_config(data: bytes, run_id: str) -> dict[str, Any]:
     from stoa.config.loading import coerce
 
     try:
-        doc = json.loads(data)
-        settings = doc["settings"] if doc.get("format") == FORMAT else None
-    except (ValueError, KeyError, TypeError, AttributeError):
+        doc = load_object(data, "stored configuration", max_bytes=MAX_CONFIG_BYTES)
+        settings = doc.get("settings") if doc.get("format") == FORMAT else None
+    except ValueError:
         settings = None
     if not isinstance(settings, dict):
         raise ConfigError("config", f"{trainer_config_key(run_id)} is not a stored trainer configuration; "

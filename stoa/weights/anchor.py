@@ -13,10 +13,11 @@ import numpy as np
 import xxhash
 
 from stoa.layout import ANCHOR_FILE
-from stoa.weights import strict
+from stoa.untrusted import MAX_INT, as_object, check_text, field_int, field_text, int_list
 from stoa.weights.errors import AnchorError
 from stoa.weights.hashing import HASH_PREFIX, state_hash_from_tensor_hashes, tensor_hash
 from stoa.weights.planes import State, check_plane
+from stoa.weights.strict import load_json, refused_as
 
 SCHEMA = "stoa.weights.anchor/1"
 FILE_NAME = ANCHOR_FILE
@@ -24,6 +25,8 @@ FILE_NAME = ANCHOR_FILE
 _ST_DTYPES = {np.dtype(np.uint16): "BF16", np.dtype(np.uint32): "U32"}
 _NP_DTYPES = {"BF16": np.dtype("<u2"), "U32": np.dtype("<u4")}
 _MAX_HEADER = 100 * 1024 * 1024
+MAX_MANIFEST_BYTES = 16 << 20
+"""Longest manifest parsed (a real one is about 300 bytes per tensor)."""
 _MAX_ELEMENTS = 1 << 40
 """Most elements one tensor may declare (2**40 bf16 values are 2 TiB, far above any model)."""
 
@@ -125,20 +128,20 @@ def load_manifest(data: bytes | bytearray | memoryview) -> dict[str, Any]:
     Args:
         data: the manifest object's bytes.
     """
-    manifest = strict.load_json(data, _anchor_error, "manifest")
+    manifest = load_json(data, _anchor_error, "manifest", max_bytes=MAX_MANIFEST_BYTES)
     check_manifest(manifest)
     return manifest
 
 
 def _check_tensors(tensors: Any) -> None:
-    tensors = strict.obj(tensors, "manifest tensors")
+    tensors = as_object(tensors, "manifest tensors")
     for name, t in tensors.items():
-        strict.check_text(name, "tensor name")
-        t = strict.obj(t, f"tensor {name!r}")
+        check_text(name, "tensor name")
+        t = as_object(t, f"tensor {name!r}")
         if not isinstance(t.get("dtype"), str) or t["dtype"] not in _NP_DTYPES:
-            raise strict.FieldError(f"tensor {name!r}: dtype is not one of {sorted(_NP_DTYPES)}")
-        strict.int_list(t.get("shape"), f"tensor {name!r} shape", hi=_MAX_ELEMENTS)
-        strict.text(t, "hash", max_len=128)
+            raise ValueError(f"tensor {name!r}: dtype is not one of {sorted(_NP_DTYPES)}")
+        int_list(t.get("shape"), f"tensor {name!r} shape", hi=_MAX_ELEMENTS)
+        field_text(t, "hash", max_len=128)
 
 
 def check_manifest(
@@ -159,20 +162,18 @@ def check_manifest(
         version: expected version.
         plane: expected plane.
     """
-    try:
-        manifest = strict.obj(manifest, "manifest")
+    with refused_as(_anchor_error, "manifest"):
+        manifest = as_object(manifest, "manifest")
         if manifest.get("schema") != SCHEMA:
-            raise strict.FieldError(f"schema is not {SCHEMA!r}")
-        strict.text(manifest, "run_id")
-        strict.integer(manifest, "version")
-        strict.text(manifest, "plane", max_len=32)
-        strict.text(manifest, "state_hash", max_len=128)
-        strict.integer(manifest, "size")
+            raise ValueError(f"schema is not {SCHEMA!r}")
+        field_text(manifest, "run_id")
+        field_int(manifest, "version", hi=MAX_INT)
+        field_text(manifest, "plane", max_len=32)
+        field_text(manifest, "state_hash", max_len=128)
+        field_int(manifest, "size", hi=MAX_INT)
         if "file_hash" in manifest:
-            strict.text(manifest, "file_hash", max_len=128)
+            field_text(manifest, "file_hash", max_len=128)
         _check_tensors(manifest.get("tensors"))
-    except strict.FieldError as e:
-        raise AnchorError("bad_format", f"manifest: {e}") from None
     if run_id is not None and manifest["run_id"] != run_id:
         raise AnchorError("wrong_run", f"anchor is for run {manifest['run_id']!r}, not {run_id!r}")
     if plane is not None and manifest["plane"] != plane:
@@ -244,7 +245,7 @@ def _st_header(mv: memoryview, manifest: Mapping[str, Any]) -> tuple[dict[str, A
     (hlen,) = struct.unpack_from("<Q", mv, 0)
     if hlen > _MAX_HEADER or 8 + hlen > len(mv):
         raise AnchorError("bad_format", f"safetensors header length {hlen}")
-    header = strict.load_json(mv[8 : 8 + hlen], _anchor_error, "safetensors header")
+    header = load_json(mv[8 : 8 + hlen], _anchor_error, "safetensors header", max_bytes=_MAX_HEADER)
     if not isinstance(header, dict):
         raise AnchorError("bad_format", "safetensors header is not an object")
     meta = header.pop("__metadata__", None) or {}
@@ -272,13 +273,13 @@ def _st_entries(header: dict[str, Any], tensors: Mapping[str, Any], data_len: in
     for name, h in header.items():
         m = tensors[name]
         try:
-            h = strict.obj(h, f"tensor {name!r}")
+            h = as_object(h, f"tensor {name!r}")
             dt = _NP_DTYPES.get(h["dtype"]) if isinstance(h.get("dtype"), str) else None
             if dt is None:
-                raise strict.FieldError(f"{name!r}: unknown dtype")
-            shape = tuple(strict.int_list(h.get("shape"), f"{name!r} shape", hi=_MAX_ELEMENTS))
-            start, end = strict.int_list(h.get("data_offsets"), f"{name!r} data_offsets", max_len=2)
-        except (strict.FieldError, ValueError):
+                raise ValueError(f"{name!r}: unknown dtype")
+            shape = tuple(int_list(h.get("shape"), f"{name!r} shape", hi=_MAX_ELEMENTS))
+            start, end = int_list(h.get("data_offsets"), f"{name!r} data_offsets", max_len=2)
+        except ValueError:
             raise AnchorError("bad_format", f"{name}: bad safetensors header entry") from None
         if h["dtype"] != m["dtype"] or list(shape) != list(m["shape"]):
             raise AnchorError(

@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from stoa.weights import strict
+from stoa.untrusted import MAX_INT, as_object, element_count, field_int, field_text, int_list
 from stoa.weights.errors import PatchError
 from stoa.weights.hashing import state_hash_from_tensor_hashes
+from stoa.weights.strict import load_json, refused_as
 
 MAGIC = b"STOAPTCH"
 FORMAT_VERSION = 1
@@ -24,6 +25,8 @@ CODEC = "xor-shuffle-zstd"
 _PREFIX = struct.Struct("<8sHHIQ")  # magic, format version, flags, header length, body length
 _DIGEST_LEN = 16
 _MAX_GAP = (1 << 32) - 1
+MAX_HEADER_BYTES = 256 << 20
+"""Longest patch header read (about 300 bytes per tensor; the header length field allows 4 GiB)."""
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -83,37 +86,37 @@ def _patch_error(reason: str, detail: str) -> PatchError:
 
 def _entry(t: Any, blen: int) -> tuple[_Entry, int]:
     """One header tensor entry, strictly typed; returns it and its element count."""
-    t = strict.obj(t, "tensor entry")
-    name = strict.text(t, "name")
-    dtype = _DTYPES.get(strict.text(t, "dtype", max_len=8))
+    t = as_object(t, "tensor entry")
+    name = field_text(t, "name")
+    dtype = _DTYPES.get(field_text(t, "dtype", max_len=8))
     if dtype is None:
-        raise strict.FieldError(f"{name!r}: unknown dtype")
-    shape = tuple(strict.int_list(t.get("shape"), f"{name!r} shape", hi=_MAX_GAP))
-    size = strict.element_count(list(shape), name, hi=_MAX_GAP)
+        raise ValueError(f"{name!r}: unknown dtype")
+    shape = tuple(int_list(t.get("shape"), f"{name!r} shape", hi=_MAX_GAP))
+    size = element_count(list(shape), name, hi=_MAX_GAP)
     e = _Entry(
         name,
         dtype,
         shape,
-        strict.text(t, "hash", max_len=128),
-        strict.integer(t, "changed", hi=size),
-        strict.integer(t, "offset", hi=blen),
-        strict.integer(t, "length", hi=blen),
+        field_text(t, "hash", max_len=128),
+        field_int(t, "changed", hi=size),
+        field_int(t, "offset", hi=blen),
+        field_int(t, "length", hi=blen),
     )
     if e.offset + e.length > blen or (e.changed == 0) != (e.length == 0):
-        raise strict.FieldError(f"tensor {name!r} frame out of bounds")
+        raise ValueError(f"tensor {name!r} frame out of bounds")
     return e, size
 
 
 def _header(hbytes: memoryview, blen: int, n: int) -> tuple[PatchInfo, list[_Entry]]:
     """Parse and type-check the JSON header; every malformation is ``PatchError("bad_format")``."""
-    header = strict.load_json(hbytes, _patch_error, "patch header")
-    try:
-        header = strict.obj(header, "patch header")
+    header = load_json(hbytes, _patch_error, "patch header", max_bytes=MAX_HEADER_BYTES)
+    with refused_as(_patch_error, "header"):
+        header = as_object(header, "patch header")
         if header.get("schema") != SCHEMA or header.get("codec") != CODEC:
-            raise strict.FieldError(f"unknown schema or codec; this reader knows {SCHEMA} {CODEC}")
+            raise ValueError(f"unknown schema or codec; this reader knows {SCHEMA} {CODEC}")
         tensors = header.get("tensors")
         if not isinstance(tensors, list):
-            raise strict.FieldError("tensors is not a list")
+            raise ValueError("tensors is not a list")
         entries, elements, changed = [], 0, 0
         for t in tensors:
             e, size = _entry(t, blen)
@@ -121,20 +124,18 @@ def _header(hbytes: memoryview, blen: int, n: int) -> tuple[PatchInfo, list[_Ent
             elements += size
             changed += e.changed
         info = PatchInfo(
-            run_id=strict.text(header, "run_id"),
-            from_version=strict.integer(header, "from_version"),
-            to_version=strict.integer(header, "to_version"),
-            plane=strict.text(header, "plane", max_len=32),
-            from_state_hash=strict.text(header, "from_state_hash", max_len=128),
-            state_hash=strict.text(header, "state_hash", max_len=128),
+            run_id=field_text(header, "run_id"),
+            from_version=field_int(header, "from_version", hi=MAX_INT),
+            to_version=field_int(header, "to_version", hi=MAX_INT),
+            plane=field_text(header, "plane", max_len=32),
+            from_state_hash=field_text(header, "from_state_hash", max_len=128),
+            state_hash=field_text(header, "state_hash", max_len=128),
             tensor_hashes={e.name: e.hash for e in entries},
             changed=changed,
             elements=elements,
             nbytes=n,
-            level=strict.integer(header, "level", lo=-(1 << 31), hi=1 << 31),
+            level=field_int(header, "level", lo=-(1 << 31), hi=1 << 31),
         )
-    except strict.FieldError as e:
-        raise PatchError("bad_format", f"header: {e}") from None
     return info, entries
 
 

@@ -22,10 +22,11 @@ from stoa.layout import (
     pointer_key,
     weights_prefix,
 )
-from stoa.weights import strict
+from stoa.untrusted import check_text, field_int, field_text, load_object
 from stoa.weights.anchor import FILE_NAME
 from stoa.weights.errors import SyncError
 from stoa.weights.signing import POINTER_DOMAIN, verify_signature
+from stoa.weights.strict import refused_as
 
 POINTER_SCHEMA = "stoa.weights.pointer/1"
 MANIFEST_NAME = ANCHOR_MANIFEST
@@ -45,8 +46,14 @@ __all__ = [
 ]
 
 
+MAX_POINTER_BYTES = 64 << 10
+"""Longest ``current.json`` read (the trainer writes about 400 bytes)."""
+MAX_VERSION = (1 << 63) - 1
+"""Largest version a pointer may name; nothing is sized by it (a sync walks only the patches listed)."""
+
+
 def _pointer_error(reason: str, detail: str) -> SyncError:
-    return SyncError("bad_pointer", f"current.json: {detail}")
+    return SyncError(reason, detail)
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,8 @@ class Pointer:
 
     @classmethod
     def from_json(cls, data: bytes, etag: str | None = None) -> Pointer:
-        """Parse and validate pointer JSON; any malformed input raises ``SyncError("bad_pointer")``.
+        """Parse and validate pointer JSON (``stoa.untrusted``: at most 64 KiB, one object deep); any malformed
+        input raises ``SyncError("bad_pointer")``.
 
         Versions are non-negative integers (not bools or floats) with ``anchor_version <= version``;
         every other field is a string; ``signature`` is optional here (checked by the reader against the run's
@@ -115,24 +123,21 @@ class Pointer:
             data: the object content.
             etag: the etag it was read with.
         """
-        d = strict.load_json(data, _pointer_error, "current.json")
-        try:
-            d = strict.obj(d, "pointer")
+        with refused_as(_pointer_error, "current.json", "bad_pointer"):
+            d = load_object(data, "pointer", max_bytes=MAX_POINTER_BYTES, max_depth=1)
             if d.get("schema") != POINTER_SCHEMA:
-                raise strict.FieldError(f"schema is not {POINTER_SCHEMA!r}")
-            version = strict.integer(d, "version")
+                raise ValueError(f"schema is not {POINTER_SCHEMA!r}")
+            version = field_int(d, "version", hi=MAX_VERSION)
             p = cls(
-                run_id=strict.text(d, "run_id"),
+                run_id=field_text(d, "run_id"),
                 version=version,
-                anchor_version=strict.integer(d, "anchor_version", hi=version),
-                plane=strict.text(d, "plane", max_len=32),
-                state_hash=strict.text(d, "state_hash", max_len=128),
-                updated_at=strict.text(d, "updated_at", max_len=64),
-                signature=strict.text(d, "signature", max_len=256) if "signature" in d else "",
+                anchor_version=field_int(d, "anchor_version", hi=version),
+                plane=field_text(d, "plane", max_len=32),
+                state_hash=field_text(d, "state_hash", max_len=128),
+                updated_at=field_text(d, "updated_at", max_len=64),
+                signature=check_text(d["signature"], "signature", max_len=256) if "signature" in d else "",
                 etag=etag,
             )
-        except strict.FieldError as e:
-            raise SyncError("bad_pointer", f"current.json: {e}") from None
         return p
 
 

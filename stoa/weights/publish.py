@@ -14,6 +14,7 @@ import numpy as np
 
 from stoa.bucket import Bucket, BucketError, ObjectExists, ObjectNotFound, PreconditionFailed
 from stoa.layout import anchor_prefix, patch_key, pointer_key
+from stoa.untrusted import BadBucketObject
 from stoa.weights.anchor import FILE_NAME, encode_anchor
 from stoa.weights.errors import SyncError, WeightsError
 from stoa.weights.planes import State, check_plane
@@ -25,6 +26,8 @@ from stoa.weights.sync import Refusal, WeightSync
 DEFAULT_ANCHOR_EVERY = 20
 """Anchor cadence: a late joiner pays one anchor plus at most 19 patches (~1.2 checkpoints); the trainer
 uploads ~6% of a checkpoint per version on average (measurements in docs/weights.md)."""
+_POINTER_FIX = ("the trainer did not write it and does not publish after it; restore it from a backup of the "
+                "bucket, or start a new --run")
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,9 @@ class WeightPublisher:
             The pointer found (None for a fresh run).
 
         Raises:
-            SyncError: ``bad_pointer`` when current.json itself is malformed.
+            BadBucketObject: (exit 13) current.json is malformed, or names a version above every patch and
+                anchor listed: this trainer never wrote it (it writes the pointer last), and continuing would
+                publish after a version nobody has, so the trainer stops with one line naming the fix.
             RunKeyError: (exit 3) on a signed run, current.json is not signed by the run's key.
             WeightsError: ``wrong_run``/``wrong_plane`` when it belongs to another run or plane.
             BucketError: the bucket failed while reading (an outage is not a corrupt state).
@@ -173,6 +178,9 @@ class WeightPublisher:
         try:
             self._pointer = self._read_pointer()
         except SyncError as e:
+            if e.reason == "bad_pointer":
+                raise BadBucketObject(pointer_key(self.run_id), f"is not a weights pointer ({e.detail})",
+                                      _POINTER_FIX) from None
             if self.signer is None or e.reason not in ("unsigned", "malformed_signature", "bad_signature"):
                 raise
             raise RunKeyError(f"{pointer_key(self.run_id)} is not signed by the run's key ({e.detail}): someone "
@@ -190,6 +198,9 @@ class WeightPublisher:
         except SyncError as e:
             if isinstance(e.__cause__, BucketError):
                 raise e.__cause__ from None
+            if e.reason == "pointer_ahead":
+                raise BadBucketObject(pointer_key(self.run_id), f"is ahead of the published weights ({e.detail})",
+                                      _POINTER_FIX) from None
             self.resume_error = e
             self.resume_refusals = list(sync.refusals)
             return self._pointer

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from stoa.bucket import Bucket, BucketError, ObjectNotFound
 from stoa.layout import anchor_prefix, patch_key, pointer_key
-from stoa.weights.anchor import FILE_NAME, check_manifest, decode_anchor, load_manifest
+from stoa.weights.anchor import FILE_NAME, MAX_MANIFEST_BYTES, check_manifest, decode_anchor, load_manifest
 from stoa.weights.errors import AnchorError, PatchError, SyncError, WeightsError
 from stoa.weights.planes import State, check_plane
 from stoa.weights.pointer import MANIFEST_NAME, Pointer, complete, list_anchors, list_patches
 from stoa.weights.pulse import apply_patch
 
-MAX_MANIFEST_BYTES = 16 << 20
-"""A listed manifest larger than this is refused unread (a real one is ~300 bytes per tensor)."""
+__all__ = ["MAX_MANIFEST_BYTES", "Refusal", "WeightSync", "chain_to"]
 _PATCH_SLACK = 16 << 20
 
 
@@ -62,6 +62,25 @@ class _Refused(Exception):
 def _patch_cap(state: State) -> int:
     """Largest patch that can be honest for ``state``: every element changed, plus generous slack."""
     return _PATCH_SLACK + 2 * sum(int(a.size) * (4 + a.dtype.itemsize) for a in state.values())
+
+
+def chain_to(start: int, top: int, patches: Mapping[int, int]) -> list[int] | None:
+    """The patch versions ``start + 1 .. top`` when every one is listed, else None; walks only what is listed.
+
+    ``top`` comes from the pointer, which anyone with bucket access can write: the walk stops at the first
+    missing patch, so it takes at most ``len(patches)`` steps and never sizes anything by ``top``.
+
+    Args:
+        start: the version held (or an anchor's).
+        top: the pointer's version.
+        patches: the listed patches (version -> size).
+    """
+    need: list[int] = []
+    v = start
+    while v < top and v + 1 in patches:
+        v += 1
+        need.append(v)
+    return need if v == top else None
 
 
 class WeightSync:
@@ -152,15 +171,19 @@ class WeightSync:
 
     def _plans(self, target: Pointer) -> list[_Plan]:
         local = self.version if self.state is not None else None
-        anchors = {v: o for v, o in list_anchors(self.bucket, self.run_id).items() if complete(o)}
+        listed = list_anchors(self.bucket, self.run_id)
+        anchors = {v: o for v, o in listed.items() if complete(o)}
         candidates = sorted((v for v in anchors if v <= target.version), reverse=True)
         starts = candidates[:2] + ([local] if local is not None else [])
         lowest = min(starts) if starts else None
         patches = list_patches(self.bucket, self.run_id, after=lowest)
+        newest = max([*listed, *patches], default=None)
+        if newest is None or target.version > newest:
+            raise SyncError("pointer_ahead", f"current.json names v{target.version} but the newest weights object "
+                                             f"listed is {'none' if newest is None else f'v{newest}'}")
 
         def chain(start: int) -> list[int] | None:
-            need = list(range(start + 1, target.version + 1))
-            return need if all(v in patches for v in need) else None
+            return chain_to(start, target.version, patches)
 
         plans = []
         if local is not None and local <= target.version and (c := chain(local)) is not None:
@@ -236,7 +259,9 @@ class WeightSync:
         patches after it, whichever lists fewer bytes; verifies every patch, anchor and the final state
         hash against the pointer; on any failure falls back to the next path (anchors last). If every
         path fails, the previous verified weights stay in place and :class:`SyncError` is raised (retry
-        later). ``self.metrics`` describes the last attempt and ``self.refusals`` what it refused.
+        later). ``self.metrics`` describes the last attempt and ``self.refusals`` what it refused. A pointer
+        whose version is above every patch and anchor listed (planted: the trainer writes the pointer last)
+        is refused as ``pointer_ahead`` before anything is fetched; nothing is sized by its version.
 
         Args:
             target: the pointer to reach: from :meth:`poll`, or bound to it by the hash chain (the evaluator's
@@ -265,6 +290,10 @@ class WeightSync:
             self.totals["failures"] += 1
             self._record(t0, counter, "failed", [*errors, f"bucket: {e}"], pointer)
             raise SyncError("unavailable", f"bucket error during sync (keeping v{self.version}): {e}") from e
+        except SyncError as e:  # pointer_ahead: nothing listed reaches the pointer's version
+            self.totals["failures"] += 1
+            self._record(t0, counter, "failed", [*errors, str(e)], pointer)
+            raise SyncError(e.reason, f"{e.detail} (keeping v{self.version})") from None
         if path == "none":
             self.totals["failures"] += 1
             self._record(t0, counter, "failed", errors, pointer)

@@ -110,4 +110,7 @@ def test_signed_contract_field_damage_is_refused(tmp_path_factory) -> None:
             assert c == good, f"{name}={value!r:.40} accepted"
             outcomes["ok"] += 1
     print(f"\n[fuzz] signed contract fields: {dict(outcomes)}")
-    assert outcomes["RunKeyError"] > 100
+    # a mistyped or out-of-range field is refused by the parser (BadBucketObject), a well-typed change by the
+    # signature (RunKeyError); only the untouched value is accepted
+    assert outcomes["RunKeyError"] > 50 and outcomes["BadBucketObject"] > 100 and set(outcomes) == {
+        "RunKeyError", "BadBucketObject", "ok"}
