@@ -9,11 +9,28 @@ decide, in :meth:`RunWatch.check`, whether to sample, pause or exit:
 - the heartbeat has not moved for ``stale_s`` (or three of the trainer's last step times, if longer),
   or the trainer ``failed``: pause until it moves again (a restarted trainer writes ``running``);
 - ``wanted_groups <= 0``: pause (backpressure: the pool already holds what the trainer can use before it
-  goes stale, groups it skipped for equal rewards included); while it is positive a worker samples at most
-  that many groups per status object it read (:meth:`RunWatch.spend`), then pauses until the trainer writes
-  the next one (a new version, its heartbeat, or the want leaving zero). Several workers read the same want
-  and may all sample for it, so each status can bring up to the workers' count times the want: bounded
-  over-production, never starvation.
+  goes stale, groups it skipped for equal rewards included); while it is positive the want is shared among
+  the ``workers`` the trainer counts (below): a worker samples at most its share per status object it read
+  (:meth:`RunWatch.spend`), then pauses until the trainer writes the next one (a new version, its
+  heartbeat, the want leaving zero or the count rising).
+
+Sharing the want (see docs/fleet.md, "Backpressure"). The trainer publishes ``workers``, the workers it counts
+live: the ids on records it accepted in the last ``LIVE_S`` seconds plus the ids of presence objects
+(``runs/<run>/workers/<id>-<seq>``, empty, create-only) it listed in that time. A worker writes one when it
+joins and again only after ``PRESENCE_S`` without an upload (its records prove it is alive meanwhile); the
+trainer lists that prefix once per status heartbeat (one LIST, whatever the fleet's size) and deletes what it
+listed. Each worker's share of a status is ``wanted / workers`` with randomized rounding (``floor(want /
+workers + u)``, ``u`` drawn from a hash of the worker id and the status): the fleet's shares add up to the
+want on average, a single worker's share is the whole want, and a worker needs no state but its own. Why
+quotas and not claims or leases on slots: a claim object per group doubles the bucket's billed writes (PUT is
+R2's costly Class A) and leases need renewals and listings that grow with the fleet, while a presence object
+costs one PUT per join (or per idle ``PRESENCE_S``) and the count one LIST per heartbeat. A crashed worker
+leaves the count ``LIVE_S`` after its last record or presence, and its share with it. A worker that ignores its
+share can fill the want before others (the trainer then wants less), but only with records the trainer
+accepts; what it writes beyond the window goes stale: waste, never a lock that keeps others out. A new worker
+draws a share from the first status it reads (the count includes it a heartbeat later). While the trainer
+counts nobody (a fresh run, ``workers == 0``) workers announce themselves and wait for a count, at most
+``JOIN_WAIT_S``; a status without ``workers`` (an older trainer) gives every worker the whole want.
 
 When in doubt it samples: a missing, unreadable or malformed status means "sample". Staleness is measured
 on the worker's own monotonic clock (time since the heartbeat value last changed), so clock skew between
@@ -23,18 +40,30 @@ and a forged ``finished`` stops workers, not the trainer. Stdlib and the bucket 
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from stoa.bucket import Bucket, BucketError, ObjectNotFound
-from stoa.layout import status_key
+from stoa.layout import presence_key, status_key
+from stoa.untrusted import field_float, field_int, field_str, loads_bounded
 
 STATES = ("running", "finished", "failed")
 MAX_STATUS_BYTES = 4096
 """A status object larger than this is ignored (treated as absent)."""
+MAX_COUNT = 2**31 - 1
+"""Largest version, step, want or worker count a status may carry."""
+MAX_SECONDS = 1e12
+"""Largest time or step time (seconds) a status may carry."""
+PRESENCE_S = 20.0
+"""A worker that uploaded nothing for this long writes a presence object again."""
+LIVE_S = 3 * PRESENCE_S
+"""The trainer counts a worker live this long after its last accepted record or presence object."""
+JOIN_WAIT_S = 30.0
+"""Longest a worker waits for the trainer's first count before it samples the whole want (fail open)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +82,8 @@ class RunStatus:
         step: the run's optimizer steps so far (restarts included).
         target_steps: the run's total steps (0: unbounded; None: not said, a trainer older than this field);
             ``stoa status`` shows it with an ETA.
+        workers: the workers the trainer counts live, among whom the want is shared (0: none counted yet; None:
+            not said, a trainer older than this field: every worker may sample the whole want).
     """
 
     state: str
@@ -64,6 +95,7 @@ class RunStatus:
     rollouts_kept_from: int = 1
     step: int = 0
     target_steps: int | None = None
+    workers: int | None = None
 
     def to_json(self) -> bytes:
         """Serialize for the bucket."""
@@ -71,33 +103,33 @@ class RunStatus:
 
     @classmethod
     def from_json(cls, data: bytes) -> RunStatus | None:
-        """Parse strictly; ``None`` for anything malformed (the object is untrusted).
+        """Parse strictly through :func:`stoa.untrusted.loads_bounded`; ``None`` for anything malformed (the
+        object is untrusted: oversize, nested, a huge number literal or a wrong type is never an exception).
 
         Args:
             data: the stored bytes.
         """
-        if len(data) > MAX_STATUS_BYTES:
-            return None
         try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError):
+            d = loads_bounded(data, max_bytes=MAX_STATUS_BYTES, max_depth=1)
+            if not isinstance(d, dict):
+                raise ValueError("a status is a JSON object")
+            return cls._from_fields(d)
+        except ValueError:
             return None
-        if not isinstance(d, dict) or d.get("state") not in STATES:
-            return None
-        ints = ("version", "rollouts_kept_from")
-        floats = ("updated_at", "heartbeat_at", "step_s")
-        if not all(type(d.get(k)) is int and d[k] >= 0 for k in ints):
-            return None
-        step, target = d.get("step", 0), d.get("target_steps")  # absent in a status of an older trainer
-        if type(step) is not int or step < 0 or not (target is None or (type(target) is int and target >= 0)):
-            return None
-        if not all(type(d.get(k)) in (int, float) and math.isfinite(d[k]) for k in floats):
-            return None
-        wanted = d.get("wanted_groups")
-        if wanted is not None and type(wanted) is not int:
-            return None
-        return cls(d["state"], d["version"], float(d["updated_at"]), float(d["heartbeat_at"]), wanted,
-                   float(d["step_s"]), d["rollouts_kept_from"], step, target)
+
+    @classmethod
+    def _from_fields(cls, d: dict[str, Any]) -> RunStatus:
+        state = field_str(d, "state", max_len=16)
+        if state not in STATES:
+            raise ValueError(f"state {state!r}")
+
+        def count(name: str, absent: int | None) -> int | None:  # absent in a status of an older trainer
+            return absent if d.get(name) is None else field_int(d, name, hi=MAX_COUNT)
+
+        return cls(state, field_int(d, "version", hi=MAX_COUNT), field_float(d, "updated_at", bound=MAX_SECONDS),
+                   field_float(d, "heartbeat_at", bound=MAX_SECONDS), count("wanted_groups", None),
+                   field_float(d, "step_s", bound=MAX_SECONDS), field_int(d, "rollouts_kept_from", hi=MAX_COUNT),
+                   count("step", 0) or 0, count("target_steps", None), count("workers", None))
 
 
 def read_status(bucket: Bucket, run_id: str) -> RunStatus | None:
@@ -131,8 +163,33 @@ class Verdict:
 SAMPLE = Verdict("sample")
 
 
+def share(wanted: int, workers: int, u: float) -> int:
+    """One worker's share of ``wanted`` groups among ``workers``: ``floor(wanted / workers + u)`` in integers, so
+    that with ``u`` uniform in ``[0, 1)`` the shares of all workers add up to ``wanted`` on average.
+
+    Args:
+        wanted: the groups the trainer wants (>= 0).
+        workers: the workers sharing them (>= 1).
+        u: this worker's draw in ``[0, 1)``.
+    """
+    base, rest = divmod(wanted, workers)
+    return base + (1 if u * workers < rest else 0)
+
+
+def draw(worker_id: str, status: RunStatus) -> float:
+    """A worker's draw for one status, uniform in ``[0, 1)``: a hash of its id and the status's version and
+    time (independent across workers and statuses, reproducible, no state).
+
+    Args:
+        worker_id: the worker's id.
+        status: the status read.
+    """
+    h = hashlib.sha256(f"{worker_id}|{status.version}|{status.updated_at!r}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64
+
+
 class RunWatch:
-    """A worker's view of the run's status, re-read at most every ``min_interval_s``.
+    """A worker's view of the run's status, re-read at most every ``min_interval_s``, and its share of the want.
 
     Args:
         bucket: the run's bucket.
@@ -141,11 +198,12 @@ class RunWatch:
         min_interval_s: re-read the status at most this often (a conditional GET).
         backpressure: honour ``wanted_groups`` (False: sample regardless).
         clock: monotonic clock (tests pass a fake one).
+        worker_id: this worker's id: it names its presence objects and seeds its draws (empty: no presence).
     """
 
     def __init__(self, bucket: Bucket, run_id: str, *, stale_s: float, min_interval_s: float,
-                 backpressure: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
-        self.bucket, self.run_id = bucket, run_id
+                 backpressure: bool = True, clock: Callable[[], float] = time.monotonic, worker_id: str = "") -> None:
+        self.bucket, self.run_id, self.worker_id = bucket, run_id, worker_id
         self.stale_s, self.min_interval_s, self.backpressure = stale_s, min_interval_s, backpressure
         self._clock = clock
         self.status: RunStatus | None = None
@@ -154,6 +212,11 @@ class RunWatch:
         self._beat: float | None = None
         self._beat_seen_at = 0.0
         self._spent = 0
+        self._active_at: float | None = None
+        """When this worker last uploaded or announced itself (None: never)."""
+        self._joined_at: float | None = None
+        self.announced = 0
+        """Presence objects written."""
 
     def _refresh(self) -> None:
         now = self._clock()
@@ -170,29 +233,69 @@ class RunWatch:
         if got is None:
             return
         data, self._etag = got
-        self.status, self._spent = RunStatus.from_json(data), 0  # a new status: a new want to sample for
+        self.status, self._spent = RunStatus.from_json(data), 0  # a new status: a new share to sample for
         if self.status is not None and self.status.heartbeat_at != self._beat:
             self._beat, self._beat_seen_at = self.status.heartbeat_at, now
 
-    def wanted(self) -> int | None:
-        """The groups the trainer still wants from this worker, when backpressure applies: the status's want less
-        what this worker sampled since it read that status (None: no limit known)."""
+    @property
+    def _share(self) -> int | None:
+        """This worker's groups of the status read (None: no limit)."""
         s = self.status
         if not self.backpressure or s is None or s.state != "running" or s.wanted_groups is None:
             return None
-        return max(0, s.wanted_groups - self._spent)
+        if s.workers is None:  # an older trainer: no count to share by
+            return s.wanted_groups
+        if s.workers == 0 and not self._join_expired():
+            return 0  # nobody counted yet: announce and wait for the count
+        return share(s.wanted_groups, max(1, s.workers), draw(self.worker_id, s))
+
+    def _join_expired(self) -> bool:
+        return self._joined_at is not None and self._clock() - self._joined_at >= JOIN_WAIT_S
+
+    def _announce(self) -> None:
+        """Write a presence object when the trainer counts workers and this one wrote nothing for ``PRESENCE_S``
+        (a bucket error is retried at the next check)."""
+        s, now = self.status, self._clock()
+        if not (self.worker_id and self.backpressure and s is not None and s.workers is not None
+                and s.state == "running"):
+            return
+        if self._active_at is not None and now - self._active_at < PRESENCE_S:
+            return
+        try:
+            self.bucket.put_create(presence_key(self.run_id, self.worker_id, self.announced), b"")
+        except BucketError:
+            return
+        self.announced += 1
+        self._active_at = now
+        self._joined_at = now if self._joined_at is None else self._joined_at
+
+    def wanted(self) -> int | None:
+        """The groups the trainer still wants from this worker, when backpressure applies: its share of the
+        status's want less what it sampled since it read that status (None: no limit known)."""
+        return None if self._share is None else max(0, self._share - self._spent)
+
+    def batch(self, k: int) -> int:
+        """Groups to sample now: ``k``, or fewer when this worker's share of the want is smaller.
+
+        Args:
+            k: the groups the worker would sample (its groups in flight).
+        """
+        left = self.wanted()
+        return min(k, left) if left is not None and left > 0 else k
 
     def spend(self, groups: int) -> None:
-        """Count groups this worker uploaded against the current status's want.
+        """Count groups this worker uploaded against its share of the current status's want.
 
         Args:
             groups: the groups just uploaded.
         """
         self._spent += groups
+        self._active_at = self._clock()
 
     def check(self) -> Verdict:
-        """Read the status if due and say whether to sample, pause or exit."""
+        """Read the status if due, announce this worker if due, and say whether to sample, pause or exit."""
         self._refresh()
+        self._announce()
         s = self.status
         if s is None:
             return SAMPLE
@@ -203,7 +306,15 @@ class RunWatch:
             return Verdict("pause", f"the trainer's heartbeat has not moved for {quiet:.0f}s", "stale")
         if s.state == "failed":
             return Verdict("pause", f"the trainer failed at v{s.version}; waiting for a restart", "failed")
-        if self.backpressure and s.wanted_groups is not None and s.wanted_groups - self._spent <= 0:
-            why = "wants no more groups" if s.wanted_groups <= 0 else f"got the {s.wanted_groups} groups it wanted"
-            return Verdict("pause", f"the trainer {why} at v{s.version} (backpressure)", "backpressure")
+        if self._share is not None and self._share - self._spent <= 0:
+            return Verdict("pause", f"the trainer {self._why(s)} at v{s.version} (backpressure)", "backpressure")
         return SAMPLE
+
+    def _why(self, s: RunStatus) -> str:
+        if s.wanted_groups is not None and s.wanted_groups <= 0:
+            return "wants no more groups"
+        if s.workers == 0:
+            return "has not counted its workers yet"
+        if s.workers is None:
+            return f"got the {s.wanted_groups} groups it wanted"
+        return f"got this worker's share ({self._share} of {s.wanted_groups} groups among {s.workers} workers)"
