@@ -58,10 +58,15 @@ MAX_COUNT = 2**31 - 1
 """Largest version, step, want or worker count a status may carry."""
 MAX_SECONDS = 1e12
 """Largest time or step time (seconds) a status may carry."""
-PRESENCE_S = 20.0
+PRESENCE_S = 60.0
 """A worker that uploaded nothing for this long writes a presence object again."""
 LIVE_S = 3 * PRESENCE_S
 """The trainer counts a worker live this long after its last accepted record or presence object."""
+REGRANT_BATCHES = 2.0
+"""A status at the granting one's version, with no larger want, grants anew only after this many of the worker's
+batch times (until then the groups granted may be in flight)."""
+FIRST_BATCH_S = 30.0
+"""A worker's batch time before it measured one (it paces how often an idle worker draws again)."""
 JOIN_WAIT_S = 30.0
 """Longest a worker waits for the trainer's first count before it samples the whole want (fail open)."""
 
@@ -176,15 +181,16 @@ def share(wanted: int, workers: int, u: float) -> int:
     return base + (1 if u * workers < rest else 0)
 
 
-def draw(worker_id: str, status: RunStatus) -> float:
-    """A worker's draw for one status, uniform in ``[0, 1)``: a hash of its id and the status's version and
-    time (independent across workers and statuses, reproducible, no state).
+def draw(worker_id: str, status: RunStatus, grant: int = 0) -> float:
+    """A worker's draw for one grant of a status, uniform in ``[0, 1)``: a hash of its id, the status's version
+    and time and the grant's number (independent across workers and grants, reproducible, no state to keep).
 
     Args:
         worker_id: the worker's id.
         status: the status read.
+        grant: the worker's count of grants so far.
     """
-    h = hashlib.sha256(f"{worker_id}|{status.version}|{status.updated_at!r}".encode()).digest()
+    h = hashlib.sha256(f"{worker_id}|{status.version}|{status.updated_at!r}|{grant}".encode()).digest()
     return int.from_bytes(h[:8], "big") / 2**64
 
 
@@ -212,6 +218,14 @@ class RunWatch:
         self._beat: float | None = None
         self._beat_seen_at = 0.0
         self._spent = 0
+        self._grant: RunStatus | None = None
+        """The status this worker's share was drawn from (``_spent`` counts against it)."""
+        self._grant_at = 0.0
+        self.grants = 0
+        """Shares drawn so far."""
+        self._batch_at: float | None = None
+        self._batch_s = FIRST_BATCH_S
+        """Seconds of this worker's last batch, sampling and upload (a guess before the first)."""
         self._active_at: float | None = None
         """When this worker last uploaded or announced itself (None: never)."""
         self._joined_at: float | None = None
@@ -233,21 +247,43 @@ class RunWatch:
         if got is None:
             return
         data, self._etag = got
-        self.status, self._spent = RunStatus.from_json(data), 0  # a new status: a new share to sample for
+        self.status = RunStatus.from_json(data)
+        self._regrant(now)
         if self.status is not None and self.status.heartbeat_at != self._beat:
             self._beat, self._beat_seen_at = self.status.heartbeat_at, now
 
+    def _regrant(self, now: float) -> None:
+        """Draw a new share from the status just read when it grants more than the granting one did (another
+        version or a larger want) and one of this worker's batch times passed since the grant, or when
+        ``REGRANT_BATCHES`` of them passed (groups granted then and lost are granted again); at once when the
+        state changed or the trainer counted nobody before. Until then the groups granted may be in flight,
+        unseen by the trainer's want: granting them again, at every status, would multiply them."""
+        s, g = self.status, self._grant
+        since = now - self._grant_at
+        moved = s is not None and g is not None and (s.version, s.wanted_groups) != (g.version, g.wanted_groups)
+        more = moved and s is not None and g is not None and (
+            s.version != g.version or (s.wanted_groups or 0) > (g.wanted_groups or 0))
+        if (s is None or g is None or s.state != g.state or g.workers == 0 or (moved and not self._drew)
+                or since >= REGRANT_BATCHES * self._batch_s or (more and since >= self._batch_s)):
+            self._grant, self._grant_at, self._spent = s, now, 0
+            self.grants += 1
+
+    @property
+    def _drew(self) -> bool:
+        """Whether the grant gave this worker any group (none: it has nothing in flight of it)."""
+        return bool(self._share)
+
     @property
     def _share(self) -> int | None:
-        """This worker's groups of the status read (None: no limit)."""
-        s = self.status
+        """This worker's groups of the granting status (None: no limit)."""
+        s = self._grant if self.status is not None else None
         if not self.backpressure or s is None or s.state != "running" or s.wanted_groups is None:
             return None
         if s.workers is None:  # an older trainer: no count to share by
             return s.wanted_groups
         if s.workers == 0 and not self._join_expired():
             return 0  # nobody counted yet: announce and wait for the count
-        return share(s.wanted_groups, max(1, s.workers), draw(self.worker_id, s))
+        return share(s.wanted_groups, max(1, s.workers), draw(self.worker_id, s, self.grants))
 
     def _join_expired(self) -> bool:
         return self._joined_at is not None and self._clock() - self._joined_at >= JOIN_WAIT_S
@@ -271,8 +307,12 @@ class RunWatch:
 
     def wanted(self) -> int | None:
         """The groups the trainer still wants from this worker, when backpressure applies: its share of the
-        status's want less what it sampled since it read that status (None: no limit known)."""
-        return None if self._share is None else max(0, self._share - self._spent)
+        granting status's want less what it sampled since, at most the want of the status read now (None: no
+        limit known)."""
+        if self._share is None:
+            return None
+        now = self.status.wanted_groups if self.status is not None else None
+        return max(0, min(self._share - self._spent, self._share if now is None else now))
 
     def batch(self, k: int) -> int:
         """Groups to sample now: ``k``, or fewer when this worker's share of the want is smaller.
@@ -280,6 +320,7 @@ class RunWatch:
         Args:
             k: the groups the worker would sample (its groups in flight).
         """
+        self._batch_at = self._clock()
         left = self.wanted()
         return min(k, left) if left is not None and left > 0 else k
 
@@ -291,6 +332,8 @@ class RunWatch:
         """
         self._spent += groups
         self._active_at = self._clock()
+        if self._batch_at is not None:
+            self._batch_s, self._batch_at = self._active_at - self._batch_at, None
 
     def check(self) -> Verdict:
         """Read the status if due, announce this worker if due, and say whether to sample, pause or exit."""
@@ -306,7 +349,7 @@ class RunWatch:
             return Verdict("pause", f"the trainer's heartbeat has not moved for {quiet:.0f}s", "stale")
         if s.state == "failed":
             return Verdict("pause", f"the trainer failed at v{s.version}; waiting for a restart", "failed")
-        if self._share is not None and self._share - self._spent <= 0:
+        if self.wanted() == 0:
             return Verdict("pause", f"the trainer {self._why(s)} at v{s.version} (backpressure)", "backpressure")
         return SAMPLE
 

@@ -22,6 +22,9 @@ from stoa.trainer.liveness import LiveWorkers
 
 log = logging.getLogger(__name__)
 
+REWRITE_S = 1.0
+"""While workers share the want, a want that fell (still above zero) is rewritten at most this often: workers
+that drew none of it draw again on the new one (the groups the others still owe)."""
 POLL_BACKOFF_MAX_S = 5.0
 """Longest wait between two listings of an idle trainer (unless ``poll_seconds`` is longer)."""
 
@@ -161,7 +164,9 @@ class StatusPublisher:
         """
         workers = None if wanted is None or seen is None else self.live.update(seen)
         due = self._written_at is None or self._mono() - self._written_at >= self.heartbeat_s
-        moved = wanted != self._wanted and (wanted == 0 or (wanted or 0) > (self._wanted or 0))
+        since = None if self._written_at is None else self._mono() - self._written_at
+        moved = wanted != self._wanted and (wanted == 0 or (wanted or 0) > (self._wanted or 0)
+                                            or (workers is not None and (since or 0) >= REWRITE_S))
         joined = (workers or 0) > (self._workers or 0)
         if version == self._version and not due and not moved and not joined:
             return False
