@@ -10,27 +10,32 @@ decide, in :meth:`RunWatch.check`, whether to sample, pause or exit:
   or the trainer ``failed``: pause until it moves again (a restarted trainer writes ``running``);
 - ``wanted_groups <= 0``: pause (backpressure: the pool already holds what the trainer can use before it
   goes stale, groups it skipped for equal rewards included); while it is positive the want is shared among
-  the ``workers`` the trainer counts (below): a worker samples at most its share per status object it read
-  (:meth:`RunWatch.spend`), then pauses until the trainer writes the next one (a new version, its
-  heartbeat, the want leaving zero or the count rising).
+  the ``workers`` the trainer counts (below): a worker samples at most its share (:meth:`RunWatch.spend`),
+  then pauses until a status grants it another.
 
-Sharing the want (see docs/fleet.md, "Backpressure"). The trainer publishes ``workers``, the workers it counts
+Sharing the want (docs/fleet.md, "Backpressure"). The trainer publishes ``workers``, the workers it counts
 live: the ids on records it accepted in the last ``LIVE_S`` seconds plus the ids of presence objects
 (``runs/<run>/workers/<id>-<seq>``, empty, create-only) it listed in that time. A worker writes one when it
 joins and again only after ``PRESENCE_S`` without an upload (its records prove it is alive meanwhile); the
 trainer lists that prefix once per status heartbeat (one LIST, whatever the fleet's size) and deletes what it
-listed. Each worker's share of a status is ``wanted / workers`` with randomized rounding (``floor(want /
-workers + u)``, ``u`` drawn from a hash of the worker id and the status): the fleet's shares add up to the
-want on average, a single worker's share is the whole want, and a worker needs no state but its own. Why
-quotas and not claims or leases on slots: a claim object per group doubles the bucket's billed writes (PUT is
-R2's costly Class A) and leases need renewals and listings that grow with the fleet, while a presence object
-costs one PUT per join (or per idle ``PRESENCE_S``) and the count one LIST per heartbeat. A crashed worker
-leaves the count ``LIVE_S`` after its last record or presence, and its share with it. A worker that ignores its
-share can fill the want before others (the trainer then wants less), but only with records the trainer
-accepts; what it writes beyond the window goes stale: waste, never a lock that keeps others out. A new worker
-draws a share from the first status it reads (the count includes it a heartbeat later). While the trainer
-counts nobody (a fresh run, ``workers == 0``) workers announce themselves and wait for a count, at most
-``JOIN_WAIT_S``; a status without ``workers`` (an older trainer) gives every worker the whole want.
+listed. A worker's share of a grant is ``want / workers`` with randomized rounding (``floor(want / workers +
+u)``, ``u`` a hash of the worker id, the status and the grant's number): the fleet's shares add up to the want
+on average, a single worker's share is the whole want, and no worker needs to know another. A status grants
+anew (:meth:`RunWatch._regrant`) when its version moved or its want rose and one of the worker's own batch
+times passed since its last grant, when the want moved at all and the last grant gave this worker nothing (it
+has nothing in flight), or after ``REGRANT_BATCHES`` batch times (groups granted and lost); a heartbeat alone
+grants nothing, because the groups granted may still be in flight, unseen by the trainer's want.
+
+Why quotas and not claims or leases on slots: a claim object per group doubles the bucket's billed writes
+(PUT is R2's costly Class A) and leases need renewals and listings that grow with the fleet, while a presence
+object costs one PUT per join (or per idle ``PRESENCE_S``) and the count one LIST per heartbeat. A crashed
+worker holds nothing: others draw again after their batch times, and it leaves the count ``LIVE_S`` after its
+last record or presence. A worker that ignores its share can fill the want before others (the trainer then
+wants less), but only with records the trainer accepts; what it writes beyond the window goes stale: waste,
+never a lock that keeps others out. A new worker draws a share from the first status it reads (the count
+includes it a heartbeat later). While the trainer counts nobody (a fresh run, ``workers == 0``) workers
+announce themselves and wait for a count, at most ``JOIN_WAIT_S``; a status without ``workers`` (an older
+trainer) gives every worker the whole want at every status, as before.
 
 When in doubt it samples: a missing, unreadable or malformed status means "sample". Staleness is measured
 on the worker's own monotonic clock (time since the heartbeat value last changed), so clock skew between
