@@ -147,6 +147,9 @@ def test_the_trainer_publishes_the_count_and_rewrites_when_it_rises(tmp_path):
     assert RunStatus.from_json(bucket.get(status_key("r"))).workers == 1
     clock.t = 1.0
     assert not pub.beat(1, 8, step_s=0, kept_from=1, seen=[])  # nothing new
+    assert not pub.beat(1, 5, step_s=0, kept_from=1, seen=[])  # the want fell within REWRITE_S of a write
+    clock.t = 1.6
+    assert pub.beat(1, 5, step_s=0, kept_from=1, seen=[])  # ... and after: workers that drew none draw again
     assert not pub.beat(1, None, step_s=0, kept_from=1, seen=[])  # no want (backpressure off): no count
     assert pub.live.listings == 2
 
