@@ -258,18 +258,22 @@ class RunWatch:
             self._beat, self._beat_seen_at = self.status.heartbeat_at, now
 
     def _regrant(self, now: float) -> None:
-        """Draw a new share from the status just read when it grants more than the granting one did (another
-        version or a larger want) and one of this worker's batch times passed since the grant, or when
-        ``REGRANT_BATCHES`` of them passed (groups granted then and lost are granted again); at once when the
-        state changed or the trainer counted nobody before. Until then the groups granted may be in flight,
-        unseen by the trainer's want: granting them again, at every status, would multiply them."""
+        """Draw a new share from the status just read (see the module's "Sharing the want"): at once when the
+        state changed, the trainer counted nobody before, the grant gave this worker nothing and the want or
+        version moved, or the status has no count (an older trainer: every status grants); after one of this
+        worker's batch times when the version moved or the want rose; after ``REGRANT_BATCHES`` of them in any
+        case (groups granted then and lost are granted again). Until then the groups granted may be in flight,
+        unseen by the trainer's want: granting them again at every status would multiply them."""
         s, g = self.status, self._grant
-        since = now - self._grant_at
-        moved = s is not None and g is not None and (s.version, s.wanted_groups) != (g.version, g.wanted_groups)
-        more = moved and s is not None and g is not None and (
-            s.version != g.version or (s.wanted_groups or 0) > (g.wanted_groups or 0))
-        if (s is None or g is None or s.state != g.state or g.workers == 0 or (moved and not self._drew)
-                or since >= REGRANT_BATCHES * self._batch_s or (more and since >= self._batch_s)):
+        if s is None or g is None or s.workers is None or s.state != g.state or g.workers == 0:
+            fresh = True
+        else:
+            since = now - self._grant_at
+            moved = (s.version, s.wanted_groups) != (g.version, g.wanted_groups)
+            more = s.version != g.version or (s.wanted_groups or 0) > (g.wanted_groups or 0)
+            fresh = ((moved and not self._drew) or since >= REGRANT_BATCHES * self._batch_s
+                     or (more and since >= self._batch_s))
+        if fresh:
             self._grant, self._grant_at, self._spent = s, now, 0
             self.grants += 1
 
