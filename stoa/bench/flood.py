@@ -89,6 +89,9 @@ class FloodFigures:
 class WholeWant(RunWatch):
     """The old pacing, for comparison: every worker samples the whole want of each status it reads."""
 
+    def _regrant(self, now: float) -> None:
+        self._grant, self._grant_at, self._spent = self.status, now, 0
+
     @property
     def _share(self) -> int | None:
         s = self.status
