@@ -298,21 +298,22 @@ class RunWatch:
         return self._joined_at is not None and self._clock() - self._joined_at >= JOIN_WAIT_S
 
     def _announce(self) -> None:
-        """Write a presence object when the trainer counts workers and this one wrote nothing for ``PRESENCE_S``
-        (a bucket error is retried at the next check)."""
+        """Write a presence object when the trainer counts workers and this one wrote nothing for ``PRESENCE_S``.
+        A refused or failed write is tried again ``PRESENCE_S`` later (credentials without the presence prefix
+        cost one request a minute; the worker still samples after ``JOIN_WAIT_S``)."""
         s, now = self.status, self._clock()
         if not (self.worker_id and self.backpressure and s is not None and s.workers is not None
                 and s.state == "running"):
             return
         if self._active_at is not None and now - self._active_at < PRESENCE_S:
             return
+        self._active_at = now
+        self._joined_at = now if self._joined_at is None else self._joined_at
         try:
             self.bucket.put_create(presence_key(self.run_id, self.worker_id, self.announced), b"")
         except BucketError:
             return
         self.announced += 1
-        self._active_at = now
-        self._joined_at = now if self._joined_at is None else self._joined_at
 
     def wanted(self) -> int | None:
         """The groups the trainer still wants from this worker, when backpressure applies: its share of the

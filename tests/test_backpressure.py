@@ -97,6 +97,30 @@ def test_workers_announce_wait_for_the_first_count_and_fail_open(tmp_path):
     assert w.announced == 2
 
 
+def test_a_worker_that_may_not_write_presence_still_samples_and_does_not_retry_at_every_check(tmp_path):
+    from stoa.bucket import AccessDenied
+
+    class NoPresence:
+        def __init__(self, inner):
+            self.inner, self.puts = inner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def put_create(self, key, data):
+            self.puts += 1
+            raise AccessDenied(f"injected: {key}")
+
+    bucket, clock = NoPresence(open_bucket(str(tmp_path))), Clock()
+    bucket.put(status_key("r"), status(wanted=8, workers=0))
+    w = RunWatch(bucket, "r", stale_s=600, min_interval_s=0, clock=clock, worker_id="a")
+    for t in range(int(JOIN_WAIT_S)):
+        clock.t = float(t)
+        assert w.check().kind == "backpressure"
+    clock.t = JOIN_WAIT_S
+    assert w.check().action == "sample" and bucket.puts == 1 and w.announced == 0
+
+
 def test_an_older_trainer_status_gives_the_whole_want_and_no_presence(tmp_path):
     bucket = open_bucket(str(tmp_path))
     bucket.put(status_key("r"), status(wanted=5, workers=None))
