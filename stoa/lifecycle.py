@@ -32,10 +32,11 @@ object costs one PUT per join (or per idle ``PRESENCE_S``) and the count one LIS
 worker holds nothing: others draw again after their batch times, and it leaves the count ``LIVE_S`` after its
 last record or presence. A worker that ignores its share can fill the want before others (the trainer then
 wants less), but only with records the trainer accepts; what it writes beyond the window goes stale: waste,
-never a lock that keeps others out. A new worker draws a share from the first status it reads (the count
-includes it a heartbeat later). While the trainer counts nobody (a fresh run, ``workers == 0``) workers
-announce themselves and wait for a count, at most ``JOIN_WAIT_S``; a status without ``workers`` (an older
-trainer) gives every worker the whole want at every status, as before.
+never a lock that keeps others out. A new worker announces itself and draws once the trainer counted it (its
+presence object is gone: a HEAD per status read until then), within one status heartbeat, or after
+``JOIN_WAIT_S`` if it never is (say its credentials may not write presence objects): a share of a count that
+leaves it out would overshoot when many join at once. A status without ``workers`` (an older trainer) gives
+every worker the whole want at every status, as before.
 
 When in doubt it samples: a missing, unreadable or malformed status means "sample". Staleness is measured
 on the worker's own monotonic clock (time since the heartbeat value last changed), so clock skew between
@@ -234,6 +235,9 @@ class RunWatch:
         self._active_at: float | None = None
         """When this worker last uploaded or announced itself (None: never)."""
         self._joined_at: float | None = None
+        self._counted = not worker_id
+        """Whether the trainer has counted this worker (it deleted the presence object); no id: no presence."""
+        self._grant_joined = False
         self.announced = 0
         """Presence objects written."""
 
@@ -253,6 +257,7 @@ class RunWatch:
             return
         data, self._etag = got
         self.status = RunStatus.from_json(data)
+        self._check_counted()
         self._regrant(now)
         if self.status is not None and self.status.heartbeat_at != self._beat:
             self._beat, self._beat_seen_at = self.status.heartbeat_at, now
@@ -265,7 +270,8 @@ class RunWatch:
         case (groups granted then and lost are granted again). Until then the groups granted may be in flight,
         unseen by the trainer's want: granting them again at every status would multiply them."""
         s, g = self.status, self._grant
-        if s is None or g is None or s.workers is None or s.state != g.state or g.workers == 0:
+        if (s is None or g is None or s.workers is None or s.state != g.state
+                or (self._joined() and not self._grant_joined)):
             fresh = True
         else:
             since = now - self._grant_at
@@ -275,6 +281,7 @@ class RunWatch:
                      or (more and since >= self._batch_s))
         if fresh:
             self._grant, self._grant_at, self._spent = s, now, 0
+            self._grant_joined = self._joined()
             self.grants += 1
 
     @property
@@ -290,12 +297,24 @@ class RunWatch:
             return None
         if s.workers is None:  # an older trainer: no count to share by
             return s.wanted_groups
-        if s.workers == 0 and not self._join_expired():
-            return 0  # nobody counted yet: announce and wait for the count
+        if not self._joined():
+            return 0  # not counted yet: a share of a count without this worker would overshoot
         return share(s.wanted_groups, max(1, s.workers), draw(self.worker_id, s, self.grants))
 
-    def _join_expired(self) -> bool:
-        return self._joined_at is not None and self._clock() - self._joined_at >= JOIN_WAIT_S
+    def _joined(self) -> bool:
+        """Whether this worker may draw: the trainer counted it, or it waited ``JOIN_WAIT_S`` for that."""
+        return self._counted or (self._joined_at is not None and self._clock() - self._joined_at >= JOIN_WAIT_S)
+
+    def _check_counted(self) -> None:
+        """On a new status: the trainer deletes the presence objects it counted, so this worker is counted
+        once its first one is gone (one HEAD per status read until then)."""
+        s = self.status
+        if self._counted or not self.announced or s is None or s.workers is None:
+            return
+        try:
+            self._counted = not self.bucket.exists(presence_key(self.run_id, self.worker_id, 0))
+        except BucketError:
+            pass
 
     def _announce(self) -> None:
         """Write a presence object when the trainer counts workers and this one wrote nothing for ``PRESENCE_S``.
@@ -366,8 +385,8 @@ class RunWatch:
     def _why(self, s: RunStatus) -> str:
         if s.wanted_groups is not None and s.wanted_groups <= 0:
             return "wants no more groups"
-        if s.workers == 0:
-            return "has not counted its workers yet"
         if s.workers is None:
             return f"got the {s.wanted_groups} groups it wanted"
+        if not self._joined():
+            return "has not counted this worker yet"
         return f"got this worker's share ({self._share} of {s.wanted_groups} groups among {s.workers} workers)"

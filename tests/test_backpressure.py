@@ -50,10 +50,19 @@ def status(wanted=8, workers: int | None = 4, version=3, beat=100.0, state="runn
     return RunStatus(state, version, beat, beat, wanted, 0.0, 1, 0, None, workers).to_json()
 
 
+def counted(bucket, clock, wanted=8, workers=1) -> RunWatch:
+    """A worker that announced itself and was counted (the trainer deleted its presence object)."""
+    bucket.put(status_key("r"), status(wanted=wanted, workers=0, beat=99.0))
+    w = RunWatch(bucket, "r", stale_s=60, min_interval_s=0, clock=clock, worker_id="a")
+    assert w.check().kind == "backpressure" and w.announced == 1
+    bucket.delete(presence_key("r", "a", 0))
+    bucket.put(status_key("r"), status(wanted=wanted, workers=workers))
+    return w
+
+
 def test_a_worker_samples_its_share_and_a_heartbeat_grants_no_more(tmp_path):
     bucket, clock = open_bucket(str(tmp_path)), Clock()
-    bucket.put(status_key("r"), status(wanted=8, workers=1))
-    w = RunWatch(bucket, "r", stale_s=60, min_interval_s=0, clock=clock, worker_id="a")
+    w = counted(bucket, clock)
     assert w.check().action == "sample" and w.wanted() == 8 and w.batch(4) == 4  # alone: the whole want
     clock.t = 1.0
     w.spend(8)
@@ -68,8 +77,7 @@ def test_a_worker_samples_its_share_and_a_heartbeat_grants_no_more(tmp_path):
 
 def test_a_lost_grant_is_granted_again_after_two_batch_times(tmp_path):
     bucket, clock = open_bucket(str(tmp_path)), Clock()
-    bucket.put(status_key("r"), status(wanted=3, workers=1))
-    w = RunWatch(bucket, "r", stale_s=60, min_interval_s=0, clock=clock, worker_id="a")
+    w = counted(bucket, clock, wanted=3)
     assert w.check().action == "sample"
     w.batch(3)
     clock.t = 1.0
@@ -95,6 +103,21 @@ def test_workers_announce_wait_for_the_first_count_and_fail_open(tmp_path):
     clock.t = JOIN_WAIT_S + PRESENCE_S
     w.check()
     assert w.announced == 2
+
+
+def test_a_newcomer_draws_once_the_trainer_counted_it(tmp_path):
+    bucket, clock = open_bucket(str(tmp_path)), Clock()
+    bucket.put(status_key("r"), status(wanted=12, workers=3))  # a busy run: three workers counted
+    w = RunWatch(bucket, "r", stale_s=600, min_interval_s=0, clock=clock, worker_id="new")
+    assert w.check().kind == "backpressure" and w.wanted() == 0  # a share of 3 would leave it out
+    live = LiveWorkers(bucket, "r", list_every_s=10, clock=clock)
+    live._announced.update({"a": 0.0, "b": 0.0, "c": 0.0})
+    clock.t = 5.0  # the trainer's next heartbeat lists the presence object and counts it
+    pub = StatusPublisher(bucket, "r", 10.0, clock=lambda: 1e9 + clock.t, mono=clock)
+    pub.live = live
+    assert pub.beat(1, 12, step_s=0, kept_from=1, seen=[])
+    assert RunStatus.from_json(bucket.get(status_key("r"))).workers == 4
+    assert w.check().action == "sample" and w.wanted() == 3
 
 
 def test_a_worker_that_may_not_write_presence_still_samples_and_does_not_retry_at_every_check(tmp_path):

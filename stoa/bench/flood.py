@@ -5,8 +5,9 @@ decides through :class:`stoa.lifecycle.RunWatch` (its share of the want, presenc
 ingests with the real ``RecordPool`` (valid records of the tiny model's codec), publishes ``wanted_groups`` and
 the live-worker count with the real ``StatusPublisher`` and deletes old rollouts with ``RolloutRetention``.
 Sampling and training are simulated on one clock (a discrete-event simulation, no sleeping): a worker's batch
-of ``--in-flight`` groups takes ``--gen-seconds``, a step ``--step-seconds``; the trainer polls as its loop does
-(``poll_delay``). ``--whole-want`` replays the old pacing (every worker samples the whole want per status) for
+of ``--in-flight`` groups takes ``--gen-seconds``, a step ``--step-seconds``, workers join over
+``--join-seconds``; the trainer polls as its loop does (``poll_delay``). ``--whole-want`` replays the old pacing
+(every worker samples the whole want per status) for
 comparison. Prints, per worker count: groups written, groups consumed (``steps x groups_per_step``), their
 ratio, the peak number of rollout objects in the bucket, and the control requests the pacing cost.
 """
@@ -45,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-seconds", type=float, default=2.0, help="simulated seconds of one step [default: 2]")
     p.add_argument("--status-seconds", type=float, default=10.0,
                    help="the trainer's status heartbeat (status_seconds) [default: 10]")
+    p.add_argument("--join-seconds", type=float, default=0.0,
+                   help="workers start spread evenly over this many simulated seconds [default: 0, all at once]")
     p.add_argument("--whole-want", action="store_true",
                    help="also run the old pacing: every worker samples the whole want per status")
     p.add_argument("--out", default="", help="append one JSONL row per scenario to this file")
@@ -65,6 +68,7 @@ class FloodSettings:
     status_seconds: float = 10.0
     worker_status_seconds: float = 0.5
     poll_seconds: float = 0.5
+    join_seconds: float = 0.0
     whole_want: bool = False
 
 
@@ -185,7 +189,8 @@ def simulate(s: FloodSettings, bucket_dir: Path) -> FloodFigures:
     workers = [SimWorker(i, watch_cls(bucket, run_id, stale_s=300.0, min_interval_s=s.worker_status_seconds,  # type: ignore[arg-type]
                                       clock=clock, worker_id=f"w{i:05d}")) for i in range(s.workers)]
     window = s.groups_per_step * (s.staleness_bound + 1)
-    queue: list[tuple[float, int, int]] = [(0.0, -1, 0)] + [(0.0, i, 0) for i in range(s.workers)]  # trainer first
+    starts = [i * s.join_seconds / s.workers for i in range(s.workers)]
+    queue: list[tuple[float, int, int]] = [(0.0, -1, 0)] + [(t, i, 0) for i, t in enumerate(starts)]  # trainer first
     version, step, empty, trained = 1, 0, 0, set()
     done, uid, tick = False, 0, 1
     while queue and not done:
@@ -262,7 +267,7 @@ def main(args: argparse.Namespace) -> int:
             for whole in (False, True) if args.whole_want else (False,):
                 s = FloodSettings(n, args.steps, args.groups_per_step, args.staleness_bound, args.reuse_cap,
                                   args.in_flight, args.gen_seconds, args.step_seconds, args.status_seconds,
-                                  whole_want=whole)
+                                  join_seconds=args.join_seconds, whole_want=whole)
                 rows.append(simulate(s, Path(tmp) / f"{n}-{int(whole)}"))
                 print(f"  {n} workers ({rows[-1].pacing}): ratio {rows[-1].ratio:.2f}", flush=True)
     print_table(rows)
