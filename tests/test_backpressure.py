@@ -198,7 +198,7 @@ def test_the_trainer_publishes_the_count_and_rewrites_when_it_rises(tmp_path):
     clock.t = 1.6
     assert pub.beat(1, 5, step_s=0, kept_from=1, seen=[])  # ... and after: workers that drew none draw again
     assert not pub.beat(1, None, step_s=0, kept_from=1, seen=[])  # no want (backpressure off): no count
-    assert pub.live.listings == 2
+    assert pub.live.listings == 3  # at 0, at 0.5 (nobody counted), at 1.0 (0.5 found one); then every 10 s
 
 
 @pytest.mark.parametrize("data", [

@@ -3,10 +3,11 @@
 A worker is live for ``LIVE_S`` seconds (the trainer's monotonic clock) after the trainer accepted a record of
 it or listed a presence object of it (``runs/<run>/workers/<id>-<seq>``, see :mod:`stoa.lifecycle`). Records
 cost nothing more: their worker ids come from the pool's entries, which are validated. Presence objects cost
-one LIST per ``list_every_s`` (every call while nobody is counted, so a fresh run counts its fleet within a
-poll) and one DELETE per object listed (free on R2 and S3): the prefix holds only what arrived since the last
-listing. A listing reads at most ``MAX_LISTED`` keys; a key that does not parse is deleted if the bucket
-accepts the name, else skipped, and counted in ``rejected``.
+one LIST per ``list_every_s``, or per call while nobody is counted or the last listing found some (workers are
+joining: a fleet that starts together is counted within a poll of its last arrival, not a heartbeat later;
+planted objects can make that every poll, never more), and one DELETE per object listed (free on R2 and S3):
+the prefix holds only what arrived since the last listing. A listing reads at most ``MAX_LISTED`` keys; a key
+that does not parse is deleted if the bucket accepts the name, else skipped, and counted in ``rejected``.
 
 Presence objects are untrusted: anyone who can write the bucket can plant ids that never deliver a record. Such
 ids (presence only) count for at most ``max_joining`` workers, so planted ids can lower honest workers' shares
@@ -57,6 +58,8 @@ class LiveWorkers:
         self._entries: set[str] = set()
         self._listed_at: float | None = None
         self._after: str | None = None
+        self._found = False
+        """Whether the last listing found presence objects (workers are joining: list again at the next call)."""
         """Where the next listing starts: the last key of a listing cut at ``MAX_LISTED`` (keys that stay)."""
         self.count = 0
         """The live workers after the last :meth:`update`."""
@@ -79,7 +82,8 @@ class LiveWorkers:
             if e.content_id not in self._entries:
                 self._delivered[e.record.worker_id] = now
         self._entries = current
-        if self._listed_at is None or self.count == 0 or now - self._listed_at >= self.list_every_s:
+        if (self._listed_at is None or self.count == 0 or self._found
+                or now - self._listed_at >= self.list_every_s):
             self._listed_at = now
             self._list(now)
         for seen in (self._delivered, self._announced):
@@ -103,6 +107,7 @@ class LiveWorkers:
         except BucketError:
             return
         self._after = keys[-1] if len(keys) >= MAX_LISTED else None
+        self._found = bool(keys)
         for key in keys:
             wid = parse_presence_key(self.run_id, key)
             if wid is None:
