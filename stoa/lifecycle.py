@@ -264,14 +264,15 @@ class RunWatch:
 
     def _regrant(self, now: float) -> None:
         """Draw a new share from the status just read (see the module's "Sharing the want"): at once when the
-        state changed, the trainer counted nobody before, the grant gave this worker nothing and the want or
-        version moved, or the status has no count (an older trainer: every status grants); after one of this
-        worker's batch times when the version moved or the want rose; after ``REGRANT_BATCHES`` of them in any
-        case (groups granted then and lost are granted again). Until then the groups granted may be in flight,
-        unseen by the trainer's want: granting them again at every status would multiply them."""
+        state changed, the status has no count (an older trainer: every status grants), or this worker was just
+        counted into a fleet of none (or gave up waiting); when the grant gave this worker nothing and the want
+        or version moved (a newcomer counted into a fleet waits for that: the want it reads was granted to the
+        others already); after one of its batch times when the version moved or the want rose; after
+        ``REGRANT_BATCHES`` of them in any case (groups granted then and lost are granted again). Until then the
+        groups granted may be in flight, unseen by the trainer's want: granting them again would multiply them."""
         s, g = self.status, self._grant
         if (s is None or g is None or s.workers is None or s.state != g.state
-                or (self._joined() and not self._grant_joined)):
+                or (self._joined() and not self._grant_joined and (not self._counted or not g.workers))):
             fresh = True
         else:
             since = now - self._grant_at
@@ -297,7 +298,7 @@ class RunWatch:
             return None
         if s.workers is None:  # an older trainer: no count to share by
             return s.wanted_groups
-        if not self._joined():
+        if not self._grant_joined:
             return 0  # not counted yet: a share of a count without this worker would overshoot
         return share(s.wanted_groups, max(1, s.workers), draw(self.worker_id, s, self.grants))
 
@@ -336,12 +337,16 @@ class RunWatch:
 
     def wanted(self) -> int | None:
         """The groups the trainer still wants from this worker, when backpressure applies: its share of the
-        granting status's want less what it sampled since, at most the want of the status read now (None: no
+        granting status's want less what it sampled since, at most its share of the status read now (None: no
         limit known)."""
         if self._share is None:
             return None
-        now = self.status.wanted_groups if self.status is not None else None
-        return max(0, min(self._share - self._spent, self._share if now is None else now))
+        s = self.status
+        if s is None or s.wanted_groups is None or s.workers is None or not self._grant_joined:
+            now = self._share if s is None or s.wanted_groups is None else s.wanted_groups
+        else:  # what this worker's draw gives of the want and count now (the fleet may have grown since)
+            now = share(s.wanted_groups, max(1, s.workers), draw(self.worker_id, s, self.grants))
+        return max(0, min(self._share - self._spent, now))
 
     def batch(self, k: int) -> int:
         """Groups to sample now: ``k``, or fewer when this worker's share of the want is smaller.
@@ -368,6 +373,8 @@ class RunWatch:
         """Read the status if due, announce this worker if due, and say whether to sample, pause or exit."""
         self._refresh()
         self._announce()
+        if not self._grant_joined and self._joined():
+            self._regrant(self._clock())  # waited JOIN_WAIT_S without a new status: draw now
         s = self.status
         if s is None:
             return SAMPLE

@@ -198,7 +198,12 @@ def test_the_trainer_publishes_the_count_and_rewrites_when_it_rises(tmp_path):
     clock.t = 1.6
     assert pub.beat(1, 5, step_s=0, kept_from=1, seen=[])  # ... and after: workers that drew none draw again
     assert not pub.beat(1, None, step_s=0, kept_from=1, seen=[])  # no want (backpressure off): no count
-    assert pub.live.listings == 3  # at 0, at 0.5 (nobody counted), at 1.0 (0.5 found one); then every 10 s
+    assert pub.live.listings == 2  # at 0 and 0.5 (nobody counted)
+    clock.t = 3.0
+    pub.beat(1, 5, step_s=0, kept_from=1, seen=[])
+    clock.t = 6.0
+    pub.beat(1, 5, step_s=0, kept_from=1, seen=[])
+    assert pub.live.listings == 3  # 0.5 found one: again after a quarter heartbeat (3.0); 3.0 found none: at 10.5
 
 
 @pytest.mark.parametrize("data", [

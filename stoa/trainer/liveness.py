@@ -26,6 +26,8 @@ from stoa.lifecycle import LIVE_S
 
 MAX_LISTED = 1000
 """Most presence keys one listing reads (one LIST page)."""
+JOINING_LIST_FRACTION = 0.25
+"""While workers are joining (the last listing found some), list again after this fraction of ``list_every_s``."""
 MAX_JOINING = 64
 """Most workers counted on presence objects alone (no accepted record yet)."""
 
@@ -82,8 +84,9 @@ class LiveWorkers:
             if e.content_id not in self._entries:
                 self._delivered[e.record.worker_id] = now
         self._entries = current
-        if (self._listed_at is None or self.count == 0 or self._found
-                or now - self._listed_at >= self.list_every_s):
+        since = None if self._listed_at is None else now - self._listed_at
+        if (since is None or self.count == 0 or since >= self.list_every_s
+                or (self._found and since >= JOINING_LIST_FRACTION * self.list_every_s)):
             self._listed_at = now
             self._list(now)
         for seen in (self._delivered, self._announced):
