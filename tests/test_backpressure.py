@@ -105,7 +105,7 @@ def test_workers_announce_wait_for_the_first_count_and_fail_open(tmp_path):
     assert w.announced == 2
 
 
-def test_a_newcomer_draws_once_the_trainer_counted_it(tmp_path):
+def test_a_newcomer_draws_once_counted_and_the_want_moved(tmp_path):
     bucket, clock = open_bucket(str(tmp_path)), Clock()
     bucket.put(status_key("r"), status(wanted=12, workers=3))  # a busy run: three workers counted
     w = RunWatch(bucket, "r", stale_s=600, min_interval_s=0, clock=clock, worker_id="new")
@@ -115,9 +115,21 @@ def test_a_newcomer_draws_once_the_trainer_counted_it(tmp_path):
     clock.t = 5.0  # the trainer's next heartbeat lists the presence object and counts it
     pub = StatusPublisher(bucket, "r", 10.0, clock=lambda: 1e9 + clock.t, mono=clock)
     pub.live = live
-    assert pub.beat(1, 12, step_s=0, kept_from=1, seen=[])
+    assert pub.beat(3, 12, step_s=0, kept_from=1, seen=[])
     assert RunStatus.from_json(bucket.get(status_key("r"))).workers == 4
-    assert w.check().action == "sample" and w.wanted() == 3
+    assert w.check().kind == "backpressure"  # the 12 were granted to the other three: they may be in flight
+    clock.t = 6.5
+    assert pub.beat(3, 8, step_s=0, kept_from=1, seen=[])  # 4 landed: what the want says now is news
+    assert w.check().action == "sample" and w.wanted() == 2
+
+
+def test_a_worker_alone_keeps_only_its_share_once_others_are_counted(tmp_path):
+    bucket, clock = open_bucket(str(tmp_path)), Clock()
+    w = counted(bucket, clock, wanted=8, workers=1)
+    assert w.check().action == "sample" and w.wanted() == 8
+    bucket.put(status_key("r"), status(wanted=8, workers=4, beat=101.0))  # three more counted, nothing landed
+    w.check()
+    assert w.wanted() == 2
 
 
 def test_a_worker_that_may_not_write_presence_still_samples_and_does_not_retry_at_every_check(tmp_path):
