@@ -110,6 +110,8 @@ def test_a_newcomer_draws_once_counted_and_the_want_moved(tmp_path):
     bucket.put(status_key("r"), status(wanted=12, workers=3))  # a busy run: three workers counted
     w = RunWatch(bucket, "r", stale_s=600, min_interval_s=0, clock=clock, worker_id="new")
     assert w.check().kind == "backpressure" and w.wanted() == 0  # a share of 3 would leave it out
+    bucket.put(status_key("r"), status(wanted=10, workers=3, beat=101.0))  # the want moved, still uncounted
+    assert w.check().kind == "backpressure"
     live = LiveWorkers(bucket, "r", list_every_s=10, clock=clock)
     live._announced.update({"a": 0.0, "b": 0.0, "c": 0.0})
     clock.t = 5.0  # the trainer's next heartbeat lists the presence object and counts it
