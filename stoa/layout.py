@@ -51,7 +51,6 @@ _ANCHOR_DIR = re.compile(r"v(\d{8})")
 _ROLLOUT_NAME = re.compile(r"v([0-9]{8})/([A-Za-z0-9][A-Za-z0-9._-]{0,127})-([0-9]{8})\.rec")
 _METRICS_CHUNK = re.compile(
     r"(?P<source>[A-Za-z0-9][A-Za-z0-9._-]{0,127})-(?P<start>[0-9]{10})-(?P<seq>[0-9]{8})\.jsonl")
-_PRESENCE_NAME = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,127})-[0-9]{8}")
 _ROLLOUT_TAIL = re.compile(r"/rollouts/v\d{8}/(?P<worker>[^/]+)-\d{8}\.rec\Z")
 
 
@@ -365,6 +364,9 @@ def status_key(run_id: str) -> str:
         run_id: the run id.
     """
     return f"{run_prefix(run_id)}/status.json"
+
+
+_PRESENCE_NAME = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,127})-[0-9]{8}")
 
 
 def presence_prefix(run_id: str) -> str:
