@@ -16,6 +16,7 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
     runs/<run>/trainer/checkpoint.safetensors            the single-file checkpoint of older trainers (read only)
     runs/<run>/trainer/lease.json                        the holding trainer (trainer, compare-and-swap)
     runs/<run>/status.json                               run status, heartbeat, wanted groups (trainer, overwritten)
+    runs/<run>/workers/<worker>-<seq>                    a worker's presence (worker, create-only; trainer deletes)
     runs/<run>/metrics/<source>-<start>-<seq>.jsonl      metrics chunks (trainer, worker-<id>, eval; create-only)
     runs/<run>/retriever/<fingerprint>/<file>            search tasks' BM25 index (create-only, stoa-index.json last)
     runs/<run>/trackers/<name>.json                      an experiment tracker's run id, e.g. W&B (trainer, overwritten)
@@ -374,6 +375,41 @@ def status_key(run_id: str) -> str:
         run_id: the run id.
     """
     return f"{run_prefix(run_id)}/status.json"
+
+
+_PRESENCE_NAME = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,127})-[0-9]{8}")
+
+
+def presence_prefix(run_id: str) -> str:
+    """Prefix of the workers' presence objects, ``runs/<run>/workers/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/workers/"
+
+
+def presence_key(run_id: str, worker_id: str, seq: int) -> str:
+    """Key of a worker's presence, ``runs/<run>/workers/<worker>-<seq>`` (empty; the trainer counts and deletes it).
+
+    Args:
+        run_id: the run id.
+        worker_id: the worker's id.
+        seq: the worker's announcement number.
+    """
+    return f"{presence_prefix(run_id)}{worker_id}-{seq:08d}"
+
+
+def parse_presence_key(run_id: str, key: str) -> str | None:
+    """The worker id of a presence key of ``run_id``; ``None`` for any other key (untrusted: any string).
+
+    Args:
+        run_id: the run the key must belong to.
+        key: a listed key.
+    """
+    head = presence_prefix(run_id)
+    m = _PRESENCE_NAME.fullmatch(key[len(head):]) if key.startswith(head) else None
+    return m.group(1) if m else None
 
 
 def metrics_chunk_key(run_id: str, source: str, start: int, seq: int) -> str:

@@ -74,7 +74,8 @@ def _beat_trainer(tmp_path, skipped: int, available: int, step: int = 0):
     lines: list[str] = []
     t = SimpleNamespace(
         cfg=SimpleNamespace(groups_per_step=4, staleness_bound=3, backpressure=True),
-        pool=SimpleNamespace(stats=SimpleNamespace(skipped_uniform=skipped), available=lambda: available),
+        pool=SimpleNamespace(stats=SimpleNamespace(skipped_uniform=skipped), available=lambda: available,
+                           entries={}),
         skips=UniformSkips(16), run_status=StatusPublisher(bucket, "r", 10.0, target_steps=30), version=1,
         step=step, last_step_s=0.0, retention=SimpleNamespace(kept_from=1), echo=lines.append)
     _Trainer.beat(t)  # type: ignore[arg-type]

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from stoa.bucket import Bucket, BucketError
 from stoa.layout import rollout_version_prefix, status_key
 from stoa.lifecycle import RunStatus, read_status
+from stoa.trainer.liveness import LiveWorkers
 
 log = logging.getLogger(__name__)
 
+REWRITE_S = 1.0
+"""While workers share the want, a want that fell (still above zero) is rewritten at most this often: workers
+that drew none of it draw again on the new one (the groups the others still owe)."""
 POLL_BACKOFF_MAX_S = 5.0
 """Longest wait between two listings of an idle trainer (unless ``poll_seconds`` is longer)."""
 
@@ -108,7 +113,8 @@ class UniformSkips:
 
 
 class StatusPublisher:
-    """Writes ``status.json``: on a new version, on a heartbeat every ``heartbeat_s``, and at exit.
+    """Writes ``status.json``: on a new version, on a heartbeat every ``heartbeat_s``, and at exit; with a want it
+    also counts the live workers (:class:`~stoa.trainer.liveness.LiveWorkers`) among whom the workers share it.
 
     Args:
         bucket: the run's bucket.
@@ -116,7 +122,7 @@ class StatusPublisher:
         heartbeat_s: rewrite at least this often while the version does not move.
         fence: called before every write; raises when this trainer may no longer write (its lease).
         clock: wall clock for the stored times.
-        mono: monotonic clock for the heartbeat interval.
+        mono: monotonic clock for the heartbeat interval and the worker count.
         target_steps: the run's total steps (0: unbounded), written into every status.
     """
 
@@ -130,6 +136,9 @@ class StatusPublisher:
         self._written_at: float | None = None
         self._version: int | None = None
         self._wanted: int | None = None
+        self._workers: int | None = None
+        self.live = LiveWorkers(bucket, run_id, heartbeat_s, clock=mono)
+        """The live workers the status shares the want among."""
         self.writes = 0
         """Status objects written by this process."""
         try:
@@ -139,26 +148,33 @@ class StatusPublisher:
         self.prior = prior
         """The status a previous trainer left (None on a new run or when unreadable)."""
 
-    def beat(self, version: int, wanted: int | None, *, step_s: float, kept_from: int, step: int = 0) -> bool:
+    def beat(self, version: int, wanted: int | None, *, step_s: float, kept_from: int, step: int = 0,
+             seen: Iterable[Any] | None = None) -> bool:
         """Write ``running`` if the version moved, the heartbeat is due, the want reached zero (workers pause at
-        once) or rose (groups left the pool: workers, which sample at most one want per status, get a new one);
-        return whether it wrote.
+        once) or rose (groups left the pool: workers, which sample at most their share per status, get a new
+        one), or the live workers rose (a newcomer gets a share); return whether it wrote.
 
         Args:
             version: the newest published version.
-            wanted: groups still wanted (None: no backpressure).
+            wanted: groups still wanted (None: no backpressure, no worker count).
             step_s: the last step's seconds.
             kept_from: the oldest rollout version retention keeps.
             step: the run's steps so far.
+            seen: the pool's entries now (their workers are live); None: no worker count.
         """
+        workers = None if wanted is None or seen is None else self.live.update(seen)
         due = self._written_at is None or self._mono() - self._written_at >= self.heartbeat_s
-        moved = wanted != self._wanted and (wanted == 0 or (wanted or 0) > (self._wanted or 0))
-        if version == self._version and not due and not moved:
+        since = None if self._written_at is None else self._mono() - self._written_at
+        moved = wanted != self._wanted and (wanted == 0 or (wanted or 0) > (self._wanted or 0)
+                                            or (workers is not None and (since or 0) >= REWRITE_S))
+        joined = (workers or 0) > (self._workers or 0)
+        if version == self._version and not due and not moved and not joined:
             return False
-        return self.write("running", version, wanted, step_s=step_s, kept_from=kept_from, step=step)
+        return self.write("running", version, wanted, step_s=step_s, kept_from=kept_from, step=step,
+                          workers=workers)
 
     def write(self, state: str, version: int, wanted: int | None, *, step_s: float, kept_from: int,
-              step: int = 0) -> bool:
+              step: int = 0, workers: int | None = None) -> bool:
         """Write the status now; a bucket error is logged, not raised (the next beat retries).
 
         Args:
@@ -168,9 +184,11 @@ class StatusPublisher:
             step_s: the last step's seconds.
             kept_from: the oldest rollout version retention keeps.
             step: the run's steps so far.
+            workers: the live workers sharing the want (None: not counted).
         """
         now = self._clock()
-        status = RunStatus(state, version, now, now, wanted, round(step_s, 3), kept_from, step, self.target_steps)
+        status = RunStatus(state, version, now, now, wanted, round(step_s, 3), kept_from, step, self.target_steps,
+                           workers)
         if self.fence is not None:
             self.fence()
         try:
@@ -178,7 +196,7 @@ class StatusPublisher:
         except BucketError as e:
             log.warning("writing the run status failed, retrying at the next beat: %s", e)
             return False
-        self._written_at, self._version, self._wanted = self._mono(), version, wanted
+        self._written_at, self._version, self._wanted, self._workers = self._mono(), version, wanted, workers
         self.writes += 1
         return True
 

@@ -293,7 +293,7 @@ class _Trainer:
         if (note := self.skips.note(skipped, self.pool.available(), self.version)) is not None:
             self.echo(note)
         self.run_status.beat(self.version, wanted, step_s=self.last_step_s, kept_from=self.retention.kept_from,
-                             step=self.step)
+                             step=self.step, seen=self.pool.entries.values())
 
     def close_lifecycle(self, state: str, error: BaseException | None = None) -> None:
         """Write the final status; on a failure also close the metrics. A trainer that lost its lease

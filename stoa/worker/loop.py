@@ -127,14 +127,13 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
                 time.sleep(cfg.status_seconds if verdict.kind == "backpressure" else cfg.poll_seconds)
                 continue
             k = p.in_flight if cfg.max_groups == 0 else min(p.in_flight, cfg.max_groups - p.seq)
-            wanted = w.watch.wanted()
-            k = min(k, wanted) if wanted is not None and wanted > 0 else k  # no batch beyond what the trainer uses
+            k = w.watch.batch(k)  # no batch beyond this worker's share of what the trainer uses
             batch = _sample(w, p, k)
             if batch is None:
                 time.sleep(cfg.poll_seconds)
                 continue
             _upload(w, p, batch)
-            w.watch.spend(len(batch.groups))  # the next batches sample for the want less these
+            w.watch.spend(len(batch.groups))  # the next batches sample for the share less these
             _log_batch(w, p, batch)
     finally:
         w.metrics.close()
@@ -240,7 +239,7 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
                              log_dir=log_dir, config=cfg)
     metrics = MetricsWriter(log_dir / f"worker-{wid}.jsonl", wid, sink, trackers=trackers)
     watch = RunWatch(bucket, cfg.run, stale_s=cfg.trainer_stale_seconds, min_interval_s=cfg.status_seconds,
-                     backpressure=cfg.backpressure)
+                     backpressure=cfg.backpressure, worker_id=wid)
     tools = None
     if is_multiturn(task):
         tools = open_tools(task, cfg.retriever, bucket=bucket, run_id=cfg.run, spec=contract.retriever, note=echo)
