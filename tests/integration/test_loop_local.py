@@ -41,15 +41,21 @@ def test_reward_rises_and_a_killed_worker_does_not_stop_training(procs, tmp_path
     rollouts = tmp_path / "bucket" / "runs" / "r1" / "rollouts"
     trainer = procs.start("trainer", "trainer", "--bucket", bucket, "--run", "r1", "--steps", "20", *TRAIN_ARGS)
     w0 = procs.start("w0", *worker_args(bucket, "r1", "w0"))
+    seen: set[str] = set()  # every w0 record ever listed: retention may delete them at any moment
+
+    def w0_seen() -> set[str]:
+        seen.update(records_of(rollouts, "w0"))
+        return seen
+
     # w1 starts once w0 uploads: a w0 that starts late (a busy machine) would otherwise join only after w1
     # carried the run for many steps, and too few steps would be left after its records fall out of the window.
-    wait_for(lambda: records_of(rollouts, "w0"), 180, "w0 uploading")
+    wait_for(w0_seen, 180, "w0 uploading")
     procs.start("w1", *worker_args(bucket, "r1", "w1"))
-    wait_for(lambda: len(train_rows(metrics)) >= 3 and records_of(rollouts, "w0"), 180, "three steps, w0 uploading")
+    wait_for(lambda: len(train_rows(metrics)) >= 3 and w0_seen(), 180, "three steps, w0 uploading")
     assert w0.poll() is None  # alive and uploading until the kill
     w0.send_signal(signal.SIGKILL)  # a worker dies mid-run: the trainer keeps stepping
     assert w0.wait(timeout=30) == -signal.SIGKILL
-    w0_records = records_of(rollouts, "w0")
+    w0_records = set(w0_seen())
     assert trainer.wait(timeout=300) == 0, procs.log("trainer")
     rows = train_rows(metrics)
     assert [r["version"] for r in rows] == list(range(2, 22))
