@@ -126,6 +126,8 @@ def object_types() -> list[ObjectType]:
         ObjectType("contract", "signed", _fixed("run.json"), v.CONTRACT_VARIANTS, readers=ALL_CLIENTS),
         ObjectType("pointer", "signed", _fixed("weights/current.json"), v.POINTER_VARIANTS,
                    readers=(*weights, "status", "runs")),
+        ObjectType("pointer_unsigned_run", "toy", _fixed("weights/current.json"), v.JSON_VARIANTS,
+                   readers=(*weights, "status", "runs")),
         ObjectType("patch", "toy", _one("weights/versions/v*.patch"), v.BINARY_VARIANTS, readers=weights),
         ObjectType("anchor_manifest", "toy", _one("weights/anchors/v*/manifest.json"), v.JSON_VARIANTS,
                    readers=weights),
