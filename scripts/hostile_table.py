@@ -23,7 +23,7 @@ from tests.hostile.matrix import Bases, cells, run_cells, summary, table, timed 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the matrix and print the table; returns 0 when every cell passed."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--all", action="store_true", help="start every client against every object")
     p.add_argument("--only", action="append", default=[], help="object types to plant (repeatable)")
     p.add_argument("--clients", default="", help="comma-separated clients to start [default: all]")

@@ -10,6 +10,8 @@ past its timeout is killed and reported as a hang.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.context
+import multiprocessing.process
 import os
 import re
 import subprocess
@@ -104,8 +106,9 @@ _CTX: multiprocessing.context.ForkServerContext | None = None
 def _context() -> multiprocessing.context.ForkServerContext:
     global _CTX
     if _CTX is None:
-        _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload([PRELOAD])
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([PRELOAD])
+        _CTX = ctx
     return _CTX
 
 
@@ -170,12 +173,11 @@ def start(argv: list[str], env: dict[str, str], cwd: Path, logs: Path, name: str
     t0 = time.monotonic()
     if spawn:
         with open(out, "w") as o, open(err, "w") as e:
-            proc: multiprocessing.process.BaseProcess | subprocess.Popen = subprocess.Popen(
-                [sys.executable, "-m", "stoa", *argv], stdout=o, stderr=e, env=env, cwd=cwd)
-    else:
-        proc = _context().Process(target=_child, args=(argv, env, str(cwd), str(out), str(err)), daemon=True)
-        proc.start()
-    return Running(proc, out, err, t0, timeout)
+            popen = subprocess.Popen([sys.executable, "-m", "stoa", *argv], stdout=o, stderr=e, env=env, cwd=cwd)
+        return Running(popen, out, err, t0, timeout)
+    fork = _context().Process(target=_child, args=(argv, env, str(cwd), str(out), str(err)), daemon=True)
+    fork.start()
+    return Running(fork, out, err, t0, timeout)
 
 
 def run(argv: list[str], env: dict[str, str], cwd: Path, logs: Path, name: str, timeout: float,

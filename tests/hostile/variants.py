@@ -247,15 +247,17 @@ _HUGE_LOCK = threading.Lock()
 
 
 def huge_link(body: bytes, ctx: PlantContext, name: str, dest: Path) -> None:
-    """Write ``body`` at ``dest`` through one kept copy per ``name`` (hard-linked), so a 64 MiB variant is
-    written to disk once per object type, not once per client."""
+    """Write ``body`` at ``dest`` through a kept copy named ``name`` (hard-linked), so a 64 MiB variant is
+    written to disk once per object type, not once per client; only the newest kept copy stays."""
     ctx.huge_cache.mkdir(parents=True, exist_ok=True)
     kept = ctx.huge_cache / name
     with _HUGE_LOCK:
         if not kept.is_file() or kept.stat().st_size != len(body):
+            for old in ctx.huge_cache.iterdir():  # cells still holding one keep their own link
+                old.unlink()
             tmp = kept.with_suffix(".tmp")
             tmp.write_bytes(body)
             tmp.replace(kept)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.unlink(missing_ok=True)
-    os.link(kept, dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.unlink(missing_ok=True)
+        os.link(kept, dest)
