@@ -4,7 +4,9 @@ A cell's sandbox is a fresh directory: ``bucket/`` (a copy of the base run's, th
 ``cache/`` (``STOA_CACHE``), ``home/`` (``HOME``, XDG dirs, ``TMPDIR``), ``keys/`` (``STOA_KEY_DIR``: the run's
 key and the keys trusted on first use), ``out/`` (plot and export outputs), ``logs/``; and, where nothing may be
 written, ``cwd/`` (the client's working directory) and ``canary/`` (what traversal variants point at).
-Pass: no traceback, no hang, a documented exit code other than 1 with at most one error line, nothing written
+Pass: no traceback, no hang, a documented exit code other than 1 with at most one error line (or, for a worker, still
+running at its timeout with a ``[worker] refused ...`` note as its last line: it waits for the trainer's next
+publish, as documented), nothing written
 outside the allowed directories, the canary never copied into the bucket, and the run's acknowledged data
 (model files, task data, index, anchors and patches, consumed records) unchanged and its pointer still verifying.
 """
@@ -137,11 +139,12 @@ def plant(box: Path, obj: ObjectType | None, variant: str, huge_cache: Path) -> 
 def check(result: CellResult, box: Path, base: bases.Base, before: dict[str, str], plants: list[Plant]) -> None:
     """Fill ``result.problems`` from the outcome and the sandbox after the client ran."""
     o, problems = result.outcome, result.problems
-    if o.code == runner.HANG:
+    waits = result.client == "worker" and o.retrying  # goes on: refuses each read and waits for the trainer
+    if o.code == runner.HANG and not waits:
         problems.append(f"hang past {TIMEOUTS[result.client]:.0f}s")
     if o.traceback:
         problems.append("traceback")
-    if o.code not in EXIT_CODES or o.code in (1, 130):
+    if (o.code not in EXIT_CODES or o.code in (1, 130)) and not waits:
         problems.append(f"exit code {o.code}")
     if len(o.error_lines) > 1:
         problems.append(f"{len(o.error_lines)} error lines")

@@ -54,12 +54,20 @@ class Outcome:
         """Its ``stoa: ...`` (or ``stoa eval: ...``) error lines on stderr."""
         return [line for line in self.stderr.splitlines() if _ERROR_LINE.match(line)]
 
+    @property
+    def retrying(self) -> bool:
+        """Killed at its timeout while refusing the planted object: its last line is a ``[client] refused ...``
+        note (a worker waits for the trainer's next publish, as documented: "the worker retries by itself")."""
+        said = [x for x in (self.stdout + "\n" + self.stderr).splitlines() if x.strip()]
+        return self.code == HANG and bool(said) and re.match(r"\[\w+\] refused ", said[-1]) is not None
+
     def line(self) -> str:
         """The one line for the table: the error line, the last exception line of a traceback, or the client's
         refusal note when it went on (else ``ok``)."""
         if self.code == HANG:
             said = [x for x in (self.stdout + "\n" + self.stderr).splitlines() if x.strip()]
-            return f"hang (killed after {self.seconds:.0f}s; its last line: {said[-1] if said else 'none'})"
+            what = "still refusing and retrying" if self.retrying else "hang"
+            return f"{what} (killed after {self.seconds:.0f}s; its last line: {said[-1] if said else 'none'})"
         if self.traceback:
             last = [x for x in self.stderr.splitlines() if x.strip() and not x.startswith(" ")]
             return f"traceback: {last[-1] if last else '?'}"

@@ -96,6 +96,14 @@ def test_check_catches_a_traceback_a_bad_code_two_error_lines_and_a_write_outsid
     check(hang, box, base, before, [])
     assert hang.problems == ["hang past 30s", "exit code -1"]
     assert hang.outcome.line().startswith("hang (killed after 0s")
+    note = "[worker] refused runs/r/weights/current.json: bad_pointer (x); retrying\n"
+    for client, problems in (("worker", []), ("status", ["hang past 30s", "exit code -1"])):
+        waiting = CellResult("pointer", "deep", client, runner.Outcome(runner.HANG, note, "", 25.0))
+        check(waiting, box, base, before, [])
+        assert waiting.problems == problems
+    silent = CellResult("pointer", "deep", "worker", runner.Outcome(runner.HANG, note + "[worker] sampling\n", "", 25))
+    check(silent, box, base, before, [])
+    assert silent.problems == ["hang past 25s", "exit code -1"]
 
 
 def test_check_catches_changed_acknowledged_data_and_the_canary_in_the_bucket(hostile_bases: Bases,
