@@ -90,13 +90,18 @@ TRACKER = json.dumps({"id": "abc123", "project": "stoa", "entity": "me"}).encode
 
 
 def _contract_path(kind: str) -> v.Variant:
-    """The gsm8k contract with only the task data path changed (``kind``: absolute, relative, dotdot, home)."""
+    """The gsm8k contract with its task data path changed (``kind``: absolute, relative, dotdot, home); the
+    ``unpinned`` kind also drops the data's digest and size, as a forger who does not know the file would."""
     def variant(original: bytes, ctx: v.PlantContext) -> bytes:
         d = json.loads(original)
         secret = ctx.canary / "secret.jsonl"
-        d["task_spec"]["path"] = {"absolute": str(secret), "relative": "../" * 6 + "canary/secret.jsonl",
+        d["task_spec"]["path"] = {"absolute": str(secret), "unpinned": str(secret),
+                                  "relative": "../" * 6 + "canary/secret.jsonl",
                                   "dotdot": "bucket:../../../../canary/secret.jsonl",
                                   "home": "~/../canary/secret.jsonl"}[kind]
+        if kind == "unpinned":
+            for name in ("train_sha256", "n_train"):
+                d["task_spec"].pop(name, None)
         return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
     return variant
 
@@ -151,7 +156,7 @@ def object_types() -> list[ObjectType]:
                    honest=_honest_record, readers=("trainer", "status", "plot")),
         ObjectType("task_data", "gsm8k", _one("data/*/train.jsonl"), v.JSON_VARIANTS, readers=("worker", "eval")),
         ObjectType("contract_path", "gsm8k", _fixed("run.json"),
-                   {k: _contract_path(k) for k in ("absolute", "relative", "dotdot", "home")},
+                   {k: _contract_path(k) for k in ("absolute", "unpinned", "relative", "dotdot", "home")},
                    readers=("worker", "eval", "export", "join-card"), must_refuse=("worker", "eval")),
         ObjectType("retriever_manifest", "search", _one("retriever/*/stoa-index.json"), v.JSON_VARIANTS,
                    readers=("worker", "eval")),

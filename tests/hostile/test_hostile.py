@@ -29,7 +29,7 @@ FAST: list[tuple[str, str, str]] = [
     ("journal", "list", "trainer"), ("lease", "deep", "trainer"), ("checkpoint_pointer", "deep", "trainer"),
     ("key_names", "backslash", "trainer"), ("rollout_record", "garbage", "trainer"),
     ("pointer_unsigned_run", "max_int", "trainer"),
-    ("contract", "deep", "worker"), ("contract", "other_key", "worker"), ("contract_path", "absolute", "worker"),
+    ("contract", "deep", "worker"), ("contract", "other_key", "worker"), ("contract_path", "unpinned", "worker"),
     ("retriever_manifest", "deep", "worker"), ("patch", "garbage", "worker"),
     ("contract", "huge_int", "eval"), ("metrics_chunk", "huge_int", "eval"), ("pointer", "unsigned", "eval"),
 ]
