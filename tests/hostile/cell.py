@@ -221,7 +221,7 @@ def run_cell(obj: ObjectType | None, variant: str, client: str, base: bases.Base
     before = _files(box, ALLOWED)
     env = bases.base_env(box, box / "cache", box / "keys", box / "home")
     outcome = runner.run(client_argv(client, box, base), env, box / "cwd", box / "logs", client,
-                         TIMEOUTS[client], spawn=spawn)
+                         TIMEOUTS[client], spawn=spawn, retried=3 if client == "worker" else 0)
     result = CellResult(obj.name if obj else "key_names", variant, client, outcome)
     check(result, box, base, before, plants)
     if obj is not None and client in obj.must_refuse and outcome.code == 0:

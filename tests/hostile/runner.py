@@ -130,8 +130,24 @@ class Running:
     started: float
     timeout: float
 
-    def wait(self) -> Outcome:
-        """Wait until it exits or its timeout passes (then kill it)."""
+    def _alive(self) -> bool:
+        if isinstance(self.proc, subprocess.Popen):
+            return self.proc.poll() is None
+        return self.proc.exitcode is None
+
+    def wait(self, retried: int = 0) -> Outcome:
+        """Wait until it exits or its timeout passes (then kill it).
+
+        Args:
+            retried: > 0: also stop it (as at its timeout) once it printed this many ``[client] refused`` notes:
+                a client that refuses and retries would do so until its timeout.
+        """
+        while retried and self._alive() and time.monotonic() < self.started + self.timeout:
+            text = self.out.read_text(errors="replace") if self.out.exists() else ""
+            if len(re.findall(r"^\[\w+\] refused ", text, re.M)) >= retried:
+                self.timeout = 0.0
+                break
+            time.sleep(0.25)
         left = max(0.0, self.started + self.timeout - time.monotonic())
         if isinstance(self.proc, subprocess.Popen):
             try:
@@ -189,6 +205,6 @@ def start(argv: list[str], env: dict[str, str], cwd: Path, logs: Path, name: str
 
 
 def run(argv: list[str], env: dict[str, str], cwd: Path, logs: Path, name: str, timeout: float,
-        spawn: bool = False) -> Outcome:
-    """:func:`start` then wait for it."""
-    return start(argv, env, cwd, logs, name, timeout, spawn).wait()
+        spawn: bool = False, retried: int = 0) -> Outcome:
+    """:func:`start` then wait for it (see :meth:`Running.wait` for ``retried``)."""
+    return start(argv, env, cwd, logs, name, timeout, spawn).wait(retried)
