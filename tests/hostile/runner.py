@@ -105,6 +105,7 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        Path(err).with_suffix(".code").write_text(str(code))  # the fork server's report can be lost (255)
         os._exit(code)
 
 
@@ -164,6 +165,8 @@ class Running:
                 code = HANG
             else:
                 code = self.proc.exitcode
+                told = self.err.with_suffix(".code")
+                code = int(told.read_text()) if told.is_file() and told.read_text() else code
         seconds = time.monotonic() - self.started
         read = lambda p: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
         return Outcome(code, read(self.out), read(self.err), seconds)
@@ -194,6 +197,7 @@ def start(argv: list[str], env: dict[str, str], cwd: Path, logs: Path, name: str
     """
     logs.mkdir(parents=True, exist_ok=True)
     out, err = logs / f"{name}.out", logs / f"{name}.err"
+    err.with_suffix(".code").unlink(missing_ok=True)
     t0 = time.monotonic()
     if spawn:
         with open(out, "w") as o, open(err, "w") as e:
