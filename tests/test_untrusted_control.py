@@ -277,6 +277,8 @@ def test_a_pointer_at_int64_max_is_refused_without_allocating(tmp_path: Path) ->
     assert ei.value.reason == "pointer_ahead" and f"v{2**63 - 1}" in str(ei.value)
     assert time.perf_counter() - t0 < 2.0 and peak < 4 << 20  # list(range(...)) here was a MemoryError
     assert worker.version == 2 and worker.metrics["path"] == "failed"  # keeps its weights, retries later
+    # a refusal of the pointer, as for any other planted pointer: the worker says "refused current.json"
+    assert [(r.key, r.reason) for r in worker.refusals] == [(pointer_key(RUN), "pointer_ahead")]
     fresh = WeightSync(bucket, RUN, "bf16")
     with pytest.raises(SyncError, match="pointer_ahead"):
         fresh.sync()

@@ -292,6 +292,7 @@ class WeightSync:
             raise SyncError("unavailable", f"bucket error during sync (keeping v{self.version}): {e}") from e
         except SyncError as e:  # pointer_ahead: nothing listed reaches the pointer's version
             self.totals["failures"] += 1
+            self.refusals.append(Refusal(pointer_key(self.run_id), e.reason, e.detail, "pointer"))
             self._record(t0, counter, "failed", [*errors, str(e)], pointer)
             raise SyncError(e.reason, f"{e.detail} (keeping v{self.version})") from None
         if path == "none":
