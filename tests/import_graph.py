@@ -7,6 +7,7 @@ or optional import); ``python scripts/import_graph.py`` prints the figures.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 import tomllib
 from collections.abc import Iterable
@@ -42,6 +43,7 @@ class Import:
         line: the statement's line in the source module.
         lazy: whether the statement sits inside a function.
         internal: whether ``target`` is a module of ``stoa``.
+        guarded: whether a ``try`` around it catches ``ImportError`` (an optional import, wherever it is).
     """
 
     source: str
@@ -49,6 +51,7 @@ class Import:
     line: int
     lazy: bool
     internal: bool
+    guarded: bool = False
 
 
 def modules(root: Path = STOA) -> dict[str, Path]:
@@ -88,6 +91,16 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
+def _guarded(tree: ast.AST) -> set[int]:
+    """ids of the nodes in the body of a ``try`` that catches ``ImportError`` or ``ModuleNotFoundError``."""
+    out: set[int] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Try) and any(h.type is not None and re.search(r"\b(ImportError|ModuleNotFoundError)\b",
+                                                                        ast.unparse(h.type)) for h in n.handlers):
+            out.update(id(c) for stmt in n.body for c in ast.walk(stmt))
+    return out
+
+
 def _targets(source: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: dict[str, Path]) -> list[str]:
     """The modules one statement names: internal dotted names (deepest existing) or outside top-level names."""
     if isinstance(node, ast.Import):
@@ -116,13 +129,13 @@ def imports(root: Path = STOA) -> list[Import]:
     out = []
     for name, path in known.items():
         tree = ast.parse(path.read_text(), str(path))
-        in_function, type_only = _inside(tree, _is_function), _inside(tree, _is_type_checking)
+        in_function, type_only, guarded = _inside(tree, _is_function), _inside(tree, _is_type_checking), _guarded(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in type_only:
                 for target in _targets(name, path.name == "__init__.py", node, known):
                     if target != name:
                         out.append(Import(name, target, node.lineno, id(node) in in_function,
-                                          target.split(".")[0] == "stoa"))
+                                          target.split(".")[0] == "stoa", id(node) in guarded))
     return out
 
 
@@ -216,7 +229,8 @@ def lazy_violations(imps: list[Import], base: frozenset[str]) -> list[str]:
     """Imports inside functions that load nothing heavy or optional: they belong at the top of the module."""
     slow = heavy(imps, base)
     return [f"{i.source}:{i.line} imports {i.target} inside a function" for i in imps
-            if i.lazy and not ((i.internal and i.target in slow) or (not i.internal and is_optional(i.target, base)))]
+            if i.lazy and not (i.guarded or (i.internal and i.target in slow)
+                               or (not i.internal and is_optional(i.target, base)))]
 
 
 def counts(imps: list[Import]) -> dict[str, int]:
