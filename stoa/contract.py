@@ -34,6 +34,7 @@ from stoa.untrusted import (
     int_list,
     loads_bounded,
 )
+from stoa.weights.ed25519 import CONTRACT_DOMAIN, PUBLIC_HEX, is_hex, signature_problem
 
 SCHEMA_VERSION = 1
 """Version of the contract and of every record type; bump on any incompatible change."""
@@ -81,6 +82,17 @@ class ContractMismatch(RuntimeError):
         if detail:
             msg += f" ({detail})"
         super().__init__(msg)
+
+
+class RunKeyError(ContractMismatch):
+    """The run's key is missing, malformed, or not the one this client trusts (exit 3, one line).
+
+    Args:
+        detail: what is wrong and the fix.
+    """
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(["run_key"], detail)
 
 
 @dataclass(frozen=True)
@@ -167,7 +179,7 @@ class RunContract:
         """What the run key signs: a domain prefix and the canonical JSON of every field but the signature."""
         d = asdict(self)
         d.pop("signature")
-        return b"stoa.contract/1\n" + canonical_json(d)
+        return CONTRACT_DOMAIN + canonical_json(d)
 
     def check_signature(self) -> RunContract:
         """``self`` if it has no key, or its signature verifies against the key it carries (self-consistency
@@ -176,14 +188,15 @@ class RunContract:
         Raises:
             ContractMismatch: (``RunKeyError``) a key without a valid signature, or a signature without a key.
         """
-        from stoa.weights.signing import RunKeyError, check_public_key, signature_problem
-
         if not self.run_key:
             if self.signature:
                 raise RunKeyError("run.json has a signature but no run_key; the contract was tampered with")
             return self
-        check_public_key(self.run_key, "run.json's run_key")
+        if not is_hex(self.run_key, PUBLIC_HEX):
+            raise RunKeyError(f"run.json's run_key is not an Ed25519 public key ({PUBLIC_HEX} lowercase hex digits)")
         problem = signature_problem(self.run_key, self.signature, self.signed_bytes())
+        if problem is not None and problem[0] == "no_cryptography":  # pragma: no cover - install without it
+            raise RunKeyError(problem[1])
         if problem is not None:
             raise RunKeyError(f"run.json of run {self.run_id!r} is not signed by the key it carries "
                               f"({problem[0]}: {problem[1]}); the contract was tampered with")

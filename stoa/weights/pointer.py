@@ -24,8 +24,9 @@ from stoa.layout import (
 )
 from stoa.untrusted import check_text, field_int, field_text, load_object
 from stoa.weights.anchor import FILE_NAME
+from stoa.weights.ed25519 import POINTER_DOMAIN
 from stoa.weights.errors import SyncError
-from stoa.weights.signing import POINTER_DOMAIN, verify_signature
+from stoa.weights.signing import verify_signature
 from stoa.weights.strict import refused_as
 
 POINTER_SCHEMA = "stoa.weights.pointer/1"

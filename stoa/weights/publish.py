@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from stoa.bucket import Bucket, BucketError, ObjectExists, ObjectNotFound, PreconditionFailed
+from stoa.contract import RunKeyError
 from stoa.layout import anchor_prefix, patch_key, pointer_key
 from stoa.untrusted import BadBucketObject
 from stoa.weights.anchor import FILE_NAME, encode_anchor
@@ -20,7 +21,7 @@ from stoa.weights.errors import SyncError, WeightsError
 from stoa.weights.planes import State, check_plane
 from stoa.weights.pointer import MANIFEST_NAME, Pointer, complete, list_anchors, list_patches, now_iso
 from stoa.weights.pulse import DEFAULT_LEVEL, encode_patch, read_patch_header
-from stoa.weights.signing import RunKeyError, RunSigner
+from stoa.weights.signing import RunSigner
 from stoa.weights.sync import Refusal, WeightSync
 
 DEFAULT_ANCHOR_EVERY = 20

@@ -12,50 +12,23 @@ The cryptography is the ``cryptography`` package's Ed25519 (imported when a key 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from stoa.bucket import Bucket, ObjectNotFound
-from stoa.contract import ContractMismatch, RunContract, digest_hex
+from stoa.contract import RunContract, RunKeyError, digest_hex
 from stoa.layout import contract_key
+from stoa.weights.ed25519 import NO_CRYPTOGRAPHY, PUBLIC_HEX, ed25519, is_hex, signature_problem
 from stoa.weights.errors import SyncError
-
-PUBLIC_HEX = 64
-"""An Ed25519 public key: 32 bytes, written as 64 lowercase hex digits."""
-SIGNATURE_HEX = 128
-"""An Ed25519 signature: 64 bytes, written as 128 lowercase hex digits."""
-POINTER_DOMAIN = b"stoa.weights.pointer/1\n"
-"""Prefix of the signed bytes of a pointer (a pointer signature never verifies as a contract's)."""
-CONTRACT_DOMAIN = b"stoa.contract/1\n"
-"""Prefix of the signed bytes of a contract."""
-_HEX = re.compile(r"[0-9a-f]*")
-
-
-class RunKeyError(ContractMismatch):
-    """The run's key is missing, malformed, or not the one this client trusts (exit 3, one line).
-
-    Args:
-        detail: what is wrong and the fix.
-    """
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(["run_key"], detail)
 
 
 def _ed25519() -> Any:
-    try:
-        from cryptography.hazmat.primitives.asymmetric import ed25519
-    except ImportError:  # pragma: no cover - an install without the trainer or worker extra
-        raise RunKeyError("signed runs need the 'cryptography' package: pip install 'stoa[worker]' "
-                          "(or 'stoa[trainer]')") from None
-    return ed25519
-
-
-def _is_hex(value: Any, digits: int) -> bool:
-    return isinstance(value, str) and len(value) == digits and _HEX.fullmatch(value) is not None
+    ed = ed25519()
+    if ed is None:  # pragma: no cover - an install without the trainer or worker extra
+        raise RunKeyError(NO_CRYPTOGRAPHY)
+    return ed
 
 
 def check_public_key(value: str, what: str = "run key") -> str:
@@ -65,36 +38,9 @@ def check_public_key(value: str, what: str = "run key") -> str:
         value: the key text.
         what: where it came from, for the message.
     """
-    if not isinstance(value, str) or not _is_hex(value, PUBLIC_HEX):
+    if not is_hex(value, PUBLIC_HEX):
         raise RunKeyError(f"{what} is not an Ed25519 public key ({PUBLIC_HEX} lowercase hex digits)")
     return value
-
-
-def signature_problem(public_hex: str, signature: str, data: bytes) -> tuple[str, str] | None:
-    """Why ``signature`` is not ``public_hex``'s signature over ``data`` as (reason, detail); None when it is.
-
-    Reasons: ``unsigned`` (no signature), ``malformed_signature`` (not 128 hex digits), ``bad_signature``
-    (made by another key or over other bytes; the two cannot be told apart). Never raises.
-
-    Args:
-        public_hex: the trusted public key (64 hex digits).
-        signature: the signature as stored (hex), "" when absent.
-        data: the exact bytes that were signed.
-    """
-    if signature == "" or signature is None:
-        return "unsigned", "no signature, and the run is signed"
-    if not _is_hex(signature, SIGNATURE_HEX):
-        return "malformed_signature", f"the signature is not {SIGNATURE_HEX} lowercase hex digits"
-    if not _is_hex(public_hex, PUBLIC_HEX):
-        return "malformed_signature", "the run's key is not an Ed25519 public key"
-    ed = _ed25519()
-    from cryptography.exceptions import InvalidSignature
-
-    try:
-        ed.Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex)).verify(bytes.fromhex(signature), data)
-    except (InvalidSignature, ValueError):
-        return "bad_signature", f"the signature does not verify against the run's key {public_hex[:16]}..."
-    return None
 
 
 def verify_signature(public_hex: str, signature: str, data: bytes, what: str) -> None:
@@ -105,8 +51,13 @@ def verify_signature(public_hex: str, signature: str, data: bytes, what: str) ->
         signature: the stored signature (hex), "" when absent.
         data: the signed bytes.
         what: the object, for the message (``current.json``).
+
+    Raises:
+        RunKeyError: (exit 3) this install cannot check signatures (no ``cryptography``).
     """
     problem = signature_problem(public_hex, signature, data)
+    if problem is not None and problem[0] == "no_cryptography":  # pragma: no cover - install without it
+        raise RunKeyError(problem[1])
     if problem is not None:
         raise SyncError(problem[0], f"{what}: {problem[1]}")
 

@@ -85,7 +85,7 @@ def test_a_worker_follows_only_the_pinned_key(tmp_path, tiny_dir):
     import pytest
 
     from stoa.config import WorkerConfig
-    from stoa.weights.signing import RunKeyError
+    from stoa.contract import RunKeyError
     from stoa.worker.loop import _set_up
 
     url = str(tmp_path / "b")

@@ -6,13 +6,13 @@ import pytest
 
 from stoa.bucket import open_bucket
 from stoa.config import TrainerConfig
-from stoa.contract import RunContract
+from stoa.contract import RunContract, RunKeyError
 from stoa.layout import contract_key, pointer_key
 from stoa.trainer.loop import _Trainer
 from stoa.trainer.setup import model_from_bucket
 from stoa.weights.errors import SyncError
 from stoa.weights.pointer import Pointer
-from stoa.weights.signing import RunKeyError, load_key
+from stoa.weights.signing import load_key
 from stoa.weights.sync import WeightSync
 from tests.weights.test_signing import forge, state
 

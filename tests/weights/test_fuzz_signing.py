@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stoa.contract import ContractMismatch, ModelSpec, RunContract, SamplingSpec
+from stoa.weights.ed25519 import signature_problem
 from stoa.weights.errors import SyncError
 from stoa.weights.pointer import Pointer
-from stoa.weights.signing import RunSigner, create_key, signature_problem
+from stoa.weights.signing import RunSigner, create_key
 from tests.weights._weights_fuzz import DEEP, NASTY, RUN, dumps, mutate_bytes, mutate_json
 
 _SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 
 from stoa.bucket import open_bucket
-from stoa.contract import ContractMismatch, ModelSpec, RunContract, SamplingSpec
+from stoa.contract import ContractMismatch, ModelSpec, RunContract, RunKeyError, SamplingSpec
 from stoa.layout import contract_key, pointer_key
 from stoa.weights.errors import SyncError
 from stoa.weights.follow import WeightFollower
 from stoa.weights.pointer import Pointer
 from stoa.weights.publish import WeightPublisher
 from stoa.weights.signing import (
-    RunKeyError,
     create_key,
     load_key,
     signing_wanted,
