@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from stoa.bench.checkout import script_path
 from stoa.bench.local import MLXRL_DRIVER, _table, add_arguments
 
 
 def test_mlxrl_driver_compiles():
     # It runs in another venv: a syntax error would show only there.
-    compile(MLXRL_DRIVER.read_text(), str(MLXRL_DRIVER), "exec")
+    driver = script_path(MLXRL_DRIVER)
+    compile(driver.read_text(), str(driver), "exec")
 
 
 def _target(step_s: float, tok_s: float, blas: str) -> dict:
