@@ -197,7 +197,10 @@ def test_train_step_returns_lag0_disagreement_per_worker(tiny_dir, shared_prefix
 def test_bench_flags_no_honest_torch_worker_and_catches_random_logprobs(tiny_dir, tmp_path):
     import argparse
 
-    from stoa.bench.quarantine import add_arguments, main
+    from stoa.bench.checkout import load_script
+
+    calibration = load_script("quarantine_calibration.py")
+    add_arguments, main = calibration.add_arguments, calibration.main
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stoa.bench.checkout import script_path
+from stoa.config.base import ConfigError
 from stoa.config.text import deprecated_flag
 
-MLXRL_DRIVER = Path(__file__).with_name("mlxrl_driver.py")
-"""The mlxrl timing driver: a script run by the python of a separate venv with mlxrl installed."""
+MLXRL_DRIVER = "mlxrl_driver.py"
+"""The mlxrl timing driver in the checkout's ``benchmarks/``: run by the python of a separate venv with mlxrl."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +153,12 @@ def main(args: argparse.Namespace) -> int:
     from stoa.models import resolve_model
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if "mlxrl" in targets:  # say what is missing before any target runs
+        script_path(MLXRL_DRIVER)
+        if not Path(args.mlxrl_python).exists():
+            raise ConfigError("mlxrl_python", f"{args.mlxrl_python} does not exist; create a separate venv: python "
+                              "-m venv /tmp/mlxrl-venv && /tmp/mlxrl-venv/bin/pip install -r "
+                              "benchmarks/requirements-mlxrl.txt")
     model_dir = resolve_model(args.model)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
     results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
@@ -198,16 +206,12 @@ def _command(target: str, args: argparse.Namespace, model_dir: Path) -> list[str
         spec: dict[str, Any] = {"config": config, "ignore_eos": not args.stop_at_eos}
         return [sys.executable, "-m", "stoa.bench.local", "--child", json.dumps(spec)]
     if target == "mlxrl":
-        if not Path(args.mlxrl_python).exists():
-            raise FileNotFoundError(f"--mlxrl-python {args.mlxrl_python} does not exist; create a separate "
-                                    "venv: python -m venv /tmp/mlxrl-venv && /tmp/mlxrl-venv/bin/pip install "
-                                    "inductive-mlxrl 'mlx[cpu]' 'mlx-lm==0.32.0'")
         spec = {"model_dir": str(model_dir), "prompts": _prompts(model_dir, total), "G": args.group_size,
                 "max_tokens": args.max_tokens, "beta": args.beta, "bits": args.quant_bits, "group_size_q": 64,
                 "rank": args.lora_rank, "scale": args.lora_alpha / args.lora_rank, "lr": 1e-4,
                 "checkpointing": args.gradient_checkpointing, "ignore_eos": not args.stop_at_eos,
                 "rollout": args.mlxrl_rollout, "mkl_rt": find_mkl_rt() if args.mlxrl_blas == "same" else None}
-        return [args.mlxrl_python, str(MLXRL_DRIVER), json.dumps(spec)]
+        return [args.mlxrl_python, str(script_path(MLXRL_DRIVER)), json.dumps(spec)]
     raise ValueError(f"--targets: unknown target {target!r} (torch, mlx, mlxrl)")
 
 

@@ -8,10 +8,11 @@ import resource
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from stoa.config.text import deprecated_flag
+from stoa.config.text import deprecated_flag, dtype_value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,9 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preflight", action="store_true",
                    help="compare the memory preflight's estimate with the measured peak of PREFLIGHT_GRID's "
                         "settings (packed mode, each in a fresh process)")
-    from stoa.bench.trl import add_compare_arguments
-
-    add_compare_arguments(p)
+    p.add_argument("--dtype", default="float32", type=dtype_value, choices=("float32", "bfloat16"),
+                   help="our Policy's compute dtype [default: float32]")
 
 
 def synthetic_entries(groups: int, n: int, prompt_tokens: int, tokens: int, vocab: int, seed: int) -> list:
@@ -69,6 +69,50 @@ def synthetic_entries(groups: int, n: int, prompt_tokens: int, tokens: int, voca
     return out
 
 
+def policy_kwargs(dtype: str) -> dict[str, Any]:
+    """Our Policy's dtype keyword for ``--dtype`` (``compute_dtype``), checked against its signature.
+
+    Args:
+        dtype: ``float32`` or ``bfloat16``.
+    """
+    import inspect
+
+    import torch
+
+    from stoa.trainer.policy import Policy
+
+    if dtype in ("float32", "fp32"):
+        return {}
+    if "compute_dtype" not in inspect.signature(Policy).parameters:
+        raise ValueError("--dtype bfloat16: this stoa's Policy has no compute_dtype; run --dtype float32")
+    return {"compute_dtype": torch.bfloat16}
+
+
+def on_policy(entries: list[Any], policy: Any, tokens: int) -> list[Any]:
+    """The entries with each sample's behaviour logprobs set to the policy's own (as TRL's single-iteration GRPO
+    has it: ratio 1). With made-up logprobs the clipped ratio zeroes nearly every gradient, and AdamW on ~1e-20
+    gradients runs on denormal floats, several times slower on x86.
+
+    Args:
+        entries: synthetic groups (:func:`synthetic_entries`).
+        policy: our Policy.
+        tokens: completion length.
+    """
+    import dataclasses
+
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for e in entries:
+            rec = e.record
+            lp = policy.group_logprobs(rec.prompt_tokens, [s.tokens for s in rec.samples], tokens).float().numpy()
+            samples = [dataclasses.replace(s, logprobs=lp[i, :len(s.tokens)].astype("float32"))
+                       for i, s in enumerate(rec.samples)]
+            out.append(dataclasses.replace(e, record=dataclasses.replace(rec, samples=samples)))
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     """Time optimizer steps on synthetic groups of the requested shape; print a table.
 
@@ -77,14 +121,9 @@ def main(args: argparse.Namespace) -> int:
     """
     if args.preflight:
         return preflight(args)
-    if args.compare == "trl":
-        from stoa.bench.trl import main as compare_trl
-
-        return compare_trl(args)
     import torch
 
     from stoa.algorithms import AlgoConfig, get_algorithm
-    from stoa.bench.trl import on_policy, policy_kwargs
     from stoa.engines.torch import resolve_device
     from stoa.models import resolve_model
     from stoa.trainer.policy import Policy

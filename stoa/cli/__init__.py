@@ -68,6 +68,7 @@ USER_ERRORS: tuple[UserError, ...] = (
     UserError("stoa.retrieval.bm25:BadIndex", 2, lambda e: f"retriever index: {e}"),
     UserError("stoa.retrieval.corpus:CorpusError", 2, lambda e: f"corpus: {e}"),
     UserError("stoa.tasks.base:TaskDataError", 2, lambda e: f"task data: {e}"),
+    UserError("stoa.bench.checkout:BenchScriptMissing", 2, str),
     UserError("stoa.contract:ContractMismatch", 3, str),
     UserError("stoa.contract:RunNotFound", 12, str),
     UserError("stoa.untrusted:BadBucketObject", 13, str),

@@ -1,28 +1,47 @@
-"""``stoa bench``: benchmarks that print figures (rollout engines, trainer step, PULSE, local mode)."""
+"""``stoa bench``: benchmarks that print figures (rollout engines, trainer step, PULSE, local mode), and the
+peer comparisons and calibration harnesses of the checkout's ``benchmarks/`` folder."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+from types import ModuleType
+
+from stoa.bench.checkout import load_script
 
 BENCHES = {
     "rollout": ("stoa.bench.rollout", "new tokens/s of our engines vs mlx-lm and HF generate"),
     "trainer": ("stoa.bench.trainer", "trainer step time and tokens/s"),
+    "trl": ("trl_compare.py", "our trainer step vs TRL's GRPOTrainer, each in its own venv (checkout only)"),
     "dist": ("stoa.bench.dist", "FSDP2 data-parallel step: time, memory per rank, MFU, planes equal to 1 process"),
     "pulse": ("stoa.bench.pulse", "PULSE patch size, encode/apply speed, bit-exactness"),
     "local": ("stoa.bench.local", "single-process local mode vs mlxrl"),
-    "logprobs": ("stoa.bench.logprobs", "MLX vs torch logprob gap (bf16/int8 report)"),
-    "quarantine": ("stoa.bench.quarantine",
-                   "lag-0 logprob disagreement of honest and lying workers vs threshold"),
+    "logprobs": ("logprob_gap.py", "MLX vs torch logprob gap (bf16/int8 report; checkout only)"),
+    "quarantine": ("quarantine_calibration.py",
+                   "lag-0 logprob disagreement of honest and lying workers vs threshold (checkout only)"),
     "retriever": ("stoa.bench.retriever", "BM25 queries/s (batched, single, HTTP) and index memory"),
     "episodes": ("stoa.bench.episodes", "multi-turn episode tokens/s (torch, MLX) on a real task vs generate"),
     "fleet": ("stoa.bench.fleet", "trainer intake (LIST/GET per step, seconds) vs simulated workers and window"),
     "flood": ("stoa.bench.flood", "backpressure: groups written per group trained, peak objects, vs workers"),
     "pulse-experts": ("stoa.bench.pulse.experts", "PULSE patches on a MoE over real GRPO steps: ratio, sparsity by "
                       "tensor kind, untouched experts"),
-    "families": ("stoa.bench.families",
-                 "ratio drift per model family: trainer fp32/bf16 vs torch and MLX workers, MoE routing flips"),
+    "families": ("family_drift.py", "ratio drift per model family: trainer fp32/bf16 vs torch and MLX workers, "
+                 "MoE routing flips (checkout only)"),
 }
+"""Benchmark name: (module of the package, or script file of the checkout's ``benchmarks/``; one-line help)."""
+
+
+def load_bench(name: str) -> ModuleType:
+    """Benchmark ``name``'s module: imported from the package, or loaded by path from ``benchmarks/``.
+
+    Args:
+        name: a key of ``BENCHES``.
+
+    Raises:
+        BenchScriptMissing: a ``benchmarks/`` script that is not there (a wheel install).
+    """
+    target = BENCHES[name][0]
+    return load_script(target) if target.endswith(".py") else importlib.import_module(target)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,8 +67,8 @@ def bench_parser(name: str) -> argparse.ArgumentParser | None:
     from stoa.cli.parser import StoaParser
     from stoa.config.text import HelpFormatter
 
-    module, help_text = BENCHES[name]
-    mod = importlib.import_module(module)
+    help_text = BENCHES[name][1]
+    mod = load_bench(name)
     if not hasattr(mod, "add_arguments"):
         return None
     bp = StoaParser(prog=f"stoa bench {name}", formatter_class=HelpFormatter,
@@ -64,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    mod = importlib.import_module(BENCHES[args.bench][0])
+    mod = load_bench(args.bench)
     bench_args = take_global_flags(args)
     bp = bench_parser(args.bench)
     if bp is not None:

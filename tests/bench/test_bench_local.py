@@ -1,15 +1,18 @@
-"""`stoa bench local`: the mlxrl driver is valid Python and the table reports ratios and failed targets."""
+"""`stoa bench local`: the mlxrl driver is valid Python, the table reports ratios and failed targets, and a missing
+mlxrl venv is one line before anything runs."""
 
 from __future__ import annotations
 
 import argparse
 
+from stoa.bench.checkout import script_path
 from stoa.bench.local import MLXRL_DRIVER, _table, add_arguments
 
 
 def test_mlxrl_driver_compiles():
     # It runs in another venv: a syntax error would show only there.
-    compile(MLXRL_DRIVER.read_text(), str(MLXRL_DRIVER), "exec")
+    driver = script_path(MLXRL_DRIVER)
+    compile(driver.read_text(), str(driver), "exec")
 
 
 def _target(step_s: float, tok_s: float, blas: str) -> dict:
@@ -29,3 +32,15 @@ def test_table_prints_ratios_against_mlxrl_and_names_failures():
     assert "torch / mlxrl (naive rollout): it/s 4.00x, rollout tok/s 4.00x" in table
     assert "mlx / mlxrl (naive rollout): it/s 2.00x" in table
     assert "| other | FAILED" in table
+
+
+def test_a_missing_mlxrl_python_is_one_line_before_any_target_runs(tmp_path, capsys):
+    from stoa.cli import main
+
+    argv = ["bench", "local", "--targets", "torch,mlxrl", "--mlxrl-python", str(tmp_path / "none" / "python"),
+            "--json", str(tmp_path / "local.json")]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("stoa: invalid setting mlxrl_python: ") and "requirements-mlxrl.txt" in captured.err
+    assert not (tmp_path / "local.json").exists()

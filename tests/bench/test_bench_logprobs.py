@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from stoa.bench.logprobs import run_logprob_report
+from stoa.bench.checkout import load_script
+
+run_logprob_report = load_script("logprob_gap.py").run_logprob_report
 
 
 def test_torch_engine_report_fp32_agrees_and_bf16_is_measured(tiny_dir, tmp_path):

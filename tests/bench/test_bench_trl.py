@@ -1,5 +1,5 @@
-"""`stoa bench trainer --compare trl`: the ratio line, the children's RESULT parsing, their argv and the order they
-run in (the TRL venv is never created here: the children are replaced)."""
+"""`stoa bench trl` (benchmarks/trl_compare.py): the ratio line, the children's RESULT parsing, their argv and the
+order they run in (the TRL venv is never created here: the children are replaced), and our child run by path."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from stoa.bench import trl
-from stoa.bench.trainer import add_arguments
+from stoa.bench.checkout import load_script
+
+trl = load_script("trl_compare.py")
 
 RATIO = re.compile(r"^ratio_step=(\d+\.\d\d) ratio_mem=(\d+\.\d\d)$")
 
 
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    add_arguments(p)
+    trl.add_arguments(p)
     return p.parse_args(list(argv))
 
 
@@ -56,14 +57,14 @@ def test_parse_result_takes_the_last_result_line_among_noise():
 
 
 def test_children_argv_and_the_spec_the_driver_reads():
-    args = _args("--compare", "trl", "--dtype", "bfloat16", "--threads", "3")
+    args = _args("--dtype", "bfloat16", "--threads", "3")
     spec = trl.child_spec(args, Path("/m"))
     assert (spec["prompts"], spec["generations"], spec["tokens"], spec["prompt_tokens"]) == (8, 8, 64, 48)
     assert (spec["beta"], spec["threads"], spec["dtype"], spec["micro_batch"]) == (0.001, 3, "bfloat16", 16)
-    assert trl.child_spec(_args("--compare", "trl", "--kl-beta", "0.04"), Path("/m"))["beta"] == 0.04
+    assert trl.child_spec(_args("--kl-beta", "0.04"), Path("/m"))["beta"] == 0.04
     argv = trl.trl_argv(Path("/v/bin/python"), spec)
     assert argv[:2] == ["/v/bin/python", str(trl.TRL_DRIVER)] and json.loads(argv[2]) == spec
-    assert trl.ours_argv(spec)[:4] == [sys.executable, "-m", "stoa.bench.trl", "--child"]
+    assert trl.ours_argv(spec)[:3] == [sys.executable, str(trl.TRL_DRIVER.with_name("trl_compare.py")), "--child"]
     # The driver runs in TRL's venv: it must compile, and read only keys the spec has.
     source = trl.TRL_DRIVER.read_text()
     compile(source, str(trl.TRL_DRIVER), "exec")
@@ -80,8 +81,8 @@ def test_main_interleaves_fresh_children_and_prints_the_ratio_line_last(monkeypa
 
     monkeypatch.setattr(trl, "run_child", child)
     monkeypatch.setattr(trl, "ensure_trl_venv", lambda: tmp_path / "python")
-    monkeypatch.setattr("stoa.models.resolve_model", lambda name: tmp_path)
-    assert trl.main(_args("--compare", "trl", "--repeats", "2")) == 0
+    monkeypatch.setattr(trl, "resolve_model", lambda name: tmp_path)
+    assert trl.main(_args("--repeats", "2")) == 0
     assert calls == ["ours", "trl", "ours", "trl"]
     m = RATIO.match(capsys.readouterr().out.splitlines()[-1])
     assert m is not None and (float(m[1]), float(m[2])) == (2.5, 0.5)
@@ -94,17 +95,40 @@ def test_venv_dir_changes_with_the_pins(monkeypatch, tmp_path):
     assert first.parent == tmp_path / "venvs" and first.name.startswith("trl-") and trl.trl_venv_dir() != first
 
 
+def test_trls_pins_are_the_requirements_file_and_its_torch_is_stoas():
+    pins = dict(line.split("==") for line in trl.TRL_REQUIREMENTS)
+    assert trl.TRL_PINS.name == "requirements-trl.txt" and set(pins) >= {"torch", "trl", "transformers"}
+    constraints = Path(__file__).resolve().parents[2] / "constraints.txt"
+    assert f"torch=={pins['torch']}" in constraints.read_text().splitlines()
+
+
+@pytest.mark.slow
+def test_our_child_runs_from_the_script_path_and_prints_its_result(tiny_dir, tmp_path):
+    import os
+    import subprocess
+
+    spec = trl.child_spec(_args("--groups", "1", "--n-samples", "2", "--prompt-tokens", "4", "--max-new-tokens", "3",
+                                "--micro-batch", "2", "--threads", "1"), tiny_dir)
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(trl.ours_argv(spec), capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = trl.parse_result(proc.stdout)
+    assert [row["tokens"] for row in result["rows"]] == [6.0, 6.0]  # warm-up + 1 step of 1 x 2 x 3 tokens
+    assert all(row["step_s"] > 0 for row in result["rows"]) and result["threads"] == 1
+
+
 def test_on_policy_sets_behaviour_logprobs_to_the_policys_own():
     import numpy as np
     import torch
 
-    from stoa.bench.trainer import synthetic_entries
+    from stoa.bench.trainer import on_policy, synthetic_entries
     from stoa.models import resolve_model
     from stoa.trainer.policy import Policy
 
     policy = Policy(resolve_model("tiny"), torch.device("cpu"))
     raw = synthetic_entries(2, 3, 5, 4, policy.vocab_size, 0)
-    entries = trl.on_policy(raw, policy, 4)
+    entries = on_policy(raw, policy, 4)
     assert [e.key for e in entries] == [e.key for e in raw]
     for e in entries:
         rec = e.record

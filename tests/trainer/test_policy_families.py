@@ -76,7 +76,9 @@ def test_a_train_step_changes_every_weight_and_every_expert(model_dir: Path, che
 def test_the_fp32_trainer_routes_every_token_as_the_worker_did(name: str, stoa_cache: Path):
     """The drift bench's router hooks: fp32 trainer vs fp32 worker agree on every expert set and logprob; bf16
     autocast flips some (the measurement sees what it is meant to)."""
-    from stoa.bench.families import family_report
+    from stoa.bench.checkout import load_script
+
+    family_report = load_script("family_drift.py").family_report
 
     r = family_report(name, groups=2, n=4, max_new=16, temperature=1.0, seed=0, mlx=False)
     fp32, bf16 = r["fp32_vs_torch32"], r["bf16_vs_torch32"]

@@ -1,10 +1,11 @@
 # pyright: reportMissingImports=false
 """Times mlxrl's own GRPO step (rollout, old/ref logprobs, optimizer step) on a shape given as JSON.
 
-Not imported by stoa: ``stoa bench local`` runs this file with the python of a separate venv that has
-mlxrl installed (``--mlxrl-python``) and reads the ``RESULT {json}`` line it prints. Usage::
+Not imported by stoa: ``stoa bench local --targets mlxrl`` runs this file with the python of a separate venv
+that has mlxrl installed (``--mlxrl-python``; its pins: ``requirements-mlxrl.txt``) and reads the
+``RESULT {json}`` line it prints. Usage::
 
-    /path/to/mlxrl-venv/bin/python stoa/bench/mlxrl_driver.py '{"model_dir": ..., "G": 8, ...}'
+    /path/to/mlxrl-venv/bin/python benchmarks/mlxrl_driver.py '{"model_dir": ..., "G": 8, ...}'
 """
 
 from __future__ import annotations

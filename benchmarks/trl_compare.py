@@ -1,11 +1,12 @@
-"""``stoa bench trainer --compare trl``: our ``train_step`` and TRL's ``GRPOTrainer`` side by side.
+"""``stoa bench trl``: our ``train_step`` and TRL's ``GRPOTrainer`` side by side.
 
 Both run the same model, batch shape (B prompts x n generations, T new tokens, ~P-token prompts), KL weight and
 thread count, full fine-tune in fp32 on the CPU. They alternate (ours, TRL, ours, TRL, ...), each repeat in a fresh
-subprocess so each peak RSS is its own. TRL runs in its own pinned venv under ``$STOA_CACHE/venvs`` (made on first
-use from the pip index) through ``trl_driver.py``, which prints a ``RESULT {json}`` line; our side runs
-``python -m stoa.bench.trl --child``. TRL's generation time is reported apart; the last line printed is
-``ratio_step=X ratio_mem=Y`` (X: TRL's seconds per step without generation / ours, Y: our peak RSS / TRL's).
+subprocess so each peak RSS is its own. TRL runs in its own venv under ``$STOA_CACHE/venvs``, made on first use
+from the pins of ``requirements-trl.txt`` beside this file, through ``trl_driver.py``, which prints a
+``RESULT {json}`` line; our side runs this script with ``--child``. TRL's generation time is reported apart; the
+last line printed is ``ratio_step=X ratio_mem=Y`` (X: TRL's seconds per step without generation / ours, Y: our
+peak RSS / TRL's). Run it as ``stoa bench trl [flags]`` or ``python benchmarks/trl_compare.py [flags]``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -22,20 +24,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoa.bench.trainer import on_policy, policy_kwargs, synthetic_entries
 from stoa.config.text import dtype_value
+from stoa.models import default_cache_dir, resolve_model
 
 TRL_DRIVER = Path(__file__).with_name("trl_driver.py")
 """The TRL timing driver: a script run by the python of TRL's own venv."""
 
-TRL_REQUIREMENTS = ("torch==2.13.0", "trl==1.13.0", "transformers==5.17.0", "accelerate==1.15.0",
-                    "datasets==5.0.1")
-"""What TRL's venv holds (pinned; torch equal to stoa's so both sides run the same kernels)."""
+TRL_PINS = Path(__file__).with_name("requirements-trl.txt")
+"""TRL's venv requirements: exact versions, torch equal to stoa's so both sides run the same kernels."""
+
+
+def read_pins(path: Path) -> tuple[str, ...]:
+    """The requirement lines of a requirements file (comments and blank lines left out).
+
+    Args:
+        path: the requirements file.
+    """
+    lines = (line.partition("#")[0].strip() for line in path.read_text().splitlines())
+    return tuple(line for line in lines if line)
+
+
+TRL_REQUIREMENTS = read_pins(TRL_PINS)
+"""What TRL's venv holds (``requirements-trl.txt``)."""
 
 
 def trl_venv_dir() -> Path:
     """Where TRL's venv lives: ``$STOA_CACHE/venvs/trl-<hash of TRL_REQUIREMENTS>`` (a new pin, a new venv)."""
-    from stoa.models import default_cache_dir
-
     digest = hashlib.sha256("\n".join(TRL_REQUIREMENTS).encode()).hexdigest()[:10]
     return default_cache_dir() / "venvs" / f"trl-{digest}"
 
@@ -56,7 +71,7 @@ def ensure_trl_venv(echo: Any = print) -> Path:
     proc = subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL_REQUIREMENTS], capture_output=True,
                           text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"pip install into {venv} failed (fix the pins in stoa/bench/trl.py TRL_REQUIREMENTS "
+        raise RuntimeError(f"pip install into {venv} failed (fix the pins in benchmarks/requirements-trl.txt "
                            f"or the pip index, then rerun): {proc.stderr.strip()[-1500:]}")
     done.write_text("\n".join(TRL_REQUIREMENTS) + "\n")
     return python
@@ -77,27 +92,37 @@ class Side:
     full_step_s: float = 0.0
 
 
-def add_compare_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``--compare`` flags of ``stoa bench trainer``.
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``stoa bench trl``: the shape both sides run, the repeats and the threads.
 
     Args:
-        p: the subcommand's parser.
+        p: the benchmark's parser.
     """
-    p.add_argument("--compare", default="", choices=("", "trl"),
-                   help="trl: our packed train_step vs TRL's GRPOTrainer (own venv), interleaved per --repeats; "
-                        f"--kl-beta 0 compares at {DEFAULT_BETA}")
+    p.add_argument("--model", default="smollm2-135m", help="model name or path [default: smollm2-135m]")
+    p.add_argument("--groups", type=int, default=8, help="prompts per step (B) [default: 8]")
+    p.add_argument("--n-samples", dest="n", metavar="N", type=int, default=8,
+                   help="generations per prompt [default: 8]")
+    p.add_argument("--prompt-tokens", type=int, default=48, help="prompt length [default: 48]")
+    p.add_argument("--max-new-tokens", dest="tokens", metavar="N", type=int, default=64,
+                   help="completion length [default: 64]")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="fresh processes per side, interleaved [default: 3]")
+    p.add_argument("--kl-beta", type=float, default=0.0,
+                   help=f"KL coefficient; 0 compares at {DEFAULT_BETA} (both sides run a reference forward)")
+    p.add_argument("--micro-batch", type=int, default=16, help="rows per micro-batch on both sides [default: 16]")
     p.add_argument("--dtype", default="float32", type=dtype_value, choices=("float32", "bfloat16"),
-                   help="our Policy's compute dtype (with --compare: TRL stays float32) [default: float32]")
-    p.add_argument("--threads", type=int, default=2, help="--compare: torch threads on both sides [default: 2]")
-    p.add_argument("--steps", type=int, default=1,
-                   help="--compare: timed steps per process, after one warm-up step [default: 1]")
+                   help="our Policy's compute dtype (TRL stays float32) [default: float32]")
+    p.add_argument("--threads", type=int, default=2, help="torch threads on both sides [default: 2]")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per process, after one warm-up step "
+                                                        "[default: 1]")
+    p.add_argument("--out", default="", help="append one JSON row with every child's figures to this file")
 
 
 def child_spec(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     """The shape both sides run, as the JSON a child reads.
 
     Args:
-        args: parsed ``stoa bench trainer`` flags.
+        args: parsed ``stoa bench trl`` flags.
         model_dir: the resolved model directory.
     """
     return {"model_dir": str(model_dir), "prompts": args.groups, "generations": args.n, "tokens": args.tokens,
@@ -112,7 +137,7 @@ def ours_argv(spec: dict[str, Any]) -> list[str]:
     Args:
         spec: :func:`child_spec`'s JSON.
     """
-    return [sys.executable, "-m", "stoa.bench.trl", "--child", json.dumps(spec)]
+    return [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
 
 
 def trl_argv(python: Path, spec: dict[str, Any]) -> list[str]:
@@ -165,62 +190,15 @@ def ratio_line(ours: Side, trl: Side) -> str:
     return f"ratio_step={trl.step_s / ours.step_s:.2f} ratio_mem={ours.peak_rss_gb / trl.peak_rss_gb:.2f}"
 
 
-def policy_kwargs(dtype: str) -> dict[str, Any]:
-    """Our Policy's dtype keyword for ``--dtype`` (``compute_dtype``), checked against its signature.
-
-    Args:
-        dtype: ``float32`` or ``bfloat16``.
-    """
-    import inspect
-
-    import torch
-
-    from stoa.trainer.policy import Policy
-
-    if dtype in ("float32", "fp32"):
-        return {}
-    if "compute_dtype" not in inspect.signature(Policy).parameters:
-        raise ValueError("--dtype bfloat16: this stoa's Policy has no compute_dtype; run --dtype float32")
-    return {"compute_dtype": torch.bfloat16}
-
-
-def on_policy(entries: list[Any], policy: Any, tokens: int) -> list[Any]:
-    """The entries with each sample's behaviour logprobs set to the policy's own (as TRL's single-iteration GRPO
-    has it: ratio 1). With made-up logprobs the clipped ratio zeroes nearly every gradient, and AdamW on ~1e-20
-    gradients runs on denormal floats, several times slower on x86.
-
-    Args:
-        entries: synthetic groups (``stoa.bench.trainer.synthetic_entries``).
-        policy: our Policy.
-        tokens: completion length.
-    """
-    import dataclasses
-
-    import torch
-
-    out = []
-    with torch.no_grad():
-        for e in entries:
-            rec = e.record
-            lp = policy.group_logprobs(rec.prompt_tokens, [s.tokens for s in rec.samples], tokens).float().numpy()
-            samples = [dataclasses.replace(s, logprobs=lp[i, :len(s.tokens)].astype("float32"))
-                       for i, s in enumerate(rec.samples)]
-            out.append(dataclasses.replace(e, record=dataclasses.replace(rec, samples=samples)))
-    return out
-
-
 def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     """Our side in this (child) process: ``warmup + steps`` packed ``train_step``s on synthetic groups.
 
     Args:
         spec: :func:`child_spec`'s JSON.
     """
-    import resource
-
     import torch
 
     from stoa.algorithms import AlgoConfig, get_algorithm
-    from stoa.bench.trainer import synthetic_entries
     from stoa.trainer.policy import Policy
     from stoa.trainer.step import train_step
 
@@ -265,10 +243,8 @@ def main(args: argparse.Namespace) -> int:
     last, the ratio line.
 
     Args:
-        args: parsed ``stoa bench trainer`` flags (with ``--compare trl``).
+        args: parsed flags (see :func:`add_arguments`).
     """
-    from stoa.models import resolve_model
-
     model_dir = resolve_model(args.model)
     python = ensure_trl_venv()
     spec = child_spec(args, model_dir)
@@ -320,4 +296,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         print("RESULT " + json.dumps(run_ours(json.loads(sys.argv[2]))), flush=True)
         sys.exit(0)
-    sys.exit("usage: stoa bench trainer --compare trl [flags]")
+    _parser = argparse.ArgumentParser(prog="python benchmarks/trl_compare.py", description=__doc__)
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

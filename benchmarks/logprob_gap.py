@@ -247,7 +247,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     if isinstance(args, argparse.Namespace):
         a = args
     else:
-        p = argparse.ArgumentParser(prog="stoa bench logprobs", description=__doc__)
+        p = argparse.ArgumentParser(prog="python benchmarks/logprob_gap.py", description=__doc__)
         add_arguments(p)
         a = p.parse_args(args)
     run_logprob_report(a.model, a.dtype, a.plane, a.groups, a.samples, a.tokens, temperature=a.temperature,

@@ -1,10 +1,10 @@
 # pyright: reportMissingImports=false, reportAttributeAccessIssue=false
 """Times TRL's own ``GRPOTrainer`` steps (generation apart from the rest) on a shape given as JSON.
 
-Not imported by stoa: ``stoa bench trainer --compare trl`` runs this file with the python of TRL's own venv and
-reads the ``RESULT {json}`` line it prints. Usage::
+Not imported by stoa: ``stoa bench trl`` (``trl_compare.py``) runs this file with the python of TRL's own venv
+and reads the ``RESULT {json}`` line it prints. Usage::
 
-    $STOA_CACHE/venvs/trl-<hash>/bin/python stoa/bench/trl_driver.py '{"model_dir": ..., "prompts": 8, ...}'
+    $STOA_CACHE/venvs/trl-<hash>/bin/python benchmarks/trl_driver.py '{"model_dir": ..., "prompts": 8, ...}'
 
 How a step is split: a ``TrainerCallback`` times each optimizer step from ``on_step_begin`` to ``on_step_end``
 (generation of the whole batch, rewards, the reference forward, the micro-batches' forward/backward, clipping and the
@@ -16,15 +16,11 @@ TRL's own ``profiling/Time taken`` timers (``transformers.generate``, ``GRPOTrai
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import tempfile
 import time
 from typing import Any
-
-# This file sits next to stoa/bench/trl.py, which would shadow the trl package: drop the script's own folder.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 FILLER = ("The quick brown fox jumps over the lazy dog while the farmer counts his sheep in the valley and the "
           "river runs past old mills, quiet bridges and green fields under a pale morning sky near the town. ")

@@ -1,12 +1,13 @@
 """Ratio drift per model family: how far the trainer's recompute is from a worker's recorded logprobs, and on MoE
 models how often the two sides route a token to different experts.
 
-``python -m stoa.bench.families [--models tiny-lfm2,...]`` samples on-policy groups with the fp32 torch engine
-(and the fp32 MLX engine where it loads the family), then scores every sampled token with the trainer's ``Policy``
-in fp32 and in bf16 (``compute_dtype``, autocast over fp32 master weights). Per pair, with d = trainer - worker
-logprob per token: mean |d|, max |d|, mean exp(d) (the on-policy importance ratio, 1 when both sides agree) and the
-share of tokens the DPPO gate would mask (tv gate at its default threshold: |p - mu| > delta, masked when the
-advantage pushes the way p moved, so this share is the gate's worst case over advantage signs).
+``stoa bench families [--models tiny-lfm2,...]`` (or ``python benchmarks/family_drift.py``) samples on-policy
+groups with the fp32 torch engine (and the fp32 MLX engine where it loads the family), then scores every sampled
+token with the trainer's ``Policy`` in fp32 and in bf16 (``compute_dtype``, autocast over fp32 master weights).
+Per pair, with d = trainer - worker logprob per token: mean |d|, max |d|, mean exp(d) (the on-policy importance
+ratio, 1 when both sides agree) and the share of tokens the DPPO gate would mask (tv gate at its default
+threshold: |p - mu| > delta, masked when the advantage pushes the way p moved, so this share is the gate's worst
+case over advantage signs).
 
 On MoE models every router (transformers' ``*TopKRouter``) is hooked on both sides: the worker's decode is replayed
 teacher-forced at batch 1 on the engine's model with a KV cache (prompt prefill, then one token a step, as the
@@ -277,6 +278,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m stoa.bench.families")
+    _parser = argparse.ArgumentParser(prog="python benchmarks/family_drift.py")
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

@@ -435,6 +435,6 @@ def _split(s: str) -> list[str]:
 if __name__ == "__main__":
     import sys
 
-    _p = argparse.ArgumentParser(prog="python -m stoa.bench.quarantine", description=__doc__)
+    _p = argparse.ArgumentParser(prog="python benchmarks/quarantine_calibration.py", description=__doc__)
     add_arguments(_p)
     sys.exit(main(_p.parse_args()))
