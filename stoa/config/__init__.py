@@ -17,13 +17,13 @@ file may hold ``[trainer]``, ``[worker]`` and ``[local]`` sections over shared t
 
 from __future__ import annotations
 
-from stoa.config.base import DTYPES, PLANES, SECTIONS, BaseConfig, ConfigError, FleetConfig
+from stoa.config.base import DTYPES, ENGINES, PLANES, SECTIONS, BaseConfig, ConfigError, FleetConfig
 from stoa.config.loading import DeprecatedSetting, load_config, read_toml
 from stoa.config.local import LocalConfig, load_local_config
 from stoa.config.text import add_config_flags, config_to_toml, overrides_from_args, parse_scalar
 from stoa.config.trainer import TrainerConfig
 from stoa.config.training import ALGO_TWINS, TrainingConfig
-from stoa.config.worker import ENGINES, WORKER_DTYPES, WorkerConfig
+from stoa.config.worker import WORKER_DTYPES, WorkerConfig
 
 ENV_VARS = dict(FleetConfig.ENV_VARS)
 """Field -> the environment variable that sets it (``STOA_*``; ``names.ENV_ALIASES`` keeps the old names)."""

@@ -20,6 +20,14 @@ DTYPES = ("auto", "float32", "bfloat16")
 """Compute dtypes of a worker engine and of local mode."""
 TRACKERS = ("wandb", "tensorboard")
 """Experiment trackers ``report_to`` may name (``stoa.trackers``)."""
+ENGINES = ("auto", "torch", "mlx")
+"""Sampling engines of a worker (``auto``: mlx on Apple silicon, else torch)."""
+BACKENDS = ("auto", "mlx", "torch")
+"""Backends of local mode (``auto``: mlx where it is installed, else torch)."""
+TORCH_BASE = ("auto", "dequantized", "packed")
+"""How local mode's torch backend holds a quantized base."""
+OLD_LOGPROBS = ("forward", "reuse")
+"""Where local mode's old-policy logprobs come from."""
 
 SECTIONS: dict[str, type[BaseConfig]] = {}
 """TOML section name -> the config class that reads it (filled as the classes are defined)."""

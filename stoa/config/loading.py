@@ -130,9 +130,7 @@ def choices_of(field_name: str) -> tuple[str, ...]:
         field_name: a config field name, e.g. ``engine``.
     """
     from stoa.algorithms.base import ALGORITHM_NAMES
-    from stoa.config.base import DTYPES, PLANES, TRACKERS
-    from stoa.config.local import BACKENDS, OLD_LOGPROBS, TORCH_BASE
-    from stoa.config.worker import ENGINES
+    from stoa.config.base import BACKENDS, DTYPES, ENGINES, OLD_LOGPROBS, PLANES, TORCH_BASE, TRACKERS
 
     table = {"engine": ENGINES, "plane": PLANES, "dtype": DTYPES, "algorithm": tuple(ALGORITHM_NAMES),
              "backend": BACKENDS, "torch_base": TORCH_BASE, "old_logprobs": OLD_LOGPROBS,

@@ -15,15 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from stoa.config.base import DTYPES, ConfigError, at_least, one_of, setting
+from stoa.config.base import BACKENDS, DTYPES, OLD_LOGPROBS, TORCH_BASE, ConfigError, at_least, one_of, setting
 from stoa.config.loading import load_config
 from stoa.config.training import TrainingConfig
 
-BACKENDS = ("auto", "mlx", "torch")
 QUANT_BITS = (4, 8, 16)
 QUANT_GROUP_SIZES = (32, 64, 128)
-TORCH_BASE = ("auto", "dequantized", "packed")
-OLD_LOGPROBS = ("forward", "reuse")
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """What ``lora_targets = "auto"`` adapts in a dense decoder block (attention and MLP projections)."""
 

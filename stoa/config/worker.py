@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from stoa.config.base import DTYPES, ConfigError, FleetConfig, at_least, one_of, setting
+from stoa.config.base import DTYPES, ENGINES, ConfigError, FleetConfig, at_least, one_of, setting
 
-ENGINES = ("auto", "torch", "mlx")
 WORKER_DTYPES = DTYPES
 
 
