@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import import_graph
+
 STOA = Path(__file__).resolve().parent.parent / "stoa"
 
 
@@ -127,3 +129,67 @@ def test_engines_come_from_stoa_engines(package):
                                   "from stoa import worker", "import stoa.worker as w"])
 def test_import_check_sees_every_form(line):
     assert any(m == "stoa.worker" or m.startswith("stoa.worker.") for m in imported_modules(line)), line
+
+
+# The import graph (tests/import_graph.py): layers from the foundation up, no cycles, lazy imports only where
+# they save loading a heavy or optional package.
+
+
+def test_every_room_has_a_layer():
+    rooms = {import_graph.room(m) for m in import_graph.modules()}
+    assert rooms <= set().union(*import_graph.LAYERS), rooms - set().union(*import_graph.LAYERS)
+
+
+def test_imports_go_down_the_layers():
+    bad = import_graph.layer_violations(import_graph.imports())
+    assert not bad, "an import goes up the layers of tests/import_graph.py:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    assert import_graph.cycles(import_graph.imports()) == []
+
+
+def test_imports_inside_functions_save_a_heavy_or_optional_import():
+    bad = import_graph.lazy_violations(import_graph.imports(), import_graph.base_dependencies())
+    assert not bad, "move these imports to the top of their module:\n" + "\n".join(bad)
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "stoa"
+    for rel, text in {"__init__.py": "", **files}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_graph_checks_see_each_kind_of_break(tmp_path):
+    root = _tree(tmp_path, {
+        "layout.py": "import json\n\ndef f():\n    import re\n    from stoa import bucket\n",
+        "bucket/__init__.py": "from stoa.bucket.s3 import S3\n",
+        "bucket/s3.py": "def g():\n    import obstore\n    from stoa.bucket import S3\nS3 = 1\n",
+        "worker/__init__.py": "", "worker/loop.py": "from stoa.trainer import pool\n",
+        "trainer/__init__.py": "", "trainer/pool.py": "from stoa.layout import f\n",
+        "trainer/heavy.py": "import torch\n",
+        "cli/__init__.py": "def main():\n    from stoa.trainer import heavy\n    from stoa.trainer import pool\n",
+        "models/__init__.py": "try:\n    from stoa.cli import main\nexcept ImportError:\n    main = None\n",
+    })
+    imps = import_graph.imports(root)
+    base = frozenset({"numpy"})
+    assert sorted(import_graph.layer_violations(imps)) == [
+        "stoa.layout:5 imports stoa.bucket (layer 0 -> 1)",
+        "stoa.models:2 imports stoa.cli (layer 0 -> 7)",
+        "stoa.worker.loop:1 imports stoa.trainer.pool (layer 5 -> 5)"]
+    assert import_graph.heavy(imps, base) == {"stoa.trainer.heavy"}
+    assert sorted(import_graph.lazy_violations(imps, base)) == [
+        "stoa.bucket.s3:3 imports stoa.bucket inside a function",
+        "stoa.cli:3 imports stoa.trainer.pool inside a function",
+        "stoa.layout:4 imports re inside a function",
+        "stoa.layout:5 imports stoa.bucket inside a function"]
+    assert import_graph.cycles(imps) == [["stoa.bucket", "stoa.bucket.s3"]]
+
+
+def test_base_dependencies_are_the_project_dependencies():
+    assert {"numpy", "safetensors", "xxhash", "zstandard", "tokenizers"} <= import_graph.base_dependencies()
+    assert not import_graph.is_optional("numpy", import_graph.base_dependencies())
+    assert import_graph.is_optional("torch", import_graph.base_dependencies())
+    assert not import_graph.is_optional("json", import_graph.base_dependencies())
