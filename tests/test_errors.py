@@ -136,7 +136,7 @@ def test_bad_choices_say_did_you_mean(argv, message, capsys) -> None:
 def _errors():
     from stoa.bucket import BucketUnreachable, CredentialsError
     from stoa.contract import ContractMismatch
-    from stoa.export import ExportError
+    from stoa.models.hf_dir import ExportError
     from stoa.trainer.lease import LeaseHeld, LeaseLost
     from stoa.weights.errors import SyncError, WeightsError
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from stoa.bucket import open_bucket
-from stoa.export import ExportError, export_run
+from stoa.export import export_run
 from stoa.layout import anchor_prefix
+from stoa.models.hf_dir import ExportError
 from stoa.trainer.loop import _Trainer
 from stoa.weights.planes import state_from_f32, state_to_f32
 from tests.test_trainer_resume import make_cfg

@@ -78,7 +78,7 @@ USER_ERRORS: tuple[UserError, ...] = (
     UserError("stoa.envs.base:ToolUnavailable", 5, lambda e: f"tools unavailable: {e}"),
     UserError("stoa.trainer.lease:LeaseHeld", 6, str),
     UserError("stoa.trainer.lease:LeaseLost", 7, str),
-    UserError("stoa.export:ExportError", 8, lambda e: f"export: {e}"),
+    UserError("stoa.models.hf_dir:ExportError", 8, lambda e: f"export: {e}"),
     UserError("stoa.weights.errors:WeightsError", 10, _weights_line),
     UserError("stoa.models.registry:ModelFetchError", 11, str),
 )

@@ -46,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from stoa.bucket import open_bucket
     from stoa.config import ConfigError
     from stoa.contract import RunNotFound
-    from stoa.export import ExportError, export_run
+    from stoa.export import export_run
     from stoa.layout import contract_key
+    from stoa.models.hf_dir import ExportError
 
     if args.source == "checkpoint" and args.version is not None:
         raise ConfigError("version", "--version applies to --source published only (the checkpoint holds one "

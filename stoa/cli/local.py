@@ -141,8 +141,8 @@ def run_export(args: argparse.Namespace) -> int:
         args: parsed arguments.
     """
     from stoa.cli.export import EXIT_EXPORT_REFUSED
-    from stoa.export import ExportError
     from stoa.local.export import export_local
+    from stoa.models.hf_dir import ExportError
 
     try:
         result = export_local(args.run_dir, args.out, dtype=args.dtype)

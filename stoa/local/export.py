@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stoa.export import ExportError, check_out_dir, write_model_files
+from stoa.models.hf_dir import ExportError, check_out_dir, write_model_files
 
 DTYPES = ("float32", "bfloat16")
 ADAPTER_DIR = "adapters"

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from stoa.export import ExportError
 from stoa.local.export import export_local
+from stoa.models.hf_dir import ExportError
 
 PROMPTS = [[1, 5, 9, 13], [2, 7, 11], [3, 30, 40, 50, 60]]
 
