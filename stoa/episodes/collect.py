@@ -82,11 +82,11 @@ def sample_episodes(engine: Any, task: Any, codec: Any, tools: Tools, prompts: S
     return EpisodeBatch(list(prompts), prompt_tokens, groups, rewards, texts, stats, seconds)
 
 
-def episode_sample(episode: Episode, reward: float) -> Sample:
+def episode_sample(episode: Any, reward: float) -> Sample:
     """A record's sample (schema 2) of one episode.
 
     Args:
-        episode: the episode.
+        episode: an ``Episode`` (or anything with its fields).
         reward: the task's reward of it.
     """
     return Sample(np.array(episode.tokens, np.int32), np.array(episode.logprobs, np.float32), float(reward),

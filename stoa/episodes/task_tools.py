@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from stoa.bucket import Bucket
 from stoa.contract import canonical_json, digest_hex
 from stoa.envs.base import Tools
 from stoa.retrieval import (
@@ -58,7 +57,7 @@ def is_url(retriever: str) -> bool:
     return retriever.startswith(("http://", "https://"))
 
 
-def open_task_tools(task: Any, retriever: str = "", *, role: str, bucket: Bucket | Any = None,
+def open_task_tools(task: Any, retriever: str = "", *, role: str, bucket: Any = None,
                     run_id: str | None = None, spec: Mapping[str, Any] | None = None, publish: bool = False,
                     corpus: CorpusIndex = "none", note: Callable[[str], Any] = print) -> TaskTools:
     """The tools of a task (None for a single-turn task).
@@ -77,7 +76,8 @@ def open_task_tools(task: Any, retriever: str = "", *, role: str, bucket: Bucket
 
     Raises:
         BadIndex: a search task without any way to reach its index (names the setting to give; a ``ValueError``).
-        ValueError: the task has no built-in corpus to index (names the command that indexes one).
+        ValueError: the task has no built-in corpus to index (names the command that indexes one), or
+            ``publish`` without a bucket and a run.
     """
     if not is_multiturn(task):
         return TaskTools()
@@ -98,7 +98,9 @@ def open_task_tools(task: Any, retriever: str = "", *, role: str, bucket: Bucket
                        "(stoa retriever index CORPUS.jsonl DIR)")
     block: dict[str, Any] = {}
     if publish and index_dir is not None:
-        block["fingerprint"] = upload_index(bucket, str(run_id), index_dir)
+        if bucket is None or not run_id:
+            raise ValueError("publish: the index goes to the run's bucket; pass bucket and run_id")
+        block["fingerprint"] = upload_index(bucket, run_id, index_dir)
         note(f"[{role}] retriever index {index_dir} (corpus {block['fingerprint']}) in the run's bucket")
     searcher = open_searcher(url=url or None, index_dir=index_dir, fingerprint=fingerprint, note=note)
     if publish and url:

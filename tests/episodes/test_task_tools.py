@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -48,6 +49,8 @@ def test_the_trainer_publishes_its_cached_index_and_a_worker_opens_the_same_one(
     assert worker.retriever == {} and worker.tools is not None and trainer.tools is not None
     assert worker.tools.fingerprint == fp == trainer.tools.fingerprint  # type: ignore[attr-defined]
     assert (cache / fp).is_dir()  # the worker downloaded the run's index by its fingerprint
+    with pytest.raises(ValueError, match="pass bucket and run_id"):
+        open_task_tools(task, role="trainer", publish=True, corpus="cached")
 
 
 def test_the_role_labels_the_lines_and_a_memory_index_writes_nothing(cache):
@@ -68,7 +71,7 @@ def test_a_worker_without_an_index_is_refused_before_anything_is_written(tmp_pat
 
 
 def test_a_search_task_without_a_corpus_names_the_index_command(cache):
-    search = get_task("search")
+    search: Any = get_task("search")
     task = SimpleNamespace(id="bare", tool_kind="search", limits=search.limits, make_env=search.make_env,
                            make_tools=search.make_tools)  # a search task without corpus()
     for corpus in ("cached", "memory"):

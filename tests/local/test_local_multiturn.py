@@ -171,6 +171,7 @@ def _episode_batch(backend, algo, task, codec, cfg):
     rng = np.random.default_rng(3)
     prompts = [(p, codec.encode_prompt(p.messages)) for p in (task.sample_train(rng) for _ in range(2))]
     tools = open_task_tools(task, role="local", corpus="cached").tools
+    assert tools is not None
     groups, _ = collect_episodes(backend, task, codec, tools, prompts, cfg, seed=5)
     batch, _ = filter_and_build(groups, algo)
     assert batch is not None
