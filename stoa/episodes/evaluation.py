@@ -9,23 +9,29 @@ figures and how they are computed live here. No torch or mlx: the engine comes i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from stoa.engines.base import Engine, GenStats
 from stoa.envs.base import Tools
 from stoa.episodes.collect import episode_metrics, sample_episodes
 from stoa.tasks.base import Prompt, Task
+
+if TYPE_CHECKING:  # the engines import this package's driver; an engine comes in as an argument
+    from stoa.engines.base import Engine, GenStats
 
 __all__ = ["EPISODE_BATCH", "evaluate_episodes", "evaluate_heldout", "greedy_accuracy", "greedy_figures"]
 
 EPISODE_BATCH = 16
 """Most held-out prompts per ``generate_episodes`` call in an evaluation."""
 
-GreedyDecode = Callable[[list[list[int]]], tuple[Sequence[Sequence[Any]], GenStats]]
-"""Prompt token ids -> (per prompt one greedy completion with ``tokens``, the decode's ``GenStats``)."""
+class GreedyDecode(Protocol):
+    """Decodes one greedy completion per prompt (an engine's ``generate``, a backend's ``rollout``)."""
+
+    def __call__(self, prompt_tokens: list[list[int]], /) -> tuple[Sequence[Sequence[Any]], GenStats]:
+        """Per prompt its completion (``tokens``), and the decode's ``GenStats`` (``new_tokens``)."""
+        ...
 
 
 def greedy_figures(decode: GreedyDecode, codec: Any, task: Task, n: int, batch: int = 32, *,

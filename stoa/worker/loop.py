@@ -19,6 +19,7 @@ from stoa.contract import ContractMismatch, RunContract, download_model_files, w
 from stoa.engines import Completion, Engine, GenStats, default_engine
 from stoa.engines import make_engine as build_engine
 from stoa.episodes.collect import episode_sample, sample_episode_batch
+from stoa.episodes.task_tools import open_task_tools
 from stoa.layout import rollout_key
 from stoa.lifecycle import RunWatch, Verdict
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
@@ -203,7 +204,6 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
         cfg: validated worker config.
         echo: where progress lines go.
     """
-    from stoa.episodes.task_tools import open_task_tools
     from stoa.taskdata import contract_refs, localize_contract_options
     from stoa.tasks import get_task
     from stoa.tasks.multiturn import is_multiturn
