@@ -11,7 +11,7 @@ import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.envs import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, EpisodeLimits
-from stoa.envs.replay import replay_group
+from stoa.episodes.replay import replay_group
 from stoa.records import RolloutRecord, Sample
 from stoa.tokenize import TextCodec
 from stoa.trainer.policy import Policy, Scores

@@ -2,7 +2,7 @@
 real tools (the built-in ``search`` task and its BM25 index by default), against single-turn ``generate`` on
 the same prompts in the same run.
 
-Each repeat runs, per engine, one seeded batch of P prompts x N episodes (``stoa.envs.rollout.sample_episodes``:
+Each repeat runs, per engine, one seeded batch of P prompts x N episodes (``stoa.episodes.collect.sample_episodes``:
 the engine's ``generate_episodes`` driven by ``EpisodeDriver``, every paused row's call in one tool request),
 then ``generate`` on the same prompt tokens with ``max_new_tokens`` = the per-turn cap (EOS ignored, so every row
 decodes all its tokens). Engines alternate within a repeat, so load changes hit both alike; the table gives
@@ -101,39 +101,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default="", metavar="PATH", help="also write the results here (JSON)")
 
 
-def bench_tools(task: Any, echo: Callable[[str], Any] = print) -> Any:
-    """The task's real tools: a search task's BM25 index built in-process from ``task.corpus()``, else the
-    task's own tools.
-
-    Args:
-        task: a multi-turn task.
-        echo: where the indexing line goes.
-
-    Raises:
-        ValueError: a single-turn task, or a search task without a corpus.
-    """
-    from stoa.tasks.multiturn import is_multiturn
-
-    if not is_multiturn(task):
-        raise ValueError(f"task: {task.id!r} is single-turn; pick a multi-turn task (search, searchqa, walk)")
-    if getattr(task, "tool_kind", "") != "search":
-        return task.make_tools(None)
-    if not hasattr(task, "corpus"):
-        raise ValueError(f"task: {task.id!r} has no corpus to index; give its corpus option (--option corpus=PATH)")
-    from stoa.retrieval import BM25Index
-
-    t0 = time.perf_counter()
-    index = BM25Index.build(task.corpus())
-    echo(f"[bench] indexed the {task.id} corpus in {time.perf_counter() - t0:.2f}s")
-    return task.make_tools(index)
-
-
 def _episode_figures(eb: Any) -> dict[str, float]:
     """One episode batch's figures: tokens, rates, turns, tools and observation prefill."""
     import numpy as np
 
     from stoa.envs.base import ROLE_ACTION
-    from stoa.envs.rollout import episode_metrics
+    from stoa.episodes.collect import episode_metrics
 
     eps = [e for g in eb.groups for e in g]
     action = float(sum(int(np.sum(np.asarray(e.roles) == ROLE_ACTION)) for e in eps))
@@ -188,7 +161,7 @@ class EngineRun:
 
     def episodes(self) -> dict[str, float]:
         """One seeded batch of P x N episodes (the same episodes every repeat)."""
-        from stoa.envs.rollout import sample_episodes
+        from stoa.episodes.collect import sample_episodes
 
         eb = sample_episodes(self.engine, self.task, self.codec, self.tools, self.prompts, self.spec.n,
                              max_turn_tokens=self.spec.turn_tokens, temperature=self.spec.temperature,
@@ -269,6 +242,7 @@ def run_episode_bench(spec: EpisodeBenchSpec, task: Any = None, echo: Callable[[
     """
     import numpy as np
 
+    from stoa.episodes.task_tools import open_task_tools
     from stoa.models import resolve_model
     from stoa.tasks import get_task
     from stoa.tokenize import TextCodec
@@ -280,7 +254,9 @@ def run_episode_bench(spec: EpisodeBenchSpec, task: Any = None, echo: Callable[[
         prepare_mlx_blas()  # before anything imports mlx
     model_dir = Path(resolve_model(spec.model))
     task = task if task is not None else get_task(spec.task, **_options(spec.options))
-    tools = bench_tools(task, echo)
+    tools = open_task_tools(task, role="bench", corpus="memory", note=echo).tools
+    if tools is None:
+        raise ValueError(f"task: {task.id!r} is single-turn; pick a multi-turn task (search, searchqa, walk)")
     rng = np.random.default_rng(spec.seed)
     prompts = [task.sample_train(rng) for _ in range(spec.prompts)]
     codec = TextCodec(model_dir)

@@ -4,7 +4,6 @@ Used by the worker loop, the trainer's evaluation, local mode and the benchmarks
 ``Engine`` protocol. Importing this package loads neither torch nor mlx.
 
 - ``base``: the ``Engine`` protocol, ``Completion`` and ``GenStats``;
-- ``episodes``: ``EpisodeDriver`` and ``Episode`` (multi-turn episodes, engine-agnostic);
 - ``sampling``: the sampling distribution every engine must reproduce (numpy reference);
 - ``factory``: ``make_engine`` (an engine by name) and ``engine_from_model`` (wrap a loaded model);
 - ``torch``: ``TorchEngine`` (CUDA or CPU, float32 or bf16);
@@ -13,8 +12,6 @@ Used by the worker loop, the trainer's evaluation, local mode and the benchmarks
 """
 
 from stoa.engines.base import Completion, Engine, GenStats
-from stoa.engines.episodes import Episode, EpisodeDriver
 from stoa.engines.factory import ENGINE_NAMES, default_engine, engine_from_model, make_engine
 
-__all__ = ["ENGINE_NAMES", "Completion", "Engine", "Episode", "EpisodeDriver", "GenStats", "default_engine",
-           "engine_from_model", "make_engine"]
+__all__ = ["ENGINE_NAMES", "Completion", "Engine", "GenStats", "default_engine", "engine_from_model", "make_engine"]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from stoa.engines.episodes import Episode, EpisodeDriver
+    from stoa.episodes.driver import Episode, EpisodeDriver
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Engine(Protocol):
         generator: Any = None,
         greedy: bool = False,
     ) -> tuple[list[list[Episode]], GenStats]:
-        """Run ``n`` multi-turn episodes of each prompt in one batch (``stoa.engines.episodes``).
+        """Run ``n`` multi-turn episodes of each prompt in one batch (``stoa.episodes.driver``).
 
         The prompt's prefill is shared by its rows; rows decode until they end or pause at a stop string;
         the paused rows' tools run in one request (``driver.resume``); each resumed row is fed its last

@@ -14,8 +14,8 @@ import torch
 
 from stoa.config import WORKER_DTYPES
 from stoa.engines.base import Completion, GenStats, RowLog
-from stoa.engines.episodes import Episode, EpisodeDriver
 from stoa.engines.torch_rows import DecodeBatch, RowKV, resume_rows, take_rows
+from stoa.episodes.driver import Episode, EpisodeDriver
 
 
 def sampling_logprobs_torch(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

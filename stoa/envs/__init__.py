@@ -1,4 +1,4 @@
-"""Multi-turn environments: the protocol (token in, token out), roles, limits and the trainer's replay."""
+"""Multi-turn environments: the protocol (token in, token out), roles and limits (episodes: ``stoa.episodes``)."""
 
 from stoa.envs.base import (
     END_REASONS,

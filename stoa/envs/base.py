@@ -9,7 +9,7 @@ tokens are never re-tokenised: they stay the ids it sampled.
 
 Every token after the prompt carries a role (``ROLE_*``): only actions have logprobs, ratios and gradient;
 echo tokens are observation text the ECHO term may learn to predict; masked tokens are template text.
-The trainer replays each recorded episode with its own tools (``stoa.envs.replay``), so a worker cannot
+The trainer replays each recorded episode with its own tools (``stoa.episodes.replay``), so a worker cannot
 inject observations. This module imports neither torch nor mlx.
 """
 

@@ -17,6 +17,8 @@ from typing import Any
 from stoa.bucket import Bucket, BucketError, ObjectNotFound, open_bucket
 from stoa.config.base import TRACKERS, ConfigError, report_to_names
 from stoa.contract import ContractMismatch, RunContract, RunNotFound, digest_hex, download_model_files
+from stoa.episodes.evaluation import evaluate_heldout
+from stoa.episodes.task_tools import open_task_tools
 from stoa.evaluator.chain import ChainRefused, at_version, chain_hashes, rebase
 from stoa.evaluator.heartbeat import write_heartbeat
 from stoa.layout import contract_key
@@ -206,7 +208,6 @@ def run_evaluator(cfg: EvalConfig, echo: Callable[[str], Any] = print) -> EvalSu
 def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     """Open the bucket, read the contract and the done versions, fetch the model files, build the engine."""
     from stoa.engines import default_engine, make_engine
-    from stoa.envs.tools import open_tools
     from stoa.models import default_cache_dir, model_fingerprint
     from stoa.taskdata import contract_refs, localize_contract_options
     from stoa.tasks import get_task
@@ -232,8 +233,8 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
                          plane=contract.plane)
     task = get_task(contract.task_id,
                     **localize_contract_options(bucket, cfg.run, contract.task_id, contract.task_spec))
-    tools = (open_tools(task, cfg.retriever, bucket=bucket, run_id=cfg.run, spec=contract.retriever, note=echo)
-             if is_multiturn(task) else None)
+    tools = (open_task_tools(task, cfg.retriever, role="eval", bucket=bucket, run_id=cfg.run,
+                             spec=contract.retriever, note=echo).tools if is_multiturn(task) else None)
     sink = BucketMetrics(bucket, cfg.run, source=SOURCE, flush_rows=1 << 30, flush_seconds=float("inf"))
     log_dir = default_log_dir(cfg.bucket, cfg.run, cfg.log_dir)
     trackers = open_trackers(report_to_names(cfg.report_to), run_id=cfg.run, source=SOURCE, bucket=bucket,
@@ -343,15 +344,8 @@ def _evaluate(ev: _Evaluator, version: int, state: Any, echo: Callable[[str], An
     cfg, contract = ev.cfg, ev.contract
     max_new = cfg.max_new_tokens or contract.sampling.max_new_tokens
     ev.engine.load_state(state, contract.plane)
-    if ev.tools is not None:
-        from stoa.envs.rollout import evaluate_episodes
-
-        figures = evaluate_episodes(ev.engine, ev.task, ev.codec, ev.tools, cfg.n, max_turn_tokens=max_new,
-                                    k=cfg.k, temperature=contract.sampling.temperature)
-    else:
-        from stoa.trainer.setup import greedy_accuracy
-
-        figures = greedy_accuracy(ev.engine, ev.codec, ev.task, cfg.n, max_new)
+    figures = evaluate_heldout(ev.engine, ev.codec, ev.task, cfg.n, max_new, tools=ev.tools, k=cfg.k,
+                               temperature=contract.sampling.temperature)
     ev.metrics.log({"version": version, **{f"eval/{k}": v for k, v in figures.items()}})
     if ev.metrics.sink is not None and not ev.metrics.sink.flush():
         echo(f"[eval] v{version}: uploading the eval row failed; it goes with the next flush")

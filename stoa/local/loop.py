@@ -1,5 +1,5 @@
 """The backend-agnostic local loop: sample groups, score them, one optimizer step; metrics, evals, save and
-resume. Multi-turn tasks sample whole episodes with their tools (``stoa.local.episodes``)."""
+resume. Multi-turn tasks sample whole episodes with their tools (``stoa.episodes``)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,16 @@ from stoa.algorithms.batch import Trajectory, filter_and_build, micro_batches
 from stoa.config import config_to_toml
 from stoa.config.local import LocalConfig
 from stoa.envs.base import Tools
+from stoa.episodes.collect import collect_episodes
+from stoa.episodes.evaluation import evaluate_episodes, greedy_figures
+from stoa.episodes.task_tools import open_task_tools
 from stoa.local import checkpoint as ckpt
 from stoa.local.backend import Backend, derive_seed, make_backend
-from stoa.local.episodes import collect_episodes, evaluate_multiturn, open_local_tools
 from stoa.local.preflight import episode_tokens, preflight, shape_for, shape_from_dir
 from stoa.local.smoke import check_only_adapters
 from stoa.metrics import MetricsWriter, read_metrics
 from stoa.stopflag import StopFlag
 from stoa.tasks import Prompt, Task, load_task
-from stoa.tasks.multiturn import is_multiturn
 from stoa.trackers import open_trackers
 
 EVAL_BATCH = 32
@@ -58,7 +59,7 @@ def collect_groups(backend: Backend, task: Task, codec: Any, prompts: Sequence[t
                    cfg: LocalConfig, seed: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
     """Single-turn rollout: G completions per prompt, rewarded by the task.
 
-    A multi-turn rollout (``stoa.local.episodes.collect_episodes``) returns the same thing: trajectories whose
+    A multi-turn rollout (``stoa.episodes.collect.collect_episodes``) returns the same thing: trajectories whose
     ``action_mask`` is 0 on environment tokens; everything downstream (batch, old/ref logprobs, loss) is shared.
 
     Args:
@@ -159,7 +160,8 @@ def train_step(backend: Backend, algo: Algorithm, groups: Sequence[Sequence[Traj
 def evaluate(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, step: int,
              tools: Tools | None = None) -> dict[str, float]:
     """Greedy held-out accuracy and mean reward on the task's first ``eval_n`` held-out prompts; a multi-turn
-    task's EM, cover-EM, search rate, turns and pass@k (``stoa.local.episodes.evaluate_multiturn``).
+    task's EM, cover-EM, search rate, turns and pass@k over ``eval_k`` episodes per prompt sampled at the run's
+    temperature (``stoa.episodes.evaluation``, on the backend's own engine).
 
     Args:
         backend: the model.
@@ -170,22 +172,19 @@ def evaluate(backend: Backend, task: Task, codec: Any, cfg: LocalConfig, step: i
         tools: a multi-turn task's tools (None: a single-turn task).
     """
     if tools is not None:
-        return evaluate_multiturn(backend, task, codec, tools, cfg)
-    t0 = time.perf_counter()
-    prompts = task.heldout(cfg.eval_n)
-    correct, reward = 0, 0.0
-    for i in range(0, len(prompts), EVAL_BATCH):
-        chunk = prompts[i : i + EVAL_BATCH]
-        groups, _ = backend.rollout([codec.encode_prompt(p.messages) for p in chunk], 1,
-                                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=1.0,
-                                    eos_ids=codec.eos_ids, seed=derive_seed(cfg.seed, step, 1), greedy=True)
-        for p, g in zip(chunk, groups, strict=True):
-            text = codec.decode(g[0].tokens)
-            correct += bool(task.is_correct(p, text))
-            reward += task.reward(p, text)
-    n = max(len(prompts), 1)
-    return {"eval/accuracy": correct / n, "eval/reward_mean": reward / n, "eval/n": float(len(prompts)),
-            "eval/seconds": time.perf_counter() - t0}
+        t0 = time.perf_counter()
+        with backend.sampling():
+            ev = evaluate_episodes(backend.engine, task, codec, tools, cfg.eval_n, max_turn_tokens=cfg.max_new_tokens,
+                                   k=cfg.eval_k, temperature=cfg.temperature)
+        ev["seconds"] = time.perf_counter() - t0
+        return {f"eval/{k}": float(v) for k, v in ev.items()}
+
+    def decode(prompt_tokens: list[list[int]]) -> tuple[list[list[Any]], Any]:
+        return backend.rollout(prompt_tokens, 1, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                               top_p=1.0, eos_ids=codec.eos_ids, seed=derive_seed(cfg.seed, step, 1), greedy=True)
+
+    ev = greedy_figures(decode, codec, task, cfg.eval_n, EVAL_BATCH, reward=True)
+    return {f"eval/{k}": ev[k] for k in ("accuracy", "reward_mean", "n", "seconds")}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -231,7 +230,7 @@ class _LocalRun:
         self.saved = ckpt.find_latest(self.out)
         ckpt.check_resumable(cfg, self.saved)
         model_dir = self.preflight()
-        self.tools = open_local_tools(self.task, cfg.retriever, echo) if is_multiturn(self.task) else None
+        self.tools = open_task_tools(self.task, cfg.retriever, role="local", corpus="cached", note=echo).tools
         self.codec = TextCodec(model_dir)
         self.backend = backend or make_backend(cfg, model_dir)
         check_only_adapters(self.backend.summary)

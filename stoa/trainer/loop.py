@@ -9,6 +9,7 @@ import torch
 
 from stoa.bucket import BucketError, open_bucket
 from stoa.config import TrainerConfig
+from stoa.episodes.task_tools import open_task_tools
 from stoa.layout import checkpoint_key
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.stopflag import StopFlag
@@ -25,7 +26,6 @@ from stoa.trainer.ranks import Driver, RankOps, serve
 from stoa.trainer.retry import RETRY_MAX_SLEEP_S, ride_out  # noqa: F401 - re-exported
 from stoa.trainer.setup import build_contract, ensure_contract, evaluate
 from stoa.trainer.steplog import StepClock, step_line, step_row
-from stoa.trainer.tools import prepare_tools
 
 EVALUATOR_MAX_AGE_S = 90.0  # an evaluator beating this recently (every 30 s; clocks may differ) does the evals
 
@@ -127,7 +127,8 @@ class _Trainer:
         self.ops = RankOps(cfg, self.dist, device or resolve_device(cfg.device), model_dir, self.bucket, self.echo)
         self.ranks = Driver(self.ops)  # the model side, on every rank together
         self.policy, self.ref, self.opt, self.algo = self.ops.policy, self.ops.ref, self.ops.opt, self.ops.algo
-        self.tools = prepare_tools(self.task, cfg.retriever, self.bucket, cfg.run, self.echo)
+        self.tools = open_task_tools(self.task, cfg.retriever, role="trainer", bucket=self.bucket, run_id=cfg.run,
+                                     publish=True, corpus="cached", note=self.echo)
         data = portable_task_data(self.task)  # its files go up before the contract, which names them by digest
         contract = build_contract(cfg, model_dir, self.task, self.codec, self.policy.vocab_size,
                                   self.tools.retriever, task_data=data)

@@ -1,6 +1,6 @@
 """Rollout intake: list new records inside the staleness window, validate, score, filter, count reuse.
 
-Records of a multi-turn task are replayed with the trainer's own tools (``stoa.envs.replay``) before their
+Records of a multi-turn task are replayed with the trainer's own tools (``stoa.episodes.replay``) before their
 rewards are recomputed from the replayed episode text; tools that cannot answer leave the record unread, to
 be retried on the next refresh like a bucket outage.
 """
@@ -20,7 +20,7 @@ import numpy as np
 from stoa.bucket import Bucket, BucketError, ObjectInfo
 from stoa.contract import RunContract
 from stoa.envs.base import Environment, EpisodeLimits, ToolCall, ToolResult, Tools, ToolUnavailable
-from stoa.envs.replay import Replayed, replay_group
+from stoa.episodes.replay import Replayed, replay_group
 from stoa.layout import parse_rollout_key, rollout_version_prefix
 from stoa.records import MAX_RECORD_BYTES, RecordRejected, RolloutRecord, validate_record
 from stoa.tasks.base import Prompt, Task

@@ -21,7 +21,7 @@ from stoa.contract import (
     download_model_files,
     upload_model_files,
 )
-from stoa.engines import Engine
+from stoa.episodes.evaluation import evaluate_heldout
 from stoa.layout import contract_key
 from stoa.taskdata import TaskData, TaskFile, file_options, localize_options, portable_task_data, upload_task_files
 from stoa.tasks.base import Task
@@ -42,7 +42,7 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
         task: the task.
         codec: the model's tokenizer.
         vocab_size: embedding rows of the model.
-        retriever: a search task's index (``fingerprint``), from ``stoa.trainer.tools.prepare_tools``.
+        retriever: a search task's index (``fingerprint``), from ``stoa.episodes.task_tools.open_task_tools``.
         task_data: ``portable_task_data(task)`` when the caller already has it (its files go to
             :func:`ensure_contract`); computed here otherwise.
     """
@@ -306,8 +306,8 @@ def model_from_bucket(bucket: Bucket, run_id: str, plane: str, dest: Path | None
 
 def evaluate(model, codec: TextCodec, task: Task, n: int, max_new_tokens: int, batch: int = 32, *,
              tools: Any = None, k: int = 1) -> dict[str, float]:
-    """Held-out figures of the trainer's torch HF model: greedy accuracy (:func:`greedy_accuracy`), or for a
-    multi-turn task EM, cover-EM, search rate and pass@k (``stoa.envs.rollout.evaluate_episodes``).
+    """Held-out figures of the trainer's torch HF model (``stoa.episodes.evaluation.evaluate_heldout``): greedy
+    accuracy, or for a multi-turn task EM, cover-EM, search rate and pass@k.
 
     Args:
         model: an HF causal LM (left in train mode afterwards if it was).
@@ -323,44 +323,10 @@ def evaluate(model, codec: TextCodec, task: Task, n: int, max_new_tokens: int, b
 
     was_training = model.training
     try:
-        engine = engine_from_model(model)
-        if tools is not None:
-            from stoa.envs.rollout import evaluate_episodes
-
-            return evaluate_episodes(engine, task, codec, tools, n, max_turn_tokens=max_new_tokens, k=k,
-                                     batch=min(batch, 16))
-        return greedy_accuracy(engine, codec, task, n, max_new_tokens, batch)
+        return evaluate_heldout(engine_from_model(model), codec, task, n, max_new_tokens, tools=tools, k=k,
+                                batch=batch)
     finally:
         model.train(was_training)
-
-
-def greedy_accuracy(engine: Engine, codec: TextCodec, task: Task, n: int, max_new_tokens: int,
-                    batch: int = 32) -> dict[str, float]:
-    """Greedy held-out accuracy of any engine on the task's first ``n`` held-out prompts.
-
-    Args:
-        engine: the engine to decode with (one completion per prompt, argmax, the task's EOS).
-        codec: tokenizer.
-        task: the task.
-        n: number of held-out prompts.
-        max_new_tokens: length cap.
-        batch: prompts decoded together.
-
-    Returns:
-        ``accuracy``, ``n`` (prompts), ``seconds`` and ``tokens_per_s``.
-    """
-    prompts = task.heldout(n)
-    correct, t0, new_tokens = 0, time.perf_counter(), 0
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        groups, st = engine.generate([codec.encode_prompt(p.messages) for p in chunk], 1,
-                                     max_new_tokens=max_new_tokens, eos_ids=codec.eos_ids, greedy=True)
-        new_tokens += st.new_tokens
-        correct += sum(task.is_correct(p, codec.decode(g[0].tokens))
-                       for p, g in zip(chunk, groups, strict=True))
-    dt = time.perf_counter() - t0
-    return {"accuracy": correct / max(len(prompts), 1), "n": float(len(prompts)), "seconds": dt,
-            "tokens_per_s": new_tokens / dt if dt > 0 else 0.0}
 
 
 def reward_stats(rewards: np.ndarray) -> dict[str, float]:

@@ -21,7 +21,7 @@ import torch
 
 from stoa.algorithms import Algorithm, LossInputs, combine_metrics
 from stoa.algorithms.batch import Batch, Packed, Trajectory, build_batch, group_indices, micro_batches, pack
-from stoa.envs.rollout import episode_metrics
+from stoa.episodes.collect import episode_metrics
 from stoa.layout import rollout_worker
 from stoa.trainer.dist import SINGLE, Dist, split_groups
 from stoa.trainer.policy import Packed as TorchPacked

@@ -18,13 +18,13 @@ from stoa.config import WorkerConfig
 from stoa.contract import ContractMismatch, RunContract, download_model_files, wait_for_contract
 from stoa.engines import Completion, Engine, GenStats, default_engine
 from stoa.engines import make_engine as build_engine
-from stoa.envs.rollout import episode_sample
+from stoa.episodes.collect import episode_sample, sample_episode_batch
+from stoa.episodes.task_tools import open_task_tools
 from stoa.layout import rollout_key
 from stoa.lifecycle import RunWatch, Verdict
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.records import RolloutRecord, Sample
 from stoa.trackers import open_trackers
-from stoa.worker.episodes import sample_episode_batch
 from stoa.worker.syncing import published_at as _published_at
 from stoa.worker.syncing import sync_weights as _sync
 
@@ -204,7 +204,6 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
         cfg: validated worker config.
         echo: where progress lines go.
     """
-    from stoa.envs.tools import open_tools
     from stoa.taskdata import contract_refs, localize_contract_options
     from stoa.tasks import get_task
     from stoa.tasks.multiturn import is_multiturn
@@ -242,7 +241,8 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
                      backpressure=cfg.backpressure, worker_id=wid)
     tools = None
     if is_multiturn(task):
-        tools = open_tools(task, cfg.retriever, bucket=bucket, run_id=cfg.run, spec=contract.retriever, note=echo)
+        tools = open_task_tools(task, cfg.retriever, role="worker", bucket=bucket, run_id=cfg.run,
+                                spec=contract.retriever, note=echo).tools
     return _Worker(cfg, wid, bucket, contract, contract.fingerprint(), engine_name, engine, codec, task, sync,
                    follower, metrics, watch, tools)
 

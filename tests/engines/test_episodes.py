@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import pytest
 
-from stoa.engines.episodes import Episode, EpisodeDriver
 from stoa.envs.base import (
     END_REASONS,
     ROLE_ACTION,
@@ -18,6 +17,7 @@ from stoa.envs.base import (
     ToolResult,
     ToolUnavailable,
 )
+from stoa.episodes.driver import Episode, EpisodeDriver
 
 EOS = 0
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from stoa.engines.base import GenStats
-from stoa.engines.episodes import Episode, EpisodeDriver
 from stoa.envs.base import (
     ROLE_ACTION,
     ROLE_ECHO,
@@ -23,6 +22,7 @@ from stoa.envs.base import (
     ToolUnavailable,
     observation_tokens,
 )
+from stoa.episodes.driver import Episode, EpisodeDriver
 from tests.engines.nucleus import MAX_EDGE_SHARE
 
 pytestmark = pytest.mark.mlx

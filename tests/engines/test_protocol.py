@@ -12,7 +12,7 @@ import pytest
 
 from stoa.engines import Completion, Engine, GenStats, engine_from_model, make_engine
 from stoa.engines.base import RowLog
-from stoa.trainer.setup import greedy_accuracy
+from stoa.episodes.evaluation import greedy_accuracy
 
 
 def _modules_after(code: str) -> set[str]:

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from stoa.engines.episodes import Episode, EpisodeDriver
 from stoa.engines.torch import sampling_logprobs_torch
 from stoa.envs.base import (
     ROLE_ACTION,
@@ -22,6 +21,7 @@ from stoa.envs.base import (
     action_runs,
     observation_tokens,
 )
+from stoa.episodes.driver import Episode, EpisodeDriver
 from stoa.tokenize import TextCodec
 
 TOL = 1e-5  # the fp32 worker-vs-trainer gate of tests/integration/test_loop_local.py
@@ -152,8 +152,8 @@ def test_a_driver_of_another_batch_size_is_refused(torch_engine, codec):
 def test_the_trainers_replay_accepts_every_honest_episode(torch_engine, codec, seed, greedy):
     """Every episode the driver recorded ends its turns where the replay re-derives them (stop strings 'a' and
     'e' are matched on decoded text, so multi-character tokens end turns mid-token): zero false rejections."""
-    from stoa.envs.replay import replay_group
-    from stoa.envs.rollout import episode_sample
+    from stoa.episodes.collect import episode_sample
+    from stoa.episodes.replay import replay_group
 
     groups, _, _ = run(torch_engine, codec, QUESTIONS, 3, seed=seed, greedy=greedy)
     eps = [e for g in groups for e in g]

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from stoa.engines.episodes import EpisodeDriver
 from stoa.engines.torch import TorchEngine, sampling_logprobs_torch
 from stoa.envs.base import ROLE_ACTION
-from stoa.envs.replay import replay_group
-from stoa.envs.rollout import episode_sample
+from stoa.episodes.collect import episode_sample
+from stoa.episodes.driver import EpisodeDriver
+from stoa.episodes.replay import replay_group
 from stoa.tokenize import TextCodec
 from tests.engines.test_torch_episodes import LIMITS, QUESTIONS, LetterEnv, RecordingTools, prompts_of
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from stoa.envs import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, EpisodeLimits, ToolCall, ToolUnavailable
-from stoa.envs.replay import replay_group
+from stoa.episodes.replay import replay_group
 from stoa.records import RecordRejected
 from tests.envs.fakes import CharCodec, FakeTools, SearchEnv, honest_sample
 

@@ -165,11 +165,14 @@ def test_search_one_step_with_its_own_index(make_cfg, tmp_path):
 
 def _episode_batch(backend, algo, task, codec, cfg):
     from stoa.algorithms.batch import filter_and_build
-    from stoa.local.episodes import collect_episodes, open_local_tools
+    from stoa.episodes.collect import collect_episodes
+    from stoa.episodes.task_tools import open_task_tools
 
     rng = np.random.default_rng(3)
     prompts = [(p, codec.encode_prompt(p.messages)) for p in (task.sample_train(rng) for _ in range(2))]
-    groups, _ = collect_episodes(backend, task, codec, open_local_tools(task), prompts, cfg, seed=5)
+    tools = open_task_tools(task, role="local", corpus="cached").tools
+    assert tools is not None
+    groups, _ = collect_episodes(backend, task, codec, tools, prompts, cfg, seed=5)
     batch, _ = filter_and_build(groups, algo)
     assert batch is not None
     return batch
@@ -214,8 +217,8 @@ def test_backend_loss_reads_echo_tokens_and_turn_advantages(backend, make_cfg, t
 
 def test_episode_trajectory_turns_and_states():
     """turn_of_token follows the turn starts (not the action runs) and states are one per turn."""
-    from stoa.engines.episodes import Episode
-    from stoa.local.episodes import episode_trajectory, turn_of_token
+    from stoa.episodes.collect import episode_trajectory, turn_of_token
+    from stoa.episodes.driver import Episode
 
     roles = [ROLE_ACTION] * 3 + [0, ROLE_ECHO, 0] + [ROLE_ACTION] * 2
     assert turn_of_token(roles, [0, 6]).tolist() == [0, 0, 0, -1, -1, -1, 1, 1]

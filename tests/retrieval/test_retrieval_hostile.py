@@ -166,14 +166,14 @@ def test_offsets_that_are_not_a_list_are_refused(index_dir, tmp_path):
 @pytest.mark.parametrize("fingerprint", ["../x", "/etc/passwd", "file:///x", "~/x", "AB" * 16, "a" * 31, ["a" * 32],
                                          "", None, 0])
 def test_a_contract_names_the_index_only_by_its_fingerprint(published, tmp_path, monkeypatch, fingerprint):
-    from stoa.envs.tools import open_tools
+    from stoa.episodes.task_tools import open_task_tools
     from stoa.tasks import get_task
 
     bucket, _ = published
     monkeypatch.setenv("STOA_CACHE", str(tmp_path / "cache"))
     with pytest.raises(BadIndex) as e:
-        open_tools(get_task("search"), "", bucket=bucket, run_id=RUN, spec={"fingerprint": fingerprint},
-                   note=lambda _: None)
+        open_task_tools(get_task("search"), "", role="worker", bucket=bucket, run_id=RUN,
+                        spec={"fingerprint": fingerprint}, note=lambda _: None)
     row = user_error(e.value)
     assert row is not None and row.code == 2 and "\n" not in row.line(e.value)
     assert not (tmp_path / "cache").exists()  # nothing fetched, nothing written

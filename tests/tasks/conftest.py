@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stoa.engines.episodes import Episode, EpisodeDriver
 from stoa.envs.base import Environment, EpisodeLimits, Tools, episode_text
+from stoa.episodes.driver import Episode, EpisodeDriver
 from stoa.retrieval.base import Doc
 
 EOS = 0

@@ -17,14 +17,14 @@ import mlx.nn as nn
 import numpy as np
 
 from stoa.engines.base import Completion, GenStats, RowLog
-from stoa.engines.episodes import Episode, EpisodeDriver
 from stoa.engines.mlx.caches import cache_arrays, check_cache_kinds
-from stoa.engines.mlx.episodes import Batch, Sampler, check_driver, run_rounds
 from stoa.engines.mlx.kv import compact, feed, merge_rows
 from stoa.engines.mlx.loading import QUANT_SUFFIXES, cast_model, install, quant_prefix
 from stoa.engines.mlx.quantized import use_float32_gather
+from stoa.engines.mlx.rounds import Batch, Sampler, check_driver, run_rounds
 from stoa.engines.mlx.sampling import Draw, draw, make_key
 from stoa.engines.mlx_blas import warn_if_slow_blas
+from stoa.episodes.driver import Episode, EpisodeDriver
 from stoa.weights.planes import check_plane
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -318,7 +318,7 @@ class MLXEngine:
         """Run ``n`` multi-turn episodes for each prompt; each prompt is prefilled once and its KV shared.
 
         Rows decode until each ends or pauses (the driver decides); the tools of all paused rows run in one
-        request, and resumed rows get their observation in their own cache (``stoa.engines.mlx.episodes``).
+        request, and resumed rows get their observation in their own cache (``stoa.engines.mlx.rounds``).
 
         Args:
             prompts: token ids of each prompt (one group per prompt).

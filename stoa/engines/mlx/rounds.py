@@ -19,10 +19,10 @@ from typing import Any, NamedTuple, cast
 import mlx.core as mx
 
 from stoa.engines.base import GenStats
-from stoa.engines.episodes import EpisodeDriver
 from stoa.engines.mlx.caches import cache_arrays, snapshot
 from stoa.engines.mlx.kv import compact, feed, merge_rows, take_row
 from stoa.engines.mlx.sampling import Draw
+from stoa.episodes.driver import EpisodeDriver
 
 Sampler = Callable[[mx.array, mx.array | None], Draw]
 """``draw`` with the call's temperature, top-p and greedy bound: (logits, key) -> Draw."""

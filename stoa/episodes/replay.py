@@ -7,8 +7,8 @@ one ``Tools.run`` (the trainer's own tools: its retriever), rebuilds each observ
 and ``observation_tokens`` and demands token-for-token and role-for-role equality. A worker therefore
 cannot inject a document the retriever never returned, nor relabel observation tokens as actions.
 
-Every turn must also end exactly where the engines' ``EpisodeDriver`` would have ended it (reason
-``turn_end``): after each action token the driver decodes the turn's last ``stop_window`` tokens and pauses
+Every turn must also end exactly where the ``EpisodeDriver`` (``stoa.episodes.driver``) would have ended
+it (reason ``turn_end``): after each action token the driver decodes the turn's last ``stop_window`` tokens and pauses
 the row when that text holds one of the environment's stop strings, so no earlier token of a turn may
 complete a stop string, nor be an EOS token. A turn that an observation follows must end at a stop string;
 the last turn must end at EOS, at a stop string, at ``max_turn_tokens`` or at ``max_total_tokens``, and its
@@ -25,7 +25,6 @@ from typing import Protocol
 
 import numpy as np
 
-from stoa.engines.episodes import _tail_tokens as stop_window  # the driver's own window, so both agree
 from stoa.envs.base import (
     Environment,
     EpisodeLimits,
@@ -35,6 +34,7 @@ from stoa.envs.base import (
     episode_text,
     observation_tokens,
 )
+from stoa.episodes.driver import stop_window  # the driver's own window, so both agree
 from stoa.records import RecordRejected, Sample, check_episode
 
 __all__ = ["ReplayCodec", "Replayed", "replay_group"]
@@ -142,7 +142,7 @@ def _replay_sample(index: int, env: Environment, s: Sample, results: Sequence[To
 
 @dataclass(frozen=True)
 class _Ender:
-    """Where the engines' ``EpisodeDriver`` ends a turn: its stop strings, decode window, EOS ids and limits."""
+    """Where the ``EpisodeDriver`` ends a turn: its stop strings, decode window, EOS ids and limits."""
 
     stops: tuple[str, ...]
     window: int

@@ -6,7 +6,8 @@ which says which rows go on. A row ends at EOS (``stop``), when its turn reaches
 contains one of its environment's stop strings. When no row decodes, the engine calls ``resume``: every
 paused row's turn is parsed, the calls of all of them run in one ``Tools.run`` request, and the rows that
 go on get their observation tokens (the engine feeds them, after the row's last sampled token, into the
-row's own cache). Row ``g * n + j`` is sample ``j`` of prompt ``g`` (as ``stoa.engines.base.RowLog``).
+row's own cache). Row ``g * n + j`` is sample ``j`` of prompt ``g`` (as ``stoa.engines.base.RowLog``). The
+trainer's replay (``stoa.episodes.replay``) ends turns by the same rule (``stop_window``).
 
 This module imports neither torch nor mlx.
 """
@@ -27,7 +28,7 @@ from stoa.envs.base import (
     observation_tokens,
 )
 
-__all__ = ["Episode", "EpisodeCodec", "EpisodeDriver"]
+__all__ = ["Episode", "EpisodeCodec", "EpisodeDriver", "stop_window"]
 
 #: Fewest trailing tokens of a turn decoded to look for a stop string after each sampled token.
 TAIL_TOKENS = 16
@@ -112,7 +113,7 @@ class EpisodeDriver:
         self.tools, self.codec, self.limits = tools, codec, limits
         self.eos = frozenset(int(t) for t in eos_ids)
         self._rows = [_Row(Episode(states=[env.initial_state()]), env) for env in envs]
-        self._tail = {i: _tail_tokens(env.stop_strings) for i, env in enumerate(envs)}
+        self._tail = {i: stop_window(env.stop_strings) for i, env in enumerate(envs)}
         self.stats: dict[str, float] = {"turns": 0.0, "tool_calls": 0.0, "tool_seconds": 0.0,
                                         "obs_tokens": 0.0}
 
@@ -279,7 +280,7 @@ class EpisodeDriver:
         return [eps[g * n:(g + 1) * n] for g in range(self.rows // n)]
 
 
-def _tail_tokens(stop_strings: Sequence[str]) -> int:
+def stop_window(stop_strings: Sequence[str]) -> int:
     """Trailing tokens enough to hold any of the stop strings (a token holds at least one byte)."""
     longest = max((len(s.encode("utf-8")) for s in stop_strings), default=0)
     return max(TAIL_TOKENS, longest + 2)
