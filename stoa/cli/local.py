@@ -117,7 +117,7 @@ def run_smoke(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.local.backend import make_backend
+    from stoa.local.loop import make_backend
     from stoa.local.smoke import SMOKE_MESSAGES, TrainableLeafError, smoke_report
     from stoa.models import resolve_model
     from stoa.tokenize import TextCodec

@@ -5,14 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from stoa.algorithms import Algorithm, LossInputs
 from stoa.algorithms.batch import Batch, Packed
-from stoa.config.local import LocalConfig, resolve_backend
 from stoa.engines import Completion, GenStats
 from stoa.local.targets import choose_targets as choose_targets  # re-exported: the backends import it here
 
@@ -196,23 +194,3 @@ def derive_seed(seed: int, step: int, salt: int = 0) -> int:
         salt: separates streams (0 rollout, 1 evaluation).
     """
     return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0] & 0x7FFFFFFF)
-
-
-def make_backend(cfg: LocalConfig, model_dir: Path) -> Backend:
-    """Build the configured backend around ``model_dir`` (imports torch or mlx only now).
-
-    Args:
-        cfg: validated config.
-        model_dir: the resolved model directory.
-    """
-    name = resolve_backend(cfg.backend)
-    if name == "mlx":
-        from stoa.engines.mlx_blas import prepare_mlx_blas
-
-        prepare_mlx_blas()  # before stoa.local.mlx_backend imports mlx.core (Linux: MKL, see stoa.engines.mlx_blas)
-        from stoa.local.mlx_backend import MLXBackend
-
-        return MLXBackend(cfg, model_dir)
-    from stoa.local.torch_backend import TorchBackend
-
-    return TorchBackend(cfg, model_dir)

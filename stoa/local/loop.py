@@ -14,13 +14,13 @@ import numpy as np
 from stoa.algorithms import Algorithm
 from stoa.algorithms.batch import Trajectory, filter_and_build, micro_batches
 from stoa.config import config_to_toml
-from stoa.config.local import LocalConfig
+from stoa.config.local import LocalConfig, resolve_backend
 from stoa.envs.base import Tools
 from stoa.episodes.collect import collect_episodes
 from stoa.episodes.evaluation import evaluate_episodes, greedy_figures
 from stoa.episodes.task_tools import open_task_tools
 from stoa.local import checkpoint as ckpt
-from stoa.local.backend import Backend, derive_seed, make_backend
+from stoa.local.backend import Backend, derive_seed
 from stoa.local.preflight import episode_tokens, preflight, shape_for, shape_from_dir
 from stoa.local.smoke import check_only_adapters
 from stoa.metrics import MetricsWriter, read_metrics
@@ -30,6 +30,27 @@ from stoa.trackers import open_trackers
 
 EVAL_BATCH = 32
 """Held-out prompts decoded together."""
+
+
+def make_backend(cfg: LocalConfig, model_dir: Path) -> Backend:
+    """Build the configured backend around ``model_dir`` (imports torch or mlx only now).
+
+    Args:
+        cfg: validated config.
+        model_dir: the resolved model directory.
+    """
+    name = resolve_backend(cfg.backend)
+    if name == "mlx":
+        from stoa.engines.mlx_blas import prepare_mlx_blas
+
+        prepare_mlx_blas()  # before stoa.local.mlx_backend imports mlx.core (Linux: MKL, see stoa.engines.mlx_blas)
+        from stoa.local.mlx_backend import MLXBackend
+
+        return MLXBackend(cfg, model_dir)
+    from stoa.local.torch_backend import TorchBackend
+
+    return TorchBackend(cfg, model_dir)
+
 
 
 def draw_prompts(task: Task, codec: Any, rng: np.random.Generator, count: int,

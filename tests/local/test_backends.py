@@ -7,7 +7,7 @@ import pytest
 
 from stoa.algorithms import get_algorithm
 from stoa.algorithms.batch import micro_batches
-from stoa.local.backend import make_backend
+from stoa.local.loop import make_backend
 from stoa.local.smoke import TrainableLeafError, check_only_adapters, smoke_report
 from tests.local.conftest import sample_batch
 
@@ -56,9 +56,9 @@ def test_smoke_command_exits_1_on_a_trainable_base_leaf(tiny_dir, monkeypatch, c
     import argparse
 
     from stoa.cli import local as cli
-    from stoa.local import backend as backend_mod
+    from stoa.local import loop as loop_mod
 
-    real = backend_mod.make_backend
+    real = loop_mod.make_backend
 
     def leaky(cfg, model_dir):
         b = real(cfg, model_dir)
@@ -71,7 +71,7 @@ def test_smoke_command_exits_1_on_a_trainable_base_leaf(tiny_dir, monkeypatch, c
     args = parser.parse_args(["local", "smoke", "--model", str(tiny_dir), "--backend", "torch", "--threads", "1"])
     assert args.func(args) == 0
     assert "smoke: ok" in capsys.readouterr().out
-    monkeypatch.setattr(backend_mod, "make_backend", leaky)
+    monkeypatch.setattr(loop_mod, "make_backend", leaky)
     assert args.func(args) == 1
     assert "FAILED: 1 trainable leaves are not LoRA adapters: model.norm.weight" in capsys.readouterr().err
 

@@ -225,12 +225,11 @@ def test_preflight_raises_with_the_knob_and_checks_positions():
 
 
 def test_train_refuses_before_any_model_loads(make_cfg, monkeypatch, capsys):
-    from stoa.local import backend, loop
+    from stoa.local import loop
 
     def no_load(*_a, **_k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(backend, "make_backend", no_load)
     monkeypatch.setattr(loop, "make_backend", no_load)
     cfg = make_cfg(available_memory_gb=0.3)
     with pytest.raises(MemoryPreflightError) as e:

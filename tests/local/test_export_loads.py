@@ -24,9 +24,8 @@ fused experts, an ``expert_bias`` buffer); the rest are slow."""
 def _train(stoa_cache: Path, tmp: Path, name: str, backend: str) -> tuple[Path, Any]:
     """Two steps of a tiny local run, saved; and the run's own model with the saved adapters."""
     from stoa.config.local import load_local_config
-    from stoa.local.backend import make_backend
     from stoa.local.checkpoint import find_latest
-    from stoa.local.loop import run_local
+    from stoa.local.loop import make_backend, run_local
     from stoa.models import resolve_model
 
     model_dir = resolve_model(name, cache_dir=stoa_cache)

@@ -186,7 +186,7 @@ def test_backend_loss_reads_echo_tokens_and_turn_advantages(backend, make_cfg, t
         pytest.importorskip("mlx.core", reason="needs mlx (mlx[cpu] on Linux)")
     from stoa.algorithms import get_algorithm
     from stoa.algorithms.batch import micro_batches
-    from stoa.local.backend import make_backend
+    from stoa.local.loop import make_backend
     from stoa.tokenize import TextCodec
 
     cfg = _cfg(make_cfg, backend=backend, algorithm="gigpo", micro_batch=4)

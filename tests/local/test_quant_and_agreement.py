@@ -8,7 +8,7 @@ import torch
 
 from stoa.algorithms import get_algorithm
 from stoa.algorithms.batch import micro_batches
-from stoa.local.backend import make_backend
+from stoa.local.loop import make_backend
 from stoa.local.torch_lora import (
     QuantLinear,
     dequantize_affine,
