@@ -5,7 +5,7 @@
 - The model's config and tokenizer files (``model/``): a worker needs only the bucket URL and run id.
 
 Keys come from ``stoa.layout``. Rollout records (the other half of the bucket contract) are in
-``stoa.records``. This module imports neither torch nor mlx.
+``stoa.rollouts.records``. This module imports neither torch nor mlx.
 """
 
 from __future__ import annotations

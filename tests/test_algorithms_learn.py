@@ -8,7 +8,7 @@ import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.engines.torch import TorchEngine
-from stoa.records import RolloutRecord, Sample
+from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.tasks import get_task
 from stoa.tokenize import TextCodec
 from stoa.trainer.policy import Policy

@@ -23,7 +23,7 @@ def loaded_after(module: str) -> set[str]:
     return set(out.split())
 
 
-@pytest.mark.parametrize("module", ["stoa.records", "stoa.contract", "stoa.layout", "stoa.config",
+@pytest.mark.parametrize("module", ["stoa.rollouts.records", "stoa.contract", "stoa.layout", "stoa.config",
                                     "stoa.tasks", "stoa.weights.publish",
                                     "stoa.weights.sync", "stoa.bucket",
                                     "stoa.algorithms", "stoa.algorithms.batch", "stoa.stopflag", "stoa.cli"])

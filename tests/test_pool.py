@@ -8,7 +8,7 @@ import pytest
 from stoa.bucket import open_bucket
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import rollout_key
-from stoa.records import RolloutRecord, Sample
+from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.tasks import get_task
 from stoa.tokenize import TextCodec
 from stoa.trainer.pool import RecordPool
@@ -259,7 +259,7 @@ def _with_header(rec, patch):
 
     import xxhash
 
-    from stoa.records import RECORD_MAGIC
+    from stoa.rollouts.records import RECORD_MAGIC
 
     body = rec.encode()[:-16]
     hlen = struct.unpack_from("<8sHHI", body)[3]

@@ -10,7 +10,7 @@ import pytest
 from stoa.bucket import open_bucket
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import rollout_key
-from stoa.records import RolloutRecord, Sample
+from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.tasks import SearchTask
 from stoa.tasks.qa import decode_golds
 from stoa.tasks.search import SearchEnv

@@ -10,9 +10,9 @@ import pytest
 
 from stoa.bucket import open_bucket
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
-from stoa.envs import EpisodeLimits, ToolCall
 from stoa.layout import rollout_key
-from stoa.records import RolloutRecord, Sample
+from stoa.rollouts.episode import EpisodeLimits, ToolCall
+from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.tasks.base import Prompt
 from stoa.tokenize import TextCodec
 from stoa.trainer.pool import RecordPool

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from stoa.contract import ContractMismatch, ModelSpec, RunContract, SamplingSpec
-from stoa.records import RecordRejected, RolloutRecord, Sample, validate_record
+from stoa.rollouts.records import RecordRejected, RolloutRecord, Sample, validate_record
 
 
 def make_contract(**kw) -> RunContract:

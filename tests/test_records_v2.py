@@ -11,8 +11,8 @@ import pytest
 import xxhash
 
 from stoa.contract import ModelSpec, SamplingSpec
-from stoa.envs import EpisodeLimits, ToolCall
-from stoa.records import (
+from stoa.rollouts.episode import EpisodeLimits, ToolCall
+from stoa.rollouts.records import (
     MAX_ARGUMENT_CHARS,
     MAX_TURNS,
     RECORD_MAGIC,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
-from stoa.envs import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, EpisodeLimits
 from stoa.episodes.replay import replay_group
-from stoa.records import RolloutRecord, Sample
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, EpisodeLimits
+from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.tokenize import TextCodec
 from stoa.trainer.policy import Policy, Scores
 from stoa.trainer.pool import Entry, PoolStats

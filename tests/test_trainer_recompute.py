@@ -11,7 +11,7 @@ import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.layout import rollout_key
-from stoa.records import RolloutRecord, Sample
+from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.trainer.policy import Policy
 from stoa.trainer.pool import Entry, PoolStats
 from stoa.trainer.recompute_check import RECOMPUTE_LIMIT, RecomputeCheck, sample_medians

@@ -8,7 +8,7 @@ import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.layout import rollout_key
-from stoa.records import RolloutRecord, Sample
+from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.trainer.policy import Policy, pack
 from stoa.trainer.pool import Entry
 from stoa.trainer.step import entries_batch, train_step

@@ -16,7 +16,7 @@ from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import contract_key
 from stoa.metrics import read_metrics
 from stoa.models import model_fingerprint
-from stoa.records import RolloutRecord
+from stoa.rollouts.records import RolloutRecord
 from stoa.weights.planes import state_from_f32
 from stoa.weights.publish import WeightPublisher
 

@@ -17,7 +17,8 @@ from typing import NamedTuple
 import numpy as np
 
 from stoa.algorithms.base import Algorithm
-from stoa.envs.base import ROLE_ACTION, ROLE_ECHO, ROLES, action_runs
+from stoa.envs.base import action_runs
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ROLES
 
 
 def _empty_f32() -> np.ndarray:

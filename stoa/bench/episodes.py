@@ -105,8 +105,8 @@ def _episode_figures(eb: Any) -> dict[str, float]:
     """One episode batch's figures: tokens, rates, turns, tools and observation prefill."""
     import numpy as np
 
-    from stoa.envs.base import ROLE_ACTION
     from stoa.episodes.collect import episode_metrics
+    from stoa.rollouts.episode import ROLE_ACTION
 
     eps = [e for g in eb.groups for e in g]
     action = float(sum(int(np.sum(np.asarray(e.roles) == ROLE_ACTION)) for e in eps))

@@ -228,7 +228,7 @@ class RecordMaker:
             uid: a number no other record of the run has (below 2**24): it sets the logprobs.
         """
         from stoa.layout import rollout_key
-        from stoa.records import RolloutRecord, Sample
+        from stoa.rollouts.records import RolloutRecord, Sample
 
         prompt_id = f"train:{(worker * 7919 + seq) % 997}"
         if prompt_id not in self.prompts:

@@ -55,7 +55,7 @@ def synthetic_entries(groups: int, n: int, prompt_tokens: int, tokens: int, voca
         vocab: token ids are drawn below it.
         seed: random seed.
     """
-    from stoa.records import RolloutRecord, Sample
+    from stoa.rollouts.records import RolloutRecord, Sample
     from stoa.trainer.pool import Entry
 
     rng = np.random.default_rng(seed)

@@ -136,8 +136,9 @@ def run_search(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.envs import ToolCall, ToolUnavailable
+    from stoa.envs import ToolUnavailable
     from stoa.retrieval import BadIndex, RetrieverError, SearchTools, open_searcher
+    from stoa.rollouts.episode import ToolCall
 
     where = args.index
     try:

@@ -1,15 +1,9 @@
-"""Multi-turn environments: the protocol (token in, token out), roles and limits (episodes: ``stoa.episodes``)."""
+"""Multi-turn environments: the protocol (token in, token out); roles and limits are ``stoa.rollouts.episode``,
+episodes ``stoa.episodes``."""
 
 from stoa.envs.base import (
-    END_REASONS,
-    ROLE_ACTION,
-    ROLE_ECHO,
-    ROLE_MASKED,
-    ROLES,
     Environment,
-    EpisodeLimits,
     Observation,
-    ToolCall,
     ToolResult,
     Tools,
     ToolUnavailable,
@@ -20,15 +14,8 @@ from stoa.envs.base import (
 )
 
 __all__ = [
-    "END_REASONS",
-    "ROLES",
-    "ROLE_ACTION",
-    "ROLE_ECHO",
-    "ROLE_MASKED",
     "Environment",
-    "EpisodeLimits",
     "Observation",
-    "ToolCall",
     "ToolResult",
     "ToolUnavailable",
     "Tools",

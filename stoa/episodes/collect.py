@@ -21,9 +21,10 @@ import numpy as np
 
 from stoa.algorithms.batch import Trajectory
 from stoa.config.local import LocalConfig
-from stoa.envs.base import END_REASONS, ROLE_ACTION, Tools, ToolUnavailable, episode_text
+from stoa.envs.base import Tools, ToolUnavailable, episode_text
 from stoa.episodes.driver import Episode, EpisodeDriver
-from stoa.records import Sample
+from stoa.rollouts.episode import END_REASONS, ROLE_ACTION
+from stoa.rollouts.records import Sample
 from stoa.tasks.base import Prompt
 from stoa.tasks.multiturn import episode_limits
 

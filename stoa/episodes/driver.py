@@ -19,14 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from stoa.envs.base import (
-    ROLE_ACTION,
-    Environment,
-    EpisodeLimits,
-    ToolCall,
-    Tools,
-    observation_tokens,
-)
+from stoa.envs.base import Environment, Tools, observation_tokens
+from stoa.rollouts.episode import ROLE_ACTION, EpisodeLimits, ToolCall
 
 __all__ = ["Episode", "EpisodeCodec", "EpisodeDriver", "stop_window"]
 
@@ -67,7 +61,7 @@ class Episode:
     states: list[str] = field(default_factory=list)
     """Anchor-state key at the start of each model turn: ``env.initial_state()``, then each observation's."""
     end_reason: str = ""
-    """One of ``stoa.envs.base.END_REASONS`` (empty while the episode runs)."""
+    """One of ``stoa.rollouts.episode.END_REASONS`` (empty while the episode runs)."""
 
     @property
     def finish_reason(self) -> str:

@@ -1,6 +1,6 @@
 """The trainer's replay of recorded episodes: every observation a worker recorded is re-derived, not trusted.
 
-A record's sample is a token sequence with roles (``stoa.envs.ROLE_*``): runs of action tokens (the model's
+A record's sample is a token sequence with roles (``stoa.rollouts.episode.ROLE_*``): runs of action tokens (the model's
 turns) separated by observation runs. ``replay_group`` re-parses every turn that an observation follows
 with the sample's own environment, checks the call equals the recorded one, runs ALL calls of the group in
 one ``Tools.run`` (the trainer's own tools: its retriever), rebuilds each observation with ``env.observe``
@@ -25,17 +25,10 @@ from typing import Protocol
 
 import numpy as np
 
-from stoa.envs.base import (
-    Environment,
-    EpisodeLimits,
-    ToolResult,
-    Tools,
-    action_runs,
-    episode_text,
-    observation_tokens,
-)
+from stoa.envs.base import Environment, ToolResult, Tools, action_runs, episode_text, observation_tokens
 from stoa.episodes.driver import stop_window  # the driver's own window, so both agree
-from stoa.records import RecordRejected, Sample, check_episode
+from stoa.rollouts.episode import EpisodeLimits
+from stoa.rollouts.records import RecordRejected, Sample, check_episode
 
 __all__ = ["ReplayCodec", "Replayed", "replay_group"]
 

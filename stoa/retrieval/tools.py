@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stoa.envs.base import ToolCall, ToolResult, result_hash
+from stoa.envs.base import ToolResult, result_hash
 from stoa.retrieval.base import Doc, Searcher
+from stoa.rollouts.episode import ToolCall
 
 __all__ = ["NO_RESULTS_TEXT", "SEARCH_TOOL", "SearchTools", "UNKNOWN_TOOL_TEXT", "render_docs"]
 

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
-from stoa.envs.base import Environment, EpisodeLimits, ToolCall, ToolResult, Tools, result_hash
+from stoa.envs.base import Environment, ToolResult, Tools, result_hash
 from stoa.retrieval.base import Searcher
+from stoa.rollouts.episode import EpisodeLimits, ToolCall
 from stoa.tasks.base import Prompt, Task
 
 __all__ = [

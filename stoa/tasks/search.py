@@ -16,8 +16,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from stoa.envs.base import ROLE_ECHO, ROLE_MASKED, Observation, ToolCall, ToolResult, Tools, result_hash
+from stoa.envs.base import Observation, ToolResult, Tools, result_hash
 from stoa.retrieval.base import Doc, Searcher
+from stoa.rollouts.episode import ROLE_ECHO, ROLE_MASKED, ToolCall
 from stoa.tasks.base import (
     Prompt,
     PromptIdError,

@@ -18,8 +18,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from stoa.envs.base import ROLE_ECHO, ROLE_MASKED, Observation, ToolCall, ToolResult, Tools
+from stoa.envs.base import Observation, ToolResult, Tools
 from stoa.retrieval.base import Searcher
+from stoa.rollouts.episode import ROLE_ECHO, ROLE_MASKED, ToolCall
 from stoa.tasks.base import Prompt, chat_messages, check_prompt_version, format_prompt_id, parse_prompt_id
 from stoa.tasks.multiturn import LIMIT_OPTIONS, LocalTools, limits_spec, task_limits
 from stoa.tasks.qa import extract_final_answer

@@ -19,10 +19,11 @@ import numpy as np
 
 from stoa.bucket import Bucket, BucketError, ObjectInfo
 from stoa.contract import RunContract
-from stoa.envs.base import Environment, EpisodeLimits, ToolCall, ToolResult, Tools, ToolUnavailable
+from stoa.envs.base import Environment, ToolResult, Tools, ToolUnavailable
 from stoa.episodes.replay import Replayed, replay_group
 from stoa.layout import parse_rollout_key, rollout_version_prefix
-from stoa.records import MAX_RECORD_BYTES, RecordRejected, RolloutRecord, validate_record
+from stoa.rollouts.episode import EpisodeLimits, ToolCall
+from stoa.rollouts.records import MAX_RECORD_BYTES, RecordRejected, RolloutRecord, validate_record
 from stoa.tasks.base import Prompt, Task
 from stoa.tasks.multiturn import MultiTurnTask, episode_limits, is_multiturn
 from stoa.tokenize import TextCodec

@@ -16,7 +16,7 @@ import numpy as np
 
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import contract_key, rollout_key, rollouts_prefix
-from stoa.records import RecordRejected, RolloutRecord, Sample, validate_record
+from stoa.rollouts.records import RecordRejected, RolloutRecord, Sample, validate_record
 
 if TYPE_CHECKING:
     from stoa.engines import Completion, GenStats

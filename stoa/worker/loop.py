@@ -23,7 +23,7 @@ from stoa.episodes.task_tools import open_task_tools
 from stoa.layout import rollout_key
 from stoa.lifecycle import RunWatch, Verdict
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
-from stoa.records import RolloutRecord, Sample
+from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.trackers import open_trackers
 from stoa.worker.syncing import published_at as _published_at
 from stoa.worker.syncing import sync_weights as _sync

@@ -7,7 +7,7 @@ import pytest
 
 from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.algorithms.batch import Trajectory, build_batch
-from stoa.envs.base import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED
 
 from .conftest import BACKENDS
 from .golden import CASES, LOGITS, Case

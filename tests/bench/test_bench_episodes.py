@@ -8,7 +8,7 @@ import json
 
 from stoa.bench.episodes import EpisodeBenchSpec, run_episode_bench
 from stoa.cli.bench import bench_parser
-from stoa.envs.base import ToolCall
+from stoa.rollouts.episode import ToolCall
 from stoa.tasks.search import SearchEnv, SearchTask
 
 ENGINES = ("torch", "mlx") if importlib.util.find_spec("mlx") else ("torch",)

@@ -16,7 +16,7 @@ TINY_VOCAB = 256
 
 def entries(seed: int = 0):
     """Six groups of four samples, prompts and completions of varied lengths (an uneven split by tokens)."""
-    from stoa.records import RolloutRecord, Sample
+    from stoa.rollouts.records import RolloutRecord, Sample
     from stoa.trainer.pool import Entry
 
     rng = np.random.default_rng(seed)

@@ -6,18 +6,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from stoa.envs.base import (
-    END_REASONS,
-    ROLE_ACTION,
-    ROLE_ECHO,
-    ROLE_MASKED,
-    EpisodeLimits,
-    Observation,
-    ToolCall,
-    ToolResult,
-    ToolUnavailable,
-)
+from stoa.envs.base import Observation, ToolResult, ToolUnavailable
 from stoa.episodes.driver import Episode, EpisodeDriver
+from stoa.rollouts.episode import END_REASONS, ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, EpisodeLimits, ToolCall
 
 EOS = 0
 

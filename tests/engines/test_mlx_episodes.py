@@ -11,18 +11,9 @@ import numpy as np
 import pytest
 
 from stoa.engines.base import GenStats
-from stoa.envs.base import (
-    ROLE_ACTION,
-    ROLE_ECHO,
-    ROLE_MASKED,
-    EpisodeLimits,
-    Observation,
-    ToolCall,
-    ToolResult,
-    ToolUnavailable,
-    observation_tokens,
-)
+from stoa.envs.base import Observation, ToolResult, ToolUnavailable, observation_tokens
 from stoa.episodes.driver import Episode, EpisodeDriver
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, EpisodeLimits, ToolCall
 from tests.engines.nucleus import MAX_EDGE_SHARE
 
 pytestmark = pytest.mark.mlx

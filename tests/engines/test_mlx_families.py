@@ -14,8 +14,8 @@ import pytest
 
 from stoa.engines.mlx.engine import MLXEngine
 from stoa.engines.mlx.sampling import sampling_logprobs_mlx
-from stoa.envs.base import ROLE_ACTION
 from stoa.episodes.driver import EpisodeDriver
+from stoa.rollouts.episode import ROLE_ACTION
 from tests.engines.test_mlx_episodes import EOS as EP_EOS
 from tests.engines.test_mlx_episodes import LIMITS, FixedTools, TinyEnv, recompute
 

@@ -10,18 +10,9 @@ import pytest
 import torch
 
 from stoa.engines.torch import sampling_logprobs_torch
-from stoa.envs.base import (
-    ROLE_ACTION,
-    ROLE_ECHO,
-    ROLE_MASKED,
-    EpisodeLimits,
-    Observation,
-    ToolCall,
-    ToolResult,
-    action_runs,
-    observation_tokens,
-)
+from stoa.envs.base import Observation, ToolResult, action_runs, observation_tokens
 from stoa.episodes.driver import Episode, EpisodeDriver
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, EpisodeLimits, ToolCall
 from stoa.tokenize import TextCodec
 
 TOL = 1e-5  # the fp32 worker-vs-trainer gate of tests/integration/test_loop_local.py

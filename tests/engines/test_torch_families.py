@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from stoa.engines.torch import TorchEngine, sampling_logprobs_torch
-from stoa.envs.base import ROLE_ACTION
 from stoa.episodes.collect import episode_sample
 from stoa.episodes.driver import EpisodeDriver
 from stoa.episodes.replay import replay_group
+from stoa.rollouts.episode import ROLE_ACTION
 from stoa.tokenize import TextCodec
 from tests.engines.test_torch_episodes import LIMITS, QUESTIONS, LetterEnv, RecordingTools, prompts_of
 

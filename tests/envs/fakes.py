@@ -9,18 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stoa.envs import (
-    ROLE_ACTION,
-    ROLE_ECHO,
-    ROLE_MASKED,
-    Observation,
-    ToolCall,
-    ToolResult,
-    ToolUnavailable,
-    observation_tokens,
-    result_hash,
-)
-from stoa.records import Sample
+from stoa.envs import Observation, ToolResult, ToolUnavailable, observation_tokens, result_hash
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, ToolCall
+from stoa.rollouts.records import Sample
 
 _SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stoa.envs import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, EpisodeLimits, ToolCall, ToolUnavailable
+from stoa.envs import ToolUnavailable
 from stoa.episodes.replay import replay_group
-from stoa.records import RecordRejected
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, EpisodeLimits, ToolCall
+from stoa.rollouts.records import RecordRejected
 from tests.envs.fakes import CharCodec, FakeTools, SearchEnv, honest_sample
 
 CODEC = CharCodec()

@@ -32,7 +32,7 @@ from stoa.layout import (
     rollouts_prefix,
 )
 from stoa.metrics import read_metrics
-from stoa.records import RecordRejected, RolloutRecord, validate_record
+from stoa.rollouts.records import RecordRejected, RolloutRecord, validate_record
 from stoa.weights.anchor import check_manifest, decode_anchor
 from stoa.weights.errors import WeightsError
 from stoa.weights.hashing import state_hash

@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
-from stoa.envs import END_REASONS, EpisodeLimits, ToolCall
 from stoa.layout import parse_rollout_key, rollout_key
-from stoa.records import RECORD_MAGIC, REJECT_REASONS, RecordRejected, RolloutRecord, Sample, validate_record
+from stoa.rollouts.episode import END_REASONS, EpisodeLimits, ToolCall
+from stoa.rollouts.records import RECORD_MAGIC, REJECT_REASONS, RecordRejected, RolloutRecord, Sample, validate_record
 
 CONTRACT = RunContract(run_id="r1", model=ModelSpec("llama", "c" * 32, "t" * 32, vocab_size=100, eos_token_ids=(2,)),
                        n_samples=3, plane="bf16", task_id="arithmetic", task_spec={"digits": 2},

@@ -87,7 +87,7 @@ def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path,
     from stoa.bucket import open_bucket
     from stoa.contract import RunContract
     from stoa.layout import contract_key
-    from stoa.records import RolloutRecord
+    from stoa.rollouts.records import RolloutRecord
     from stoa.trainer.policy import Policy, pack
     from stoa.weights.planes import state_to_f32
     from stoa.weights.sync import WeightSync

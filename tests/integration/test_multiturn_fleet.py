@@ -20,9 +20,9 @@ import pytest
 from stoa.bucket import open_bucket
 from stoa.config import TrainerConfig
 from stoa.contract import RunContract
-from stoa.envs import ROLE_ACTION, ROLE_ECHO
 from stoa.layout import contract_key, rollout_key
-from stoa.records import RolloutRecord, Sample
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO
+from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.tasks import get_task, parse_task_spec
 from stoa.tokenize import TextCodec
 from stoa.trainer.loop import run_trainer

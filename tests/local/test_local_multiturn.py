@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from stoa.config import ConfigError
-from stoa.envs.base import ROLE_ACTION, ROLE_ECHO, ToolCall
 from stoa.local import checkpoint as ckpt
 from stoa.local.loop import run_local
 from stoa.metrics import read_metrics
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ToolCall
 from stoa.tasks.base import Prompt
 from stoa.tasks.search import SearchEnv, SearchTask
 from stoa.tasks.walk import WalkEnv, WalkTask

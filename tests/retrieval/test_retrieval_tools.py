@@ -6,9 +6,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from stoa.envs import ToolCall, ToolResult, Tools, result_hash
+from stoa.envs import ToolResult, Tools, result_hash
 from stoa.retrieval import Doc, SearchTools, render_docs
 from stoa.retrieval.tools import NO_RESULTS_TEXT, UNKNOWN_TOOL_TEXT
+from stoa.rollouts.episode import ToolCall
 
 
 class CountingSearcher:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stoa.envs.base import Environment, EpisodeLimits, Tools, episode_text
+from stoa.envs.base import Environment, Tools, episode_text
 from stoa.episodes.driver import Episode, EpisodeDriver
 from stoa.retrieval.base import Doc
+from stoa.rollouts.episode import EpisodeLimits
 
 EOS = 0
 """The codec's end-of-sequence id (no character maps to it)."""

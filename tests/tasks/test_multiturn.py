@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from stoa.envs.base import EpisodeLimits, ToolCall, Tools, result_hash
+from stoa.envs.base import Tools, result_hash
+from stoa.rollouts.episode import EpisodeLimits, ToolCall
 from stoa.tasks import TASKS, get_task, is_multiturn
 from stoa.tasks.multiturn import LocalTools, MultiTurnTask, episode_limits, limits_spec, task_limits
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stoa.envs.base import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, episode_text
+from stoa.envs.base import episode_text
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED
 from stoa.tasks.qa import (
     QAScore,
     check_reward_kind,

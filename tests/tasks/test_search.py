@@ -8,16 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from stoa.envs.base import (
-    ROLE_ACTION,
-    ROLE_ECHO,
-    ROLE_MASKED,
-    Environment,
-    EpisodeLimits,
-    ToolCall,
-    ToolResult,
-    result_hash,
-)
+from stoa.envs.base import Environment, ToolResult, result_hash
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED, EpisodeLimits, ToolCall
 from stoa.tasks import PromptIdError, SearchTask, get_task, is_multiturn, load_task
 from stoa.tasks.multiturn import MultiTurnTask, episode_limits
 from stoa.tasks.qa import decode_golds, normalize_answer

@@ -8,7 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from stoa.envs.base import ROLE_ECHO, ROLE_MASKED, Environment, EpisodeLimits, ToolCall, ToolResult, result_hash
+from stoa.envs.base import Environment, ToolResult, result_hash
+from stoa.rollouts.episode import ROLE_ECHO, ROLE_MASKED, EpisodeLimits, ToolCall
 from stoa.tasks import PromptIdError, WalkTask, get_task, is_multiturn
 from stoa.tasks.multiturn import LocalTools, MultiTurnTask, episode_limits
 from stoa.tasks.walk import WalkEnv

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("mlx.core", reason="needs mlx (mlx[cpu] on Linux)")
 
 from stoa.bucket import open_bucket  # noqa: E402
-from stoa.records import RecordRejected  # noqa: E402
+from stoa.rollouts.records import RecordRejected  # noqa: E402
 from stoa.worker import local_e2e  # noqa: E402
 from stoa.worker.local_e2e import run_local_e2e  # noqa: E402
 

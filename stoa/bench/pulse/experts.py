@@ -235,7 +235,7 @@ def sampled_entries(policy: Any, rng: np.random.Generator, groups: int, n: int, 
     """
     import torch
 
-    from stoa.records import RolloutRecord, Sample
+    from stoa.rollouts.records import RolloutRecord, Sample
     from stoa.trainer.pool import Entry
 
     vocab = int(policy.model.config.get_text_config().vocab_size)

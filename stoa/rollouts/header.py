@@ -1,4 +1,4 @@
-"""The JSON header of a rollout record: bounded, strictly typed parsing (``stoa.records`` uses it).
+"""The JSON header of a rollout record: bounded, strictly typed parsing (``stoa.rollouts.records`` uses it).
 
 Every failure is a ``ValueError`` naming the field; the record decoder files it as ``malformed``.
 Version 2 headers add per sample ``turns`` (turn starts), ``calls`` (``[name, arguments, digest]``) and
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stoa.envs.base import ToolCall
+from stoa.rollouts.episode import ToolCall
 from stoa.untrusted import field_float, field_int, field_number_map, field_str, loads_bounded
 
 MAX_RECORD_BYTES = 64 * 1024 * 1024

@@ -7,7 +7,7 @@ against the run contract). The contract itself is in ``stoa.contract``; the weig
 and patches in ``stoa.weights`` (see docs/weights.md).
 
 Records have their own schema version (``RECORD_SCHEMA_VERSION``; the contract's ``SCHEMA_VERSION`` is
-run.json's). Version 2 adds per-token roles (``stoa.envs.ROLE_*``), turn starts, tool calls with their
+run.json's). Version 2 adds per-token roles (``stoa.rollouts.episode.ROLE_*``), turn starts, tool calls with their
 results' digests, the episode's end reason and the environment seed; writers always write version 2,
 readers accept 1 (every token an action) and 2.
 
@@ -25,8 +25,8 @@ import numpy as np
 import xxhash
 
 from stoa.contract import RunContract
-from stoa.envs.base import END_REASONS, ROLE_ACTION, EpisodeLimits, ToolCall
-from stoa.record_header import (
+from stoa.rollouts.episode import END_REASONS, ROLE_ACTION, EpisodeLimits, ToolCall
+from stoa.rollouts.header import (
     MAX_ARGUMENT_CHARS,
     MAX_DIGEST_CHARS,
     MAX_HEADER_BYTES,
@@ -79,7 +79,7 @@ class Sample:
     finish_reason: str
     """``stop`` (EOS) or ``length`` (hit max_new_tokens)."""
     roles: np.ndarray | None = None
-    """``stoa.envs.ROLE_*`` of each token, uint8 [T]; None: every token is an action (a version-1 sample)."""
+    """``stoa.rollouts.episode.ROLE_*`` of each token, uint8 [T]; None: every token is an action (a version-1 sample)."""
     turn_starts: list[int] = field(default_factory=list)
     """Index of each model turn's first token (multi-turn samples; empty for single-turn ones)."""
     calls: list[ToolCall] = field(default_factory=list)
@@ -87,7 +87,7 @@ class Sample:
     digests: list[str] = field(default_factory=list)
     """``ToolResult.digest`` of each call's result."""
     end_reason: str = ""
-    """Why the episode ended (``stoa.envs.END_REASONS``); empty for single-turn samples."""
+    """Why the episode ended (``stoa.rollouts.episode.END_REASONS``); empty for single-turn samples."""
 
     def role_array(self) -> np.ndarray:
         """The roles as uint8 [T]: ``roles``, or every token ``ROLE_ACTION`` when there are none."""
