@@ -19,8 +19,10 @@ a line of a metrics chunk (``metrics_chunk_key``)   :class:`stoa.schemas.rows.Me
 ``workers/<id>-<seq>`` (``presence_key``)           none: empty, the key is the whole message
 ==================================================  ==============================================
 
-Versions: an object written before its schema had a ``schema`` field parses as version 1, which is what such
-objects hold; a version above the one this stoa knows is refused (a newer writer's object is never half-read).
+Versions: an object without a ``schema`` field is version 1, and writers leave the field out at version 1
+(:func:`versioned`), so every object is written byte for byte as before the schemas existed and older stoa
+versions read it; the field appears from version 2 on. A version above the one this stoa knows is refused (a
+newer writer's object is never half-read).
 Metrics rows carry no ``schema`` field (every key of a row is a metric for trackers and ``stoa status``): a row
 is version 1. The BM25 index manifest (``stoa-index.json``) keeps its own ``format`` version and parser in
 ``stoa.retrieval.manifest``.
@@ -81,6 +83,15 @@ def checked(key: str, read: Callable[[], T], fix: str = DEFAULT_FIX) -> T:
         raise
     except ValueError as e:
         raise BadSchemaObject(key, f"is malformed ({str(e)[:200]})", fix) from None
+
+
+def versioned(fields: dict[str, Any]) -> dict[str, Any]:
+    """An object's fields as written: the ``schema`` field left out at version 1 (see the module).
+
+    Args:
+        fields: every field, ``schema`` included.
+    """
+    return {k: v for k, v in fields.items() if not (k == SCHEMA_FIELD and v == 1)}
 
 
 def schema_version(d: Mapping[str, Any], key: str, known: int) -> int:

@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stoa.schemas import checked, load, schema_version
+from stoa.schemas import checked, load, schema_version, versioned
 from stoa.untrusted import (
     check_int,
     check_number,
@@ -41,8 +41,8 @@ MAX_HANDLE_BYTES = 4096
 _PID = {"lo": -(1 << 31), "hi": (1 << 31) - 1}
 
 
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(asdict(obj), sort_keys=True).encode()
+def _dumps(obj: Any, sort_keys: bool = True) -> bytes:
+    return json.dumps(versioned(asdict(obj)), sort_keys=sort_keys).encode()
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ class TrackerHandle:
 
     def to_json(self) -> bytes:
         """Serialize for the bucket."""
-        return _dumps(self)
+        return _dumps(self, sort_keys=False)
 
     @classmethod
     def parse(cls, data: bytes, key: str = "tracker id") -> TrackerHandle:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stoa.schemas import checked, load, schema_version
+from stoa.schemas import SCHEMA_FIELD, checked, load, schema_version, versioned
 from stoa.untrusted import MAX_INT, as_object, check_int
 
 MAX_JOURNAL_BYTES = 64 << 20
@@ -137,7 +137,7 @@ class Journal:
 
     def to_json(self) -> bytes:
         """Serialize for the bucket (the pool's and the quarantine's state as the trainer restores them)."""
-        return json.dumps({"schema": self.schema, **self.state()}, sort_keys=True).encode()
+        return json.dumps(versioned({SCHEMA_FIELD: self.schema, **self.state()}), sort_keys=True).encode()
 
     def state(self) -> dict[str, Any]:
         """The trainer's state: ``version`` and ``step`` (when said), ``pool`` and ``quarantine`` (what
