@@ -109,7 +109,8 @@ def test_a_metrics_row_round_trips_and_hostile_lines_are_refused_naming_the_line
     got = MetricsRow.parse(line.encode(), "chunk:1")
     assert got == row and (got.time, got.step, got.schema) == (1.5, 3, 1)
     assert MetricsRow.parse(b'{"time": true, "step": 1.5}').step is None
-    for bad in (b"[1]", b'"x"', b"[" * 10, b'{"a": NaN}', b'{"a": 1e999}', b"\xff", b'{"a": ' + b"9" * 40 + b"}"):
+    for bad in (b"[1]", b'"x"', b"[" * 10, b'{"a": [[[[[1]]]]]}', b'{"a": NaN}', b'{"a": 1e999}', b"\xff",
+                b'{"a": ' + b"9" * 40 + b"}"):
         with pytest.raises(BadSchemaObject) as e:
             MetricsRow.parse(bad, "chunk:7")
         assert e.value.key == "chunk:7" and "skipped" in str(e.value), bad
