@@ -9,6 +9,7 @@ import pytest
 
 from stoa.schemas import BadSchemaObject
 from stoa.schemas.control import EvaluatorHeartbeat, LeaseRecord, RunStatus, TrackerHandle
+from stoa.schemas.index import IndexFile, IndexManifest
 from stoa.schemas.journal import Journal, PoolUse, QuarantineRow
 from stoa.schemas.rows import MetricsRow
 from stoa.untrusted import BadBucketObject
@@ -114,3 +115,29 @@ def test_a_metrics_row_round_trips_and_hostile_lines_are_refused_naming_the_line
         with pytest.raises(BadSchemaObject) as e:
             MetricsRow.parse(bad, "chunk:7")
         assert e.value.key == "chunk:7" and "skipped" in str(e.value), bad
+
+
+MANIFEST = IndexManifest("ab" * 16, 3, {"docs.jsonl": IndexFile(120, "cd" * 32)},
+                         {"k1": 1.5, "b": 0.75, "method": "lucene", "token_pattern": "x", "stopwords": ["a"]},
+                         bm25s_version="0.2.0")
+
+
+def test_the_index_manifest_round_trips_and_reads_what_indexes_hold() -> None:
+    assert IndexManifest.parse(MANIFEST.to_json(), KEY) == MANIFEST
+    old = {"format": 1, "kind": "bm25s", "fingerprint": "ab" * 16, "docs": 3, "settings": dict(MANIFEST.settings),
+           "files": {"docs.jsonl": {"size": 120, "digest": "cd" * 32}}, "bm25s_version": "0.2.0"}
+    assert MANIFEST.to_json() == (json.dumps(old, indent=1, sort_keys=True) + "\n").encode()  # as indexes were written
+    assert IndexManifest.parse(json.dumps(old).encode(), KEY) == MANIFEST
+
+
+@pytest.mark.parametrize("change", [{"format": 2}, {"format": None}, {"docs": True}, {"files": []},
+                                    {"files": {"../x": {"size": 1, "digest": "d"}}},
+                                    {"files": {"stoa-index.json": {"size": 1, "digest": "d"}}},
+                                    {"files": {"a": {"size": -1, "digest": "d"}}}, {"files": {"a": [1, "d"]}},
+                                    {"files": {f"f{i}": {"size": 1, "digest": "d"} for i in range(65)}},
+                                    {"settings": "lucene"}, {"fingerprint": "x" * 65}, {"kind": 3}])
+def test_a_hostile_index_manifest_is_refused_naming_the_key(change: dict) -> None:
+    doc = {**json.loads(MANIFEST.to_json()), **change}
+    with pytest.raises(BadSchemaObject) as e:
+        IndexManifest.parse(json.dumps(doc).encode(), KEY)
+    assert e.value.key == KEY and "rebuild the index" in str(e.value)
