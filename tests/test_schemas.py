@@ -8,7 +8,7 @@ import json
 import pytest
 
 from stoa.schemas import BadSchemaObject
-from stoa.schemas.control import EvaluatorHeartbeat, LeaseRecord, RunStatus, TrackerHandle
+from stoa.schemas.control import EvaluatorHeartbeat, LeaseRecord, RunStatus, StoredConfig, TrackerHandle
 from stoa.schemas.index import IndexFile, IndexManifest
 from stoa.schemas.journal import Journal, PoolUse, QuarantineRow
 from stoa.schemas.rows import MetricsRow
@@ -141,3 +141,19 @@ def test_a_hostile_index_manifest_is_refused_naming_the_key(change: dict) -> Non
     with pytest.raises(BadSchemaObject) as e:
         IndexManifest.parse(json.dumps(doc).encode(), KEY)
     assert e.value.key == KEY and "rebuild the index" in str(e.value)
+
+
+def test_the_stored_trainer_config_round_trips_and_hostile_ones_are_refused_naming_the_key() -> None:
+    cfg = StoredConfig({"lr": 0.001, "steps": 30, "report_to": ["wandb"]}, 1.7e9)
+    assert StoredConfig.parse(cfg.to_json(), KEY) == cfg
+    old = {"format": "stoa-trainer-config-1", "created_at": 1.7e9, "settings": {"lr": 0.001, "steps": 30,
+                                                                              "report_to": ["wandb"]}}
+    assert cfg.to_json() == json.dumps(old, sort_keys=True, indent=1).encode()  # as trainers wrote it
+    assert StoredConfig.parse(b'{"format": "stoa-trainer-config-1", "settings": {}, "created_at": "x"}').created_at \
+        is None
+    for bad in (b"[]", b'{"format": "stoa-trainer-config-2", "settings": {}}', b'{"settings": {}}',
+                b'{"format": "stoa-trainer-config-1", "settings": []}', b'{"format": "stoa-trainer-config-1"}',
+                b" " * (2 << 20)):
+        with pytest.raises(BadSchemaObject) as e:
+            StoredConfig.parse(bad, KEY)
+        assert e.value.key == KEY, bad

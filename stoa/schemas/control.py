@@ -1,4 +1,5 @@
-"""Schemas of the small control objects: run status, trainer lease, evaluator heartbeat, tracker handle.
+"""Schemas of the small control objects: run status, trainer lease, evaluator heartbeat, tracker handle and the
+run's stored trainer configuration.
 
 Each is one JSON object, one level deep, written whole by one writer (``to_json``) and read by anyone
 (``parse``: ``stoa.untrusted`` bounds and exact types, :class:`~stoa.schemas.BadSchemaObject` naming the key).
@@ -12,8 +13,10 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stoa.schemas import checked, load, schema_version, versioned
+from stoa.schemas import BadSchemaObject, checked, load, schema_version, versioned
 from stoa.untrusted import (
+    MAX_DEPTH,
+    as_object,
     check_int,
     check_number,
     check_text,
@@ -38,6 +41,10 @@ MAX_HEARTBEAT_BYTES = 4096
 """An evaluator heartbeat larger than this is refused (anyone who can write the bucket can write it)."""
 MAX_HANDLE_BYTES = 4096
 """Longest stored tracker handle read."""
+MAX_CONFIG_BYTES = 1 << 20
+"""Longest stored configuration read (a real one is about 3 KB)."""
+CONFIG_FORMAT = "stoa-trainer-config-1"
+"""The stored configuration's format tag (its version)."""
 _PID = {"lo": -(1 << 31), "hi": (1 << 31) - 1}
 
 
@@ -289,3 +296,42 @@ class TrackerHandle:
             return None if d.get(name) is None else check_text(d[name], name, max_len=256)
 
         return checked(key, lambda: cls(field_text(d, "id", max_len=128), text("project"), text("entity"), schema))
+
+
+@dataclass(frozen=True)
+class StoredConfig:
+    """What ``config.json`` holds: the run's resolved trainer settings (``stoa.trainer.resume``).
+
+    Args:
+        settings: setting name -> JSON value (typed against ``TrainerConfig`` by its reader).
+        created_at: unix time of the write (None: not a number).
+        format: the format tag, the schema's version (:data:`CONFIG_FORMAT`).
+    """
+
+    settings: dict[str, Any]
+    created_at: float | None = None
+    format: str = CONFIG_FORMAT
+
+    def to_json(self) -> bytes:
+        """Serialize for the bucket (indented, sorted keys)."""
+        return json.dumps({"format": self.format, "created_at": self.created_at, "settings": self.settings},
+                          sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, key: str = "config.json") -> StoredConfig:
+        """Parse untrusted bytes (at most 1 MiB, bounded depth; the format tag :data:`CONFIG_FORMAT`, ``settings``
+        an object; ``created_at`` is informational and kept only when it is a number).
+
+        Args:
+            data: the stored bytes.
+            key: the object's key, for the message.
+
+        Raises:
+            BadSchemaObject: not a stored trainer configuration (names the key).
+        """
+        d = load(data, key, max_bytes=MAX_CONFIG_BYTES, max_depth=MAX_DEPTH)
+        if d.get("format") != CONFIG_FORMAT:
+            raise BadSchemaObject(key, f"has format {str(d.get('format'))[:40]!r}, not {CONFIG_FORMAT!r}")
+        settings = checked(key, lambda: as_object(d.get("settings"), "settings"))
+        at = d.get("created_at")
+        return cls(settings, float(at) if isinstance(at, int | float) and not isinstance(at, bool) else None)
