@@ -87,11 +87,12 @@ def test_the_journal_round_trips_and_reads_the_previous_format() -> None:
 
 
 def test_malformed_journal_rows_are_dropped_and_counted() -> None:
-    doc = {"step": 1, "pool": {"records": {"a": [1, 1, "k"], "b": [1, True, "k"], "c": [1, 2], "d": "x"}},
+    doc = {"step": 1, "pool": {"records": {"a": [1, 1, "k"], "b": [1, True, "k"], "c": [1, 2], "d": "x",
+                                           "e": [1.0, 1, "k"]}},
            "quarantine": {"workers": {"w": [1, 0, 0, 0, 0, ""], "x": [1, 0, 0, 0, 0, "bored"],
                                       "y": [-1, 0, 0, 0, 0, ""], "z": [1, 0, 0, 0, "0", ""]}}}
     got = Journal.parse(json.dumps(doc).encode(), KEY)
-    assert list(got.uses) == ["a"] and list(got.quarantine) == ["w"] and got.dropped == 6
+    assert list(got.uses) == ["a"] and list(got.quarantine) == ["w"] and got.dropped == 7
 
 
 @pytest.mark.parametrize("data", [b"[]", b'{"step": "4"}', b'{"version": 1.5}', b'{"step": null}',
