@@ -83,6 +83,7 @@ def test_the_journal_round_trips_and_reads_the_previous_format() -> None:
     assert got == JOURNAL and got.quarantine["w"].rejected == 1.0 and got.uses["c1"].count == 2
     assert json.loads(JOURNAL.to_json()) == old  # what the previous reader (lists by position) takes
     assert Journal.from_state(old) == JOURNAL and JOURNAL.state() == old
+    assert Journal.from_state(old).to_json() == json.dumps(old, sort_keys=True).encode()  # the trainer's bytes
     assert Journal.parse(b'{"step": 4, "version": 5}', KEY).state() == {"step": 4, "version": 5}
 
 

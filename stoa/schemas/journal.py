@@ -32,11 +32,9 @@ QUARANTINE_STATE = 1
 """Version of the quarantine's state inside the journal (its ``v``)."""
 
 
-def _count(x: Any) -> float | None:
-    """A finite, non-negative number from JSON (not a bool), else None."""
-    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
-        return None
-    return float(x)
+def _count(x: Any) -> bool:
+    """Whether ``x`` is a finite, non-negative number from JSON (not a bool)."""
+    return not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x) and x >= 0
 
 
 @dataclass(frozen=True)
@@ -102,13 +100,10 @@ class QuarantineRow:
         Args:
             row: the parsed JSON value.
         """
-        if not (isinstance(row, list) and len(row) == 6 and row[5] in QUARANTINE_REASONS):
+        if not (isinstance(row, list) and len(row) == 6 and row[5] in QUARANTINE_REASONS
+                and all(_count(x) for x in row[:5])):
             return None
-        nums = [_count(x) for x in row[:5]]
-        if any(n is None for n in nums):
-            return None
-        records, rejected, tokens, over, lag0 = (float(n or 0.0) for n in nums)
-        return cls(records, rejected, tokens, over, lag0, row[5])
+        return cls(*row)  # the numbers as stored (an integer count stays one), so a rewrite keeps the bytes
 
 
 @dataclass(frozen=True)
@@ -136,8 +131,11 @@ class Journal:
     SCHEMA = 1
 
     def to_json(self) -> bytes:
-        """Serialize for the bucket (the pool's and the quarantine's state as the trainer restores them)."""
-        return json.dumps(versioned({SCHEMA_FIELD: self.schema, **self.state()}), sort_keys=True).encode()
+        """Serialize for the bucket: the trainer's state (:meth:`state`), the pool and the quarantine always
+        present, as trainers always wrote them."""
+        doc = {SCHEMA_FIELD: self.schema, "pool": self.pool_state(), "quarantine": self.quarantine_state(),
+               **self.state()}
+        return json.dumps(versioned(doc), sort_keys=True).encode()
 
     def state(self) -> dict[str, Any]:
         """The trainer's state: ``version`` and ``step`` (when said), ``pool`` and ``quarantine`` (what
