@@ -47,23 +47,14 @@ and a forged ``finished`` stops workers, not the trainer. Stdlib and the bucket 
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from stoa.bucket import Bucket, BucketError, ObjectNotFound
 from stoa.layout import presence_key, status_key
-from stoa.untrusted import field_float, field_int, field_str, loads_bounded
+from stoa.schemas.control import RunStatus
 
-STATES = ("running", "finished", "failed")
-MAX_STATUS_BYTES = 4096
-"""A status object larger than this is ignored (treated as absent)."""
-MAX_COUNT = 2**31 - 1
-"""Largest version, step, want or worker count a status may carry."""
-MAX_SECONDS = 1e12
-"""Largest time or step time (seconds) a status may carry."""
 PRESENCE_S = 60.0
 """A worker that uploaded nothing for this long writes a presence object again."""
 LIVE_S = 3 * PRESENCE_S
@@ -77,72 +68,6 @@ JOIN_WAIT_S = 30.0
 """Longest a worker waits for the trainer's first count before it samples the whole want (fail open)."""
 
 
-@dataclass(frozen=True)
-class RunStatus:
-    """What ``status.json`` holds.
-
-    Args:
-        state: ``running``, ``finished`` or ``failed``.
-        version: the newest version the trainer published.
-        updated_at: unix time of this write.
-        heartbeat_at: unix time the trainer last showed it was alive (equal to ``updated_at`` here).
-        wanted_groups: groups the trainer can still use from the current window (None: no backpressure).
-        step_s: the trainer's last step time in seconds (workers wait at least 3x this before calling the
-            heartbeat stale).
-        rollouts_kept_from: the oldest rollout version retention has not deleted (a restart starts there).
-        step: the run's optimizer steps so far (restarts included).
-        target_steps: the run's total steps (0: unbounded; None: not said, a trainer older than this field);
-            ``stoa status`` shows it with an ETA.
-        workers: the workers the trainer counts live, among whom the want is shared (0: none counted yet; None:
-            not said, a trainer older than this field: every worker may sample the whole want).
-    """
-
-    state: str
-    version: int
-    updated_at: float
-    heartbeat_at: float
-    wanted_groups: int | None = None
-    step_s: float = 0.0
-    rollouts_kept_from: int = 1
-    step: int = 0
-    target_steps: int | None = None
-    workers: int | None = None
-
-    def to_json(self) -> bytes:
-        """Serialize for the bucket."""
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> RunStatus | None:
-        """Parse strictly through :func:`stoa.untrusted.loads_bounded`; ``None`` for anything malformed (the
-        object is untrusted: oversize, nested, a huge number literal or a wrong type is never an exception).
-
-        Args:
-            data: the stored bytes.
-        """
-        try:
-            d = loads_bounded(data, max_bytes=MAX_STATUS_BYTES, max_depth=1)
-            if not isinstance(d, dict):
-                raise ValueError("a status is a JSON object")
-            return cls._from_fields(d)
-        except ValueError:
-            return None
-
-    @classmethod
-    def _from_fields(cls, d: dict[str, Any]) -> RunStatus:
-        state = field_str(d, "state", max_len=16)
-        if state not in STATES:
-            raise ValueError(f"state {state!r}")
-
-        def count(name: str, absent: int | None) -> int | None:  # absent in a status of an older trainer
-            return absent if d.get(name) is None else field_int(d, name, hi=MAX_COUNT)
-
-        return cls(state, field_int(d, "version", hi=MAX_COUNT), field_float(d, "updated_at", bound=MAX_SECONDS),
-                   field_float(d, "heartbeat_at", bound=MAX_SECONDS), count("wanted_groups", None),
-                   field_float(d, "step_s", bound=MAX_SECONDS), field_int(d, "rollouts_kept_from", hi=MAX_COUNT),
-                   count("step", 0) or 0, count("target_steps", None), count("workers", None))
-
-
 def read_status(bucket: Bucket, run_id: str) -> RunStatus | None:
     """The run's status, or ``None`` when absent or malformed (bucket errors propagate).
 
@@ -151,8 +76,12 @@ def read_status(bucket: Bucket, run_id: str) -> RunStatus | None:
         run_id: the run id.
     """
     try:
-        return RunStatus.from_json(bucket.get(status_key(run_id)))
+        data = bucket.get(status_key(run_id))
     except ObjectNotFound:
+        return None
+    try:
+        return RunStatus.parse(data, status_key(run_id))
+    except ValueError:
         return None
 
 

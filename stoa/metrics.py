@@ -8,7 +8,6 @@ skipped logs one warning line.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from stoa.untrusted import loads_bounded
+from stoa.schemas.rows import MAX_ROW_BYTES, MetricsRow
 
 if TYPE_CHECKING:
     from stoa.trackers import Completion, Tracker
@@ -60,7 +59,7 @@ class MetricsWriter:
             if isinstance(v, float) and not math.isfinite(v):
                 v = None
             row[k] = v
-        self._fh.write(json.dumps(row) + "\n")
+        self._fh.write(MetricsRow(row).dumps())
         if self.sink is not None:
             self.sink.add(row)
         self.trackers.log({k: v for k, v in row.items() if k not in ("time", "step")}, step)
@@ -143,7 +142,7 @@ class BucketMetrics:
             return True
         if self.fence is not None:
             self.fence()
-        data = "".join(json.dumps(r) + "\n" for r in self.rows).encode()
+        data = "".join(MetricsRow(r).dumps() for r in self.rows).encode()
         for _ in range(3):
             key = metrics_chunk_key(self.run_id, self.source, self.start, self.seq)
             try:
@@ -162,12 +161,10 @@ class BucketMetrics:
         return False
 
 
+MAX_LINE_BYTES = MAX_ROW_BYTES
+"""Longest line :func:`read_metrics` reads from a file (a longer one is dropped whole, the rows around it kept)."""
 MAX_CHUNK_BYTES = 64 << 20
 """A metrics chunk larger than this is skipped unread (the trainer's are a few kB)."""
-MAX_LINE_BYTES = 1 << 20
-"""A metrics line longer than this is skipped (a row with ``rollout/keys`` of a large batch is tens of kB)."""
-MAX_ROW_DEPTH = 4
-"""Deepest JSON nesting of a row accepted (rows are flat objects; ``rollout/keys`` is a list in one)."""
 
 
 class ChunkLines(NamedTuple):
@@ -197,18 +194,15 @@ class ReadCounts:
 
 
 def parse_metrics_line(line: bytes) -> dict[str, Any]:
-    """One metrics row from untrusted bytes (bounded size, depth and numbers; NaN and Infinity refused).
+    """One metrics row from untrusted bytes (:meth:`MetricsRow.parse <stoa.schemas.rows.MetricsRow.parse>`).
 
     Args:
         line: one line of a chunk or a metrics file.
 
     Raises:
-        ValueError: not a bounded JSON object (the message says why).
+        BadSchemaObject: not a bounded JSON object (the message says why).
     """
-    row = loads_bounded(line, max_bytes=MAX_LINE_BYTES, max_depth=MAX_ROW_DEPTH)
-    if not isinstance(row, dict):
-        raise ValueError(f"a row must be a JSON object, got {type(row).__name__}")
-    return row
+    return MetricsRow.parse(line).values
 
 
 def parse_metrics_lines(lines: Iterable[bytes]) -> ChunkLines:

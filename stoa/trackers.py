@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
+
+from stoa.schemas.control import TrackerHandle
 
 log = logging.getLogger(__name__)
 
@@ -243,10 +244,6 @@ def _config_dict(config: Any) -> dict[str, Any]:
     return dict(config) if isinstance(config, Mapping) else {}
 
 
-MAX_HANDLE_BYTES = 4096
-"""Longest stored W&B run handle read."""
-
-
 class _IdStore:
     """Where the owner keeps its W&B run handle: the bucket's tracker key, else a file in the log dir."""
 
@@ -256,22 +253,17 @@ class _IdStore:
         self.bucket, self.key = bucket, tracker_key(run_id, "wandb")
         self.path = Path(log_dir) / "trackers" / "wandb.json"
 
-    def load(self) -> dict[str, Any] | None:
-        """The stored handle (``id``, ``project``, ``entity``: short strings, or null for the last two); None when
-        missing, unreadable or malformed (``stoa.untrusted``: anyone may write the bucket), so a new W&B run
-        starts."""
-        from stoa.untrusted import check_text, field_text, load_object
-
+    def load(self) -> TrackerHandle | None:
+        """The stored handle (:class:`~stoa.schemas.control.TrackerHandle`); None when missing, unreadable or
+        malformed (anyone may write the bucket), so a new W&B run starts."""
         try:
             raw = self.bucket.get(self.key) if self.bucket is not None else self.path.read_bytes()
-            d = load_object(raw, "tracker id", max_bytes=MAX_HANDLE_BYTES, max_depth=1)
-            return {"id": field_text(d, "id", max_len=128),
-                    **{k: check_text(d[k], k, max_len=256) for k in ("project", "entity") if d.get(k) is not None}}
+            return TrackerHandle.parse(raw, self.key if self.bucket is not None else str(self.path))
         except Exception:  # missing, unreadable or malformed: start a new W&B run
             return None
 
-    def save(self, handle: dict[str, Any]) -> None:
-        data = json.dumps(handle).encode()
+    def save(self, handle: TrackerHandle) -> None:
+        data = handle.to_json()
         if self.bucket is not None:
             self.bucket.put(self.key, data)
         else:
@@ -303,11 +295,10 @@ def open_wandb(*, run_id: str, source: str, bucket: Any, log_dir: str | Path, co
         store = _IdStore(bucket, run_id, log_dir)
         handle = store.load()
         if handle is not None:
-            kw.update(project=handle.get("project") or project, entity=handle.get("entity") or None)
-            return WandbTracker(wandb, wandb.init(id=handle["id"], name=run_id, job_type=source, **kw))
+            kw.update(project=handle.project or project, entity=handle.entity or None)
+            return WandbTracker(wandb, wandb.init(id=handle.id, name=run_id, job_type=source, **kw))
         run = wandb.init(name=run_id, job_type=source, **kw)
-        store.save({"id": run.id, "project": getattr(run, "project", project),
-                    "entity": getattr(run, "entity", None)})
+        store.save(TrackerHandle(run.id, getattr(run, "project", project), getattr(run, "entity", None)))
         return WandbTracker(wandb, run)
     except Exception as e:  # no login, no network, a failed store: never a crash
         log.warning("--report-to wandb: could not start the W&B run (%s: %s); skipping it", type(e).__name__, e)

@@ -11,7 +11,8 @@ import pytest
 
 from stoa.bucket import open_bucket
 from stoa.layout import lease_key
-from stoa.trainer.lease import Lease, LeaseHeld, LeaseLost, LeaseRecord
+from stoa.schemas.control import LeaseRecord
+from stoa.trainer.lease import Lease, LeaseHeld, LeaseLost
 from tests.integration.conftest import procs  # noqa: F401 - the process fixture
 
 

@@ -15,9 +15,10 @@ from stoa.bucket import BucketUnreachable, open_bucket
 from stoa.config import TrainerConfig, WorkerConfig, load_config
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import contract_key, metrics_prefix, rollouts_prefix, status_key
-from stoa.lifecycle import RunStatus, RunWatch, read_status
+from stoa.lifecycle import RunWatch, read_status
 from stoa.metrics import read_bucket_metrics, read_metrics
 from stoa.models import model_fingerprint
+from stoa.schemas.control import RunStatus
 from stoa.trainer.lifecycle import wanted_groups
 from stoa.weights.planes import state_from_f32
 from stoa.weights.publish import WeightPublisher

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from stoa.bucket import open_bucket
-from stoa.lifecycle import RunStatus, read_status
+from stoa.lifecycle import read_status
+from stoa.schemas.control import RunStatus
 from stoa.trainer.lifecycle import StatusPublisher, UniformSkips, wanted_groups
 from stoa.trainer.loop import _Trainer
 from stoa.trainer.steplog import Progress, StepClock

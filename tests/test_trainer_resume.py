@@ -182,7 +182,7 @@ def test_a_flag_that_contradicts_the_run_is_an_error_showing_both_values(tmp_pat
 
 def test_without_a_usable_model_the_run_rebuilds_it_from_the_bucket(tmp_path, stoa_cache):
     from stoa.layout import lease_key
-    from stoa.trainer.lease import LeaseRecord
+    from stoa.schemas.control import LeaseRecord
     from stoa.trainer.setup import resume_config
     from stoa.weights.hashing import state_hash
     from stoa.weights.planes import state_from_f32

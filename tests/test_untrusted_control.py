@@ -25,11 +25,12 @@ from stoa.bucket import open_bucket
 from stoa.cli import main
 from stoa.config import ConfigError
 from stoa.contract import ContractMismatch, ModelSpec, RunContract, SamplingSpec
-from stoa.evaluator.heartbeat import Heartbeat
 from stoa.join.card import CardError, JoinCard, read_card
 from stoa.layout import contract_key, pointer_key
+from stoa.schemas.control import EvaluatorHeartbeat as Heartbeat
+from stoa.schemas.control import LeaseRecord
 from stoa.trackers import _IdStore
-from stoa.trainer.lease import Lease, LeaseHeld, LeaseRecord
+from stoa.trainer.lease import Lease, LeaseHeld
 from stoa.trainer.resume import config_bytes, parse_config
 from stoa.untrusted import BadBucketObject, loads_bounded, nesting_depth
 from stoa.weights.anchor import encode_anchor, load_manifest

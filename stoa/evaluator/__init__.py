@@ -6,7 +6,7 @@ import.
 """
 
 from stoa.evaluator.follow import EvalConfig, EvalSummary, RunNotFound, evaluated_versions, run_evaluator
-from stoa.evaluator.heartbeat import Heartbeat, evaluator_present, read_heartbeat, write_heartbeat
+from stoa.evaluator.heartbeat import evaluator_present, read_heartbeat, write_heartbeat
 
-__all__ = ["EvalConfig", "EvalSummary", "Heartbeat", "RunNotFound", "evaluated_versions", "evaluator_present",
+__all__ = ["EvalConfig", "EvalSummary", "RunNotFound", "evaluated_versions", "evaluator_present",
            "read_heartbeat", "run_evaluator", "write_heartbeat"]

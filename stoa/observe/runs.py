@@ -21,7 +21,7 @@ from typing import Any
 from stoa.bucket import Bucket, BucketError, ObjectInfo
 from stoa.contract import RunNotFound
 from stoa.layout import RUNS_ROOT, contract_key, lease_key, parse_run_key, pointer_key, run_prefix, status_key
-from stoa.lifecycle import RunStatus
+from stoa.schemas.control import LeaseRecord, RunStatus
 from stoa.untrusted import loads_bounded
 
 MAX_SMALL_BYTES = 1 << 16
@@ -96,7 +96,7 @@ def lease_live(data: bytes | None, now: float) -> bool:
         data: the bytes of ``lease.json`` (None: absent); parsed like the trainer parses it.
         now: the wall clock.
     """
-    from stoa.trainer.lease import DEFAULT_TTL_S, LeaseRecord
+    from stoa.trainer.lease import DEFAULT_TTL_S
 
     rec = LeaseRecord.from_json(data) if data is not None else None  # total: None for anything malformed
     return rec is not None and not rec.released and now - rec.heartbeat < DEFAULT_TTL_S

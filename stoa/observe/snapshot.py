@@ -31,9 +31,11 @@ from stoa.layout import (
     run_prefix,
     status_key,
 )
-from stoa.lifecycle import RunStatus, read_status
-from stoa.observe.aggregate import WorkerView, eval_points, num, training_view, worker_views
-from stoa.untrusted import loads_bounded
+from stoa.lifecycle import read_status
+from stoa.observe.aggregate import WorkerView, eval_points, training_view, worker_views
+from stoa.schemas.control import LeaseRecord, RunStatus
+from stoa.schemas.journal import MAX_JOURNAL_BYTES, Journal
+from stoa.schemas.rows import MetricsRow
 
 PREFIXES = ("model", "weights", "rollouts", "trainer", "metrics", "retriever", "other")
 """The groups of the bucket-size table (``other``: run.json, status.json, logs, foreign keys)."""
@@ -41,11 +43,9 @@ LIST_PAGE = 1000
 """Objects per LIST request on S3 and R2."""
 MAX_CHUNK_BYTES = 8 << 20
 """A metrics chunk larger than this is not fetched (counted in ``bad_chunks``)."""
-MAX_LINE_BYTES = 1 << 20
 MAX_ROWS_PER_CHUNK = 20_000
 MAX_SMALL_BYTES = 1 << 20
 """Status, pointer and lease larger than this read as absent."""
-MAX_JOURNAL_BYTES = 64 << 20
 
 
 
@@ -183,8 +183,6 @@ def _pointer_age(data: bytes | None, now: float) -> tuple[int | None, float | No
 
 
 def _trainer(data: bytes | None, now: float) -> TrainerView | None:
-    from stoa.trainer.lease import LeaseRecord
-
     rec = LeaseRecord.from_json(data) if data is not None else None
     if rec is None or not math.isfinite(rec.heartbeat):
         return None
@@ -194,16 +192,11 @@ def _trainer(data: bytes | None, now: float) -> TrainerView | None:
 def _quarantine_rows(data: bytes | None) -> dict[str, tuple[int, str]]:
     """Per worker id, (records rejected, quarantine reason) from the journal's quarantine state."""
     try:
-        journal = loads_bounded(data, max_bytes=MAX_JOURNAL_BYTES) if data is not None else None
+        journal = Journal.parse(data) if data is not None else None
     except ValueError:
         return {}
-    q = journal.get("quarantine") if isinstance(journal, dict) else None
-    workers = q.get("workers") if isinstance(q, dict) else None
-    out: dict[str, tuple[int, str]] = {}
-    for wid, row in (workers.items() if isinstance(workers, dict) else ()):
-        if isinstance(row, list) and len(row) == 6 and num(row[1]) is not None and isinstance(row[5], str):
-            out[str(wid)[:128]] = (int(num(row[1]) or 0), row[5][:32])
-    return out
+    rows = journal.quarantine if journal is not None else {}
+    return {wid[:128]: (int(row.rejected), row.reason) for wid, row in rows.items()}
 
 
 def parse_chunk(data: bytes) -> ChunkRows:
@@ -220,12 +213,8 @@ def parse_chunk(data: bytes) -> ChunkRows:
             out.bad += 1
             continue
         try:
-            row = loads_bounded(line, max_bytes=MAX_LINE_BYTES, max_depth=4)
+            out.rows.append(MetricsRow.parse(line).values)
         except ValueError:
-            row = None
-        if isinstance(row, dict):
-            out.rows.append(row)
-        else:
             out.bad += 1
     return out
 

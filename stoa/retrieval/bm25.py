@@ -41,6 +41,7 @@ from stoa.retrieval.manifest import (
     check_json_files,
     read_manifest,
 )
+from stoa.schemas.index import IndexFile, IndexManifest
 from stoa.untrusted import loads_bounded
 
 _ARRAYS = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy")
@@ -160,26 +161,26 @@ def verify_index_dir(root: str | Path) -> str:
     """
     root = Path(root)
     manifest = read_manifest(root)
-    for name, meta in sorted(manifest["files"].items()):
+    for name, meta in sorted(manifest.files.items()):
         path = root / name
-        if not path.is_file() or path.stat().st_size != meta.get("size"):
-            raise BadIndex(f"{path}: missing or not {meta.get('size')} bytes as {INDEX_MANIFEST} says")
-        if file_digest(path) != meta.get("digest"):
+        if not path.is_file() or path.stat().st_size != meta.size:
+            raise BadIndex(f"{path}: missing or not {meta.size} bytes as {INDEX_MANIFEST} says")
+        if file_digest(path) != meta.digest:
             raise BadIndex(f"{path}: content differs from its digest in {INDEX_MANIFEST}; the index is damaged")
-    parsed = check_json_files(root, manifest["files"])
+    parsed = check_json_files(root, manifest.files)
     docs = _MappedDocs(root, use_mmap=False)
-    fp = _Fingerprint(IndexSettings.from_json(manifest["settings"]))
-    if len(docs) != manifest["docs"]:
-        raise BadIndex(f"{root / OFFSETS_FILE}: {len(docs)} documents, {INDEX_MANIFEST} says {manifest['docs']}; "
+    fp = _Fingerprint(IndexSettings.from_json(manifest.settings))
+    if len(docs) != manifest.docs:
+        raise BadIndex(f"{root / OFFSETS_FILE}: {len(docs)} documents, {INDEX_MANIFEST} says {manifest.docs}; "
                        "the index is damaged")
-    _check_arrays(root, len(docs), IndexSettings.from_json(manifest["settings"]), parsed.get(PARAMS_FILE),
+    _check_arrays(root, len(docs), IndexSettings.from_json(manifest.settings), parsed.get(PARAMS_FILE),
                   parsed.get(VOCAB_FILE))
     for i in range(len(docs)):
         fp.add(docs[i])
-    if fp.hexdigest() != manifest["fingerprint"]:
+    if fp.hexdigest() != manifest.fingerprint:
         raise BadIndex(f"{root}: documents give fingerprint {fp.hexdigest()}, {INDEX_MANIFEST} says "
-                          f"{manifest['fingerprint']}; the index is damaged")
-    return manifest["fingerprint"]
+                          f"{manifest.fingerprint}; the index is damaged")
+    return manifest.fingerprint
 
 
 def _check_arrays(root: Path, n_docs: int, settings: IndexSettings, params: Any, vocab: Any) -> None:
@@ -288,12 +289,11 @@ class BM25Index:
                 f.write(json.dumps([d.id, d.title, d.text], ensure_ascii=False).encode("utf-8") + b"\n")
                 offsets[i + 1] = f.tell()
         np.save(root / OFFSETS_FILE, offsets)
-        files = {p.name: {"size": p.stat().st_size, "digest": file_digest(p)}
+        files = {p.name: IndexFile(p.stat().st_size, file_digest(p))
                  for p in sorted(root.iterdir()) if p.is_file() and p.name != INDEX_MANIFEST}
-        manifest = {"format": INDEX_FORMAT, "kind": "bm25s", "fingerprint": self.fingerprint,
-                    "docs": len(self._docs), "settings": self.settings.to_json(), "files": files,
-                    "bm25s_version": getattr(bm25s, "__version__", "")}
-        (root / INDEX_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        manifest = IndexManifest(self.fingerprint, len(self._docs), files, self.settings.to_json(),
+                                 bm25s_version=getattr(bm25s, "__version__", ""))
+        (root / INDEX_MANIFEST).write_bytes(manifest.to_json())
         return root
 
     @classmethod
@@ -313,7 +313,7 @@ class BM25Index:
         if verify:
             verify_index_dir(root)
         manifest = read_manifest(root)
-        missing = [n for n in manifest["files"] if not (root / n).is_file()]
+        missing = [n for n in manifest.files if not (root / n).is_file()]
         if missing:
             raise BadIndex(f"{root}: files {missing} missing; the index is incomplete, rebuild or download it")
         try:
@@ -322,10 +322,10 @@ class BM25Index:
             raise BadIndex(f"{root}: bm25s cannot load it ({type(e).__name__}: {str(e)[:200]}); the index is "
                            "damaged, rebuild or download it") from e
         docs = _MappedDocs(root, use_mmap=mmap)
-        if len(docs) != manifest["docs"]:
+        if len(docs) != manifest.docs:
             raise BadIndex(f"{root / OFFSETS_FILE}: {len(docs)} documents, {INDEX_MANIFEST} says "
-                              f"{manifest['docs']}; the index is damaged")
-        return cls(model, docs, IndexSettings.from_json(manifest["settings"]), manifest["fingerprint"])
+                              f"{manifest.docs}; the index is damaged")
+        return cls(model, docs, IndexSettings.from_json(manifest.settings), manifest.fingerprint)
 
     def tokens(self, text: str) -> list[str]:
         """The tokens the index sees in ``text``.

@@ -1,35 +1,28 @@
 """The manifest of a BM25 index directory (``stoa-index.json``) and the settings it carries, read as untrusted.
 
-An index may come from a run's bucket, where any writer can forge its files: the manifest is read with bounds
-(``stoa.untrusted``: size, depth, numbers) and every field is checked; anything else is ``BadIndex`` (one line,
-exit 2), never another exception. ``stoa.retrieval.bm25`` re-exports these names.
+An index may come from a run's bucket, where any writer can forge its files: the manifest is parsed by its schema
+(:class:`stoa.schemas.index.IndexManifest`: bounds, every field checked) and its settings here; anything else is
+``BadIndex`` (one line, exit 2), never another exception. ``stoa.retrieval.bm25`` re-exports these names.
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stoa.untrusted import field_float, field_int, field_str, loads_bounded
+from stoa.schemas import BadSchemaObject
+from stoa.schemas.index import INDEX_FORMAT, INDEX_MANIFEST, MAX_MANIFEST_BYTES, IndexManifest
+from stoa.untrusted import field_float, field_str, loads_bounded
 
 __all__ = ["DOCS_FILE", "ENGLISH_STOPWORDS", "INDEX_FORMAT", "INDEX_MANIFEST", "BadIndex", "IndexSettings",
-           "OFFSETS_FILE", "check_json_files", "read_manifest"]
+           "MAX_MANIFEST_BYTES", "OFFSETS_FILE", "check_json_files", "read_manifest"]
 
-INDEX_MANIFEST = "stoa-index.json"
-"""The index directory's manifest (written last: an index without it is incomplete)."""
 DOCS_FILE = "docs.jsonl"
 """The documents, one ``[id, title, text]`` JSON array per line, in index order."""
 OFFSETS_FILE = "docs.offsets.npy"
 """int64 byte offsets of every line of ``DOCS_FILE`` and its end (documents + 1 entries)."""
-INDEX_FORMAT = 1
-"""Version of the directory layout."""
-_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-MAX_MANIFEST_BYTES = 1 << 20
-"""Largest manifest read (it lists a dozen files and the settings: a few kB)."""
-MAX_INDEX_FILES = 64
-"""Most files a manifest may list (bm25s writes about eight)."""
 MAX_STOPWORDS = 4096
 """Most stopwords the settings may hold."""
 MAX_DOC_BYTES = 64 << 20
@@ -92,8 +85,8 @@ class IndexSettings:
             raise BadIndex(f"{INDEX_MANIFEST}: bad 'settings' ({e}); rebuild with stoa retriever index") from e
 
 
-def read_manifest(root: str | Path) -> dict[str, Any]:
-    """The manifest of an index directory, parsed with bounds and every field checked.
+def read_manifest(root: str | Path) -> IndexManifest:
+    """The manifest of an index directory (:class:`~stoa.schemas.index.IndexManifest`), its settings checked.
 
     Args:
         root: the index directory.
@@ -108,45 +101,20 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise BadIndex(f"{path} missing: not a complete index; build one with stoa retriever index") from None
     try:
-        manifest = loads_bounded(data, max_bytes=MAX_MANIFEST_BYTES, max_depth=3)
-    except ValueError as e:
-        raise BadIndex(f"{path}: not valid JSON ({str(e)[:200]}); rebuild the index") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != INDEX_FORMAT:
-        raise BadIndex(f"{path}: format {str(manifest.get('format'))[:32] if isinstance(manifest, dict) else None!r}, "
-                       f"this stoa reads {INDEX_FORMAT}; rebuild the index")
-    for key, kind in (("fingerprint", str), ("docs", int), ("files", dict), ("settings", dict)):
-        if not isinstance(manifest.get(key), kind):
-            raise BadIndex(f"{path}: field {key!r} missing or not a {kind.__name__}; rebuild the index")
-    try:
-        field_str(manifest, "fingerprint", max_len=64)
-        field_int(manifest, "docs", hi=2**40)
-        _check_files(manifest["files"])
-    except ValueError as e:
-        raise BadIndex(f"{path}: {e}; rebuild the index") from e
-    IndexSettings.from_json(manifest["settings"])
+        manifest = IndexManifest.parse(data, str(path))
+    except BadSchemaObject as e:
+        raise BadIndex(str(e)) from e
+    IndexSettings.from_json(manifest.settings)
     return manifest
 
 
-def _check_files(files: dict[str, Any]) -> None:
-    """Every entry of a manifest's ``files``: a short name -> ``{"size": int, "digest": str}``."""
-    if len(files) > MAX_INDEX_FILES:
-        raise ValueError(f"'files' lists {len(files)} files > {MAX_INDEX_FILES}")
-    for name, meta in files.items():
-        if not _FILE_NAME.fullmatch(name) or name == INDEX_MANIFEST:
-            raise ValueError(f"'files' names {name[:64]!r}, not a plain file name")
-        if not isinstance(meta, dict):
-            raise ValueError(f"'files' entry {name!r} is not {{size, digest}}")
-        field_int(meta, "size", hi=2**50)
-        field_str(meta, "digest", max_len=128)
-
-
-def check_json_files(root: Path, files: dict[str, Any]) -> dict[str, Any]:
+def check_json_files(root: Path, files: Iterable[str]) -> dict[str, Any]:
     """Parse each bm25s JSON file (vocabulary, parameters) with bounds before bm25s does: a forged one (too deep,
     a number too long) is refused here instead of crashing bm25s's parser.
 
     Args:
         root: the index directory.
-        files: the manifest's ``files``.
+        files: the manifest's files (names are what is read).
 
     Returns:
         File name -> its parsed content.

@@ -23,7 +23,7 @@ from stoa.layout import retriever_file_key, retriever_prefix
 from stoa.retrieval.base import Searcher
 from stoa.retrieval.bm25 import INDEX_MANIFEST, BadIndex, BM25Index, read_manifest, verify_index_dir
 from stoa.retrieval.client import HTTPSearcher, RetrieverMismatch
-from stoa.retrieval.manifest import MAX_MANIFEST_BYTES
+from stoa.schemas.index import MAX_MANIFEST_BYTES, IndexManifest
 
 __all__ = ["default_index_cache", "download_index", "open_searcher", "upload_index"]
 
@@ -38,8 +38,8 @@ def _check_fingerprint(fingerprint: str) -> str:
     return fingerprint
 
 
-def _file_names(manifest: dict[str, Any], where: str) -> list[str]:
-    names = sorted(manifest["files"])
+def _file_names(manifest: IndexManifest, where: str) -> list[str]:
+    names = sorted(manifest.files)
     bad = [n for n in names if not isinstance(n, str) or not _FILE_NAME.fullmatch(n) or n == INDEX_MANIFEST]
     if bad:
         raise BadIndex(f"{where}: file names {bad} are not plain file names; the manifest is damaged")
@@ -78,9 +78,8 @@ def _usable(dest: Path, fingerprint: str) -> bool:
         manifest = read_manifest(dest)
     except BadIndex:
         return False
-    return manifest["fingerprint"] == fingerprint and all(
-        (dest / n).is_file() and (dest / n).stat().st_size == meta.get("size")
-        for n, meta in manifest["files"].items())
+    return manifest.fingerprint == fingerprint and all(
+        (dest / n).is_file() and (dest / n).stat().st_size == meta.size for n, meta in manifest.files.items())
 
 
 def download_index(bucket: Bucket, run_id: str, fingerprint: str, dest: str | Path,
@@ -117,10 +116,10 @@ def download_index(bucket: Bucket, run_id: str, fingerprint: str, dest: str | Pa
     try:
         (tmp / INDEX_MANIFEST).write_bytes(manifest_bytes)
         manifest = read_manifest(tmp)
-        if manifest["fingerprint"] != fingerprint:
+        if manifest.fingerprint != fingerprint:
             raise BadIndex(f"{retriever_prefix(run_id, fingerprint)}{INDEX_MANIFEST} names index "
-                           f"{manifest['fingerprint']}; the bucket copy is damaged")
-        note(f"[retriever] downloading index {fingerprint} ({manifest['docs']} documents) to {dest}")
+                           f"{manifest.fingerprint}; the bucket copy is damaged")
+        note(f"[retriever] downloading index {fingerprint} ({manifest.docs} documents) to {dest}")
         for name in _file_names(manifest, INDEX_MANIFEST):
             bucket.get_file(retriever_file_key(run_id, fingerprint, name), tmp / name)
         verify_index_dir(tmp)

@@ -35,13 +35,14 @@ import torch
 
 from stoa.bucket import Bucket, BucketError, ObjectNotFound
 from stoa.layout import checkpoint_files_prefix, checkpoint_key, checkpoint_pointer_key, journal_key
+from stoa.schemas import BadSchemaObject
+from stoa.schemas.journal import Journal
 from stoa.trainer.dcp_safe import SafeEmptyPlanner, SafeLoadPlanner, metadata_problem
 from stoa.trainer.dist import SINGLE, Dist
 from stoa.trainer.retry import ride_out
 from stoa.untrusted import (
     MAX_INT,
     BadBucketObject,
-    as_object,
     check_int,
     check_number,
     field_int,
@@ -61,10 +62,8 @@ MAX_POINTER_BYTES = 1 << 20
 """Longest checkpoint pointer read (a world of 1,000 ranks names about 40 KB of files)."""
 MAX_FILES = 1 << 16
 """Most files a checkpoint pointer may name."""
-MAX_JOURNAL_BYTES = 64 << 20
-"""Longest journal read (reuse counts of every record in the window, the quarantine's workers)."""
-MAX_JOURNAL_DEPTH = 6
-"""Deepest nesting of the journal read (journal, pool, records, one record's row: 4)."""
+MAX_META_BYTES = 64 << 20
+"""Longest ``opt_steps`` metadata of a single-file checkpoint read."""
 DELETE_POINTER = "delete trainer/checkpoint.json to continue from the published weights (the optimizer state restarts)"
 """The fix a refused checkpoint names."""
 
@@ -328,7 +327,7 @@ def _load_legacy(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch
 def _legacy_meta(meta: dict[str, str], key: str) -> tuple[dict[str, float], int, int]:
     """The single-file checkpoint's metadata: per-parameter optimizer steps, version and step (all untrusted)."""
     try:
-        steps = load_object((meta.get("opt_steps") or "{}").encode(), "opt_steps", max_bytes=MAX_JOURNAL_BYTES,
+        steps = load_object((meta.get("opt_steps") or "{}").encode(), "opt_steps", max_bytes=MAX_META_BYTES,
                             max_depth=1)
         opt_steps = {k: check_number(v, f"opt_steps[{k[:64]!r}]", lo=0) for k, v in steps.items()}
         numbers = {k: meta.get(k, "") for k in ("version", "step")}
@@ -361,24 +360,26 @@ def checkpoint_params(bucket: Bucket, run_id: str) -> tuple[int, dict[str, torch
 
 
 def write_journal(bucket: Bucket, run_id: str, state: dict[str, Any]) -> None:
-    """Overwrite the per-step journal.
+    """Overwrite the per-step journal (:class:`~stoa.schemas.journal.Journal`).
 
     Args:
         bucket: the run's bucket.
         run_id: the run.
-        state: JSON-able trainer state (version, step, pool reuse counts).
+        state: the trainer's state (version, step, ``Pool.state()``, ``Quarantine.state()``).
     """
-    bucket.put(journal_key(run_id), json.dumps(state, sort_keys=True).encode())
+    bucket.put(journal_key(run_id), Journal.from_state(state).to_json())
 
 
 def read_journal(bucket: Bucket, run_id: str) -> dict[str, Any] | None:
-    """Read the journal, or ``None`` if the run has none yet or it is malformed (one warning line).
+    """The journal's trainer state (``Journal.state``), or ``None`` if the run has none yet or it is malformed
+    (one warning line).
 
-    A malformed journal (``stoa.untrusted``: over 64 MiB, nested, not an object, ``step`` or ``version`` not an
-    integer, ``pool`` or ``quarantine`` not an object) is ignored rather than fatal: everything in it can be
-    rebuilt (the step comes from the checkpoint, reuse counts and the quarantine start over, at worst letting a
-    record in the window be used ``reuse_cap`` more times), the next step overwrites it, and whoever could
-    plant a malformed one could as well plant a well-formed one, so stopping would protect nothing.
+    A malformed journal (:meth:`Journal.parse <stoa.schemas.journal.Journal.parse>`: over 64 MiB, nested, not an
+    object, ``step`` or ``version`` not an integer, ``pool`` or ``quarantine`` not an object) is ignored rather
+    than fatal: everything in it can be rebuilt (the step comes from the checkpoint, reuse counts and the
+    quarantine start over, at worst letting a record in the window be used ``reuse_cap`` more times), the next
+    step overwrites it, and whoever could plant a malformed one could as well plant a well-formed one, so
+    stopping would protect nothing. A malformed row inside it is dropped.
 
     Args:
         bucket: the run's bucket.
@@ -389,14 +390,9 @@ def read_journal(bucket: Bucket, run_id: str) -> dict[str, Any] | None:
     except ObjectNotFound:
         return None
     try:
-        journal = load_object(data, "journal", max_bytes=MAX_JOURNAL_BYTES, max_depth=MAX_JOURNAL_DEPTH)
-        for name in ("step", "version"):
-            if name in journal:
-                check_int(journal[name], name, hi=MAX_INT)
-        for name in ("pool", "quarantine"):
-            as_object(journal.get(name, {}), name)
-    except ValueError as e:
-        log.warning("[trainer] ignoring %s: %s; the step comes from the checkpoint, reuse counts and the "
-                    "quarantine start over", journal_key(run_id), str(e)[:200])
+        journal = Journal.parse(data, journal_key(run_id))
+    except BadSchemaObject as e:
+        log.warning("[trainer] ignoring %s, which %s; the step comes from the checkpoint, reuse counts and the "
+                    "quarantine start over", journal_key(run_id), e.problem)
         return None
-    return journal
+    return journal.state()

@@ -18,21 +18,18 @@ wall clock with the reader's: keep the TTL well above the clock skew between mac
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 
 from stoa.bucket import Bucket, ObjectInfo, ObjectNotFound, PreconditionFailed
 from stoa.layout import lease_key
-from stoa.untrusted import check_number, field_bool, field_int, field_str, field_text, load_object
+from stoa.schemas.control import LeaseRecord
 
-MAX_LEASE_BYTES = 64 << 10
-"""Longest ``lease.json`` read (the trainer writes about 200 bytes)."""
 DEFAULT_TTL_S = 120.0
 """A lease whose heartbeat is older than this may be taken over with ``--take-over``."""
 
@@ -43,57 +40,6 @@ class LeaseHeld(RuntimeError):
 
 class LeaseLost(RuntimeError):
     """This trainer's lease was taken over (or released) by another: it must stop without writing."""
-
-
-@dataclass(frozen=True)
-class LeaseRecord:
-    """The content of ``lease.json``.
-
-    Args:
-        holder: random id of the holding trainer process.
-        host: its host name.
-        pid: its process id on that host.
-        started: when it took the lease (unix time).
-        heartbeat: its last renewal (unix time, the holder's clock).
-        epoch: bumped at every take-over.
-        model: the ``--model`` the holder was started with (a restart without ``--model`` reuses it).
-        released: the holder stopped cleanly; anyone may take the lease.
-    """
-
-    holder: str
-    host: str
-    pid: int
-    started: float
-    heartbeat: float
-    epoch: int
-    model: str = ""
-    released: bool = False
-
-    def to_json(self) -> bytes:
-        """Encode as JSON."""
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> LeaseRecord | None:
-        """Decode; ``None`` when the bytes are not a lease (anyone may write the bucket).
-
-        Parsed by ``stoa.untrusted`` (at most 64 KiB, one object deep, exact types: a pid or epoch is an integer,
-        times are finite numbers, ``released`` a boolean). A trainer treats a refused lease like a stale one
-        (``--take-over`` replaces it); ``stoa status`` shows no holder.
-
-        Args:
-            data: the object's bytes.
-        """
-        try:
-            d = load_object(data, "lease", max_bytes=MAX_LEASE_BYTES, max_depth=1)
-            return cls(holder=field_text(d, "holder", max_len=256), host=field_text(d, "host", max_len=256),
-                       pid=field_int(d, "pid", lo=-(1 << 31), hi=(1 << 31) - 1),
-                       started=check_number(d.get("started"), "started"),
-                       heartbeat=check_number(d.get("heartbeat"), "heartbeat"),
-                       epoch=field_int(d, "epoch", hi=1 << 62), model=field_str(d, "model", max_len=4096, default=""),
-                       released=field_bool(d, "released", default=False))
-        except ValueError:
-            return None
 
 
 def pid_alive(pid: int) -> bool:
@@ -144,7 +90,10 @@ class Lease:
             data, etag = self.bucket.get_with_etag(self.key)
         except ObjectNotFound:
             return None, None
-        return LeaseRecord.from_json(data), etag
+        try:
+            return LeaseRecord.parse(data, self.key), etag
+        except ValueError:  # refused: treated like a stale lease (--take-over replaces it)
+            return None, etag
 
     def acquire(self, take_over: bool = False) -> LeaseRecord | None:
         """Take the lease or raise :class:`LeaseHeld`; returns the previous holder's record (None if none).

@@ -17,7 +17,8 @@ from typing import Any
 
 from stoa.bucket import Bucket, BucketError
 from stoa.layout import rollout_version_prefix, status_key
-from stoa.lifecycle import RunStatus, read_status
+from stoa.lifecycle import read_status
+from stoa.schemas.control import RunStatus
 from stoa.trainer.liveness import LiveWorkers
 
 log = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ from stoa.episodes.replay import Replayed, replay_group
 from stoa.layout import parse_rollout_key, rollout_version_prefix
 from stoa.rollouts.episode import EpisodeLimits, ToolCall
 from stoa.rollouts.records import MAX_RECORD_BYTES, RecordRejected, RolloutRecord, validate_record
+from stoa.schemas.journal import PoolUse
 from stoa.tasks.base import Prompt, Task
 from stoa.tasks.multiturn import MultiTurnTask, episode_limits, is_multiturn
 from stoa.tokenize import TextCodec
@@ -122,7 +123,7 @@ class RecordPool:
     def state(self) -> dict[str, Any]:
         """JSON-able state for the trainer journal: per content id inside the window, its version, use
         count and the key it was taken under."""
-        return {"records": {cid: [u.version, u.count, u.key] for cid, u in self.uses.items()}}
+        return {"records": {cid: PoolUse(u.version, u.count, u.key).to_json() for cid, u in self.uses.items()}}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Restore use counts from a journal; malformed entries are ignored.
@@ -132,9 +133,8 @@ class RecordPool:
         """
         records = state.get("records", {}) if isinstance(state, dict) else {}
         for cid, row in (records.items() if isinstance(records, dict) else ()):
-            if (isinstance(row, list) and len(row) == 3 and type(row[0]) is int and type(row[1]) is int
-                    and isinstance(row[2], str)):
-                self.uses[str(cid)] = _Use(row[0], row[1], row[2])
+            if (use := PoolUse.parse(row)) is not None:
+                self.uses[str(cid)] = _Use(use.version, use.count, use.key)
 
     def refresh(self, current_version: int) -> int:
         """List and ingest records of the versions inside the window; return how many were accepted.

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from stoa.schemas.journal import QuarantineRow
+
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
@@ -87,8 +89,8 @@ class _Worker:
     lag0_records: int = 0
     reason: str = ""  # "" (not quarantined), "reject_rate" or "disagreement"
 
-    def row(self) -> list[Any]:
-        return [self.records, self.rejected, self.tokens, self.over, self.lag0_records, self.reason]
+    def row(self) -> QuarantineRow:
+        return QuarantineRow(self.records, self.rejected, self.tokens, self.over, self.lag0_records, self.reason)
 
 
 @dataclass
@@ -197,7 +199,7 @@ class Quarantine:
     def state(self) -> dict[str, Any]:
         """JSON-able state for the trainer journal (per worker: a few counts and the quarantine reason)."""
         return {"v": STATE_VERSION, "threshold": self.threshold,
-                "workers": {k: w.row() for k, w in self.workers.items()}}
+                "workers": {k: w.row().to_json() for k, w in self.workers.items()}}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Restore what ``state()`` returned; malformed entries are dropped, token counts kept only
@@ -210,17 +212,12 @@ class Quarantine:
         same = _num(state.get("threshold")) == self.threshold if isinstance(state, dict) else False
         rows = state.get("workers", {}) if isinstance(state, dict) else {}
         for wid, row in (rows.items() if isinstance(rows, dict) else ()):
-            if not (isinstance(wid, str) and isinstance(row, list) and len(row) == 6
-                    and isinstance(row[5], str)):
+            q = QuarantineRow.parse(row) if isinstance(wid, str) else None
+            if q is None:
                 continue
-            nums = [v for v in (_num(x) for x in row[:5]) if v is not None and v >= 0]
-            if len(nums) != 5 or row[5] not in ("", "reject_rate", "disagreement"):
-                continue
-            records, rejected, tokens, over, lag0 = nums
-            if not same:  # counted against another threshold
-                tokens = over = 0.0
-            w = _Worker(records, min(rejected, records), tokens, min(over, tokens), int(lag0), row[5])
-            self.workers[wid] = w
+            tokens, over = (q.tokens, q.over) if same else (0.0, 0.0)  # else counted against another threshold
+            self.workers[wid] = _Worker(q.records, min(q.rejected, q.records), tokens, min(over, tokens),
+                                        int(q.lag0_records), q.reason)
         while len(self.workers) > self.max_workers:
             self.workers.popitem(last=False)
 

@@ -11,7 +11,6 @@ skipped here. A run created before configurations were stored has none: it resum
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -20,12 +19,9 @@ from stoa.bucket import Bucket, ObjectExists, ObjectNotFound
 from stoa.config import ConfigError, TrainerConfig
 from stoa.contract import ContractMismatch, canonical_json
 from stoa.layout import trainer_config_key
-from stoa.untrusted import load_object
+from stoa.schemas import BadSchemaObject
+from stoa.schemas.control import StoredConfig
 
-MAX_CONFIG_BYTES = 1 << 20
-"""Longest stored configuration read (a real one is about 3 KB)."""
-FORMAT = "stoa-trainer-config-1"
-"""The stored object's format tag."""
 CONTRACT_FIELDS = frozenset({"n_samples", "plane", "temperature", "top_p", "max_new_tokens", "staleness_bound",
                              "reuse_cap", "task", "algorithm", "algo", "kl_beta"})
 """Settings the run contract fixes; ``resume_config`` resolves them from the contract before the stored config."""
@@ -66,8 +62,7 @@ def config_bytes(cfg: TrainerConfig) -> bytes:
     Args:
         cfg: the resolved config.
     """
-    return json.dumps({"format": FORMAT, "created_at": time.time(), "settings": stored_settings(cfg)},
-                      sort_keys=True, indent=1).encode()
+    return StoredConfig(stored_settings(cfg), time.time()).to_json()
 
 
 def parse_config(data: bytes, run_id: str) -> dict[str, Any]:
@@ -83,13 +78,10 @@ def parse_config(data: bytes, run_id: str) -> dict[str, Any]:
     from stoa.config.loading import coerce
 
     try:
-        doc = load_object(data, "stored configuration", max_bytes=MAX_CONFIG_BYTES)
-        settings = doc.get("settings") if doc.get("format") == FORMAT else None
-    except ValueError:
-        settings = None
-    if not isinstance(settings, dict):
+        settings = StoredConfig.parse(data, trainer_config_key(run_id)).settings
+    except BadSchemaObject:
         raise ConfigError("config", f"{trainer_config_key(run_id)} is not a stored trainer configuration; "
-                                    "restore it or delete it (the run then resumes from its contract alone)")
+                                    "restore it or delete it (the run then resumes from its contract alone)") from None
     fields = {f.name: f for f in dataclasses.fields(TrainerConfig) if f.name not in TrainerConfig.NOT_STORED}
     where = trainer_config_key(run_id)
     return {k: v if v is None and fields[k].default is None else coerce(TrainerConfig, k, v, where)

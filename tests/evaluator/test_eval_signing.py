@@ -13,8 +13,8 @@ from stoa.bucket import Bucket, open_bucket
 from stoa.cli import main
 from stoa.contract import ModelSpec, RunContract, SamplingSpec, upload_model_files
 from stoa.layout import anchor_prefix, contract_key, pointer_key, status_key
-from stoa.lifecycle import RunStatus
 from stoa.models import model_fingerprint
+from stoa.schemas.control import RunStatus
 from stoa.weights.planes import state_from_f32
 from stoa.weights.pointer import Pointer
 from stoa.weights.publish import WeightPublisher

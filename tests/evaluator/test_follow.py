@@ -17,9 +17,9 @@ from stoa.contract import ModelSpec, RunContract, SamplingSpec, upload_model_fil
 from stoa.evaluator import EvalConfig, evaluated_versions, evaluator_present, read_heartbeat, run_evaluator
 from stoa.evaluator.heartbeat import write_heartbeat
 from stoa.layout import contract_key, evaluator_key, patch_key, status_key
-from stoa.lifecycle import RunStatus
 from stoa.metrics import read_bucket_metrics
 from stoa.models import model_fingerprint
+from stoa.schemas.control import RunStatus
 from stoa.weights.planes import state_from_f32
 from stoa.weights.publish import WeightPublisher
 

@@ -11,7 +11,7 @@ import pytest
 from stoa.bucket import Bucket, open_bucket
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import contract_key, status_key
-from stoa.lifecycle import RunStatus
+from stoa.schemas.control import RunStatus
 
 
 def write_run(bucket: Bucket, run: str = "r1", *, task: str = "gsm8k", n_samples: int = 8, plane: str = "bf16",

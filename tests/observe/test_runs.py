@@ -14,9 +14,9 @@ import pytest
 from stoa.bucket import Bucket, open_bucket
 from stoa.cli import main
 from stoa.layout import contract_key, lease_key, model_file_key, parse_run_key, pointer_key, rollout_key, status_key
-from stoa.lifecycle import RunStatus
 from stoa.observe.runs import MAX_SMALL_BYTES, list_runs, render
-from stoa.trainer.lease import DEFAULT_TTL_S, LeaseRecord
+from stoa.schemas.control import LeaseRecord, RunStatus
+from stoa.trainer.lease import DEFAULT_TTL_S
 from stoa.weights.pointer import Pointer
 from tests.bucket.conftest import TEST_BUCKET, moto_endpoint, moto_env  # noqa: F401 - fixture used below
 
