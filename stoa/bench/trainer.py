@@ -152,8 +152,8 @@ def preflight(args: argparse.Namespace) -> int:
     import sys
     import tempfile
 
-    from stoa.local.shapes import shape_from_dir
     from stoa.models import resolve_model
+    from stoa.models.shapes import shape_from_dir
     from stoa.trainer.memory import Workload, estimate_peak, is_cuda
 
     shape, cuda = shape_from_dir(resolve_model(args.model), args.model), is_cuda(args.device)

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, NamedTuple
 from stoa.config import ConfigError, TrainerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
 
 if TYPE_CHECKING:
-    from stoa.local.shapes import ModelShape
-    from stoa.trainer.memory import FitReport, PromptLength
+    from stoa.models.memory import FitReport
+    from stoa.models.shapes import ModelShape
+    from stoa.trainer.memory import PeakEstimate, PromptLength, Workload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -216,9 +217,9 @@ def model_shape(model: str, offline: bool) -> ModelAt:
     Raises:
         UnknownModel: (exit 2) a model that cannot exist: an unknown bare name or a missing directory.
     """
-    from stoa.local.shapes import shape_for, shape_from_dir
     from stoa.models import default_cache_dir, resolve_model
     from stoa.models.registry import SMOLLM2_DIR
+    from stoa.models.shapes import shape_for, shape_from_dir
 
     local = Path(model).expanduser()
     hub_id = model.count("/") == 1 and not model.startswith(("/", ".", "~")) and not local.exists()
@@ -243,7 +244,8 @@ def _hub_cached(model: str) -> Path | None:
         return None
 
 
-def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline: bool) -> FitReport | None:
+def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline: bool
+                  ) -> FitReport[Workload, PeakEstimate] | None:
     """The memory preflight of ``cfg`` for its ranks (``world_size``); None when the model's shape is unknown offline.
 
     Args:
@@ -271,7 +273,7 @@ def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline
     cuda = memory.is_cuda(cfg.device)
     base = memory.workload(cfg, prompt.tokens, completion, world, cuda, memory.computes_bf16(cfg.dtype, cuda))
     budget = memory.device_budget(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
-    return memory.check_fit(cfg, shape, base, budget, max_world=max(world, _devices(cuda)))
+    return memory.fit(cfg, shape, base, budget, max_world=max(world, _devices(cuda)))
 
 
 def _prompt_length(task: object, model_dir: Path | None, given: int) -> PromptLength:
@@ -295,7 +297,7 @@ def _devices(cuda: bool) -> int:
     return torch.cuda.device_count()
 
 
-def memory_lines(report: FitReport | None) -> list[str]:
+def memory_lines(report: FitReport[Workload, PeakEstimate] | None) -> list[str]:
     """The dry run's memory section: each part of the estimated peak per rank in GB, the memory, the verdict.
 
     Args:
@@ -308,11 +310,11 @@ def memory_lines(report: FitReport | None) -> list[str]:
              f"{w.prompt_tokens} + {w.completion_tokens} tokens)"]
     lines += [f"# {k} = {v:.2f} GB" for k, v in report.estimate.parts().items()]
     lines.append(f"# total = {report.estimate.total:.2f} GB of {report.available_gb:.2f} GB per rank "
-                 f"({report.budget.source}): {'fits' if report.fits else 'does not fit'}")
+                 f"({report.source}): {'fits' if report.fits else 'does not fit'}")
     return lines
 
 
-def check_memory(cfg: TrainerConfig, report: FitReport | None) -> None:
+def check_memory(cfg: TrainerConfig, report: FitReport[Workload, PeakEstimate] | None) -> None:
     """Refuse (``MemoryPreflightError``, exit 2) when the estimate does not fit and ``preflight`` is on; warn when off.
 
     Args:

@@ -19,9 +19,10 @@ from stoa.envs.base import Tools
 from stoa.local import checkpoint as ckpt
 from stoa.local.backend import Backend, derive_seed, make_backend
 from stoa.local.episodes import collect_episodes, evaluate_multiturn, open_local_tools
-from stoa.local.preflight import episode_tokens, preflight, shape_for, shape_from_dir
+from stoa.local.preflight import episode_tokens, preflight
 from stoa.local.smoke import check_only_adapters
 from stoa.metrics import MetricsWriter, read_metrics
+from stoa.models.shapes import shape_for, shape_from_dir
 from stoa.stopflag import StopFlag
 from stoa.tasks import Prompt, Task, load_task
 from stoa.tasks.multiturn import is_multiturn
