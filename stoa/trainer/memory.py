@@ -14,7 +14,7 @@ the compute dtype is the ``dtype`` setting's, bf16 by default on CUDA and on CPU
   times ACT_SCALE; with gradient checkpointing the block inputs (layers x b x S x hidden) plus CKPT_LAYERS
   blocks' worth.
 - logits: the LM head runs only on the completion positions, at most ``LOGITS_CHUNK_ELEMENTS`` of them at once
-  (``stoa.trainer.policy``): min(b x T x vocab, chunk) x 4 bytes, LOGIT_COPIES (2) of them: logits and
+  (``stoa.engines.torch_scoring``): min(b x T x vocab, chunk) x 4 bytes, LOGIT_COPIES (2) of them: logits and
   log-softmax.
 - reference: the frozen reference policy's weights when kl_beta > 0: sharded fp32 with W > 1, stored in the
   compute dtype at W = 1; its forward keeps no activations.
@@ -133,7 +133,7 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
         work: the rank's workload.
     """
     p, w = shape.params(), max(1, work.world_size)
-    from stoa.trainer.policy import LOGITS_CHUNK_ELEMENTS
+    from stoa.engines.torch_scoring import LOGITS_CHUNK_ELEMENTS
 
     cb = 2 if work.bf16 else 4  # compute bytes
     # Activation bytes per value: autocast (one rank) keeps many ops' fp32 inputs next to their bf16 copies

@@ -52,7 +52,7 @@ def test_bf16_compute_shrinks_activations_and_halves_the_reference():
 
 
 def test_logits_are_bounded_by_the_chunk():
-    from stoa.trainer.policy import LOGITS_CHUNK_ELEMENTS
+    from stoa.engines.torch_scoring import LOGITS_CHUNK_ELEMENTS
 
     big = estimate_peak(SMOL, Workload(16, 48, 64, False, False))
     assert big.logits == pytest.approx(LOGITS_CHUNK_ELEMENTS * 4 * memory.LOGIT_COPIES / GB)
