@@ -19,7 +19,7 @@ from stoa.models.memory import (
     refuse,
 )
 from stoa.models.shapes import KNOWN_SHAPES, ModelShape
-from stoa.trainer.memory import Budget, estimate_peak, fit, workload
+from stoa.trainer.peak import Budget, estimate_peak, fit, workload
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,7 @@ def preflight(args: argparse.Namespace) -> int:
 
     from stoa.models import resolve_model
     from stoa.models.shapes import shape_from_dir
-    from stoa.trainer.memory import Workload, estimate_peak, is_cuda
+    from stoa.trainer.peak import Workload, estimate_peak, is_cuda
 
     shape, cuda = shape_from_dir(resolve_model(args.model), args.model), is_cuda(args.device)
     rows = args.groups * args.n

@@ -10,7 +10,7 @@ memory knobs, which change for this trainer (one line lists the changes). --step
 steps, restarts included. --dry-run prints the resolved settings, the checkpoint size and writes per hour,
 and what a restart would change.
 
-Before anything loads, the memory preflight estimates the peak per rank (``stoa.trainer.memory``) and refuses a
+Before anything loads, the memory preflight estimates the peak per rank (``stoa.trainer.peak``) and refuses a
 run that would not fit, naming the flag that would (--no-preflight only reports). ``--nproc G`` runs G ranks on
 this machine under torchrun (FSDP2); for several machines start ``python -m torch.distributed.run --nnodes ...
 -m stoa trainer ...`` on each yourself.
@@ -30,7 +30,7 @@ from stoa.config import ConfigError, TrainerConfig, add_config_flags, config_to_
 if TYPE_CHECKING:
     from stoa.models.memory import FitReport
     from stoa.models.shapes import ModelShape
-    from stoa.trainer.memory import PeakEstimate, PromptLength, Workload
+    from stoa.trainer.peak import PeakEstimate, PromptLength, Workload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -256,7 +256,7 @@ def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline
     """
     from stoa.tasks import get_task, parse_task_spec
     from stoa.tasks.multiturn import is_multiturn
-    from stoa.trainer import memory
+    from stoa.trainer import peak
 
     world = world_size(nproc, os.environ)
     model_dir, shape = model_shape(cfg.model, offline)
@@ -270,15 +270,15 @@ def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline
     limits = getattr(task, "limits", None) if task is not None and is_multiturn(task) else None
     completion = int(limits.max_total_tokens) if limits is not None else cfg.max_new_tokens
     prompt = _prompt_length(task, model_dir, prompt_tokens)
-    cuda = memory.is_cuda(cfg.device)
-    base = memory.workload(cfg, prompt.tokens, completion, world, cuda, memory.computes_bf16(cfg.dtype, cuda))
-    budget = memory.device_budget(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
-    return memory.fit(cfg, shape, base, budget, max_world=max(world, _devices(cuda)))
+    cuda = peak.is_cuda(cfg.device)
+    base = peak.workload(cfg, prompt.tokens, completion, world, cuda, peak.computes_bf16(cfg.dtype, cuda))
+    budget = peak.device_budget(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
+    return peak.fit(cfg, shape, base, budget, max_world=max(world, _devices(cuda)))
 
 
 def _prompt_length(task: object, model_dir: Path | None, given: int) -> PromptLength:
     """``--prompt-tokens`` when given, else the longest held-out prompt rendered, else a guess."""
-    from stoa.trainer.memory import PromptLength, prompt_length
+    from stoa.trainer.peak import PromptLength, prompt_length
 
     if given > 0:
         return PromptLength(given, "--prompt-tokens")
@@ -321,7 +321,7 @@ def check_memory(cfg: TrainerConfig, report: FitReport[Workload, PeakEstimate] |
         cfg: the resolved config.
         report: ``memory_report``'s (None: unknown, nothing to check).
     """
-    from stoa.trainer.memory import preflight
+    from stoa.trainer.peak import preflight
 
     if report is None:
         return

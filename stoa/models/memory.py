@@ -1,7 +1,7 @@
 """The memory preflight's core, shared by the trainer and local mode: activations, the search for a fix, the report.
 
 Each mode estimates its own peak from a ``ModelShape`` (``stoa.models.shapes``) and its settings (the trainer:
-full fine-tuning per rank, ``stoa.trainer.memory``; local mode: QLoRA on one process, ``stoa.local.preflight``),
+full fine-tuning per rank, ``stoa.trainer.peak``; local mode: QLoRA on one process, ``stoa.local.preflight``),
 and names the knobs that shrink it. This module holds what both do alike: the activation model fitted on both
 modes' measurements, ``check_fit`` (the estimate against the memory, then the first single knob setting that
 fits, then the knobs together), ``FitReport`` and the one ``MemoryPreflightError``. Nothing here imports torch

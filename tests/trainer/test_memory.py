@@ -12,8 +12,8 @@ from stoa.config import TrainerConfig
 from stoa.models import memory as core
 from stoa.models.memory import MemoryPreflightError
 from stoa.models.shapes import KNOWN_SHAPES, ModelShape
-from stoa.trainer import memory
-from stoa.trainer.memory import Budget, Workload, estimate_peak, fit, preflight, workload
+from stoa.trainer import peak as memory
+from stoa.trainer.peak import Budget, Workload, estimate_peak, fit, preflight, workload
 
 GB = 1e9
 TINY = ModelShape.from_config("tiny", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
