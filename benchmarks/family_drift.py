@@ -145,7 +145,7 @@ def trainer_side(policy: Any, rec: Records, temperature: float, moe: bool
     [positions, MoE layers, k] expert ids of that same forward."""
     import torch
 
-    from stoa.trainer.policy import pack
+    from stoa.engines.torch_scoring import pack_tensors
 
     lps: list[np.ndarray] = [np.zeros(0)] * len(rec.tokens)
     routes: list[np.ndarray] = [np.zeros(0)] * len(rec.tokens)
@@ -155,7 +155,7 @@ def trainer_side(policy: Any, rec: Records, temperature: float, moe: bool
             continue
         comps = [np.asarray(rec.tokens[i]) for i in rows]
         t_max = max(len(c) for c in comps)
-        batch = pack([np.asarray(prompt)] * len(rows), comps, t_max, policy.device)
+        batch = pack_tensors([np.asarray(prompt)] * len(rows), comps, t_max, policy.device)
         with torch.no_grad(), recording_routes(policy.model) as calls:
             logp = policy.score(batch).logp.double().cpu().numpy()
         width = batch.input_ids.shape[1]

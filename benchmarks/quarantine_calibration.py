@@ -163,13 +163,13 @@ def recompute(policy: Any, batch: Batch) -> list[list[np.ndarray]]:
     """
     import torch
 
-    from stoa.trainer.policy import pack
+    from stoa.engines.torch_scoring import pack_tensors
 
     out = []
     for prompt, comps in zip(batch.prompts, batch.tokens, strict=True):
         t_max = max(len(c) for c in comps)
         with torch.no_grad():
-            packed = pack([np.asarray(prompt)] * len(comps), comps, t_max, policy.device)
+            packed = pack_tensors([np.asarray(prompt)] * len(comps), comps, t_max, policy.device)
             lp = policy.logprobs(packed).cpu().numpy()
         out.append([lp[i, : len(c)] for i, c in enumerate(comps)])
     return out

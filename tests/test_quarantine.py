@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
+from stoa.engines.torch_scoring import pack_tensors
 from stoa.layout import rollout_key
 from stoa.rollouts.records import RolloutRecord, Sample
-from stoa.trainer.policy import Policy, pack
+from stoa.trainer.policy import Policy
 from stoa.trainer.pool import Entry
 from stoa.trainer.quarantine import Disagreement, Quarantine, disagreement_values
 from stoa.trainer.step import train_step
@@ -168,7 +169,7 @@ def _entries(policy: Policy, current: int) -> tuple[list[Entry], dict[str, float
         prompt = rng.integers(3, 500, size=6).astype(np.int32)
         comps = [rng.integers(3, 500, size=int(t)).astype(np.int32) for t in (3, 5)]
         with torch.no_grad():
-            lp = policy.logprobs(pack([prompt] * 2, comps, 5, torch.device("cpu"))).numpy()
+            lp = policy.logprobs(pack_tensors([prompt] * 2, comps, 5, torch.device("cpu"))).numpy()
         samples = [Sample(c, (lp[i, : len(c)] - shift[worker]).astype(np.float32), float(i), "length")
                    for i, c in enumerate(comps)]
         rec = RolloutRecord("header-id", g, version, "f", "toy", f"train:{g}", prompt, samples)

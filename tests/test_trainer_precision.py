@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
-from stoa.trainer import policy as policy_mod
-from stoa.trainer.policy import Policy, compute_dtype, pack
+from stoa.engines import torch_scoring as policy_mod
+from stoa.engines.torch_scoring import pack_tensors
+from stoa.trainer.policy import Policy, compute_dtype
 from stoa.trainer.step import train_step
 from tests.test_trainer_step import make_entries
 
@@ -17,7 +18,7 @@ from tests.test_trainer_step import make_entries
 def packed_rows(width: int = 6):
     e = make_entries(3)[0]
     comps = [s.tokens for s in e.record.samples]
-    return e, pack([e.record.prompt_tokens] * len(comps), comps, width, torch.device("cpu"))
+    return e, pack_tensors([e.record.prompt_tokens] * len(comps), comps, width, torch.device("cpu"))
 
 
 def test_chunked_log_softmax_equals_the_whole_one_with_gradients(tiny_dir, monkeypatch):

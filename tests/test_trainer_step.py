@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
+from stoa.engines.torch_scoring import pack_tensors
 from stoa.layout import rollout_key
 from stoa.rollouts.records import RolloutRecord, Sample
-from stoa.trainer.policy import Policy, pack
+from stoa.trainer.policy import Policy
 from stoa.trainer.pool import Entry
 from stoa.trainer.step import entries_batch, train_step
 
@@ -57,7 +58,7 @@ def test_group_logprobs_equal_packed_logprobs(tiny_dir):
     e = make_entries(1)[0]
     comps = [s.tokens for s in e.record.samples]
     a = pol.group_logprobs(e.record.prompt_tokens, comps, 6)
-    b = pol.logprobs(pack([e.record.prompt_tokens] * len(comps), comps, 6, torch.device("cpu")))
+    b = pol.logprobs(pack_tensors([e.record.prompt_tokens] * len(comps), comps, 6, torch.device("cpu")))
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 

@@ -4,8 +4,8 @@ A step trains on groups of trajectories (one prompt, n samples each). ``build_ba
 ``Batch`` once: per-row advantages, the padded action mask, the algorithm's whole-batch normaliser, the
 sampler's logprobs, and where each group came from. ``micro_batches`` and ``group_indices`` split it into
 micro-batches (length-sorted or consecutive chunks; one group each for a shared-prefix forward), and
-``pack`` right-pads a micro-batch into the arrays of one forward. Backends (torch in the trainer, torch or
-MLX in local mode) only turn these arrays into tensors.
+``pack`` right-pads a micro-batch into the arrays of one forward (``pack_rows``: any rows, for a forward that
+only scores). Backends (torch in the trainer, torch or MLX in local mode) only turn these arrays into tensors.
 """
 
 from __future__ import annotations
@@ -357,30 +357,45 @@ def group_rows(batch: Batch) -> list[GroupRows]:
     return out
 
 
+def pack_rows(prompts: Sequence[np.ndarray], tokens: Sequence[np.ndarray], width: int) -> Packed:
+    """Right-pad prompt + tokens rows into the arrays of one forward, scoring every token after the prompt (no
+    advantages, no old or reference logprobs: a forward that only scores).
+
+    Args:
+        prompts: prompt token ids per row.
+        tokens: token ids after the prompt per row (non-empty).
+        width: T, the width of the token axis (>= the longest row's tokens).
+    """
+    length = max(len(p) + len(t) for p, t in zip(prompts, tokens, strict=True))
+    ids = np.zeros((len(prompts), length), dtype=np.int32)
+    attn = np.zeros((len(prompts), length), dtype=np.int32)
+    pos = np.zeros((len(prompts), width), dtype=np.int32)
+    tgt = np.zeros((len(prompts), width), dtype=np.int32)
+    mask = np.zeros((len(prompts), width), dtype=np.float32)
+    for j, (p, t) in enumerate(zip(prompts, tokens, strict=True)):
+        lp, lt = len(p), len(t)
+        ids[j, :lp] = p
+        ids[j, lp : lp + lt] = t
+        attn[j, : lp + lt] = 1
+        pos[j, :lt] = np.arange(lp - 1, lp + lt - 1)
+        pos[j, lt:] = lp - 1  # padding: any valid position will do, the mask drops it
+        tgt[j, :lt] = t
+        mask[j, :lt] = 1.0
+    return Packed(ids, attn, pos, tgt, mask, np.zeros(len(prompts), np.float32), None, None)
+
+
 def pack(batch: Batch, idx: np.ndarray) -> Packed:
-    """Right-pad the rows ``idx`` of a batch into arrays for one forward.
+    """Right-pad the rows ``idx`` of a batch into arrays for one forward (``pack_rows``), with their action mask,
+    advantages and the batch's logprobs.
 
     Args:
         batch: the step's batch.
         idx: row indices of the micro-batch.
     """
     rows = [batch.rows[int(i)] for i in idx]
-    width_t = batch.width
-    length = max(len(r.prompt) + len(r.tokens) for r in rows)
-    ids = np.zeros((len(rows), length), dtype=np.int32)
-    attn = np.zeros((len(rows), length), dtype=np.int32)
-    pos = np.zeros((len(rows), width_t), dtype=np.int32)
-    tgt = np.zeros((len(rows), width_t), dtype=np.int32)
-    for j, r in enumerate(rows):
-        lp, lt = len(r.prompt), len(r.tokens)
-        ids[j, :lp] = r.prompt
-        ids[j, lp : lp + lt] = r.tokens
-        attn[j, : lp + lt] = 1
-        pos[j, :lt] = np.arange(lp - 1, lp + lt - 1)
-        pos[j, lt:] = lp - 1  # padding: any valid position will do, the mask drops it
-        tgt[j, :lt] = r.tokens
+    pk = pack_rows([r.prompt for r in rows], [r.tokens for r in rows], batch.width)
     old = None if batch.old_logp is None else batch.old_logp[idx]
     ref = None if batch.ref_logp is None else batch.ref_logp[idx]
     tok_adv = None if batch.token_advantages is None else batch.token_advantages[idx]
-    return Packed(ids, attn, pos, tgt, batch.mask[idx], batch.advantages[idx], old, ref, batch.echo_mask[idx],
-                  tok_adv)
+    return Packed(pk.input_ids, pk.attention_mask, pk.pos, pk.targets, batch.mask[idx], batch.advantages[idx], old,
+                  ref, batch.echo_mask[idx], tok_adv)

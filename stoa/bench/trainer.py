@@ -191,9 +191,9 @@ def preflight(args: argparse.Namespace) -> int:
     import sys
     import tempfile
 
-    from stoa.local.shapes import shape_from_dir
     from stoa.models import resolve_model
-    from stoa.trainer.memory import Workload, estimate_peak, is_cuda
+    from stoa.models.shapes import shape_from_dir
+    from stoa.trainer.peak import Workload, estimate_peak, is_cuda
 
     shape, cuda = shape_from_dir(resolve_model(args.model), args.model), is_cuda(args.device)
     rows = args.groups * args.n

@@ -94,7 +94,8 @@ def check_model_name(name: str) -> None:
 
 
 def _dry_run(cfg: LocalConfig) -> int:
-    from stoa.local.preflight import check_fit, episode_tokens, shape_for
+    from stoa.local.preflight import episode_tokens, fit
+    from stoa.models.shapes import shape_for
     from stoa.tasks import load_task
 
     check_model_name(cfg.model)
@@ -107,7 +108,7 @@ def _dry_run(cfg: LocalConfig) -> int:
         print(f"# memory: no config.json for {cfg.model!r} without downloading it; estimated at train time")
     else:
         total = episode_tokens(load_task(cfg.task))  # a multi-turn row: prompt + the episode's token budget
-        print(f"# memory: {check_fit(cfg, shape, total_tokens=total).message()}")
+        print(f"# memory: {fit(cfg, shape, total_tokens=total).message()}")
     return 0
 
 

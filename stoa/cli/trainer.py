@@ -10,7 +10,7 @@ memory knobs, which change for this trainer (one line lists the changes). --step
 steps, restarts included. --dry-run prints the resolved settings, the checkpoint size and writes per hour,
 and what a restart would change.
 
-Before anything loads, the memory preflight estimates the peak per rank (``stoa.trainer.memory``) and refuses a
+Before anything loads, the memory preflight estimates the peak per rank (``stoa.trainer.peak``) and refuses a
 run that would not fit, naming the flag that would (--no-preflight only reports). ``--nproc G`` runs G ranks on
 this machine under torchrun (FSDP2); for several machines start ``python -m torch.distributed.run --nnodes ...
 -m stoa trainer ...`` on each yourself.
@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, NamedTuple
 from stoa.config import ConfigError, TrainerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
 
 if TYPE_CHECKING:
-    from stoa.local.shapes import ModelShape
-    from stoa.trainer.memory import FitReport, PromptLength
+    from stoa.models.memory import FitReport
+    from stoa.models.shapes import ModelShape
+    from stoa.trainer.peak import PeakEstimate, PromptLength, Workload
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -216,9 +217,9 @@ def model_shape(model: str, offline: bool) -> ModelAt:
     Raises:
         UnknownModel: (exit 2) a model that cannot exist: an unknown bare name or a missing directory.
     """
-    from stoa.local.shapes import shape_for, shape_from_dir
     from stoa.models import default_cache_dir, resolve_model
     from stoa.models.registry import SMOLLM2_DIR
+    from stoa.models.shapes import shape_for, shape_from_dir
 
     local = Path(model).expanduser()
     hub_id = model.count("/") == 1 and not model.startswith(("/", ".", "~")) and not local.exists()
@@ -243,7 +244,8 @@ def _hub_cached(model: str) -> Path | None:
         return None
 
 
-def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline: bool) -> FitReport | None:
+def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline: bool
+                  ) -> FitReport[Workload, PeakEstimate] | None:
     """The memory preflight of ``cfg`` for its ranks (``world_size``); None when the model's shape is unknown offline.
 
     Args:
@@ -254,7 +256,7 @@ def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline
     """
     from stoa.tasks import get_task, parse_task_spec
     from stoa.tasks.multiturn import is_multiturn
-    from stoa.trainer import memory
+    from stoa.trainer import peak
 
     world = world_size(nproc, os.environ)
     model_dir, shape = model_shape(cfg.model, offline)
@@ -268,15 +270,15 @@ def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline
     limits = getattr(task, "limits", None) if task is not None and is_multiturn(task) else None
     completion = int(limits.max_total_tokens) if limits is not None else cfg.max_new_tokens
     prompt = _prompt_length(task, model_dir, prompt_tokens)
-    cuda = memory.is_cuda(cfg.device)
-    base = memory.workload(cfg, prompt.tokens, completion, world, cuda, memory.computes_bf16(cfg.dtype, cuda))
-    budget = memory.device_budget(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
-    return memory.check_fit(cfg, shape, base, budget, max_world=max(world, _devices(cuda)))
+    cuda = peak.is_cuda(cfg.device)
+    base = peak.workload(cfg, prompt.tokens, completion, world, cuda, peak.computes_bf16(cfg.dtype, cuda))
+    budget = peak.device_budget(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
+    return peak.fit(cfg, shape, base, budget, max_world=max(world, _devices(cuda)))
 
 
 def _prompt_length(task: object, model_dir: Path | None, given: int) -> PromptLength:
     """``--prompt-tokens`` when given, else the longest held-out prompt rendered, else a guess."""
-    from stoa.trainer.memory import PromptLength, prompt_length
+    from stoa.trainer.peak import PromptLength, prompt_length
 
     if given > 0:
         return PromptLength(given, "--prompt-tokens")
@@ -295,7 +297,7 @@ def _devices(cuda: bool) -> int:
     return torch.cuda.device_count()
 
 
-def memory_lines(report: FitReport | None) -> list[str]:
+def memory_lines(report: FitReport[Workload, PeakEstimate] | None) -> list[str]:
     """The dry run's memory section: each part of the estimated peak per rank in GB, the memory, the verdict.
 
     Args:
@@ -308,18 +310,18 @@ def memory_lines(report: FitReport | None) -> list[str]:
              f"{w.prompt_tokens} + {w.completion_tokens} tokens)"]
     lines += [f"# {k} = {v:.2f} GB" for k, v in report.estimate.parts().items()]
     lines.append(f"# total = {report.estimate.total:.2f} GB of {report.available_gb:.2f} GB per rank "
-                 f"({report.budget.source}): {'fits' if report.fits else 'does not fit'}")
+                 f"({report.source}): {'fits' if report.fits else 'does not fit'}")
     return lines
 
 
-def check_memory(cfg: TrainerConfig, report: FitReport | None) -> None:
+def check_memory(cfg: TrainerConfig, report: FitReport[Workload, PeakEstimate] | None) -> None:
     """Refuse (``MemoryPreflightError``, exit 2) when the estimate does not fit and ``preflight`` is on; warn when off.
 
     Args:
         cfg: the resolved config.
         report: ``memory_report``'s (None: unknown, nothing to check).
     """
-    from stoa.trainer.memory import preflight
+    from stoa.trainer.peak import preflight
 
     if report is None:
         return

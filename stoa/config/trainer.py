@@ -84,7 +84,7 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                              "EM and cover-EM only).")
     quarantine_min_records: int = setting(8, "Records a worker must have sent before its rates are judged.")
     preflight: bool = setting(True, "Refuse to start when the estimated peak memory per rank exceeds the device's "
-                                    "(stoa.trainer.memory; the error names the knob that would fit); false: "
+                                    "(stoa.trainer.peak; the error names the knob that would fit); false: "
                                     "only report it.")
     available_memory_gb: float = setting(0.0, "Memory per rank for the preflight, in GB (0 = detect: the free "
                                               "memory of the rank's GPU, or the RAM shared by this machine's "

@@ -21,9 +21,10 @@ from stoa.episodes.evaluation import evaluate_episodes, greedy_figures
 from stoa.episodes.task_tools import open_task_tools
 from stoa.local import checkpoint as ckpt
 from stoa.local.backend import Backend, derive_seed
-from stoa.local.preflight import episode_tokens, preflight, shape_for, shape_from_dir
+from stoa.local.preflight import episode_tokens, preflight
 from stoa.local.smoke import check_only_adapters
 from stoa.metrics import MetricsWriter, read_metrics
+from stoa.models.shapes import shape_for, shape_from_dir
 from stoa.stopflag import StopFlag
 from stoa.tasks import Prompt, Task, load_task
 from stoa.trackers import open_trackers

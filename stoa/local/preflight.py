@@ -5,27 +5,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from stoa.config import ConfigError
 from stoa.config.local import LocalConfig, resolve_backend
-from stoa.local.shapes import KNOWN_SHAPES, ModelShape, shape_for, shape_from_dir
-from stoa.local.targets import choose_targets
+from stoa.local.targets import choose_targets, is_router
+from stoa.models.memory import GB, Candidate, FitReport, activation_bytes, check_fit, refuse
+from stoa.models.shapes import ModelShape
+from stoa.tasks import parse_task_spec
 
-__all__ = ["KNOWN_SHAPES", "Estimate", "FitReport", "MemoryPreflightError", "ModelShape", "adapter_params",
-           "available_memory_gb", "check_fit", "episode_tokens", "estimate_memory", "preflight", "shape_for",
-           "shape_from_dir"]
+__all__ = ["Estimate", "adapter_params", "available_memory_gb", "episode_tokens", "estimate_memory", "fit",
+           "preflight", "quantized_params"]
 
-GB = 1e9
 
 # ---- calibration (docs/local.md, "Memory"): figures MEASURED on this project's Linux CPU box (2 cores) as the
 # peak resident set of a fresh `stoa local train` process; the runtime baselines are those processes' RSS
 # after imports and the tokenizer, before the model. Metal figures are estimates (see the docs).
 RUNTIME_GB = {"torch": 0.40, "mlx": 0.38}
 """Process baseline: interpreter, torch or mlx + mlx-lm, transformers, tokenizer (measured)."""
-ACT_H, ACT_I, ACT_ATTN = 10.0, 5.0, 2.0
-"""Saved activations per token and layer in a LoRA backward: ~ACT_H x hidden + ACT_I x intermediate values,
-plus ACT_ATTN x heads x L attention scores per token (fitted to the measurements)."""
 HEAD_COPIES = 6.0
 """float32 [tokens, vocab] buffers alive at the LM head's peak (logits, log-softmax, their gradients)."""
 ROLLOUT_LOGITS_COPIES = 4.0
@@ -46,6 +43,11 @@ class Estimate:
     total_gb: float
     parts: dict[str, float]
     peak_phase: str
+
+    @property
+    def total(self) -> float:
+        """GB at the peak (``total_gb``)."""
+        return self.total_gb
 
     def describe(self) -> str:
         """One line: total and parts."""
@@ -68,6 +70,23 @@ def adapter_params(cfg: LocalConfig, shape: ModelShape) -> int:
     except ValueError as e:
         raise ConfigError("lora_targets", str(e).removeprefix("lora_targets: ")) from None
     return sum(cfg.lora_rank * sum(lin[p]) for lin, paths in zip(linears, chosen, strict=True) for p in paths)
+
+
+def quantized_params(shape: ModelShape, group_size: int, experts_only: bool = False) -> int:
+    """Parameters the QLoRA base quantizes: block linears and experts whose input width is a multiple of
+    ``group_size``, never routers (``stoa.local.targets``).
+
+    Args:
+        shape: the model's shape.
+        group_size: the quantization group size.
+        experts_only: count the routed experts only.
+    """
+    n = 0
+    for i in range(shape.layers):
+        if not experts_only:
+            n += sum(a * b for p, (a, b) in shape.layer_linears(i).items() if a % group_size == 0 and not is_router(p))
+        n += shape.experts * sum(a * b for a, b in shape.expert_linears(i).values() if a % group_size == 0)
+    return n
 
 
 def episode_tokens(task: Any) -> int | None:
@@ -109,7 +128,7 @@ def estimate_memory(cfg: LocalConfig, shape: ModelShape, backend: str | None = N
         cb = 4
     act_b = 2 if (be == "torch" and (cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and cuda))) else cb
     gs, bits = cfg.quant_group_size, cfg.quant_bits
-    n_quant = shape.quantized_params(gs) if bits < 16 else 0
+    n_quant = quantized_params(shape, gs) if bits < 16 else 0
     n_float = shape.params() - n_quant
     packed = cfg.torch_base == "packed" or (cfg.torch_base == "auto" and cuda)
     if be == "mlx":
@@ -117,7 +136,7 @@ def estimate_memory(cfg: LocalConfig, shape: ModelShape, backend: str | None = N
     elif packed:
         weights = n_quant * (bits / 8 + 8 / gs) + n_float * 4
         if bits < 16:  # torch holds routed experts dequantized (float32) even when packed
-            weights += shape.quantized_expert_params(gs) * (4 - bits / 8 - 8 / gs)
+            weights += quantized_params(shape, gs, experts_only=True) * (4 - bits / 8 - 8 / gs)
         if not cuda:  # the checkpoint's pages stay resident after quantization (mmap)
             weights += TORCH_LOAD_BYTES_PER_PARAM / 2 * shape.params()
     else:
@@ -131,13 +150,8 @@ def estimate_memory(cfg: LocalConfig, shape: ModelShape, backend: str | None = N
     kv += shape.state_values_per_row() * rows * act_b  # conv / linear-attention state: fixed size per row
     rollout = kv + rows * shape.vocab * 4 * ROLLOUT_LOGITS_COPIES
     b = rows if cfg.micro_batch == 0 else min(cfg.micro_batch, rows)
-    width = shape.active_intermediate()  # MoE: the top-k experts' (and shared expert's) width a token runs
-    attn = ACT_ATTN * shape.heads * seq * shape.attention_layers() / max(1, shape.layers)  # hybrids: fewer
-    per_layer = b * seq * (ACT_H * shape.hidden + ACT_I * width + attn) * act_b
-    if cfg.gradient_checkpointing:
-        acts = shape.layers * b * seq * shape.hidden * act_b + per_layer
-    else:
-        acts = shape.layers * per_layer
+    acts = activation_bytes(shape, b, seq, act_b, checkpointing=cfg.gradient_checkpointing, checkpoint_blocks=1,
+                            attention_share=True)  # hybrids: fewer attention layers keep scores
     train = (acts + b * gen * shape.vocab * 4 * HEAD_COPIES) * BACKEND_ACT_SCALE[be]
     dynamic = SLACK * max(rollout, train)
     parts = {"runtime": RUNTIME_GB["mlx" if be == "mlx" else "torch"], "weights": weights / GB,
@@ -165,42 +179,6 @@ def available_memory_gb(cfg: LocalConfig) -> tuple[float, str]:
     return system_memory()
 
 
-class MemoryPreflightError(ConfigError):
-    """The run is estimated not to fit; ``field`` is the knob most likely to make it fit."""
-
-
-@dataclass(frozen=True)
-class FitReport:
-    """Whether a config fits, and if not, the first knob change that does."""
-
-    fits: bool
-    estimate: Estimate
-    available_gb: float
-    source: str
-    knob: str | None = None
-    suggestion: str = ""
-    suggested: LocalConfig | None = None
-
-    def message(self) -> str:
-        """The human-readable verdict."""
-        head = f"estimated peak memory {self.estimate.describe()}; available {self.available_gb:.2f} GB ({self.source})"
-        if self.fits:
-            return head + ": fits"
-        return head + f": does not fit; {self.suggestion}"
-
-
-class _Try(NamedTuple):
-    """A candidate: the config and a multi-turn row's tokens after the prompt (None: single-turn)."""
-
-    cfg: LocalConfig
-    total: int | None
-
-
-def _fits(t: _Try, shape: ModelShape, be: str, avail: float) -> tuple[bool, Estimate]:
-    e = estimate_memory(t.cfg, shape, be, t.total)
-    return e.total_gb <= avail, e
-
-
 def _halvings(value: int, floor: int) -> list[int]:
     out, v = [], value // 2
     while v >= floor:
@@ -211,39 +189,57 @@ def _halvings(value: int, floor: int) -> list[int]:
     return out
 
 
-def _knobs(t: _Try, rows: int, micro: int) -> list[tuple[str, list[_Try]]]:
-    """Each knob's candidate settings, smallest change first; a multi-turn row's length is the task's."""
-    c, rep = t.cfg, dataclasses.replace
-    length = (("max_new_tokens", [_Try(rep(c, max_new_tokens=v), None) for v in _halvings(c.max_new_tokens, 16)])
-              if t.total is None else
-              ("max_total_tokens", [_Try(_with_task_option(c, "max_total_tokens", v), v)
-                                    for v in _halvings(t.total, 16)]))
-    return [
-        ("gradient_checkpointing", [] if c.gradient_checkpointing else
-         [_Try(rep(c, gradient_checkpointing=True), t.total)]),
-        ("micro_batch", [_Try(rep(c, micro_batch=m), t.total)
-                         for m in _halvings(min(c.micro_batch or rows, micro), 1)]),
-        ("n_samples", [_Try(rep(c, n_samples=g), t.total) for g in _halvings(c.n_samples, 2)]),
-        length,
-    ]
+def _knobs(start: LocalConfig, total: int | None) -> Any:
+    """Config -> each knob's settings, smallest change first: gradient checkpointing, the micro-batch (it does not
+    change the update), the group size G, the completion length (a multi-turn task's ``max_total_tokens``)."""
+    rows = start.groups_per_step * start.n_samples
+    micro = start.micro_batch or rows
+    rep = dataclasses.replace
+
+    def knobs(c: LocalConfig) -> list[list[Candidate[LocalConfig]]]:
+        if total is None:
+            length = [Candidate("max_new_tokens", f"max_new_tokens = {v}", rep(c, max_new_tokens=v))
+                      for v in _halvings(c.max_new_tokens, 16)]
+        else:
+            length = [Candidate("max_total_tokens", f"max_total_tokens = {v}",
+                                _with_task_option(c, "max_total_tokens", v))
+                      for v in _halvings(_length(c, start, total), 16)]
+        return [
+            [] if c.gradient_checkpointing else
+            [Candidate("gradient_checkpointing", "gradient_checkpointing = true", rep(c, gradient_checkpointing=True))],
+            [Candidate("micro_batch", f"micro_batch = {m}", rep(c, micro_batch=m))
+             for m in _halvings(min(c.micro_batch or rows, micro), 1)],
+            [Candidate("n_samples", f"n_samples = {g}", rep(c, n_samples=g)) for g in _halvings(c.n_samples, 2)],
+            length,
+        ]
+
+    return knobs
+
+
+def _total(c: LocalConfig, start: LocalConfig, total: int | None) -> int | None:
+    """A multi-turn row's tokens after the prompt under ``c`` (None: single-turn)."""
+    return None if total is None else _length(c, start, total)
+
+
+def _length(c: LocalConfig, start: LocalConfig, total: int) -> int:
+    """A multi-turn row's tokens after the prompt under ``c``: the task option the length knob set, else
+    ``total`` (the start's)."""
+    if c.task == start.task:
+        return total
+    return int(str(parse_task_spec(c.task)[1]["max_total_tokens"]))
 
 
 def _with_task_option(cfg: LocalConfig, name: str, value: int) -> LocalConfig:
     """``cfg`` with one option of its task spec set (``walk:max_total_tokens=128``)."""
-    from stoa.tasks import parse_task_spec
-
     task, options = parse_task_spec(cfg.task)
     options[name] = value
     return dataclasses.replace(cfg, task=f"{task}:" + ",".join(f"{k}={v}" for k, v in options.items()))
 
 
-def _value(t: _Try, knob: str) -> str:
-    return _show(t.total if knob == "max_total_tokens" else getattr(t.cfg, knob))
-
-
-def check_fit(cfg: LocalConfig, shape: ModelShape, available_gb: float | None = None,
-              source: str = "", total_tokens: int | None = None) -> FitReport:
-    """Estimate and, when it does not fit, find the knob most likely to make it fit.
+def fit(cfg: LocalConfig, shape: ModelShape, available_gb: float | None = None, source: str = "",
+        total_tokens: int | None = None) -> FitReport[LocalConfig, Estimate]:
+    """Estimate and, when it does not fit, find the knob most likely to make it fit
+    (``stoa.models.memory.check_fit``).
 
     Knobs are tried in order, each alone: gradient checkpointing, then the micro-batch (it does not change
     the update), then the group size G, then the completion length (a multi-turn task's ``max_total_tokens``
@@ -259,42 +255,15 @@ def check_fit(cfg: LocalConfig, shape: ModelShape, available_gb: float | None = 
     be = resolve_backend(cfg.backend)
     if available_gb is None:
         available_gb, source = available_memory_gb(cfg)
-    start = _Try(cfg, total_tokens)
-    ok, est = _fits(start, shape, be, available_gb)
-    if ok:
-        return FitReport(True, est, available_gb, source)
-    rows = cfg.groups_per_step * cfg.n_samples
-    micro = cfg.micro_batch or rows
-    for knob, candidates in _knobs(start, rows, micro):
-        for c in candidates:
-            fit, e = _fits(c, shape, be, available_gb)
-            if fit:
-                return FitReport(False, est, available_gb, source, knob,
-                                 f"most likely to fit: {knob} = {_value(c, knob)} (estimate {e.total_gb:.2f} GB)",
-                                 c.cfg)
-    combo, changes = start, []
-    for knob, _ in _knobs(start, rows, micro):
-        cands = dict(_knobs(combo, rows, micro))[knob]
-        if not cands:
-            continue
-        combo = cands[-1]
-        changes.append(f"{knob} = {_value(combo, knob)}")
-        fit, e = _fits(combo, shape, be, available_gb)
-        if fit:
-            return FitReport(False, est, available_gb, source, changes[0].split(" ")[0],
-                             f"no single knob fits; together: {', '.join(changes)} (estimate {e.total_gb:.2f} GB)",
-                             combo.cfg)
-    floor = est.parts["runtime"] + est.parts["weights"]
-    return FitReport(False, est, available_gb, source, "model",
-                     f"the model alone needs about {floor:.2f} GB with quant_bits = {cfg.quant_bits}; use "
-                     "quant_bits = 4 or a smaller model")
+    base = estimate_memory(cfg, shape, be, total_tokens)
+    floor = base.parts["runtime"] + base.parts["weights"]
+    return check_fit(cfg, lambda c: estimate_memory(c, shape, be, _total(c, cfg, total_tokens)), lambda c: available_gb,
+                     _knobs(cfg, total_tokens), source=source, refuse_as="model",
+                     dead_end=f"the model alone needs about {floor:.2f} GB with quant_bits = {cfg.quant_bits}; use "
+                              "quant_bits = 4 or a smaller model")
 
 
-def _show(v: Any) -> str:
-    return "true" if v is True else str(v)
-
-
-def preflight(cfg: LocalConfig, shape: ModelShape, total_tokens: int | None = None) -> FitReport:
+def preflight(cfg: LocalConfig, shape: ModelShape, total_tokens: int | None = None) -> FitReport[LocalConfig, Estimate]:
     """Check the sequence length against the model and the memory estimate against the budget.
 
     Args:
@@ -311,13 +280,12 @@ def preflight(cfg: LocalConfig, shape: ModelShape, total_tokens: int | None = No
     if cfg.max_prompt_tokens + gen > shape.max_positions:
         total = cfg.max_prompt_tokens + gen
         if total_tokens is not None:
-            fit = _with_task_option(cfg, "max_total_tokens", max(1, shape.max_positions - cfg.max_prompt_tokens))
+            shorter = _with_task_option(cfg, "max_total_tokens", max(1, shape.max_positions - cfg.max_prompt_tokens))
             raise ConfigError("task", f"max_prompt_tokens + the task's max_total_tokens = {total} exceeds the "
                                       f"model's {shape.max_positions} positions; lower the task option "
-                                      f"(e.g. task = {fit.task!r}) or max_prompt_tokens")
+                                      f"(e.g. task = {shorter.task!r}) or max_prompt_tokens")
         raise ConfigError("max_new_tokens", f"max_prompt_tokens + max_new_tokens = {total} "
                                         f"exceeds the model's {shape.max_positions} positions")
-    report = check_fit(cfg, shape, total_tokens=total_tokens)
-    if not report.fits and cfg.preflight:
-        raise MemoryPreflightError(report.knob or "available_memory_gb", report.message())
+    report = fit(cfg, shape, total_tokens=total_tokens)
+    refuse(report, cfg.preflight)
     return report

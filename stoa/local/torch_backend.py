@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from stoa.algorithms import Algorithm, combine_metrics
-from stoa.algorithms.batch import Batch, Packed, group_rows, pack
-from stoa.algorithms.torch_loss import token_hits, token_logprobs
+from stoa.algorithms.batch import Batch, Packed, group_indices, pack
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats
 from stoa.engines.torch import TorchEngine, resolve_device
+from stoa.engines.torch_scoring import Scores, group_score, score, to_device
 from stoa.local.backend import ModelSummary, check_same_arrays, echo_plan, loss_inputs
 from stoa.local.torch_lora import LoRALinear, QuantLinear, decoder_layers, quantize_and_add_lora
 
@@ -86,41 +86,19 @@ class TorchBackend:
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
 
-    def _logp(self, pk: Packed, hits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[b, T] logprobs of the packed targets (every position: actions and observations) and, with ``hits``,
-        whether the argmax equals each target; the LM head runs only on the positions that predict them."""
-        decoder = self.model.get_decoder()
-        head = self.model.get_output_embeddings()
-        with self._autocast():
-            hidden = decoder(input_ids=self._t(pk.input_ids).long(), use_cache=False).last_hidden_state
-            pos = self._t(pk.pos).long()
-            h = torch.gather(hidden, 1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-            logits = head(h)
-        targets = self._t(pk.targets)
-        return token_logprobs(logits, targets, self.temperature), token_hits(logits, targets) if hits else None
+    def _logp(self, pk: Packed, hits: bool = False) -> Scores:
+        """[b, T] logprobs of the packed targets (every token after the prompt: actions and observations) and,
+        with ``hits``, whether the argmax equals each target (``stoa.engines.torch_scoring.score``)."""
+        return score(self.model, to_device(pk, self.device), temperature=self.temperature,
+                     autocast=self.autocast_dtype, hits=hits)
 
     @torch.no_grad()
-    def _group_logp(self, prompt: np.ndarray, tokens: np.ndarray) -> torch.Tensor:
-        """[n, T] logprobs of right-padded ``tokens`` after one shared ``prompt`` (run once, KV rows repeated)."""
-        import inspect
-
-        from transformers import DynamicCache
-
-        decoder = self.model.get_decoder()
-        head = self.model.get_output_embeddings()
-        n, width = tokens.shape
-        cache = DynamicCache()
-        kw = {"cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values": cache}
-        with self._autocast():
-            pre = decoder(input_ids=self._t(np.asarray(prompt, np.int64))[None], use_cache=True, **kw)
-            hidden = pre.last_hidden_state[:, -1:, :].expand(n, -1, -1)
-            if width > 1:
-                cache.batch_repeat_interleave(n)
-                pos = (len(prompt) + torch.arange(width - 1, device=self.device)).expand(n, -1)
-                rest = decoder(input_ids=self._t(tokens[:, :-1]).long(), position_ids=pos, use_cache=True, **kw)
-                hidden = torch.cat([hidden, rest.last_hidden_state], dim=1)
-            logits = head(hidden)
-        return token_logprobs(logits, self._t(tokens), self.temperature)
+    def _group_logp(self, batch: Batch, idx: np.ndarray) -> torch.Tensor:
+        """[n, T] logprobs of one group's rows ``idx`` after their shared prompt (run once, KV rows repeated;
+        ``stoa.engines.torch_scoring.group_score``)."""
+        rows = [batch.rows[int(i)] for i in idx]
+        return group_score(self.model, rows[0].prompt, [r.tokens for r in rows], batch.width, device=self.device,
+                           temperature=self.temperature, autocast=self.autocast_dtype).logp
 
     @torch.no_grad()
     def _score(self, batch: Batch, micro: Sequence[np.ndarray]) -> np.ndarray:
@@ -194,8 +172,8 @@ class TorchBackend:
         self.model.eval()
         out = np.zeros(batch.mask.shape, dtype=np.float32)
         with self.adapters_disabled():
-            for idx, prompt, tokens in group_rows(batch):
-                out[idx] = self._group_logp(prompt, tokens).float().cpu().numpy() * batch.mask[idx]
+            for idx in group_indices(batch):
+                out[idx] = self._group_logp(batch, idx).float().cpu().numpy() * batch.mask[idx]
         return out
 
     def accumulate(self, batch: Batch, micro: Sequence[np.ndarray], algo: Algorithm,

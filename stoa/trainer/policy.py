@@ -9,106 +9,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from stoa.engines.torch import model_tensors
+from stoa.engines.torch_scoring import PackedTensors, Scores, group_score, score
 from stoa.trainer.dist import SINGLE, Dist, full_arrays, load_full, shard
-
-
-@dataclass
-class Packed:
-    """A micro-batch of (prompt + completion) sequences, right-padded, with gather indices.
-
-    ``pos[b, t]`` is the position whose output predicts completion token ``t`` of row ``b``.
-    """
-
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    pos: torch.Tensor  # [B, T]
-    targets: torch.Tensor  # [B, T]
-    mask: torch.Tensor  # [B, T] float, 1 on the positions to score (every real token, by default)
-
-
-class Scores(NamedTuple):
-    """What a forward returns for the tokens after the prompt."""
-
-    logp: torch.Tensor
-    """[B, T] float32 logprobs of the targets (with gradient), 0 off the mask."""
-    hits: torch.Tensor | None
-    """[B, T] float32 0/1: the argmax equals the target (no gradient), 0 off the mask; None unless asked."""
-
-
-LOGITS_CHUNK_ELEMENTS = 1 << 24
-"""Most logits (positions x vocabulary) alive at once while scoring: 64 MB in fp32. Longer micro-batches are scored
-in chunks whose logits are recomputed in backward, so the full [B, T, V] tensor is never materialised."""
-
-
-def _chunk_scores(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs [N] of ``targets`` [N] under ``head(h)`` [N, V] / temperature, and the argmax hits (no gradient)."""
-    logits = head(h).float() / temperature
-    lp = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    with torch.no_grad():
-        hit = (logits.argmax(dim=-1) == targets).float()
-    return lp, hit
-
-
-def _scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-            temperature: float, hits: bool, chunk_elements: int | None = None) -> Scores:
-    """Temperature-scaled logprobs of ``targets`` [B, T] under ``head(hidden)`` ([B, T, H] -> [B, T, V]), times
-    ``mask``; argmax hits if asked.
-
-    Up to ``chunk_elements`` logits at a time: each chunk of positions goes through the head, log-softmax and gather
-    under activation checkpointing, so backward keeps only the chunk's hidden states and recomputes its logits.
-    """
-    b, t, width = hidden.shape
-    vocab = int(head.weight.shape[0])  # type: ignore[index]
-    flat_h, flat_t = hidden.reshape(b * t, width), targets.reshape(b * t)
-    step = max(1, (chunk_elements or LOGITS_CHUNK_ELEMENTS) // vocab)
-    if b * t <= step:
-        lp, hit = _chunk_scores(head, flat_h, flat_t, temperature)
-    else:
-        from torch.utils.checkpoint import checkpoint
-
-        parts = [checkpoint(_chunk_scores, head, flat_h[i : i + step], flat_t[i : i + step], temperature,
-                            use_reentrant=False) for i in range(0, b * t, step)]
-        lp, hit = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    out = lp.reshape(b, t) * mask
-    return Scores(out, hit.reshape(b, t) * mask if hits else None)
-
-
-def pack(prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], t_max: int, device: torch.device) -> Packed:
-    """Right-pad prompt+completion sequences and build the completion gather indices.
-
-    Args:
-        prompts: prompt token ids per row.
-        completions: completion token ids per row (non-empty).
-        t_max: width of the completion axis (>= longest completion).
-        device: where to put the tensors.
-    """
-    b = len(prompts)
-    seq_lens = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-    width = max(seq_lens)
-    ids = np.zeros((b, width), dtype=np.int64)
-    am = np.zeros((b, width), dtype=np.int64)
-    pos = np.zeros((b, t_max), dtype=np.int64)
-    tgt = np.zeros((b, t_max), dtype=np.int64)
-    msk = np.zeros((b, t_max), dtype=np.float32)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        lp, lc = len(p), len(c)
-        ids[i, :lp] = p
-        ids[i, lp : lp + lc] = c
-        am[i, : lp + lc] = 1
-        pos[i, :lc] = np.arange(lp - 1, lp + lc - 1)
-        tgt[i, :lc] = c
-        msk[i, :lc] = 1.0
-    t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return Packed(t(ids), t(am), t(pos), t(tgt), t(msk))
 
 
 class _Root(torch.nn.Module):
@@ -152,40 +61,6 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
-def prefix_cache(config: Any) -> Any:
-    """A ``DynamicCache`` for the shared-prefix forward that backward can run through, on every layer kind.
-
-    The config gives hybrids' conv / linear-attention layers their cache kind. transformers updates a
-    linear-attention layer's recurrent state in place (``copy_``, to keep a static address for cudagraphs), but the
-    completions' forward saves that state for backward (qwen3.5's gated delta rule multiplies by it), so backward
-    would fail on a modified tensor: here those layers keep each new state by assignment instead.
-
-    Args:
-        config: the model's config.
-    """
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
-    try:
-        from transformers.cache_utils import LinearAttentionLayer
-    except ImportError:  # transformers without hybrid caches: nothing to replace
-        return cache
-
-    class AssigningLayer(LinearAttentionLayer):
-        """Keeps each recurrent state by assignment (autograd-safe) instead of ``copy_``."""
-
-        def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0,
-                                   **kwargs: Any) -> torch.Tensor:
-            self.recurrent_states[state_idx] = recurrent_states
-            self.is_recurrent_states_initialized[state_idx] = True
-            return recurrent_states
-
-    for i, layer in enumerate(cache.layers):
-        if type(layer) is LinearAttentionLayer:
-            cache.layers[i] = AssigningLayer(number_of_states=layer.number_of_states)
-    return cache
-
-
 def _round_buffers_to_bf16(model: torch.nn.Module, names: Sequence[str]) -> None:
     """Round the published buffers (never trained) to bf16 values once: both planes carry them as bf16 bits, so
     the trainer then computes with exactly what the workers load (lfm2-moe's expert bias picks the experts)."""
@@ -193,12 +68,6 @@ def _round_buffers_to_bf16(model: torch.nn.Module, names: Sequence[str]) -> None
         for name in names:
             b = model.get_buffer(name)
             b.copy_(b.to(torch.bfloat16).to(b.dtype))
-
-
-def _forward_params(module: torch.nn.Module) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(module.forward).parameters)
 
 
 class Policy:
@@ -251,7 +120,7 @@ class Policy:
         """What the published weights hold: the parameters, then the checkpoint's buffers (``buffer_names``)."""
         return {**self.named_parameters(), **{k: self.model.get_buffer(k) for k in self.buffer_names}}
 
-    def logprobs(self, batch: Packed) -> torch.Tensor:
+    def logprobs(self, batch: PackedTensors) -> torch.Tensor:
         """Log-probabilities [B, T] of each token after the prompt under the temperature-scaled policy, 0 off
         ``batch.mask`` (``score(batch).logp``).
 
@@ -260,26 +129,16 @@ class Policy:
         """
         return self.score(batch).logp
 
-    def score(self, batch: Packed, *, hits: bool = False) -> Scores:
-        """Logprobs [B, T] of the masked positions and, with ``hits``, whether the argmax equals the target.
-
-        The LM head runs only on the positions after the prompt, which saves the vocabulary
-        projection of every prompt token.
+    def score(self, batch: PackedTensors, *, hits: bool = False) -> Scores:
+        """Logprobs [B, T] of the masked positions and, with ``hits``, whether the argmax equals the target
+        (``stoa.engines.torch_scoring.score`` through the root, which gathers a sharded model's parameters).
 
         Args:
             batch: a packed micro-batch.
             hits: also return the argmax hits (no gradient).
         """
-        return self.root(functools.partial(self._score, batch=batch, hits=hits))
-
-    def _score(self, lm: Any, *, batch: Packed, hits: bool) -> Scores:
-        decoder = lm.get_decoder()
-        head = lm.get_output_embeddings()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-            idx = batch.pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-            h = torch.gather(hidden, 1, idx)
-            return _scores(head, h, batch.targets, batch.mask, self.temperature, hits)
+        return self.root(functools.partial(score, batch=batch, temperature=self.temperature,
+                                           autocast=self._autocast_dtype(), hits=hits))
 
     def group_logprobs(self, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
                        mask: np.ndarray | None = None) -> torch.Tensor:
@@ -296,12 +155,8 @@ class Policy:
 
     def group_score(self, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
                     mask: np.ndarray | None = None, *, hits: bool = False) -> Scores:
-        """Logprobs [n, t_max] of one group's rows (and argmax hits if asked), running the prompt only once.
-
-        The prompt is forwarded once (with gradient) and its KV cache repeated for the ``n`` rows, which
-        then attend to it; for short rows after a long prompt this cuts the forward/backward FLOPs
-        several-fold. Equal to ``score(pack(...))`` (tested). Every real token is attended to, whatever
-        ``mask`` says: it only selects the positions scored.
+        """Logprobs [n, t_max] of one group's rows (and argmax hits if asked), running the prompt only once
+        (``stoa.engines.torch_scoring.group_score``; equal to ``score`` of the packed rows, tested).
 
         Args:
             prompt: the group's prompt token ids.
@@ -310,36 +165,13 @@ class Policy:
             mask: [n, t_max] float, the positions to score; None: every real token.
             hits: also return the argmax hits (no gradient).
         """
-        return self.root(functools.partial(self._group_score, prompt=prompt, completions=completions, t_max=t_max,
-                                           mask=mask, hits=hits))
+        return self.root(functools.partial(group_score, prompt=prompt, completions=completions, t_max=t_max,
+                                           mask=mask, device=self.device, temperature=self.temperature,
+                                           autocast=self._autocast_dtype(), hits=hits))
 
-    def _group_score(self, lm: Any, *, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
-                     mask: np.ndarray | None, hits: bool) -> Scores:
-        dev, n, plen = self.device, len(completions), len(prompt)
-        decoder = lm.get_decoder()
-        head = lm.get_output_embeddings()
-        comp = np.zeros((n, t_max), dtype=np.int64)
-        real = np.zeros((n, t_max), dtype=np.float32)
-        for i, c in enumerate(completions):
-            comp[i, : len(c)] = c
-            real[i, : len(c)] = 1.0
-        scored = real if mask is None else np.asarray(mask, np.float32) * real
-        comp_t, real_t = torch.from_numpy(comp).to(dev), torch.from_numpy(real).to(dev)
-        kw = {"cache" if "cache" in _forward_params(decoder) else "past_key_values": prefix_cache(lm.config)}
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.autocast):
-            pre = decoder(input_ids=torch.from_numpy(np.asarray(prompt, np.int64))[None].to(dev), use_cache=True, **kw)
-            cache = next(iter(kw.values()))
-            h_last = pre.last_hidden_state[:, -1:, :].expand(n, -1, -1)
-            if t_max > 1:
-                # reorder_cache: every layer kind has it (linear-attention layers lack batch_repeat_interleave)
-                cache.reorder_cache(torch.zeros(n, dtype=torch.long, device=dev))
-                attn = torch.cat([torch.ones((n, plen), dtype=torch.long, device=dev), real_t[:, :-1].long()], dim=1)
-                pos = (plen + torch.arange(t_max - 1, device=dev)).expand(n, -1)
-                rest = decoder(input_ids=comp_t[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True, **kw)
-                hidden = torch.cat([h_last, rest.last_hidden_state], dim=1)
-            else:
-                hidden = h_last
-            return _scores(head, hidden, comp_t, torch.from_numpy(scored).to(dev), self.temperature, hits)
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """bf16 when the forward autocasts (``autocast``), else None."""
+        return torch.bfloat16 if self.autocast else None
 
     def export_f32(self) -> dict[str, np.ndarray]:
         """The master weights as float32 numpy arrays (names as ``named_parameters``), on rank 0 (``{}`` on other

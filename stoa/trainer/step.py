@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from stoa.algorithms import Algorithm, LossInputs, combine_metrics
-from stoa.algorithms.batch import Batch, Packed, Trajectory, build_batch, group_indices, micro_batches, pack
+from stoa.algorithms.batch import Batch, Trajectory, build_batch, group_indices, micro_batches, pack
+from stoa.engines.torch_scoring import Scores, to_device
 from stoa.episodes.collect import episode_metrics
 from stoa.layout import rollout_worker
 from stoa.trainer.dist import SINGLE, Dist, split_groups
-from stoa.trainer.policy import Packed as TorchPacked
-from stoa.trainer.policy import Policy, Scores
+from stoa.trainer.policy import Policy
 from stoa.trainer.pool import Entry, PoolStats
 from stoa.trainer.quarantine import Disagreement, disagreement_values
 from stoa.trainer.recompute_check import RecomputeCheck
@@ -258,19 +258,10 @@ def _forward(policy: Policy, ref: Policy | None, batch: Batch, idx: np.ndarray, 
             fw = Scores(policy.group_logprobs(prompt, comps, batch.width, scored), None)
         with torch.no_grad():
             return fw, ref.group_logprobs(prompt, comps, batch.width, scored) if ref is not None else None
-    packed = _on_device(pack(batch, idx), scored, policy.device)
+    packed = to_device(pack(batch, idx), policy.device, scored)
     with torch.no_grad():
         ref_lp = ref.logprobs(packed) if ref is not None else None
     return (policy.score(packed, hits=True) if echo.hits else Scores(policy.logprobs(packed), None)), ref_lp
-
-
-def _on_device(pk: Packed, scored: np.ndarray, device: torch.device) -> TorchPacked:
-    """The policy's tensors of a packed micro-batch, scoring the positions ``scored`` [b, T] marks."""
-    def long(a: np.ndarray) -> torch.Tensor:
-        return _tensor(a, device).long()
-
-    return TorchPacked(long(pk.input_ids), long(pk.attention_mask), long(pk.pos), long(pk.targets),
-                       _tensor(scored, device))
 
 
 def _loss_inputs(batch: Batch, idx: np.ndarray, fw: Scores, ref_lp: torch.Tensor | None, device: torch.device,

@@ -86,9 +86,10 @@ def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path,
 
     from stoa.bucket import open_bucket
     from stoa.contract import RunContract
+    from stoa.engines.torch_scoring import pack_tensors
     from stoa.layout import contract_key
     from stoa.rollouts.records import RolloutRecord
-    from stoa.trainer.policy import Policy, pack
+    from stoa.trainer.policy import Policy
     from stoa.weights.planes import state_to_f32
     from stoa.weights.sync import WeightSync
 
@@ -103,7 +104,8 @@ def recompute_gap(bucket_url: str, run: str, model_dir: Path, rollouts: Path,
         rec = RolloutRecord.decode(path.read_bytes())
         assert rec.policy_version == version
         t_max = max(s.tokens.size for s in rec.samples)
-        batch = pack([rec.prompt_tokens] * len(rec.samples), [s.tokens for s in rec.samples], t_max, policy.device)
+        batch = pack_tensors([rec.prompt_tokens] * len(rec.samples), [s.tokens for s in rec.samples], t_max,
+                             policy.device)
         with torch.no_grad(), router_margins(policy.model) as margins:
             recomputed = policy.logprobs(batch).numpy()
         for i, s in enumerate(rec.samples):

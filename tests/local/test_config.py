@@ -11,14 +11,9 @@ from stoa.cli import local as cli
 from stoa.cli import main
 from stoa.config import ConfigError, DeprecatedSetting, LocalConfig, load_local_config, overrides_from_args
 from stoa.config.local import resolve_backend
-from stoa.local.preflight import (
-    KNOWN_SHAPES,
-    MemoryPreflightError,
-    ModelShape,
-    check_fit,
-    estimate_memory,
-    preflight,
-)
+from stoa.local.preflight import estimate_memory, fit, preflight
+from stoa.models.memory import MemoryPreflightError
+from stoa.models.shapes import KNOWN_SHAPES, ModelShape
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -189,7 +184,7 @@ def test_refusal_suggests_checkpointing_first():
     cfg = _cfg()
     need = estimate_memory(cfg, QWEN).total_gb
     with_ckpt = estimate_memory(dataclasses.replace(cfg, gradient_checkpointing=True), QWEN).total_gb
-    report = check_fit(cfg, QWEN, available_gb=(need + with_ckpt) / 2, source="test")
+    report = fit(cfg, QWEN, available_gb=(need + with_ckpt) / 2, source="test")
     assert not report.fits and report.knob == "gradient_checkpointing"
     assert "gradient_checkpointing = true" in report.message()
 
@@ -197,20 +192,20 @@ def test_refusal_suggests_checkpointing_first():
 def test_refusal_then_micro_batch_then_group_size_then_length():
     ckpt = _cfg(gradient_checkpointing=True)
     one_row = estimate_memory(dataclasses.replace(ckpt, micro_batch=1), QWEN).total_gb
-    report = check_fit(ckpt, QWEN, available_gb=one_row + 0.01, source="test")
+    report = fit(ckpt, QWEN, available_gb=one_row + 0.01, source="test")
     assert report.knob == "micro_batch"
     small = _cfg(gradient_checkpointing=True, micro_batch=1)
     g2 = estimate_memory(dataclasses.replace(small, n_samples=2), QWEN).total_gb
-    report = check_fit(small, QWEN, available_gb=g2 + 0.01, source="test")
+    report = fit(small, QWEN, available_gb=g2 + 0.01, source="test")
     assert report.knob == "n_samples" and report.suggested is not None and report.suggested.n_samples >= 2
     tiny_budget = estimate_memory(dataclasses.replace(small, n_samples=2, max_new_tokens=16), QWEN).total_gb
-    report = check_fit(dataclasses.replace(small, n_samples=2), QWEN, available_gb=tiny_budget + 0.001,
+    report = fit(dataclasses.replace(small, n_samples=2), QWEN, available_gb=tiny_budget + 0.001,
                        source="t")
     assert report.knob == "max_new_tokens"
 
 
 def test_nothing_fits_names_the_model():
-    report = check_fit(_cfg(quant_bits=16), QWEN, available_gb=0.5, source="test")
+    report = fit(_cfg(quant_bits=16), QWEN, available_gb=0.5, source="test")
     assert report.knob == "model" and "the model alone needs" in report.message()
 
 
@@ -235,7 +230,7 @@ def test_train_refuses_before_any_model_loads(make_cfg, monkeypatch, capsys):
     with pytest.raises(MemoryPreflightError) as e:
         loop.run_local(cfg, echo=lambda _s: None)
     assert e.value.field == "model"  # the runtime alone exceeds 0.3 GB
-    from stoa.local.preflight import shape_for
+    from stoa.models.shapes import shape_for
 
     cfg = dataclasses.replace(make_cfg(), max_new_tokens=400, n_samples=16, groups_per_step=4).validate()
     shape = shape_for(cfg.model)

@@ -12,8 +12,8 @@ from stoa.algorithms import get_algorithm
 from stoa.algorithms.batch import micro_batches
 from stoa.local.loop import make_backend, read_metrics, run_local
 from stoa.local.preflight import adapter_params, estimate_memory
-from stoa.local.shapes import ModelShape, shape_from_dir
 from stoa.local.targets import choose_targets
+from stoa.models.shapes import ModelShape, shape_from_dir
 
 from .conftest import sample_batch
 

@@ -233,7 +233,8 @@ def test_episode_trajectory_turns_and_states():
 def test_preflight_counts_the_episode_length(make_cfg):
     """A multi-turn row is the prompt plus the task's max_total_tokens: over the model's positions is refused
     naming the task option, and the memory estimate grows with it (its knob is the task option)."""
-    from stoa.local.preflight import check_fit, episode_tokens, estimate_memory, preflight, shape_for
+    from stoa.local.preflight import episode_tokens, estimate_memory, fit, preflight
+    from stoa.models.shapes import shape_for
 
     cfg = _cfg(make_cfg, task="walk")
     shape = shape_for(cfg.model)
@@ -249,6 +250,6 @@ def test_preflight_counts_the_episode_length(make_cfg):
     assert estimate_memory(big, shape, total_tokens=256) == as_completion  # the row is prompt + max_total_tokens
     small = dataclasses.replace(big, micro_batch=1, gradient_checkpointing=True, n_samples=2).validate()
     budget = estimate_memory(small, shape, total_tokens=64).total_gb + 1e-4
-    report = check_fit(small, shape, available_gb=budget, source="test", total_tokens=256)
+    report = fit(small, shape, available_gb=budget, source="test", total_tokens=256)
     assert report.knob == "max_total_tokens" and report.suggested is not None
     assert report.suggested.task == "walk:max_total_tokens=64"

@@ -9,9 +9,11 @@ import pytest
 
 from stoa.cli.trainer import memory_report, torchrun_argv, world_size
 from stoa.config import TrainerConfig
-from stoa.local.shapes import KNOWN_SHAPES, ModelShape
-from stoa.trainer import memory
-from stoa.trainer.memory import Budget, MemoryPreflightError, Workload, check_fit, estimate_peak, preflight, workload
+from stoa.models import memory as core
+from stoa.models.memory import MemoryPreflightError
+from stoa.models.shapes import KNOWN_SHAPES, ModelShape
+from stoa.trainer import peak as memory
+from stoa.trainer.peak import Budget, Workload, estimate_peak, fit, preflight, workload
 
 GB = 1e9
 TINY = ModelShape.from_config("tiny", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
@@ -50,7 +52,7 @@ def test_bf16_compute_shrinks_activations_and_halves_the_reference():
 
 
 def test_logits_are_bounded_by_the_chunk():
-    from stoa.trainer.policy import LOGITS_CHUNK_ELEMENTS
+    from stoa.engines.torch_scoring import LOGITS_CHUNK_ELEMENTS
 
     big = estimate_peak(SMOL, Workload(16, 48, 64, False, False))
     assert big.logits == pytest.approx(LOGITS_CHUNK_ELEMENTS * 4 * memory.LOGIT_COPIES / GB)
@@ -59,7 +61,7 @@ def test_logits_are_bounded_by_the_chunk():
 def test_activations_and_logits_by_hand():
     b, s, t = 4, 16, 6
     est = estimate_peak(TINY, Workload(b, s - t, t, False, False))
-    per_layer = b * s * (memory.ACT_H * 64 + memory.ACT_I * 128 + memory.ACT_ATTN * 4 * s) * 4
+    per_layer = b * s * (core.ACT_H * 64 + core.ACT_I * 128 + core.ACT_ATTN * 4 * s) * 4
     assert est.activations == pytest.approx(2 * per_layer * memory.ACT_SCALE / GB)
     assert est.logits == pytest.approx(b * t * 512 * 4 * memory.LOGIT_COPIES / GB)  # completion positions only
     ckpt = estimate_peak(TINY, Workload(b, s - t, t, True, False))
@@ -84,7 +86,7 @@ def _cfg(**kw) -> TrainerConfig:
 
 def _fix(cfg: TrainerConfig, gb: float, *, world: int = 1, max_world: int = 1, cuda: bool = False):
     base = workload(cfg, 128, 128, world, cuda)
-    return check_fit(cfg, SMOL, base, Budget(gb, "test"), max_world=max_world)
+    return fit(cfg, SMOL, base, Budget(gb, "test"), max_world=max_world)
 
 
 def _total(cfg: TrainerConfig, **changes) -> float:

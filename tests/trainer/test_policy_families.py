@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from stoa.algorithms import AlgoConfig, get_algorithm
-from stoa.trainer.policy import Policy, decoder_blocks, pack
+from stoa.engines.torch_scoring import pack_tensors
+from stoa.trainer.policy import Policy, decoder_blocks
 from stoa.trainer.step import train_step
 from tests.test_trainer_step import make_entries
 
@@ -39,7 +40,7 @@ def test_shared_prefix_equals_packed_in_values_and_gradients(model_dir: Path, t_
     prompt = rng.integers(3, 500, 9)
     comps = [rng.integers(3, 500, n) for n in (t_max, 1, max(1, t_max - 2))]
     shared = pol.group_score(prompt, comps, t_max)
-    packed = pol.score(pack([prompt] * len(comps), comps, t_max, CPU))
+    packed = pol.score(pack_tensors([prompt] * len(comps), comps, t_max, CPU))
     torch.testing.assert_close(shared.logp, packed.logp, atol=1e-5, rtol=1e-5)
     g_shared, g_packed = _grads(pol, shared.logp), _grads(pol, packed.logp)
     assert g_shared.keys() == g_packed.keys() and len(g_packed) == len(list(pol.model.parameters()))

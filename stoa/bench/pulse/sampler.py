@@ -74,13 +74,13 @@ class Sampler:
         """
         import torch
 
-        from stoa.trainer.policy import pack
+        from stoa.engines.torch_scoring import pack_tensors
 
         t0 = time.perf_counter()
         rows_p, rows_c, adv = self.sample(policy, step)
         t_sample = time.perf_counter() - t0
         t_max = max(len(c) for c in rows_c)
-        batch = pack(rows_p, rows_c, t_max, policy.device)
+        batch = pack_tensors(rows_p, rows_c, t_max, policy.device)
         logp = policy.logprobs(batch)
         a = torch.tensor(adv, dtype=torch.float32, device=policy.device)
         loss = -(a[:, None] * logp).sum() / batch.mask.sum()

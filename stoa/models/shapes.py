@@ -163,22 +163,6 @@ class ModelShape:
         blocks = sum(self.layer_params(i) for i in range(self.layers))
         return self.vocab * self.hidden * (1 if self.tied else 2) + blocks + self.hidden
 
-    def quantized_params(self, group_size: int) -> int:
-        """Parameters the QLoRA base quantizes: block linears and experts whose input width is a multiple of
-        ``group_size``, never routers (``stoa.local.targets``)."""
-        from stoa.local.targets import is_router
-
-        n = 0
-        for i in range(self.layers):
-            n += sum(a * b for p, (a, b) in self.layer_linears(i).items() if a % group_size == 0 and not is_router(p))
-            n += self.experts * sum(a * b for a, b in self.expert_linears(i).values() if a % group_size == 0)
-        return n
-
-    def quantized_expert_params(self, group_size: int) -> int:
-        """The routed experts' share of :meth:`quantized_params`."""
-        return sum(self.experts * sum(a * b for a, b in self.expert_linears(i).values() if a % group_size == 0)
-                   for i in range(self.layers))
-
     def active_intermediate(self) -> float:
         """MLP width a token runs through, averaged over layers (MoE: top-k experts plus the shared one)."""
         widths = [self.experts_per_tok * self.moe_intermediate + self.shared_intermediate if self.is_moe(i)

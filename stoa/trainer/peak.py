@@ -14,7 +14,7 @@ the compute dtype is the ``dtype`` setting's, bf16 by default on CUDA and on CPU
   times ACT_SCALE; with gradient checkpointing the block inputs (layers x b x S x hidden) plus CKPT_LAYERS
   blocks' worth.
 - logits: the LM head runs only on the completion positions, at most ``LOGITS_CHUNK_ELEMENTS`` of them at once
-  (``stoa.trainer.policy``): min(b x T x vocab, chunk) x 4 bytes, LOGIT_COPIES (2) of them: logits and
+  (``stoa.engines.torch_scoring``): min(b x T x vocab, chunk) x 4 bytes, LOGIT_COPIES (2) of them: logits and
   log-softmax.
 - reference: the frozen reference policy's weights when kl_beta > 0: sharded fp32 with W > 1, stored in the
   compute dtype at W = 1; its forward keeps no activations.
@@ -46,26 +46,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from stoa.config.base import ConfigError
-from stoa.local.shapes import ModelShape
+from stoa.models.memory import GB, Candidate, FitReport, activation_bytes, check_fit, refuse
+from stoa.models.shapes import ModelShape
 
-__all__ = ["Budget", "FitReport", "MemoryPreflightError", "PeakEstimate", "PromptLength", "Workload", "check_fit",
-           "device_budget", "estimate_peak", "is_cuda", "preflight", "prompt_length", "workload"]
+__all__ = ["Budget", "PeakEstimate", "PromptLength", "Workload", "computes_bf16", "device_budget", "estimate_peak",
+           "fit", "is_cuda", "preflight", "prompt_length", "workload"]
 
-GB = 1e9
 RUNTIME_GB = {"cpu": 0.40, "cuda": 1.0}
 """Framework overhead per rank: the process baseline on CPU (measured with the tiny model); the CUDA context and
 cuBLAS workspaces on CUDA (not measured)."""
 STEP_BYTES_PER_PARAM = 4.0
 """Overhead per (sharded) parameter: the optimizer step's temporaries and, on CPU, the heap glibc keeps after
 them; measured on SmolLM2-135M as one fp32 copy of the weights (0.5 GB) above the tiny model's baseline."""
-ACT_H, ACT_I, ACT_ATTN = 10.0, 5.0, 2.0
-"""Saved values per token and layer: ACT_H x hidden + ACT_I x intermediate + ACT_ATTN x heads x S (scores)."""
 ACT_SCALE = 1.05
 """Multiplier on the activation model fitted to the measurements (0.67, 0.73 and 0.40 with checkpointing; the
 larger figure keeps the estimate on the safe side)."""
@@ -133,11 +129,11 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
     """The estimated peak memory of one trainer rank (nothing is loaded).
 
     Args:
-        shape: the model's config.json figures (``stoa.local.shapes.shape_for``).
+        shape: the model's config.json figures (``stoa.models.shapes.shape_for``).
         work: the rank's workload.
     """
     p, w = shape.params(), max(1, work.world_size)
-    from stoa.trainer.policy import LOGITS_CHUNK_ELEMENTS
+    from stoa.engines.torch_scoring import LOGITS_CHUNK_ELEMENTS
 
     cb = 2 if work.bf16 else 4  # compute bytes
     # Activation bytes per value: autocast (one rank) keeps many ops' fp32 inputs next to their bf16 copies
@@ -148,12 +144,8 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
     else:
         gathered = p * cb if work.bf16 else 0
     b, seq, t = work.micro_batch, work.prompt_tokens + work.completion_tokens, work.completion_tokens
-    width = shape.active_intermediate()  # MoE: the top-k experts' width (plus a shared expert) a token runs
-    per_layer = b * seq * (ACT_H * shape.hidden + ACT_I * width + ACT_ATTN * shape.heads * seq) * ab
-    if work.gradient_checkpointing:
-        acts = shape.layers * b * seq * shape.hidden * ab + min(CKPT_LAYERS, shape.layers) * per_layer
-    else:
-        acts = shape.layers * per_layer
+    acts = activation_bytes(shape, b, seq, ab, checkpointing=work.gradient_checkpointing,
+                            checkpoint_blocks=CKPT_LAYERS)
     return PeakEstimate(
         parameters=(p * 4 / w + gathered) / GB, gradients=p * 4 / w / GB, optimizer=p * 8 / w / GB,
         activations=acts * ACT_SCALE / GB,
@@ -276,56 +268,6 @@ def prompt_length(task: Any, model_dir: Path | None, n: int = 256) -> PromptLeng
                         f"longest of {len(prompts)} held-out prompts")
 
 
-class MemoryPreflightError(ConfigError):
-    """The estimate exceeds the memory per rank; ``field`` names the knob that would make it fit."""
-
-
-class Fix(NamedTuple):
-    """A change that makes the estimate fit: the field, its flag(s), and the estimate after it."""
-
-    knob: str
-    flags: str
-    estimate: PeakEstimate
-    available_gb: float
-
-
-@dataclass(frozen=True)
-class FitReport:
-    """The estimate of a config against the memory per rank, and the preferred fix when it does not fit."""
-
-    estimate: PeakEstimate
-    work: Workload
-    budget: Budget
-    fix: Fix | None = None
-
-    @property
-    def available_gb(self) -> float:
-        """GB one rank may use."""
-        return self.budget.per_rank(self.work.world_size)
-
-    @property
-    def fits(self) -> bool:
-        """Whether the estimate is within the memory per rank."""
-        return self.estimate.total <= self.available_gb
-
-    def message(self) -> str:
-        """One line: the estimate against the memory per rank, and the fix when it does not fit."""
-        head = (f"estimated peak memory per rank {self.estimate.total:.2f} GB at {self.work.world_size} rank(s), "
-                f"{self.available_gb:.2f} GB per rank ({self.budget.source})")
-        if self.fits:
-            return head + ": fits"
-        if self.fix is None:
-            return (head + ": does not fit even at micro-batch 1 with gradient checkpointing, no reference and "
-                    "the most ranks here; use more GPUs or a smaller model (--no-preflight skips this check)")
-        return head + f": does not fit; {self.fix.flags} would ({self.fix.estimate.total:.2f} GB)"
-
-
-class _Try(NamedTuple):
-    knob: str
-    flags: str
-    work: Workload
-
-
 def _halvings(value: int) -> list[int]:
     out, v = [], value // 2
     while v >= 1:
@@ -334,52 +276,34 @@ def _halvings(value: int) -> list[int]:
     return out
 
 
-def _candidates(cfg: Any, base: Workload, max_world: int) -> list[_Try]:
-    """Single changes in order of preference: a smaller micro-batch, gradient checkpointing, more ranks, no
-    reference."""
-    out = []
-    if not (getattr(cfg, "shared_prefix", False) and not cfg.gradient_checkpointing):  # else one group per pass
-        out += [_Try("micro_batch", f"--micro-batch {m}", base._replace(micro_batch=m))
-                for m in _halvings(base.micro_batch)]
-    if not cfg.gradient_checkpointing:
-        ckpt = workload(dataclasses.replace(cfg, gradient_checkpointing=True), base.prompt_tokens,
-                        base.completion_tokens, base.world_size, base.cuda)
-        out.append(_Try("gradient_checkpointing", "--gradient-checkpointing", ckpt._replace(reference=base.reference)))
-    w = base.world_size * 2
-    while w <= max_world:
-        out.append(_Try("nproc", f"--nproc {w}", base._replace(world_size=w)))
-        w *= 2
-    if base.reference:
-        out.append(_Try("kl_beta", "--kl-beta 0", base._replace(reference=False)))
-    return out
+def _knobs(cfg: Any, max_world: int) -> Any:
+    """Workload -> each knob's settings in order of preference: a smaller micro-batch, gradient checkpointing,
+    more ranks (doubling up to ``max_world``), no reference."""
+    shared = getattr(cfg, "shared_prefix", False) and not cfg.gradient_checkpointing  # one group per pass
+
+    def knobs(w: Workload) -> list[list[Candidate[Workload]]]:
+        micro = [] if shared else [Candidate("micro_batch", f"--micro-batch {m}", w._replace(micro_batch=m))
+                                   for m in _halvings(w.micro_batch)]
+        rows = cfg.groups_per_step * cfg.n_samples  # checkpointing ends a shared-prefix run's one group per pass
+        ckpt = [] if w.gradient_checkpointing else [Candidate(
+            "gradient_checkpointing", "--gradient-checkpointing",
+            w._replace(gradient_checkpointing=True,
+                       micro_batch=min(cfg.micro_batch or rows, rows) if shared else w.micro_batch))]
+        ranks, n = [], w.world_size * 2
+        while n <= max_world:
+            ranks.append(Candidate("nproc", f"--nproc {n}", w._replace(world_size=n)))
+            n *= 2
+        kl = [Candidate("kl_beta", "--kl-beta 0", w._replace(reference=False))] if w.reference else []
+        return [micro, ckpt, ranks, kl]
+
+    return knobs
 
 
-def _combined(tries: list[_Try], base: Workload, fits: Callable[[Workload], bool]) -> _Try | None:
-    """Knobs together, in order: each at its first setting that fits with the ones before, else its strongest."""
-    by_knob: dict[str, list[_Try]] = {}
-    for t in tries:
-        by_knob.setdefault(t.knob, []).append(t)
-    work, flags = base, []
-    for group in by_knob.values():
-        moved = [t._replace(work=work._replace(**_changes(t.work, base))) for t in group]
-        pick = next((t for t in moved if fits(t.work)), moved[-1])
-        work = pick.work
-        flags.append(pick.flags)
-        if fits(work):
-            return _Try(next(iter(by_knob)), " ".join(flags), work) if len(flags) > 1 else None
-    return None
-
-
-def _changes(work: Workload, base: Workload) -> dict[str, Any]:
-    """The fields of ``work`` that differ from ``base``."""
-    return {f: getattr(work, f) for f in Workload._fields if getattr(work, f) != getattr(base, f)}
-
-
-def check_fit(cfg: Any, shape: ModelShape, base: Workload, budget: Budget, max_world: int = 8) -> FitReport:
-    """Estimate ``base`` and, when it does not fit, find the preferred change that does (each re-estimated).
-
-    Single changes are tried in order: a smaller micro-batch (the largest that fits), gradient checkpointing,
-    more ranks (up to ``max_world``), kl_beta 0; then all of them at their strongest together.
+def fit(cfg: Any, shape: ModelShape, base: Workload, budget: Budget, max_world: int = 8
+        ) -> FitReport[Workload, PeakEstimate]:
+    """Estimate ``base`` against the memory per rank and, when it does not fit, find the preferred change
+    (``stoa.models.memory.check_fit``): a smaller micro-batch (the largest that fits), gradient checkpointing,
+    more ranks (up to ``max_world``), kl_beta 0; then the knobs together.
 
     Args:
         cfg: the trainer config ``base`` was built from (``workload``).
@@ -388,30 +312,20 @@ def check_fit(cfg: Any, shape: ModelShape, base: Workload, budget: Budget, max_w
         budget: the memory per rank (``device_budget``).
         max_world: the most ranks a fix may name.
     """
-    est = estimate_peak(shape, base)
-    report = FitReport(est, base, budget)
-    if report.fits:
-        return report
-    def fits(w: Workload) -> bool:
-        return estimate_peak(shape, w).total <= budget.per_rank(w.world_size)
-
-    tries = _candidates(cfg, base, max_world)
-    fix = next((t for t in tries if fits(t.work)), None) or _combined(tries, base, fits)
-    if fix is None:
-        return report
-    return FitReport(est, base, budget, Fix(fix.knob, fix.flags, estimate_peak(shape, fix.work),
-                                            budget.per_rank(fix.work.world_size)))
+    return check_fit(base, lambda w: estimate_peak(shape, w), lambda w: budget.per_rank(w.world_size),
+                     _knobs(cfg, max_world), source=budget.source, scope=f" per rank ({base.world_size} rank(s))",
+                     dead_end="not even at micro-batch 1 with gradient checkpointing, no reference and the most ranks "
+                              "here; use more GPUs or a smaller model (--no-preflight skips this check)")
 
 
-def preflight(cfg: Any, report: FitReport) -> None:
+def preflight(cfg: Any, report: FitReport[Workload, PeakEstimate]) -> None:
     """Raise when the estimate does not fit and ``cfg.preflight`` is on.
 
     Args:
         cfg: the trainer config.
-        report: its ``check_fit``.
+        report: its ``fit``.
 
     Raises:
         MemoryPreflightError: naming the knob of the fix (``preflight`` when none fits).
     """
-    if cfg.preflight and not report.fits:
-        raise MemoryPreflightError(report.fix.knob if report.fix else "preflight", report.message())
+    refuse(report, cfg.preflight)
