@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 STOA = ROOT / "stoa"
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"stoa", "layout", "untrusted", "machine", "stopflag", "tokenize", "models"}),
-    frozenset({"bucket", "weights", "rollouts", "contract", "lifecycle", "records", "record_header"}),
+    frozenset({"stoa", "layout", "untrusted", "schemas", "machine", "stopflag", "tokenize", "models"}),
+    frozenset({"bucket", "weights", "rollouts", "contract", "lifecycle"}),
     frozenset({"tasks", "envs", "algorithms", "retrieval", "taskdata"}),
     frozenset({"config"}),
     frozenset({"engines", "episodes", "metrics", "trackers", "preflight"}),

@@ -11,10 +11,11 @@ import pytest
 from stoa.bench.flood import FloodSettings, simulate
 from stoa.bucket import open_bucket
 from stoa.layout import presence_key, presence_prefix, status_key
-from stoa.lifecycle import JOIN_WAIT_S, PRESENCE_S, RunWatch, draw, share
+from stoa.lifecycle import PRESENCE_S
 from stoa.schemas.control import MAX_STATUS_BYTES, RunStatus
-from stoa.trainer.lifecycle import StatusPublisher
+from stoa.trainer.demand import StatusPublisher
 from stoa.trainer.liveness import LiveWorkers
+from stoa.worker.pacing import JOIN_WAIT_S, RunWatch, draw, share
 
 
 class Clock:

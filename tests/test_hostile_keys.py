@@ -23,7 +23,7 @@ from stoa.layout import (
     rollouts_prefix,
 )
 from stoa.metrics import read_bucket_metrics
-from stoa.trainer.lifecycle import RolloutRetention
+from stoa.trainer.demand import RolloutRetention
 from tests.bucket.conftest import (  # noqa: F401 (fixtures)
     MOTO_SECRET,
     SEAWEED_KEY,

@@ -15,13 +15,14 @@ from stoa.bucket import BucketUnreachable, open_bucket
 from stoa.config import TrainerConfig, WorkerConfig, load_config
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import contract_key, metrics_prefix, rollouts_prefix, status_key
-from stoa.lifecycle import RunWatch, read_status
+from stoa.lifecycle import read_status
 from stoa.metrics import read_bucket_metrics, read_metrics
 from stoa.models import model_fingerprint
 from stoa.schemas.control import RunStatus
-from stoa.trainer.lifecycle import wanted_groups
+from stoa.trainer.demand import wanted_groups
 from stoa.weights.planes import state_from_f32
 from stoa.weights.publish import WeightPublisher
+from stoa.worker.pacing import RunWatch
 
 
 def put_status(bucket, state="running", wanted: int | None = 4, beat=100.0, step_s=0.0, run="r"):
@@ -241,7 +242,7 @@ def test_a_worker_paused_by_backpressure_uploads_nothing_until_the_trainer_wants
 
 
 def test_an_idle_trainer_lists_less_often_the_longer_nothing_lands():
-    from stoa.trainer.lifecycle import poll_delay
+    from stoa.trainer.demand import poll_delay
 
     assert [poll_delay(0.5, k) for k in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]  # capped at 5 s
     assert poll_delay(0.2, 50) == pytest.approx(2.0)  # 10x a short poll: tests stay quick

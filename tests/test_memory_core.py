@@ -1,4 +1,4 @@
-"""The memory preflight's core (``stoa.models.memory``): the search both modes share, its report and refusal, and
+"""The memory preflight's core (``stoa.config.memory``): the search both modes share, its report and refusal, and
 the shared activation model; plus the trainer's checkpointing fix keeping its compute dtype."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from stoa.config import TrainerConfig
-from stoa.models.memory import (
+from stoa.config.memory import (
     ACT_ATTN,
     ACT_H,
     ACT_I,

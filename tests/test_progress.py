@@ -11,7 +11,7 @@ import pytest
 from stoa.bucket import open_bucket
 from stoa.lifecycle import read_status
 from stoa.schemas.control import RunStatus
-from stoa.trainer.lifecycle import StatusPublisher, UniformSkips, wanted_groups
+from stoa.trainer.demand import StatusPublisher, UniformSkips, wanted_groups
 from stoa.trainer.loop import _Trainer
 from stoa.trainer.steplog import Progress, StepClock
 

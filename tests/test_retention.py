@@ -6,7 +6,7 @@ import pytest
 
 from stoa.bucket import BucketUnreachable, open_bucket
 from stoa.layout import rollout_key, rollout_version_prefix, rollouts_prefix
-from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher
+from stoa.trainer.demand import RolloutRetention, StatusPublisher
 
 
 class Spy:

@@ -311,7 +311,7 @@ def _step(pool: Any, metered: MeteredBucket, fleet: Fleet, start: float, version
           args: argparse.Namespace) -> StepFigures:
     """One trainer-loop step: refresh (and wait between polls as the trainer does) until a batch is there, take
     it, train for ``step_seconds``; the clock also advances by the intake's measured seconds."""
-    from stoa.trainer.lifecycle import poll_delay
+    from stoa.trainer.demand import poll_delay
 
     f, now, empty = StepFigures(), start, 0
     while True:

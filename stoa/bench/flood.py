@@ -1,7 +1,7 @@
 """Backpressure flood benchmark: N workers against one trainer; how many groups they write per group trained.
 
 Everything that paces the fleet is the real code on a local bucket: each worker reads the run status and
-decides through :class:`stoa.lifecycle.RunWatch` (its share of the want, presence objects, pauses), the trainer
+decides through :class:`stoa.worker.pacing.RunWatch` (its share of the want, presence objects, pauses), the trainer
 ingests with the real ``RecordPool`` (valid records of the tiny model's codec), publishes ``wanted_groups`` and
 the live-worker count with the real ``StatusPublisher`` and deletes old rollouts with ``RolloutRetention``.
 Sampling and training are simulated on one clock (a discrete-event simulation, no sleeping): a worker's batch
@@ -24,7 +24,7 @@ from typing import Any
 
 from stoa.bucket import Bucket, open_bucket
 from stoa.layout import presence_prefix, rollouts_prefix
-from stoa.lifecycle import RunWatch
+from stoa.worker.pacing import RunWatch
 
 EPOCH = 1.7e9
 """Wall time of the simulation's second 0 (the status stores wall times)."""
@@ -173,7 +173,7 @@ def simulate(s: FloodSettings, bucket_dir: Path) -> FloodFigures:
         bucket_dir: an empty directory.
     """
     from stoa.bench.fleet import RecordMaker, make_run
-    from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, poll_delay, wanted_groups
+    from stoa.trainer.demand import RolloutRetention, StatusPublisher, poll_delay, wanted_groups
     from stoa.trainer.pool import RecordPool
 
     run = make_run("toy")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from stoa.config import ConfigError, TrainerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
 
 if TYPE_CHECKING:
-    from stoa.models.memory import FitReport
+    from stoa.config.memory import FitReport
     from stoa.models.shapes import ModelShape
     from stoa.trainer.peak import PeakEstimate, PromptLength, Workload
 

@@ -20,9 +20,8 @@ from stoa.contract import ContractMismatch, RunContract, RunNotFound, digest_hex
 from stoa.episodes.evaluation import evaluate_heldout
 from stoa.episodes.task_tools import open_task_tools
 from stoa.evaluator.chain import ChainRefused, at_version, chain_hashes, rebase
-from stoa.evaluator.heartbeat import write_heartbeat
 from stoa.layout import contract_key
-from stoa.lifecycle import read_status
+from stoa.lifecycle import read_status, write_heartbeat
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir, read_bucket_metrics
 from stoa.trackers import open_trackers
 from stoa.weights.errors import SyncError

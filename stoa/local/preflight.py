@@ -9,8 +9,8 @@ from typing import Any
 
 from stoa.config import ConfigError
 from stoa.config.local import LocalConfig, resolve_backend
+from stoa.config.memory import GB, Candidate, FitReport, activation_bytes, check_fit, refuse
 from stoa.local.targets import choose_targets, is_router
-from stoa.models.memory import GB, Candidate, FitReport, activation_bytes, check_fit, refuse
 from stoa.models.shapes import ModelShape
 from stoa.tasks import parse_task_spec
 
@@ -239,7 +239,7 @@ def _with_task_option(cfg: LocalConfig, name: str, value: int) -> LocalConfig:
 def fit(cfg: LocalConfig, shape: ModelShape, available_gb: float | None = None, source: str = "",
         total_tokens: int | None = None) -> FitReport[LocalConfig, Estimate]:
     """Estimate and, when it does not fit, find the knob most likely to make it fit
-    (``stoa.models.memory.check_fit``).
+    (``stoa.config.memory.check_fit``).
 
     Knobs are tried in order, each alone: gradient checkpointing, then the micro-batch (it does not change
     the update), then the group size G, then the completion length (a multi-turn task's ``max_total_tokens``

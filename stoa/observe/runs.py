@@ -256,7 +256,8 @@ def render(listing: RunListing) -> str:
     Args:
         listing: the runs.
     """
-    from stoa.observe.status import age, size
+    from stoa.lifecycle import age
+    from stoa.observe.status import size
 
     head = ("RUN", "STATE", "VERSION", "AGE", "SIZE", "OBJECTS", "MODEL")
     rows = [(printable(r.run)[:64], r.state, UNKNOWN if r.version is None else str(r.version), age(r.age_s),

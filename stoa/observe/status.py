@@ -4,30 +4,13 @@ from __future__ import annotations
 
 import time
 
+from stoa.lifecycle import age
 from stoa.observe.aggregate import WorkerView
 from stoa.observe.snapshot import Snapshot
 from stoa.observe.spark import bar, sparkline
 
 LABEL = 11
 """Width of the left column."""
-
-
-def age(seconds: float | None) -> str:
-    """A duration as ``12s``, ``4m05s``, ``3h20m`` or ``2d03h`` (``?`` when unknown; negative: clock skew).
-
-    Args:
-        seconds: the duration.
-    """
-    if seconds is None:
-        return "?"
-    sign, s = ("-" if seconds < 0 else ""), int(abs(seconds))
-    if s < 60:
-        return f"{sign}{s}s"
-    if s < 3600:
-        return f"{sign}{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{sign}{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{sign}{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def size(n: int) -> str:

@@ -79,7 +79,7 @@ class Sample:
     finish_reason: str
     """``stop`` (EOS) or ``length`` (hit max_new_tokens)."""
     roles: np.ndarray | None = None
-    """``stoa.rollouts.episode.ROLE_*`` of each token, uint8 [T]; None: every token is an action (a version-1 sample)."""
+    """``stoa.rollouts.episode.ROLE_*`` of each token, uint8 [T]; None: every token is an action (version-1)."""
     turn_starts: list[int] = field(default_factory=list)
     """Index of each model turn's first token (multi-turn samples; empty for single-turn ones)."""
     calls: list[ToolCall] = field(default_factory=list)

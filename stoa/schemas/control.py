@@ -201,7 +201,7 @@ class LeaseRecord:
 
 @dataclass(frozen=True)
 class EvaluatorHeartbeat:
-    """What ``evaluator.json`` holds (``stoa.evaluator.heartbeat``).
+    """What ``evaluator.json`` holds (``stoa.lifecycle``).
 
     Args:
         time: unix time of this write (the evaluator's clock).

@@ -16,9 +16,9 @@ from stoa.stopflag import StopFlag
 from stoa.trackers import open_trackers, sample_completions
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.cadence import CheckpointCadence
+from stoa.trainer.demand import RolloutRetention, StatusPublisher, UniformSkips, poll_delay, wanted_groups
 from stoa.trainer.dist import SINGLE, Dist
 from stoa.trainer.lease import FencedBucket, Lease
-from stoa.trainer.lifecycle import RolloutRetention, StatusPublisher, UniformSkips, poll_delay, wanted_groups
 from stoa.trainer.overlap import Background, Done
 from stoa.trainer.pool import Entry, RecordPool
 from stoa.trainer.quarantine import Quarantine
@@ -413,7 +413,7 @@ class _Trainer:
     def evaluator_running(self) -> bool:
         """Whether a follow-along evaluator (``stoa eval --follow``) beats on this run: the periodic evals are
         then its job (the trainer keeps its before/after evals)."""
-        from stoa.evaluator import evaluator_present
+        from stoa.lifecycle import evaluator_present
 
         try:
             return evaluator_present(self.bucket, self.cfg.run, EVALUATOR_MAX_AGE_S)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from stoa.models.memory import GB, Candidate, FitReport, activation_bytes, check_fit, refuse
+from stoa.config.memory import GB, Candidate, FitReport, activation_bytes, check_fit, refuse
 from stoa.models.shapes import ModelShape
 
 __all__ = ["Budget", "PeakEstimate", "PromptLength", "Workload", "computes_bf16", "device_budget", "estimate_peak",
@@ -302,7 +302,7 @@ def _knobs(cfg: Any, max_world: int) -> Any:
 def fit(cfg: Any, shape: ModelShape, base: Workload, budget: Budget, max_world: int = 8
         ) -> FitReport[Workload, PeakEstimate]:
     """Estimate ``base`` against the memory per rank and, when it does not fit, find the preferred change
-    (``stoa.models.memory.check_fit``): a smaller micro-batch (the largest that fits), gradient checkpointing,
+    (``stoa.config.memory.check_fit``): a smaller micro-batch (the largest that fits), gradient checkpointing,
     more ranks (up to ``max_world``), kl_beta 0; then the knobs together.
 
     Args:

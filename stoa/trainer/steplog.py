@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stoa.layout import rollout_label
-from stoa.observe.status import age
+from stoa.lifecycle import age
 from stoa.trainer.pool import Entry, PoolStats
 from stoa.trainer.setup import reward_stats
 from stoa.trainer.step import episode_figures

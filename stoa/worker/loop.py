@@ -21,10 +21,10 @@ from stoa.engines import make_engine as build_engine
 from stoa.episodes.collect import episode_sample, sample_episode_batch
 from stoa.episodes.task_tools import open_task_tools
 from stoa.layout import rollout_key
-from stoa.lifecycle import RunWatch, Verdict
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.trackers import open_trackers
+from stoa.worker.pacing import RunWatch, Verdict
 from stoa.worker.syncing import published_at as _published_at
 from stoa.worker.syncing import sync_weights as _sync
 

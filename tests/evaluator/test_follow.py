@@ -14,9 +14,9 @@ from safetensors.numpy import load_file
 from stoa.bucket import Bucket, open_bucket
 from stoa.cli import main
 from stoa.contract import ModelSpec, RunContract, SamplingSpec, upload_model_files
-from stoa.evaluator import EvalConfig, evaluated_versions, evaluator_present, read_heartbeat, run_evaluator
-from stoa.evaluator.heartbeat import write_heartbeat
+from stoa.evaluator import EvalConfig, evaluated_versions, run_evaluator
 from stoa.layout import contract_key, evaluator_key, patch_key, status_key
+from stoa.lifecycle import evaluator_present, read_heartbeat, write_heartbeat
 from stoa.metrics import read_bucket_metrics
 from stoa.models import model_fingerprint
 from stoa.schemas.control import RunStatus
@@ -149,7 +149,7 @@ def test_the_trainer_leaves_periodic_evals_to_a_live_evaluator(tmp_path) -> None
     from types import SimpleNamespace
 
     from stoa.bucket import open_bucket
-    from stoa.evaluator import write_heartbeat
+    from stoa.lifecycle import write_heartbeat
     from stoa.trainer.loop import _Trainer
 
     bucket = open_bucket(str(tmp_path / "b"))
@@ -163,7 +163,7 @@ def test_the_trainer_leaves_periodic_evals_to_a_live_evaluator(tmp_path) -> None
 
 def test_a_trainer_with_a_live_evaluator_keeps_only_its_first_eval(tmp_path, stoa_cache) -> None:
     from stoa.config import TrainerConfig, WorkerConfig, load_config
-    from stoa.evaluator import write_heartbeat
+    from stoa.lifecycle import write_heartbeat
     from stoa.metrics import read_bucket_metrics
     from stoa.trainer.loop import run_trainer
     from stoa.worker.loop import run_worker

@@ -11,8 +11,8 @@ from stoa.cli import local as cli
 from stoa.cli import main
 from stoa.config import ConfigError, DeprecatedSetting, LocalConfig, load_local_config, overrides_from_args
 from stoa.config.local import resolve_backend
+from stoa.config.memory import MemoryPreflightError
 from stoa.local.preflight import estimate_memory, fit, preflight
-from stoa.models.memory import MemoryPreflightError
 from stoa.models.shapes import KNOWN_SHAPES, ModelShape
 
 
