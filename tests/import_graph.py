@@ -39,7 +39,7 @@ class Import:
 
     Args:
         source: the importing module (``stoa.trainer.loop``).
-        target: an internal module's dotted name, or the top-level name of an outside package (``torch``).
+        target: the dotted name of the module imported (internal: the deepest module of ``stoa`` it names).
         line: the statement's line in the source module.
         lazy: whether the statement sits inside a function.
         internal: whether ``target`` is a module of ``stoa``.
@@ -115,7 +115,7 @@ def _targets(source: str, is_package: bool, node: ast.Import | ast.ImportFrom, k
     out = []
     for name in names:
         if name.split(".")[0] != "stoa":
-            out.append(name.split(".")[0])
+            out.append(name)
             continue
         while name not in known:
             name = name.rpartition(".")[0]
@@ -146,9 +146,22 @@ def base_dependencies(pyproject: Path = ROOT / "pyproject.toml") -> frozenset[st
     return frozenset(n.replace("-", "_") for n in names)
 
 
-def is_optional(package: str, base: frozenset[str]) -> bool:
-    """An outside package that is neither the standard library nor a base dependency."""
-    return package not in sys.stdlib_module_names and package not in base and package != "__future__"
+def is_optional(module: str, base: frozenset[str]) -> bool:
+    """An outside module that is neither the standard library nor a base dependency, or a base dependency's
+    module for a framework that is not one (``safetensors.torch`` loads torch).
+
+    Args:
+        module: the dotted name imported (``torch``, ``safetensors.torch``, ``json``).
+        base: the import names of the base dependencies.
+    """
+    top, *rest = module.split(".")
+    if top == "__future__" or top in sys.stdlib_module_names:
+        return False
+    return top not in base or any(part in FRAMEWORKS for part in rest)
+
+
+FRAMEWORKS = frozenset({"torch", "mlx", "jax", "flax", "tensorflow", "paddle", "transformers"})
+"""Names of heavy frameworks that a light package's submodule may load (``safetensors.torch``)."""
 
 
 def _ancestors(module: str) -> Iterable[str]:

@@ -192,4 +192,6 @@ def test_base_dependencies_are_the_project_dependencies():
     assert {"numpy", "safetensors", "xxhash", "zstandard", "tokenizers"} <= import_graph.base_dependencies()
     assert not import_graph.is_optional("numpy", import_graph.base_dependencies())
     assert import_graph.is_optional("torch", import_graph.base_dependencies())
+    assert import_graph.is_optional("safetensors.torch", import_graph.base_dependencies())
+    assert not import_graph.is_optional("safetensors.numpy", import_graph.base_dependencies())
     assert not import_graph.is_optional("json", import_graph.base_dependencies())
