@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
 
 from stoa.bucket import Bucket, ObjectNotFound
 from stoa.contract import RunContract, download_model_files
@@ -161,7 +162,6 @@ def checkpoint_tensors(bucket: Bucket, run_id: str) -> tuple[int, dict[str, Any]
     Returns:
         (the version the checkpoint is at, name -> float32 torch tensor).
     """
-    from safetensors import safe_open
 
     from stoa.trainer.checkpoint import checkpoint_params
 

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from stoa.bucket import BucketError, ObjectExists, ObjectNotFound
+from stoa.layout import metrics_chunk_key, metrics_prefix, parse_metrics_chunk_key
 from stoa.schemas.rows import MAX_ROW_BYTES, MetricsRow
+from stoa.trackers import TrackerSet
 
 if TYPE_CHECKING:
     from stoa.trackers import Completion, Tracker
@@ -37,7 +40,6 @@ class MetricsWriter:
 
     def __init__(self, path: str | Path, run_name: str = "stoa", sink: BucketMetrics | None = None,
                  trackers: Iterable[Tracker] = ()):
-        from stoa.trackers import TrackerSet
 
         self.path, self.run_name = Path(path), run_name
         self.sink = sink
@@ -135,8 +137,6 @@ class BucketMetrics:
 
     def flush(self) -> bool:
         """Upload the buffered rows as the next chunk; return whether they landed (or there were none)."""
-        from stoa.bucket import BucketError, ObjectExists
-        from stoa.layout import metrics_chunk_key
 
         if not self.rows:
             return True
@@ -231,7 +231,6 @@ def read_chunk(bucket: Any, key: str, max_bytes: int = MAX_CHUNK_BYTES) -> Chunk
         key: the chunk's key.
         max_bytes: largest chunk read.
     """
-    from stoa.bucket import ObjectNotFound
 
     try:
         data = bucket.get_range(key, 0, max_bytes + 1)
@@ -256,7 +255,6 @@ def read_sourced_chunks(bucket: Any, run_id: str, source: str | None = None, *,
         max_chunk_bytes: largest chunk read.
         counts: where the skipped chunks and lines are added up (optional).
     """
-    from stoa.layout import metrics_prefix, parse_metrics_chunk_key
 
     counts = counts if counts is not None else ReadCounts()
     chunks = []
@@ -323,7 +321,6 @@ def default_log_dir(bucket_url: str, run_id: str, explicit: str = "") -> Path:
         return Path(explicit)
     if "://" not in bucket_url or bucket_url.startswith("file://"):
         root = bucket_url[len("file://"):] if bucket_url.startswith("file://") else bucket_url
-        from stoa.layout import metrics_prefix
 
         return Path(root) / metrics_prefix(run_id)
     return Path("stoa-logs") / run_id

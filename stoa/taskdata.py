@@ -32,6 +32,8 @@ from typing import Any
 from stoa.bucket import Bucket, ObjectExists, ObjectNotFound
 from stoa.contract import ContractMismatch
 from stoa.layout import task_data_key
+from stoa.models.registry import default_cache_dir
+from stoa.tasks import TASKS
 
 __all__ = [
     "REF_PREFIX",
@@ -123,7 +125,6 @@ def file_options(task_id: str) -> tuple[str, ...]:
     Args:
         task_id: a task name (``gsm8k``).
     """
-    from stoa.tasks import TASKS
 
     cls = TASKS.get(task_id)
     return tuple(getattr(cls, "FILE_OPTIONS", ())) if cls is not None else ()
@@ -131,7 +132,6 @@ def file_options(task_id: str) -> tuple[str, ...]:
 
 def _hub_options(task_id: str) -> tuple[str, ...]:
     """The options of a registered task that name a hub dataset (``HUB_OPTIONS``; ``()`` for none)."""
-    from stoa.tasks import TASKS
 
     return tuple(getattr(TASKS.get(task_id), "HUB_OPTIONS", ()))
 
@@ -209,7 +209,6 @@ def upload_task_files(bucket: Bucket, run_id: str, files: Sequence[TaskFile]) ->
 
 def task_data_cache() -> Path:
     """Where downloaded task files are kept: ``$STOA_CACHE/task-data`` (default ``~/.cache/stoa/task-data``)."""
-    from stoa.models.registry import default_cache_dir
 
     return default_cache_dir() / "task-data"
 

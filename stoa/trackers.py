@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from stoa.config.base import report_to_names
+from stoa.layout import tracker_key
 from stoa.schemas.control import TrackerHandle
 
 log = logging.getLogger(__name__)
@@ -248,7 +250,6 @@ class _IdStore:
     """Where the owner keeps its W&B run handle: the bucket's tracker key, else a file in the log dir."""
 
     def __init__(self, bucket: Any, run_id: str, log_dir: str | Path) -> None:
-        from stoa.layout import tracker_key
 
         self.bucket, self.key = bucket, tracker_key(run_id, "wandb")
         self.path = Path(log_dir) / "trackers" / "wandb.json"
@@ -317,7 +318,6 @@ def open_trackers(names: Iterable[str] | str, *, run_id: str, source: str, bucke
         log_dir: the process's metrics directory (TensorBoard writes under ``<log_dir>/tensorboard/``).
         config: the process's config, stored with the W&B run.
     """
-    from stoa.config.base import report_to_names
 
     wanted = report_to_names(names) if isinstance(names, str) else list(names)
     trackers: list[Tracker] = []

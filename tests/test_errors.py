@@ -65,7 +65,7 @@ def _fake_worker(seen: list):
 def test_worker_says_at_once_that_the_directory_is_missing_and_never_creates_it(tmp_path, monkeypatch,
                                                                                 capsys) -> None:
     seen: list = []
-    monkeypatch.setattr("stoa.worker.loop.run_worker", _fake_worker(seen))
+    monkeypatch.setattr("stoa.cli.worker.run_worker", _fake_worker(seen))
     missing = tmp_path / "nope"
     code = main(["worker", "--bucket", str(missing), "--run", "r", "--wait-seconds", "0.3", "--poll-seconds", "0.05"])
     out, err = capsys.readouterr()
@@ -81,7 +81,7 @@ def test_worker_goes_on_once_the_trainer_creates_the_directory(tmp_path, monkeyp
     import threading
 
     seen: list = []
-    monkeypatch.setattr("stoa.worker.loop.run_worker", _fake_worker(seen))
+    monkeypatch.setattr("stoa.cli.worker.run_worker", _fake_worker(seen))
     later = tmp_path / "later"
     threading.Timer(1.0, later.mkdir).start()  # after the first check, even on a loaded machine
     assert main(["worker", "--bucket", str(later), "--run", "r", "--wait-seconds", "30", "--poll-seconds", "0.05"]) == 0
@@ -101,7 +101,7 @@ def test_unknown_model_lists_the_names_on_one_line(tmp_path, capsys) -> None:
 
 def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch, capsys) -> None:
     seen: list = []
-    monkeypatch.setattr("stoa.worker.loop.run_worker", _fake_worker(seen))
+    monkeypatch.setattr("stoa.cli.worker.run_worker", _fake_worker(seen))
     assert main(["worker", "--bucket", str(tmp_path), "--run", "r", "--model", "tiny"]) == 0
     assert len(seen) == 1 and (stoa_cache / "models" / "tiny-llama").samefile(seen[0].model)
 

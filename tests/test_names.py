@@ -129,7 +129,7 @@ def test_eval_flags_are_eval_n_and_eval_k_with_the_old_ones_kept(monkeypatch, ca
         seen.append((cfg.n, cfg.k, cfg.dtype))
         return EvalSummary(evaluated=[1])
 
-    monkeypatch.setattr("stoa.evaluator.run_evaluator", fake)
+    monkeypatch.setattr("stoa.cli.eval.run_evaluator", fake)
     assert main(["eval", "--bucket", "b", "--run", "r", "--eval-n", "8", "--eval-k", "2", "--dtype", "bfloat16"]) == 0
     assert main(["eval", "--bucket", "b", "--run", "r", "--n", "9", "--k", "3"]) == 0
     assert seen == [(8, 2, "bfloat16"), (9, 3, "auto")]

@@ -24,9 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
+from safetensors import safe_open
 
+from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.bench.trainer import synthetic_entries
 from stoa.config.text import deprecated_flag, dtype_value
+from stoa.models.random_llama import resolve_bench_model
+from stoa.weights.planes import PLANES, f32_to_bf16_bits, state_from_f32
 
 PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
 """Dense bf16 peak TFLOP/s by device-name substring (SXM figures); others need ``--peak-tflops``."""
@@ -179,9 +184,7 @@ def plane_digests(named: Mapping[str, np.ndarray]) -> dict[str, str]:
     Args:
         named: fp32 master weights.
     """
-    import xxhash
 
-    from stoa.weights.planes import PLANES, state_from_f32
 
     out = {}
     for plane in PLANES:
@@ -205,7 +208,6 @@ def compare(row: Row, final: Mapping[str, np.ndarray], ref: Mapping[str, np.ndar
         ref: the reference's fp32 master weights.
         ref_digests: the reference's plane digests.
     """
-    from stoa.weights.planes import f32_to_bf16_bits
 
     if set(final) != set(ref):
         raise ValueError("the reference run has other parameter names; compare runs of the same --model")
@@ -225,9 +227,7 @@ def bf16_moved(model_dir: Path, final: Mapping[str, np.ndarray]) -> float:
         model_dir: the model (its ``*.safetensors``).
         final: fp32 master weights after the steps.
     """
-    from safetensors import safe_open
 
-    from stoa.weights.planes import f32_to_bf16_bits
 
     moved = total = 0
     for path in sorted(model_dir.glob("*.safetensors")):
@@ -278,7 +278,6 @@ def run_setting(args: argparse.Namespace, model_dir: Path, dist: Any, device: An
     """
     import torch
 
-    from stoa.algorithms import AlgoConfig, get_algorithm
     from stoa.trainer.step import train_step
 
     policy = _make_policy(args, model_dir, dist, device)
@@ -327,7 +326,6 @@ def run_ranks(args: argparse.Namespace) -> Row | None:
     Args:
         args: the flags (``--reference``: compare with a saved world-size-1 run).
     """
-    from stoa.models.random_llama import resolve_bench_model
     from stoa.trainer.dist import close_dist, init_dist
 
     dist, device = init_dist(args.device)
@@ -351,7 +349,6 @@ def run(args: argparse.Namespace) -> list[Row]:
         args: the flags.
     """
     from stoa.engines.torch import resolve_device
-    from stoa.models.random_llama import resolve_bench_model
     from stoa.trainer.dist import SINGLE
 
     if args.repeats < 1 or args.nproc < 1:

@@ -22,7 +22,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from stoa.config.text import deprecated_flag
+from stoa.engines.factory import make_engine
+from stoa.engines.mlx_blas import blas_status, prepare_mlx_blas
+from stoa.episodes.collect import episode_metrics, sample_episodes
+from stoa.episodes.task_tools import open_task_tools
+from stoa.models import resolve_model
+from stoa.rollouts.episode import ROLE_ACTION
+from stoa.tasks import get_task
+from stoa.tokenize import TextCodec
 
 ENGINES = ("torch", "mlx")
 
@@ -103,10 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _episode_figures(eb: Any) -> dict[str, float]:
     """One episode batch's figures: tokens, rates, turns, tools and observation prefill."""
-    import numpy as np
 
-    from stoa.episodes.collect import episode_metrics
-    from stoa.rollouts.episode import ROLE_ACTION
 
     eps = [e for g in eb.groups for e in g]
     action = float(sum(int(np.sum(np.asarray(e.roles) == ROLE_ACTION)) for e in eps))
@@ -135,7 +142,6 @@ class EngineRun:
 
     def __init__(self, name: str, model_dir: Path, spec: EpisodeBenchSpec, task: Any, tools: Any, codec: Any,
                  prompts: Sequence[Any]):
-        from stoa.engines.factory import make_engine
 
         t0 = time.perf_counter()
         self.engine: Any = make_engine(name, model_dir, dtype=spec.dtype, threads=spec.threads)
@@ -150,7 +156,6 @@ class EngineRun:
         out: dict[str, Any] = {"engine": self.name, "dtype": self.engine.dtype_name, "load_s": self.load_s,
                                "prompt_tokens_mean": statistics.mean(len(p) for p in self.prompt_tokens)}
         if self.name == "mlx":
-            from stoa.engines.mlx_blas import blas_status
 
             out["blas"] = blas_status()
         else:
@@ -161,7 +166,6 @@ class EngineRun:
 
     def episodes(self) -> dict[str, float]:
         """One seeded batch of P x N episodes (the same episodes every repeat)."""
-        from stoa.episodes.collect import sample_episodes
 
         eb = sample_episodes(self.engine, self.task, self.codec, self.tools, self.prompts, self.spec.n,
                              max_turn_tokens=self.spec.turn_tokens, temperature=self.spec.temperature,
@@ -240,16 +244,10 @@ def run_episode_bench(spec: EpisodeBenchSpec, task: Any = None, echo: Callable[[
         ``{"spec": ..., "engines": {name: row}, "load_avg": ..., "time": ...}``; each row holds the medians
         of :func:`summarise`.
     """
-    import numpy as np
 
-    from stoa.episodes.task_tools import open_task_tools
-    from stoa.models import resolve_model
-    from stoa.tasks import get_task
-    from stoa.tokenize import TextCodec
 
     spec.check()
     if "mlx" in spec.engines:
-        from stoa.engines.mlx_blas import prepare_mlx_blas
 
         prepare_mlx_blas()  # before anything imports mlx
     model_dir = Path(resolve_model(spec.model))

@@ -28,7 +28,16 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from stoa.bucket import Bucket, ObjectInfo, open_bucket
+from stoa.contract import ModelSpec, RunContract, SamplingSpec
+from stoa.layout import rollout_key
+from stoa.models import resolve_model
 from stoa.observe.snapshot import LIST_PAGE
+from stoa.rollouts.records import RolloutRecord, Sample
+from stoa.tasks import get_task
+from stoa.tasks.multiturn import is_multiturn
+from stoa.tokenize import TextCodec
+from stoa.trainer.demand import poll_delay
+from stoa.trainer.pool import RecordPool
 
 if TYPE_CHECKING:
     from stoa.contract import RunContract
@@ -227,8 +236,6 @@ class RecordMaker:
             version: the policy version it was sampled with.
             uid: a number no other record of the run has (below 2**24): it sets the logprobs.
         """
-        from stoa.layout import rollout_key
-        from stoa.rollouts.records import RolloutRecord, Sample
 
         prompt_id = f"train:{(worker * 7919 + seq) % 997}"
         if prompt_id not in self.prompts:
@@ -263,11 +270,6 @@ def make_run(task_id: str, n_samples: int = 2, max_new_tokens: int = 16) -> Run:
         n_samples: samples per group.
         max_new_tokens: the completion cap.
     """
-    from stoa.contract import ModelSpec, RunContract, SamplingSpec
-    from stoa.models import resolve_model
-    from stoa.tasks import get_task
-    from stoa.tasks.multiturn import is_multiturn
-    from stoa.tokenize import TextCodec
 
     codec, task = TextCodec(resolve_model("tiny")), get_task(task_id)
     if is_multiturn(task):
@@ -289,7 +291,6 @@ def run_scenario(sc: Scenario, bucket: Bucket, run: Run, args: argparse.Namespac
         run: the run's contract, task and codec.
         args: the bench's flags.
     """
-    from stoa.trainer.pool import RecordPool
 
     metered = MeteredBucket(bucket, args.rtt_ms / 1000)
     pool = RecordPool(cast(Bucket, metered), run.contract, run.task, run.codec, staleness_bound=sc.window,
@@ -311,7 +312,6 @@ def _step(pool: Any, metered: MeteredBucket, fleet: Fleet, start: float, version
           args: argparse.Namespace) -> StepFigures:
     """One trainer-loop step: refresh (and wait between polls as the trainer does) until a batch is there, take
     it, train for ``step_seconds``; the clock also advances by the intake's measured seconds."""
-    from stoa.trainer.demand import poll_delay
 
     f, now, empty = StepFigures(), start, 0
     while True:

@@ -22,8 +22,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from stoa.bench.fleet import RecordMaker, _ints, make_run
 from stoa.bucket import Bucket, open_bucket
 from stoa.layout import presence_prefix, rollouts_prefix
+from stoa.trainer.demand import RolloutRetention, StatusPublisher, poll_delay, wanted_groups
+from stoa.trainer.pool import RecordPool
 from stoa.worker.pacing import RunWatch
 
 EPOCH = 1.7e9
@@ -172,9 +175,6 @@ def simulate(s: FloodSettings, bucket_dir: Path) -> FloodFigures:
         s: the scenario.
         bucket_dir: an empty directory.
     """
-    from stoa.bench.fleet import RecordMaker, make_run
-    from stoa.trainer.demand import RolloutRetention, StatusPublisher, poll_delay, wanted_groups
-    from stoa.trainer.pool import RecordPool
 
     run = make_run("toy")
     run_id = run.contract.run_id
@@ -256,7 +256,6 @@ def main(args: argparse.Namespace) -> int:
     Args:
         args: parsed flags (see ``add_arguments``).
     """
-    from stoa.bench.fleet import _ints
 
     counts = _ints(args.workers, "--workers")
     if not counts or min(counts) < 1:

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -15,9 +16,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from stoa import tokenize
 from stoa.bench.checkout import script_path
 from stoa.config.base import ConfigError
+from stoa.config.local import load_local_config
 from stoa.config.text import deprecated_flag
+from stoa.engines.mlx_blas import blas_status, find_mkl_rt
+from stoa.local.loop import run_local
+from stoa.metrics import read_metrics
+from stoa.models import resolve_model
+from stoa.tasks import load_task
 
 MLXRL_DRIVER = "mlxrl_driver.py"
 """The mlxrl timing driver in the checkout's ``benchmarks/``: run by the python of a separate venv with mlxrl."""
@@ -70,14 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _child_local(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the stoa local loop in this (child) process and return per-step figures from its metrics."""
-    import resource
 
-    from stoa.config.local import load_local_config
-    from stoa.local.loop import run_local
-    from stoa.metrics import read_metrics
 
     if spec["ignore_eos"]:
-        from stoa import tokenize
 
         original = tokenize.TextCodec.__init__
 
@@ -104,7 +109,6 @@ def _child_local(spec: dict[str, Any]) -> dict[str, Any]:
 def _child_blas(backend: str) -> str:
     """The BLAS this child's matmuls used: MLX's (mkl/reference on Linux) or torch's."""
     if backend == "mlx":
-        from stoa.engines.mlx_blas import blas_status
 
         return blas_status().split(" (")[0]
     import torch
@@ -129,9 +133,7 @@ def _run_child(cmd: list[str], env: dict[str, str]) -> tuple[dict[str, Any], flo
 
 def _prompts(model_dir: Path, n: int) -> list[tuple[str, str]]:
     """(user message, answer) of the arithmetic task's first training prompts (seed 0), for mlxrl."""
-    import numpy as np
 
-    from stoa.tasks import load_task
 
     task = load_task("arithmetic")
     rng = np.random.default_rng(0)
@@ -149,8 +151,6 @@ def main(args: argparse.Namespace) -> int:
     Args:
         args: parsed ``add_arguments`` flags.
     """
-    from stoa.engines.mlx_blas import blas_status
-    from stoa.models import resolve_model
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     if "mlxrl" in targets:  # say what is missing before any target runs
@@ -193,7 +193,6 @@ def _command(target: str, args: argparse.Namespace, model_dir: Path) -> list[str
         args: parsed ``add_arguments`` flags.
         model_dir: the resolved model directory.
     """
-    from stoa.engines.mlx_blas import find_mkl_rt
 
     total = args.warmup + args.steps
     if target in ("torch", "mlx"):

@@ -16,6 +16,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from stoa.config.text import deprecated_flag
+from stoa.engines.mlx_blas import blas_status, prepare_mlx_blas
+from stoa.models import resolve_model
+
 ENGINES = ("mlx", "mlx-lm", "torch", "torch-fp32", "hf", "hf-bf16")
 """``mlx``/``torch``: stoa's engines at the worker's default dtype (``dtype=auto``); ``torch-fp32``: the torch
 engine forced to float32; ``mlx-lm``: ``mlx_lm.batch_generate``; ``hf``: transformers ``generate`` in float32
@@ -72,7 +78,6 @@ def bench_prompts(groups: int, prompt_len: int, vocab: int, seed: int = 0) -> li
         vocab: vocabulary size.
         seed: numpy seed.
     """
-    import numpy as np
 
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab, prompt_len).tolist() for _ in range(groups)]
@@ -152,7 +157,6 @@ def _torch_runner(model_dir: Path, prompts: list[list[int]], rows: list[list[int
 
 def _mlx_lm_runner(model_dir: Path, rows: list[list[int]], tokens: int) -> Callable[..., dict]:
     """``mlx_lm.batch_generate`` on every row, in the dtype stoa's MLX engine would use."""
-    from stoa.engines.mlx_blas import prepare_mlx_blas
 
     prepare_mlx_blas()
     import mlx.core as mx
@@ -240,7 +244,6 @@ class EngineSession:
         info: dict[str, Any] = {"engine": self.engine, "batch": len(self.prompts) * self.n,
                                 "prompts": len(self.prompts), "samples": self.n, "load_s": self.load_s}
         if self.engine in ("mlx", "mlx-lm"):
-            from stoa.engines.mlx_blas import blas_status
 
             info["blas"] = blas_status()
         else:
@@ -333,7 +336,6 @@ def _summarise(info: dict[str, Any], runs: list[dict[str, Any]], prefill: dict[b
 
 
 def _environment() -> dict[str, Any]:
-    from stoa.engines.mlx_blas import blas_status
 
     return {"machine": platform.machine(), "system": platform.system(), "processor": platform.processor(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "blas_mlx": blas_status()}
@@ -405,7 +407,6 @@ def run_rollout_bench(
     Returns:
         one result dict per engine (also written to ``out``).
     """
-    from stoa.models import resolve_model
 
     _check(engines, batch, tokens, repeats, samples, prompt_len)
     model_dir = Path(resolve_model(model))
@@ -483,7 +484,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     Args:
         p: the benchmark's parser.
     """
-    from stoa.config.text import deprecated_flag
 
     p.add_argument("--model", default="smollm2-135m", help="model name or directory")
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -516,7 +516,6 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         a = p.parse_args(args)
     if a.serve:
         if a.serve in ("mlx", "mlx-lm"):
-            from stoa.engines.mlx_blas import prepare_mlx_blas
 
             prepare_mlx_blas()  # before anything imports mlx
         _serve(a.serve, Path(a.model_dir), a.batch, a.samples, a.tokens, a.prompt_len, a.threads)

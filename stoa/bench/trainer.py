@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.config.text import deprecated_flag, dtype_value
+from stoa.models import resolve_model
+from stoa.models.shapes import shape_from_dir
+from stoa.rollouts.records import RolloutRecord, Sample
+from stoa.trainer.peak import Workload, estimate_peak, is_cuda
+from stoa.trainer.pool import Entry
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,8 +66,6 @@ def synthetic_entries(groups: int, n: int, prompt_tokens: int, tokens: int, voca
         vocab: token ids are drawn below it.
         seed: random seed.
     """
-    from stoa.rollouts.records import RolloutRecord, Sample
-    from stoa.trainer.pool import Entry
 
     rng = np.random.default_rng(seed)
     out = []
@@ -75,7 +84,6 @@ def policy_kwargs(dtype: str) -> dict[str, Any]:
     Args:
         dtype: ``float32`` or ``bfloat16``.
     """
-    import inspect
 
     import torch
 
@@ -98,7 +106,6 @@ def on_policy(entries: list[Any], policy: Any, tokens: int) -> list[Any]:
         policy: our Policy.
         tokens: completion length.
     """
-    import dataclasses
 
     import torch
 
@@ -123,9 +130,7 @@ def main(args: argparse.Namespace) -> int:
         return preflight(args)
     import torch
 
-    from stoa.algorithms import AlgoConfig, get_algorithm
     from stoa.engines.torch import resolve_device
-    from stoa.models import resolve_model
     from stoa.trainer.policy import Policy
     from stoa.trainer.step import train_step
 
@@ -187,13 +192,7 @@ def preflight(args: argparse.Namespace) -> int:
     Args:
         args: parsed flags (model, groups, n, prompt and completion tokens, device).
     """
-    import subprocess
-    import sys
-    import tempfile
 
-    from stoa.models import resolve_model
-    from stoa.models.shapes import shape_from_dir
-    from stoa.trainer.peak import Workload, estimate_peak, is_cuda
 
     shape, cuda = shape_from_dir(resolve_model(args.model), args.model), is_cuda(args.device)
     rows = args.groups * args.n

@@ -16,7 +16,8 @@ from .base import (
     PreconditionFailed,
     validate_key,
 )
-from .credentials import CredentialsError
+from .credentials import CredentialsError, resolve_env, s3_credentials
+from .local import LocalBucket
 from .outage import PatientBucket, RetryPolicy
 from .url import ACCEPTED_FORMS, BucketURL, BucketURLError, parse_bucket_url
 
@@ -124,7 +125,6 @@ def open_bucket(
     where = check_bucket_url(url, must_exist=not create)
     budget = RetryPolicy.for_budget(retry_seconds) if retry_seconds is not None else None
     if where.scheme == "file":
-        from .local import LocalBucket
 
         return LocalBucket(where.location, retry=budget)
     return _s3_bucket(where, env, env_file, budget)
@@ -140,7 +140,6 @@ def _s3_bucket(where: BucketURL, env: Mapping[str, str] | None, env_file: str | 
         env_file: a 0600 KEY=VALUE file to read too.
         budget: the retry policy of ``open_bucket(retry_seconds=...)``; None: ``STOA_BUCKET_RETRY_TIMEOUT_S``.
     """
-    from .credentials import resolve_env, s3_credentials
     from .s3 import S3Bucket
 
     scheme, bucket = where.scheme, where.location

@@ -18,6 +18,12 @@ import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
+from stoa import __version__
+from stoa.cli.parser import StoaParser, check_log_level, command_listing, one_line_deprecations
+from stoa.config.loading import DeprecatedSetting
+from stoa.config.names import foreign_hint
+from stoa.config.text import HelpFormatter, RawHelpFormatter
+
 COMMANDS = ("trainer", "worker", "quickstart", "model", "bench", "local-e2e", "local", "export", "retriever",
             "join-card", "join", "status", "plot", "eval", "runs")
 
@@ -114,9 +120,6 @@ def user_error(error: BaseException) -> UserError | None:
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every command registered, one help style, and the global flags
     (``--log-level``, ``--debug``) accepted before or after the command."""
-    from stoa import __version__
-    from stoa.cli.parser import StoaParser, command_listing
-    from stoa.config.text import HelpFormatter, RawHelpFormatter
 
     parser = StoaParser(prog="stoa", description=DESCRIPTION, epilog=epilog(), formatter_class=RawHelpFormatter)
     parser.add_argument("--version", action="version", version=f"stoa {__version__}",
@@ -178,7 +181,6 @@ def unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
         parser: the command's parser.
         unknown: the arguments it did not recognize.
     """
-    from stoa.config.names import foreign_hint
 
     flags = [s for action in parser._actions if action.help is not argparse.SUPPRESS  # not deprecated ones
              for s in action.option_strings if s.startswith("--")]
@@ -196,8 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: arguments (default ``sys.argv[1:]``).
     """
-    from stoa.cli.parser import check_log_level, one_line_deprecations
-    from stoa.config.loading import DeprecatedSetting
 
     parser = build_parser()
     with warnings.catch_warnings():

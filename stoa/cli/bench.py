@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 from types import ModuleType
 
 from stoa.bench.checkout import load_script
+from stoa.cli.parser import StoaParser, check_log_level
+from stoa.config.text import HelpFormatter
 
 BENCHES = {
     "rollout": ("stoa.bench.rollout", "new tokens/s of our engines vs mlx-lm and HF generate"),
@@ -64,8 +67,6 @@ def bench_parser(name: str) -> argparse.ArgumentParser | None:
     Args:
         name: a key of ``BENCHES``.
     """
-    from stoa.cli.parser import StoaParser
-    from stoa.config.text import HelpFormatter
 
     help_text = BENCHES[name][1]
     mod = load_bench(name)
@@ -101,9 +102,7 @@ def take_global_flags(args: argparse.Namespace) -> list[str]:
     Raises:
         ConfigError: ``--log-level`` is not a logging level.
     """
-    import logging
 
-    from stoa.cli.parser import check_log_level
 
     rest: list[str] = []
     items = iter(args.args)

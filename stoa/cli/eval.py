@@ -7,6 +7,8 @@ import sys
 
 from stoa.config.base import DTYPES
 from stoa.config.text import deprecated_flag
+from stoa.evaluator import EvalConfig, run_evaluator
+from stoa.weights.errors import SyncError
 
 EXIT_WEIGHTS_REFUSED = 10
 """Exit code when the weights to evaluate could not be verified (``EXIT_CODES`` 10)."""
@@ -64,8 +66,6 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.evaluator import EvalConfig, run_evaluator
-    from stoa.weights.errors import SyncError
 
     cfg = EvalConfig(bucket=args.bucket, run=args.run, follow=args.follow, engine=args.engine, n=args.eval_n,
                      k=args.eval_k, every=args.every, max_versions=args.max_versions, backfill=args.backfill,

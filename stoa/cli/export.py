@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from stoa.bucket import open_bucket
+from stoa.config import ConfigError
+from stoa.contract import RunNotFound
+from stoa.export import export_run
+from stoa.layout import contract_key
+from stoa.models.hf_dir import ExportError
+
 EXIT_EXPORT_REFUSED = 8
 """Exit code of a refused export (``EXIT_CODES`` in stoa.cli); the message names why (version gone, nothing
 published yet, OUT not empty). An unknown run is ``RunNotFound`` (12), a flag conflict ``ConfigError`` (2)."""
@@ -43,12 +50,6 @@ def run(args: argparse.Namespace) -> int:
         ConfigError: ``--version`` with ``--source checkpoint`` (exit 2).
         RunNotFound: the bucket holds no such run (exit 12).
     """
-    from stoa.bucket import open_bucket
-    from stoa.config import ConfigError
-    from stoa.contract import RunNotFound
-    from stoa.export import export_run
-    from stoa.layout import contract_key
-    from stoa.models.hf_dir import ExportError
 
     if args.source == "checkpoint" and args.version is not None:
         raise ConfigError("version", "--version applies to --source published only (the checkpoint holds one "

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from stoa.join.card import CardError
+from stoa.join.launch import JoinOptions, join
+from stoa.join.service import ServiceError
+
 EXIT_REFUSED = 2
 """Exit code of a bad card, platform or service command (``EXIT_CODES`` in stoa.cli); a failed check exits with
 the code of its kind (3 contract, 4 bucket, 5 retriever, 9 credentials)."""
@@ -43,9 +47,6 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.join.card import CardError
-    from stoa.join.launch import JoinOptions, join
-    from stoa.join.service import ServiceError
 
     opts = JoinOptions(card=args.card, env_file=args.env, name=args.name, dry_run=args.dry_run,
                        install=args.install_service, uninstall=args.uninstall)

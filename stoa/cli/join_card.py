@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from stoa.bucket import ObjectNotFound
+from stoa.bucket.credentials import resolve_env
+from stoa.contract import RunNotFound
+from stoa.join.card import CardError, card_text, card_toml, make_card, write_secrets
 
 EXIT_REFUSED = 2
 """Exit code of a refused card (``EXIT_CODES`` in stoa.cli: an invalid flag); the message names the fix."""
@@ -40,12 +46,7 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from pathlib import Path
 
-    from stoa.bucket import ObjectNotFound
-    from stoa.bucket.credentials import resolve_env
-    from stoa.contract import RunNotFound
-    from stoa.join.card import CardError, card_text, card_toml, make_card, write_secrets
 
     env = resolve_env()
     try:

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from stoa.cli.export import EXIT_EXPORT_REFUSED
 from stoa.config import add_config_flags, config_to_toml, overrides_from_args
 from stoa.config.local import LocalConfig, load_local_config, resolve_backend
 from stoa.config.text import deprecated_flag
+from stoa.local.export import export_local
+from stoa.local.loop import make_backend, run_local
+from stoa.local.preflight import episode_tokens, fit
+from stoa.local.smoke import SMOKE_MESSAGES, TrainableLeafError, smoke_report
+from stoa.models import resolve_model
+from stoa.models.hf_dir import ExportError
+from stoa.models.registry import KNOWN_MODELS
+from stoa.models.shapes import shape_for
+from stoa.tasks import load_task
+from stoa.tokenize import TextCodec
 
 SMOKE_FIELDS = ("backend", "model", "quant_bits", "quant_group_size", "lora_rank", "lora_alpha", "lora_targets",
                 "gradient_checkpointing", "dtype", "device", "threads", "torch_base", "seed")
@@ -58,8 +70,6 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = load_local_config(args.config, overrides)
     if args.dry_run:
         return _dry_run(cfg)
-    from stoa.local.loop import run_local
-    from stoa.local.smoke import TrainableLeafError
 
     try:
         summary = run_local(cfg)
@@ -84,9 +94,7 @@ def check_model_name(name: str) -> None:
     Raises:
         UnknownModel: (exit 2) the name or directory, with the names that work.
     """
-    from pathlib import Path
 
-    from stoa.models.registry import KNOWN_MODELS, resolve_model
 
     hub_id = name.count("/") == 1 and not name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists()
     if name not in KNOWN_MODELS and not hub_id:
@@ -94,9 +102,6 @@ def check_model_name(name: str) -> None:
 
 
 def _dry_run(cfg: LocalConfig) -> int:
-    from stoa.local.preflight import episode_tokens, fit
-    from stoa.models.shapes import shape_for
-    from stoa.tasks import load_task
 
     check_model_name(cfg.model)
     print(config_to_toml(cfg), end="")
@@ -118,10 +123,6 @@ def run_smoke(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.local.loop import make_backend
-    from stoa.local.smoke import SMOKE_MESSAGES, TrainableLeafError, smoke_report
-    from stoa.models import resolve_model
-    from stoa.tokenize import TextCodec
 
     cfg = load_local_config(None, overrides_from_args(args, LocalConfig))
     model_dir = resolve_model(cfg.model)
@@ -141,9 +142,6 @@ def run_export(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.cli.export import EXIT_EXPORT_REFUSED
-    from stoa.local.export import export_local
-    from stoa.models.hf_dir import ExportError
 
     try:
         result = export_local(args.run_dir, args.out, dtype=args.dtype)

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import warnings
+
+from stoa.bucket import BucketError
+from stoa.cli import user_error
+from stoa.config import ConfigError, DeprecatedSetting
+from stoa.worker.local_e2e import run_local_e2e
 
 SHAPE = (("groups", "--groups", 3, "prompt groups"), ("n_samples", "--n-samples", 4, "completions per group"),
          ("max_new_tokens", "--max-new-tokens", 256, "max new tokens per completion"))
@@ -41,7 +47,6 @@ def shape(args: argparse.Namespace) -> dict[str, int]:
     Raises:
         ConfigError: a value below 1, or one given both ways.
     """
-    from stoa.config import ConfigError, DeprecatedSetting
 
     out = {}
     for dest, flag, default, _ in SHAPE:
@@ -64,7 +69,6 @@ def model_from_env(env: os._Environ[str] | dict[str, str]) -> str:
     Args:
         env: the environment.
     """
-    from stoa.config import DeprecatedSetting
 
     if env.get("STOA_MODEL"):
         return env["STOA_MODEL"]
@@ -80,10 +84,7 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    import sys
 
-    from stoa.bucket import BucketError
-    from stoa.worker.local_e2e import run_local_e2e
 
     size = shape(args)
     model = args.model or model_from_env(os.environ) or "tiny"
@@ -91,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
         summary = run_local_e2e(size["groups"], size["n_samples"], size["max_new_tokens"], engine=args.engine,
                                 model=model, bucket_url=args.bucket or None, task=args.task, seed=args.seed)
     except RuntimeError as e:
-        from stoa.cli import user_error
 
         if user_error(e) is not None:  # a kind with its own exit code (model fetch, contract, ...)
             raise

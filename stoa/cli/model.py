@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from stoa.models import import_gguf_cli, pull_cli
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``model`` command with ``import-gguf`` and ``pull``.
@@ -29,7 +31,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _import(args: argparse.Namespace) -> int:
     """Check the paths up front (exit 2 naming the fix), then convert."""
-    from stoa.models import import_gguf_cli
 
     problem = ""
     if not Path(args.file).is_file():
@@ -48,6 +49,5 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from stoa.models import pull_cli
 
     return pull_cli(args.name)

@@ -11,6 +11,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from stoa.config.base import ConfigError
+from stoa.config.loading import DeprecatedSetting
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 """What ``--log-level`` (and ``STOA_LOG_LEVEL``) accepts, in any case."""
 
@@ -94,7 +97,6 @@ def check_log_level(level: str) -> int:
     Raises:
         ConfigError: (field ``log_level``) not one of ``LOG_LEVELS``.
     """
-    from stoa.config.base import ConfigError
 
     if level.lower() not in LOG_LEVELS:
         raise ConfigError("log_level", f"{level!r} is not a logging level; use one of {', '.join(LOG_LEVELS)} "
@@ -126,7 +128,6 @@ def one_line_deprecations(show: Callable[..., None]) -> Callable[..., None]:
     Args:
         show: the ``showwarning`` in place before.
     """
-    from stoa.config.loading import DeprecatedSetting
 
     def showwarning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
         if issubclass(category, DeprecatedSetting):

@@ -6,6 +6,10 @@ import argparse
 import re
 import sys
 
+from stoa.bucket import open_bucket
+from stoa.contract import RunNotFound
+from stoa.observe.plot import PlotUnavailable, plot_runs, require_matplotlib, run_known
+
 EXIT_PLOT_USAGE = 2
 """Exit code when matplotlib is missing or the size is malformed (``EXIT_CODES`` 2); an unknown run is
 ``RunNotFound`` (12)."""
@@ -54,9 +58,6 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.bucket import open_bucket
-    from stoa.contract import RunNotFound
-    from stoa.observe.plot import PlotUnavailable, plot_runs, require_matplotlib, run_known
 
     try:
         require_matplotlib()

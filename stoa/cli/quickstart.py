@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stoa.config import TrainerConfig, load_config
+from stoa.config import ConfigError, TrainerConfig, load_config, parse_scalar
 from stoa.layout import checkpoint_files_prefix, logs_prefix, metrics_prefix, run_prefix, weights_prefix
+from stoa.metrics import read_metrics
+from stoa.models import resolve_model
 
 # Defaults sized for learning per minute on a 2-core CPU with SmolLM2-135M: 30 steps of ~10 s (bf16 trainer,
 # groups without signal skipped) reach held-out 0.68 from 0.13 in ~9 min (docs/speed.md); 12 steps reached 0.48.
@@ -72,7 +74,6 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.config import ConfigError, parse_scalar
     from stoa.trainer.loop import run_trainer
 
     args.bucket = bucket_arg(args.bucket, args.dir)
@@ -94,7 +95,6 @@ def run(args: argparse.Namespace) -> int:
         k, v = item.split("=", 1)
         overrides[k.strip().replace("-", "_")] = parse_scalar(v.strip())
     cfg = load_config(TrainerConfig, overrides=overrides, env={})
-    from stoa.models import resolve_model
 
     print(f"[quickstart] run {run_id} in {Path(args.bucket).resolve()} with {args.workers} workers, "
           f"model {args.model}, task {task}, {args.steps} steps")
@@ -158,7 +158,6 @@ def bucket_arg(bucket: str | None, old: str | None) -> str:
     Raises:
         ConfigError: both were given with different values.
     """
-    from stoa.config import ConfigError
 
     if old is None:
         return bucket or DEFAULT_BUCKET
@@ -169,7 +168,6 @@ def bucket_arg(bucket: str | None, old: str | None) -> str:
 
 
 def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
-    from stoa.metrics import read_metrics
 
     rows = read_metrics(root / metrics_prefix(run_id) / "trainer.jsonl")
     steps = [r for r in rows if "train/loss" in r]

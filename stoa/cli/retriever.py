@@ -7,6 +7,21 @@ import sys
 import time
 from pathlib import Path
 
+from stoa.bucket import open_bucket
+from stoa.envs import ToolUnavailable
+from stoa.retrieval import (
+    BadIndex,
+    BM25Index,
+    CorpusError,
+    RetrieverError,
+    SearchTools,
+    make_server,
+    open_searcher,
+    read_corpus,
+    upload_index,
+)
+from stoa.rollouts.episode import ToolCall
+
 EXIT_BAD_INPUT = 2
 """Exit code of a bad corpus, index directory or flag (``EXIT_CODES`` in stoa.cli)."""
 EXIT_UNREACHABLE = 5
@@ -67,7 +82,6 @@ def run_index(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.retrieval import BM25Index, CorpusError, read_corpus
 
     corpus, out = Path(args.corpus), Path(args.out)
     if not corpus.is_file():
@@ -94,7 +108,6 @@ def run_serve(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.retrieval import BadIndex, BM25Index, make_server
 
     try:
         index = BM25Index.load(args.index, mmap=True)
@@ -119,8 +132,6 @@ def run_upload(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.bucket import open_bucket
-    from stoa.retrieval import BadIndex, upload_index
 
     try:
         fingerprint = upload_index(open_bucket(args.bucket), args.run, args.index)
@@ -136,9 +147,6 @@ def run_search(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.envs import ToolUnavailable
-    from stoa.retrieval import BadIndex, RetrieverError, SearchTools, open_searcher
-    from stoa.rollouts.episode import ToolCall
 
     where = args.index
     try:

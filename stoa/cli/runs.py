@@ -8,6 +8,11 @@ import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from stoa.bucket import open_bucket
+from stoa.config.base import ConfigError
+from stoa.observe.runs import delete_run, inspect_run, list_runs, printable, refuse_live, render
+from stoa.observe.status import size
+
 if TYPE_CHECKING:
     from stoa.bucket import Bucket
 
@@ -42,7 +47,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _bucket(args: argparse.Namespace) -> Bucket:
     """The bucket of ``--bucket`` (argparse's usage error, exit 2, when it is missing)."""
-    from stoa.bucket import open_bucket
 
     parser: argparse.ArgumentParser = args.parser
     url: str | None = args.bucket
@@ -57,7 +61,6 @@ def run_list(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.observe.runs import list_runs, render
 
     listing = list_runs(_bucket(args))
     if args.json:
@@ -74,9 +77,6 @@ def run_rm(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.config.base import ConfigError
-    from stoa.observe.runs import delete_run, inspect_run, printable, refuse_live
-    from stoa.observe.status import size
 
     bucket = _bucket(args)
     row = inspect_run(bucket, args.run)

@@ -6,6 +6,10 @@ import argparse
 import sys
 import time
 
+from stoa.bucket import BucketError, open_bucket
+from stoa.observe.snapshot import ChunkCache, dumps, take_snapshot
+from stoa.observe.status import render
+
 CLEAR = "\x1b[H\x1b[2J"
 """Home the cursor and clear the terminal (only written to a terminal)."""
 
@@ -45,9 +49,6 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         RunNotFound: nothing is stored under the run (exit 12, ``stoa.cli.USER_ERRORS``).
     """
-    from stoa.bucket import BucketError, open_bucket
-    from stoa.observe.snapshot import ChunkCache, dumps, take_snapshot
-    from stoa.observe.status import render
 
     if args.watch is not None and args.watch <= 0 or args.workers_minutes <= 0 or args.max_chunks < 1:
         print("stoa status: --watch and --workers-minutes must be > 0 and --max-chunks >= 1", file=sys.stderr)

@@ -25,7 +25,19 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from stoa.bucket import check_bucket_url, open_bucket
 from stoa.config import ConfigError, TrainerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
+from stoa.config.loading import env_layer, flag_layer, toml_layer
+from stoa.layout import contract_key
+from stoa.models import default_cache_dir, resolve_model
+from stoa.models.registry import SMOLLM2_DIR
+from stoa.models.shapes import shape_for, shape_from_dir
+from stoa.tasks import get_task, parse_task_spec
+from stoa.tasks.multiturn import is_multiturn
+from stoa.trainer import peak
+from stoa.trainer.cadence import cadence_lines
+from stoa.trainer.peak import PromptLength, preflight, prompt_length
+from stoa.trainer.setup import resume_plan
 
 if TYPE_CHECKING:
     from stoa.config.memory import FitReport
@@ -64,7 +76,6 @@ def given_places(args: argparse.Namespace, overrides: dict) -> dict[str, str]:
         args: parsed arguments.
         overrides: the flags' values (``overrides_from_args``).
     """
-    from stoa.config.loading import env_layer, flag_layer, toml_layer
 
     with warnings.catch_warnings():  # load_config already warned about deprecated names
         warnings.simplefilter("ignore")
@@ -80,7 +91,6 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.trainer.setup import resume_plan
 
     overrides = overrides_from_args(args, TrainerConfig)
     cfg = load_config(TrainerConfig, toml_path=args.config, overrides=overrides)
@@ -128,8 +138,6 @@ def require_run_and_model(cfg: TrainerConfig, given: dict[str, str]) -> None:
         ConfigError: (exit 2) the run, or the model of a new run, was not given.
         UnknownModel: (exit 2) the given model cannot exist (``model_shape``).
     """
-    from stoa.bucket import check_bucket_url, open_bucket
-    from stoa.layout import contract_key
 
     if "run" not in given:
         raise ConfigError("run", "required: name the run with --run NAME (a new run is created, an existing one "
@@ -147,7 +155,6 @@ def require_run_and_model(cfg: TrainerConfig, given: dict[str, str]) -> None:
 
 def _checkpoint_lines(cfg: TrainerConfig) -> list[str]:
     """The dry run's checkpoint section, from the model's parameter count when its shape is known here."""
-    from stoa.trainer.cadence import cadence_lines
 
     shape = model_shape(cfg.model, offline=True).shape
     return cadence_lines(cfg, shape.params() if shape is not None else None)
@@ -217,9 +224,6 @@ def model_shape(model: str, offline: bool) -> ModelAt:
     Raises:
         UnknownModel: (exit 2) a model that cannot exist: an unknown bare name or a missing directory.
     """
-    from stoa.models import default_cache_dir, resolve_model
-    from stoa.models.registry import SMOLLM2_DIR
-    from stoa.models.shapes import shape_for, shape_from_dir
 
     local = Path(model).expanduser()
     hub_id = model.count("/") == 1 and not model.startswith(("/", ".", "~")) and not local.exists()
@@ -254,9 +258,6 @@ def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline
         prompt_tokens: ``--prompt-tokens`` (0: the longest held-out prompt, rendered).
         offline: download nothing (a dry run); the shape and tokenizer then come from what is here.
     """
-    from stoa.tasks import get_task, parse_task_spec
-    from stoa.tasks.multiturn import is_multiturn
-    from stoa.trainer import peak
 
     world = world_size(nproc, os.environ)
     model_dir, shape = model_shape(cfg.model, offline)
@@ -278,7 +279,6 @@ def memory_report(cfg: TrainerConfig, nproc: int, prompt_tokens: int, *, offline
 
 def _prompt_length(task: object, model_dir: Path | None, given: int) -> PromptLength:
     """``--prompt-tokens`` when given, else the longest held-out prompt rendered, else a guess."""
-    from stoa.trainer.peak import PromptLength, prompt_length
 
     if given > 0:
         return PromptLength(given, "--prompt-tokens")
@@ -321,7 +321,6 @@ def check_memory(cfg: TrainerConfig, report: FitReport[Workload, PeakEstimate] |
         cfg: the resolved config.
         report: ``memory_report``'s (None: unknown, nothing to check).
     """
-    from stoa.trainer.peak import preflight
 
     if report is None:
         return

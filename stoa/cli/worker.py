@@ -7,8 +7,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import time
+import warnings
 
+from stoa.bucket import check_bucket_url
 from stoa.config import ConfigError, WorkerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
+from stoa.config.loading import env_layer, toml_layer
+from stoa.models.registry import resolve_model
+from stoa.worker.loop import run_worker
+from stoa.worker.tiers import describe_tier
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,13 +44,11 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: parsed arguments.
     """
-    from stoa.bucket import check_bucket_url
 
     overrides = overrides_from_args(args, WorkerConfig)
     cfg = load_config(WorkerConfig, toml_path=args.config, overrides=overrides)
     check_bucket_url(cfg.bucket)
     if args.print_tier:
-        from stoa.worker.tiers import describe_tier
 
         print(describe_tier(n_samples=cfg.n_samples or 8))
         return 0
@@ -52,10 +58,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _await_local_bucket(cfg)
     if cfg.model:
-        from stoa.models.registry import resolve_model
 
         cfg = dataclasses.replace(cfg, model=str(resolve_model(cfg.model)))
-    from stoa.worker.loop import run_worker
 
     s = run_worker(cfg)
     print(f"[worker {s['worker_id']}] done: {s['groups']} groups, {s['tokens']} tokens, "
@@ -74,10 +78,7 @@ def require_run(toml_path: str | None, overrides: dict) -> None:
     Raises:
         ConfigError: (exit 2) no run given.
     """
-    import os
-    import warnings
 
-    from stoa.config.loading import env_layer, toml_layer
 
     if overrides.get("run") is not None:
         return
@@ -99,10 +100,7 @@ def _await_local_bucket(cfg: WorkerConfig) -> None:
     Raises:
         BucketURLError: the directory still does not exist after ``wait_seconds``.
     """
-    import os
-    import time
 
-    from stoa.bucket import check_bucket_url
 
     where = check_bucket_url(cfg.bucket)
     path = os.path.abspath(os.path.expanduser(where.location))

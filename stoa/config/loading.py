@@ -25,7 +25,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from stoa.config.base import SECTIONS, BaseConfig, ConfigError
+from stoa.algorithms.base import ALGORITHM_NAMES
+from stoa.config.base import (
+    BACKENDS,
+    DTYPES,
+    ENGINES,
+    OLD_LOGPROBS,
+    PLANES,
+    SECTIONS,
+    TORCH_BASE,
+    TRACKERS,
+    BaseConfig,
+    ConfigError,
+)
 from stoa.config.names import ENV_ALIASES, foreign_hint
 from stoa.config.training import TrainingConfig, twin_clash, twin_error
 
@@ -129,8 +141,6 @@ def choices_of(field_name: str) -> tuple[str, ...]:
     Args:
         field_name: a config field name, e.g. ``engine``.
     """
-    from stoa.algorithms.base import ALGORITHM_NAMES
-    from stoa.config.base import BACKENDS, DTYPES, ENGINES, OLD_LOGPROBS, PLANES, TORCH_BASE, TRACKERS
 
     table = {"engine": ENGINES, "plane": PLANES, "dtype": DTYPES, "algorithm": tuple(ALGORITHM_NAMES),
              "backend": BACKENDS, "torch_base": TORCH_BASE, "old_logprobs": OLD_LOGPROBS,

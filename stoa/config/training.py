@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from stoa.algorithms import AlgoConfig
 from stoa.config.base import BaseConfig, ConfigError, at_least, setting
+from stoa.tasks import check_file_options, parse_task_spec
 
 if TYPE_CHECKING:
     from stoa.algorithms import AlgoConfig
@@ -112,7 +114,6 @@ class TrainingConfig(BaseConfig):
                                                     "set steps >= 1, or use echo_schedule = 'constant'")
 
     def _check_task(self) -> None:
-        from stoa.tasks import check_file_options, parse_task_spec
 
         try:
             check_file_options(*parse_task_spec(self.task))
@@ -127,7 +128,6 @@ class TrainingConfig(BaseConfig):
             ConfigError: a knob also set by a field (``kl_beta`` both ways, ``temperature`` or ``max_tokens``
                 in [algo]), or an invalid algorithm or knob, naming it.
         """
-        from stoa.algorithms import AlgoConfig
 
         knobs = dict(self.algo)
         clash = twin_clash(self)

@@ -16,6 +16,7 @@ from stoa.config import WORKER_DTYPES
 from stoa.engines.base import Completion, GenStats, RowLog
 from stoa.engines.torch_rows import DecodeBatch, RowKV, resume_rows, take_rows
 from stoa.episodes.driver import Episode, EpisodeDriver
+from stoa.weights.planes import state_to_f32
 
 
 def sampling_logprobs_torch(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -210,7 +211,6 @@ class TorchEngine:
         Raises:
             ValueError: on an unknown plane or a missing, unexpected or misshaped tensor.
         """
-        from stoa.weights.planes import state_to_f32
 
         self.load_weights(state_to_f32(state, plane))
 

@@ -17,15 +17,22 @@ from typing import Any
 from stoa.bucket import Bucket, BucketError, ObjectNotFound, open_bucket
 from stoa.config.base import TRACKERS, ConfigError, report_to_names
 from stoa.contract import ContractMismatch, RunContract, RunNotFound, digest_hex, download_model_files
+from stoa.engines import default_engine, make_engine
 from stoa.episodes.evaluation import evaluate_heldout
 from stoa.episodes.task_tools import open_task_tools
 from stoa.evaluator.chain import ChainRefused, at_version, chain_hashes, rebase
 from stoa.layout import contract_key
 from stoa.lifecycle import read_status, write_heartbeat
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir, read_bucket_metrics
+from stoa.models import default_cache_dir, model_fingerprint
+from stoa.taskdata import contract_refs, localize_contract_options
+from stoa.tasks import get_task
+from stoa.tasks.multiturn import is_multiturn
+from stoa.tokenize import TextCodec
 from stoa.trackers import open_trackers
 from stoa.weights.errors import SyncError
 from stoa.weights.pointer import Pointer
+from stoa.weights.signing import trusted_run_key
 from stoa.weights.sync import WeightSync
 
 SOURCE = "eval"
@@ -206,13 +213,6 @@ def run_evaluator(cfg: EvalConfig, echo: Callable[[str], Any] = print) -> EvalSu
 
 def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     """Open the bucket, read the contract and the done versions, fetch the model files, build the engine."""
-    from stoa.engines import default_engine, make_engine
-    from stoa.models import default_cache_dir, model_fingerprint
-    from stoa.taskdata import contract_refs, localize_contract_options
-    from stoa.tasks import get_task
-    from stoa.tasks.multiturn import is_multiturn
-    from stoa.tokenize import TextCodec
-    from stoa.weights.signing import trusted_run_key
 
     bucket = open_bucket(cfg.bucket, create=cfg.wait_seconds > 0)  # waiting: the trainer may not have started
     contract = read_contract(bucket, cfg.run, cfg.wait_seconds, cfg.poll_seconds or 1.0, echo)

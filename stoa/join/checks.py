@@ -18,10 +18,14 @@ from typing import NamedTuple
 
 from stoa.bucket import BucketError, CredentialsError, ObjectNotFound, open_bucket
 from stoa.contract import ContractMismatch, RunContract
+from stoa.engines.mlx_blas import blas_status
+from stoa.envs.base import ToolUnavailable
 from stoa.join.card import JoinCard
 from stoa.layout import contract_key
 from stoa.lifecycle import read_status
+from stoa.retrieval.client import HTTPSearcher, RetrieverError
 from stoa.untrusted import BadBucketObject
+from stoa.worker.tiers import choose_tier
 
 MIN_FREE_GB = 2.0
 """Free disk the stoa cache needs at least (model config and tokenizer, a search task's index, logs)."""
@@ -94,7 +98,6 @@ def check_blas(engine: str, system: str | None = None) -> Check:
     """
     if engine != "mlx" or (system or platform.system()) != "Linux":
         return _ok("blas", "not needed" if engine != "mlx" else "Metal/Accelerate")
-    from stoa.engines.mlx_blas import blas_status
 
     status = blas_status()
     if status.startswith("reference"):
@@ -108,7 +111,6 @@ def check_tier(n_samples: int) -> Check:
     Args:
         n_samples: the run's n.
     """
-    from stoa.worker.tiers import choose_tier
 
     try:
         c = choose_tier(n_samples=n_samples)
@@ -227,8 +229,6 @@ def check_retriever(card: JoinCard, contract: RunContract) -> Check:
             return _fail("retriever", "the run has no index in the bucket and the card names no endpoint",
                          "ask for a card made with --retriever URL", EXIT_BAD_SETUP)
         return _ok("retriever", f"the run's index (corpus {fingerprint}) downloads from the bucket")
-    from stoa.envs.base import ToolUnavailable
-    from stoa.retrieval.client import HTTPSearcher, RetrieverError
 
     try:
         health = HTTPSearcher(card.retriever, fingerprint=fingerprint, retry_seconds=5.0, timeout_s=5.0,

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoa.config import ConfigError
+from stoa.config.local import load_local_config
+from stoa.local.checkpoint import find_latest
+from stoa.models import resolve_model
 from stoa.models.hf_dir import ExportError, check_out_dir, write_model_files
 
 DTYPES = ("float32", "bfloat16")
@@ -96,9 +100,6 @@ def fuse_into_linears(model: Any) -> int:
 
 def _load_run(run_dir: Path) -> tuple[Any, Any]:
     """The run's saved state and its config rebuilt for a CPU float32 torch model."""
-    from stoa.config import ConfigError
-    from stoa.config.local import load_local_config
-    from stoa.local.checkpoint import find_latest
 
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir} is not a directory; give the output_dir of a local run")
@@ -188,7 +189,6 @@ def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         ExportError: no saved run in ``run_dir``, an unknown dtype, OUT not empty.
     """
     from stoa.local.torch_backend import TorchBackend
-    from stoa.models import resolve_model
 
     run_dir, out = Path(run_dir), Path(out)
     if dtype not in DTYPES:

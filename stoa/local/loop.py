@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from stoa.algorithms import Algorithm
+from stoa.algorithms import Algorithm, get_algorithm
 from stoa.algorithms.batch import Trajectory, filter_and_build, micro_batches
 from stoa.config import config_to_toml
 from stoa.config.local import LocalConfig, resolve_backend
+from stoa.engines.mlx_blas import prepare_mlx_blas
 from stoa.envs.base import Tools
 from stoa.episodes.collect import collect_episodes
 from stoa.episodes.evaluation import evaluate_episodes, greedy_figures
@@ -24,9 +25,11 @@ from stoa.local.backend import Backend, derive_seed
 from stoa.local.preflight import episode_tokens, preflight
 from stoa.local.smoke import check_only_adapters
 from stoa.metrics import MetricsWriter, read_metrics
+from stoa.models import resolve_model
 from stoa.models.shapes import shape_for, shape_from_dir
 from stoa.stopflag import StopFlag
 from stoa.tasks import Prompt, Task, load_task
+from stoa.tokenize import TextCodec
 from stoa.trackers import open_trackers
 
 EVAL_BATCH = 32
@@ -42,7 +45,6 @@ def make_backend(cfg: LocalConfig, model_dir: Path) -> Backend:
     """
     name = resolve_backend(cfg.backend)
     if name == "mlx":
-        from stoa.engines.mlx_blas import prepare_mlx_blas
 
         prepare_mlx_blas()  # before stoa.local.mlx_backend imports mlx.core (Linux: MKL, see stoa.engines.mlx_blas)
         from stoa.local.mlx_backend import MLXBackend
@@ -242,8 +244,6 @@ class _LocalRun:
 
     def __init__(self, cfg: LocalConfig, echo: Callable[[str], Any], backend: Backend | None,
                  task: Task | None) -> None:
-        from stoa.algorithms import get_algorithm
-        from stoa.tokenize import TextCodec
 
         self.cfg, self.echo, self.stop = cfg, echo, StopFlag()
         self.t_start = time.perf_counter()
@@ -264,7 +264,6 @@ class _LocalRun:
     def preflight(self) -> Path:
         """The memory preflight (from config.json when the model is known, before any weight loads);
         returns the model directory."""
-        from stoa.models import resolve_model
 
         cfg = self.cfg
         total = episode_tokens(self.task)

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from stoa.config import ConfigError
-from stoa.config.local import LocalConfig, resolve_backend
+from stoa.config.local import LocalConfig, is_apple_silicon, resolve_backend
 from stoa.config.memory import GB, Candidate, FitReport, activation_bytes, check_fit, refuse
 from stoa.local.targets import choose_targets, is_router
+from stoa.machine import system_memory
 from stoa.models.shapes import ModelShape
 from stoa.tasks import parse_task_spec
+from stoa.tasks.multiturn import is_multiturn
 
 __all__ = ["Estimate", "adapter_params", "available_memory_gb", "episode_tokens", "estimate_memory", "fit",
            "preflight", "quantized_params"]
@@ -96,7 +98,6 @@ def episode_tokens(task: Any) -> int | None:
     Args:
         task: the run's task.
     """
-    from stoa.tasks.multiturn import is_multiturn
 
     return int(task.limits.max_total_tokens) if is_multiturn(task) else None
 
@@ -161,7 +162,6 @@ def estimate_memory(cfg: LocalConfig, shape: ModelShape, backend: str | None = N
 
 
 def _metal() -> bool:
-    from stoa.config.local import is_apple_silicon
 
     return is_apple_silicon()
 
@@ -174,7 +174,6 @@ def available_memory_gb(cfg: LocalConfig) -> tuple[float, str]:
     """
     if cfg.available_memory_gb > 0:
         return cfg.available_memory_gb, "available_memory_gb"
-    from stoa.machine import system_memory
 
     return system_memory()
 

@@ -15,7 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from stoa.models.registry import _dir_lock
+from safetensors.numpy import save_file
+
+from stoa.models.registry import _dir_lock, default_cache_dir, resolve_model
 from stoa.models.tiny import MARKER_FILE, tiny_config, tiny_weights
 
 RANDOM_LLAMA_VERSION = 1
@@ -73,7 +75,6 @@ def write_random_llama(out_dir: Path, config: dict[str, Any], tokenizer_dir: Pat
         tokenizer_dir: a model directory whose tokenizer files are copied (the tiny model's).
         seed: weight seed (numpy PCG64; the same seed gives the same bits).
     """
-    from safetensors.numpy import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -94,7 +95,6 @@ def ensure_random_llama(name: str, cache_dir: Path | None = None, seed: int = 0)
     Raises:
         ValueError: an unknown name.
     """
-    from stoa.models.registry import default_cache_dir, resolve_model
 
     if name not in RANDOM_MODELS:
         raise ValueError(f"unknown random model {name!r}; use one of {', '.join(RANDOM_MODELS)}")
@@ -123,6 +123,5 @@ def resolve_bench_model(name: str) -> Path:
     Args:
         name: e.g. ``llama-1b``, ``tiny``, ``smollm2-135m`` or a directory.
     """
-    from stoa.models.registry import resolve_model
 
     return ensure_random_llama(name) if name in RANDOM_MODELS else resolve_model(name)

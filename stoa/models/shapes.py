@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoa.models import KNOWN_MODELS, default_cache_dir
+from stoa.models.registry import SMOLLM2_DIR, resolve_model
+
 __all__ = ["KNOWN_SHAPES", "ModelShape", "shape_for", "shape_from_dir"]
 
 KNOWN_SHAPES: dict[str, dict[str, Any]] = {
@@ -217,13 +220,11 @@ def shape_for(model: str) -> ModelShape | None:
     Returns:
         the shape, or None when no config.json is reachable offline (resolve the model, then ``shape_from_dir``).
     """
-    from stoa.models import KNOWN_MODELS, default_cache_dir
 
     local = Path(model).expanduser()
     if (local / "config.json").is_file():
         return shape_from_dir(local, model)
     if model in KNOWN_MODELS:
-        from stoa.models.registry import SMOLLM2_DIR, resolve_model
 
         cached = default_cache_dir() / "models" / SMOLLM2_DIR
         if model == "smollm2-135m" and not (cached / "config.json").is_file():

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from stoa.models.tiny_families import FAMILY_ARCHS, family_config, family_weights
 
@@ -85,7 +87,6 @@ def _bytes_to_unicode() -> list[str]:
 
 
 def _pre_tokenizer() -> Any:
-    from tokenizers import pre_tokenizers
 
     return pre_tokenizers.Sequence(
         [
@@ -136,7 +137,6 @@ def build_tiny_tokenizer() -> Any:
     Ids 0..2 are ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``; 3..258 the 256 bytes in byte order;
     the rest are merges learned from a fixed corpus. Digits are always split into single tokens.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models
 
     alphabet = _bytes_to_unicode()
     n_merges = VOCAB_SIZE - len(SPECIAL_TOKENS) - len(alphabet)
@@ -305,7 +305,6 @@ def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
     Returns:
         ``out_dir``.
     """
-    from safetensors.numpy import save_file
 
     config = tiny_config(arch)
     out_dir = Path(out_dir)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from stoa.layout import contract_key, metrics_prefix
 from stoa.observe.plotdata import PANELS, Panel, Points, RunCurves, load_run
 
 PLOT_HINT = "matplotlib is not installed; pip install 'stoa[plot]'"
@@ -236,6 +237,5 @@ def run_known(bucket: Any, run_id: str) -> bool:
         bucket: the bucket.
         run_id: the run id.
     """
-    from stoa.layout import contract_key, metrics_prefix
 
     return bucket.exists(contract_key(run_id)) or next(iter(bucket.list(metrics_prefix(run_id))), None) is not None

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from stoa.layout import parse_rollout_key, rollouts_prefix
 from stoa.metrics import ReadCounts, read_sourced_chunks
 
 MAX_CHUNK_BYTES = 64 << 20
@@ -161,7 +162,6 @@ def listed_records(bucket: Any, run_id: str) -> list[tuple[int, str]]:
         bucket: the run's bucket.
         run_id: the run id.
     """
-    from stoa.layout import parse_rollout_key, rollouts_prefix
 
     parsed = (parse_rollout_key(run_id, info.key) for info in bucket.list(rollouts_prefix(run_id)))
     return [(k.version, k.worker_id) for k in parsed if k is not None]

@@ -19,10 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from stoa.bucket import Bucket, BucketError, ObjectInfo
+from stoa.config.base import ConfigError
 from stoa.contract import RunNotFound
 from stoa.layout import RUNS_ROOT, contract_key, lease_key, parse_run_key, pointer_key, run_prefix, status_key
+from stoa.lifecycle import age
+from stoa.observe.status import size
 from stoa.schemas.control import LeaseRecord, RunStatus
+from stoa.trainer.lease import DEFAULT_TTL_S, LeaseHeld
 from stoa.untrusted import loads_bounded
+from stoa.weights.errors import WeightsError
+from stoa.weights.pointer import Pointer
 
 MAX_SMALL_BYTES = 1 << 16
 """Status, pointer, lease and run.json larger than this are not fetched (they read as ``?``)."""
@@ -96,15 +102,12 @@ def lease_live(data: bytes | None, now: float) -> bool:
         data: the bytes of ``lease.json`` (None: absent); parsed like the trainer parses it.
         now: the wall clock.
     """
-    from stoa.trainer.lease import DEFAULT_TTL_S
 
     rec = LeaseRecord.from_json(data) if data is not None else None  # total: None for anything malformed
     return rec is not None and not rec.released and now - rec.heartbeat < DEFAULT_TTL_S
 
 
 def _version(data: bytes | None) -> int | None:
-    from stoa.weights.errors import WeightsError
-    from stoa.weights.pointer import Pointer
 
     if data is None:
         return None
@@ -170,7 +173,6 @@ def check_run_id(run_id: str) -> None:
     Raises:
         ConfigError: the id is empty or holds ``/`` or control characters.
     """
-    from stoa.config.base import ConfigError
 
     if not run_id or "/" in run_id or not run_id.isprintable():
         raise ConfigError("RUN", f"{run_id!r} is not a run id (empty, or holding '/' or control characters); "
@@ -206,7 +208,6 @@ def refuse_live(row: RunRow) -> None:
     Raises:
         LeaseHeld: the run's lease is live.
     """
-    from stoa.trainer.lease import DEFAULT_TTL_S, LeaseHeld
 
     if row.live:
         raise LeaseHeld(f"a trainer holds run {printable(row.run)} (its lease heartbeat is younger than "
@@ -256,8 +257,6 @@ def render(listing: RunListing) -> str:
     Args:
         listing: the runs.
     """
-    from stoa.lifecycle import age
-    from stoa.observe.status import size
 
     head = ("RUN", "STATE", "VERSION", "AGE", "SIZE", "OBJECTS", "MODEL")
     rows = [(printable(r.run)[:64], r.state, UNKNOWN if r.version is None else str(r.version), age(r.age_s),

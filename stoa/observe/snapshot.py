@@ -36,6 +36,8 @@ from stoa.observe.aggregate import WorkerView, eval_points, training_view, worke
 from stoa.schemas.control import LeaseRecord, RunStatus
 from stoa.schemas.journal import MAX_JOURNAL_BYTES, Journal
 from stoa.schemas.rows import MetricsRow
+from stoa.weights.errors import SyncError
+from stoa.weights.pointer import Pointer
 
 PREFIXES = ("model", "weights", "rollouts", "trainer", "metrics", "retriever", "other")
 """The groups of the bucket-size table (``other``: run.json, status.json, logs, foreign keys)."""
@@ -166,8 +168,6 @@ def _small_json(b: CountingBucket, key: str, listed: dict[str, int], cap: int = 
 
 
 def _pointer_age(data: bytes | None, now: float) -> tuple[int | None, float | None, str]:
-    from stoa.weights.errors import SyncError
-    from stoa.weights.pointer import Pointer
 
     if data is None:
         return None, None, ""

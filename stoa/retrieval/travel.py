@@ -20,6 +20,7 @@ from typing import Any
 
 from stoa.bucket.base import Bucket, ObjectNotFound
 from stoa.layout import retriever_file_key, retriever_prefix
+from stoa.models.registry import default_cache_dir
 from stoa.retrieval.base import Searcher
 from stoa.retrieval.bm25 import INDEX_MANIFEST, BadIndex, BM25Index, read_manifest, verify_index_dir
 from stoa.retrieval.client import HTTPSearcher, RetrieverMismatch
@@ -142,7 +143,6 @@ def _move_into_place(tmp: Path, dest: Path, fingerprint: str) -> None:
 
 def default_index_cache() -> Path:
     """Where downloaded indexes live: ``$STOA_CACHE/retriever`` (default ``~/.cache/stoa/retriever``)."""
-    from stoa.models.registry import default_cache_dir
 
     return default_cache_dir() / "retriever"
 

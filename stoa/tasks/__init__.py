@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 from stoa.tasks.arithmetic import ArithmeticTask
 from stoa.tasks.base import Prompt, PromptIdError, Task, TaskDataError, TaskOptionError, coerce_options
@@ -124,7 +125,6 @@ def check_file_options(name: str, options: Mapping[str, object]) -> None:
     Raises:
         TaskOptionError: a file option names no existing file or directory.
     """
-    from pathlib import Path
 
     for option in getattr(TASKS.get(name), "FILE_OPTIONS", ()):
         value = options.get(option)

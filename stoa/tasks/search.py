@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from stoa.envs.base import Observation, ToolResult, Tools, result_hash
+from stoa.retrieval import SearchTools
 from stoa.retrieval.base import Doc, Searcher
 from stoa.rollouts.episode import ROLE_ECHO, ROLE_MASKED, ToolCall
 from stoa.tasks.base import (
@@ -211,7 +212,6 @@ class SearchTaskBase:
         if self.index and searcher.fingerprint != self.index:
             raise ValueError(f"{self.id}: option 'index' is {self.index!r} but the retriever serves "
                              f"{searcher.fingerprint!r}; use the index the run was started with")
-        from stoa.retrieval import SearchTools
 
         return SearchTools(searcher, k=self.topk, max_doc_chars=self.max_doc_chars)
 

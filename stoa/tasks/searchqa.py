@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from stoa.retrieval import read_corpus
 from stoa.retrieval.base import Doc
 from stoa.tasks.base import (
     Prompt,
@@ -239,7 +240,6 @@ class SearchQATask(SearchTaskBase):
         """
         if self.corpus_path is None:
             raise ValueError("searchqa: no corpus: give option 'corpus' (a jsonl of id, title, text/contents)")
-        from stoa.retrieval import read_corpus
 
         return read_corpus(self.corpus_path)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from stoa.bucket import Bucket, BucketError, ObjectNotFound
 from stoa.layout import checkpoint_files_prefix, checkpoint_key, checkpoint_pointer_key, journal_key
@@ -299,7 +300,6 @@ def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
 
 def _load_legacy(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Restored:
     """The single-file checkpoint of older trainers (``param/``, ``exp_avg/``, ``exp_avg_sq/`` tensors)."""
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
     with tempfile.TemporaryDirectory(prefix="stoa-ckpt-") as tmp:

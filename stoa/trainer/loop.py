@@ -11,14 +11,19 @@ from stoa.bucket import BucketError, open_bucket
 from stoa.config import TrainerConfig
 from stoa.episodes.task_tools import open_task_tools
 from stoa.layout import checkpoint_key
+from stoa.lifecycle import evaluator_present
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
+from stoa.models import resolve_model
 from stoa.stopflag import StopFlag
+from stoa.taskdata import localize_options, portable_task_data
+from stoa.tasks import get_task, parse_task_spec
+from stoa.tokenize import TextCodec
 from stoa.trackers import open_trackers, sample_completions
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.cadence import CheckpointCadence
 from stoa.trainer.demand import RolloutRetention, StatusPublisher, UniformSkips, poll_delay, wanted_groups
 from stoa.trainer.dist import SINGLE, Dist
-from stoa.trainer.lease import FencedBucket, Lease
+from stoa.trainer.lease import FencedBucket, Lease, LeaseLost
 from stoa.trainer.overlap import Background, Done
 from stoa.trainer.pool import Entry, RecordPool
 from stoa.trainer.quarantine import Quarantine
@@ -26,6 +31,11 @@ from stoa.trainer.ranks import Driver, RankOps, serve
 from stoa.trainer.retry import RETRY_MAX_SLEEP_S, ride_out  # noqa: F401 - re-exported
 from stoa.trainer.setup import build_contract, ensure_contract, evaluate
 from stoa.trainer.steplog import StepClock, step_line, step_row
+from stoa.weights.errors import SyncError
+from stoa.weights.planes import state_from_f32, state_to_f32
+from stoa.weights.publish import WeightPublisher
+from stoa.weights.signing import trainer_signer
+from stoa.weights.sync import WeightSync
 
 EVALUATOR_MAX_AGE_S = 90.0  # an evaluator beating this recently (every 30 s; clocks may differ) does the evals
 
@@ -68,7 +78,6 @@ def run_trainer(cfg: TrainerConfig, echo=print, take_over: bool = False) -> dict
 
 def _follow(cfg: TrainerConfig, dist: Dist, device: torch.device, echo) -> dict[str, Any]:
     """A rank other than 0: build its shard of the model and run rank 0's commands until it says stop."""
-    from stoa.models import resolve_model
 
     torch.manual_seed(cfg.seed)
     ops = RankOps(cfg, dist, device, resolve_model(cfg.model), open_bucket(cfg.bucket), echo)
@@ -111,12 +120,6 @@ class _Trainer:
 
     def _build(self, cfg: TrainerConfig, device: torch.device | None) -> None:
         from stoa.engines.torch import resolve_device
-        from stoa.models import resolve_model
-        from stoa.taskdata import localize_options, portable_task_data
-        from stoa.tasks import get_task, parse_task_spec
-        from stoa.tokenize import TextCodec
-        from stoa.weights.publish import WeightPublisher
-        from stoa.weights.signing import trainer_signer
 
         signer = trainer_signer(self.bucket, self.bucket.url, cfg.run, cfg.sign_weights, cfg.run_key, self.echo)
         torch.manual_seed(cfg.seed)
@@ -164,7 +167,6 @@ class _Trainer:
     def start_publish(self, version: int) -> None:
         """Convert the weights to the plane now (every rank: a sharded model is gathered), then encode, upload and
         write the pointer on a thread; ``settle_publish`` waits for it."""
-        from stoa.weights.planes import state_from_f32
 
         cfg = self.cfg
         self.fence()
@@ -219,7 +221,6 @@ class _Trainer:
                       "published as a fresh anchor so workers recover")
         behind = restored is not None and restored.version < pointer.version
         if bad is None and (restored is None or behind):  # no checkpoint, or killed between publish and it
-            from stoa.weights.planes import state_to_f32
 
             assert self.publisher.published_state is not None
             self.ranks("load_full", main_only=state_to_f32(self.publisher.published_state, cfg.plane))
@@ -233,9 +234,6 @@ class _Trainer:
 
     def load_newest_verified(self, pointer: Any) -> None:
         """No checkpoint and unverifiable published weights: continue from the newest state that verifies."""
-        from stoa.weights.errors import SyncError
-        from stoa.weights.planes import state_to_f32
-        from stoa.weights.sync import WeightSync
 
         cfg = self.cfg
         sync = WeightSync(self.bucket, cfg.run, cfg.plane, run_key=self.publisher.run_key)
@@ -304,7 +302,6 @@ class _Trainer:
             state: ``finished`` or ``failed``.
             error: the exception that ends the run, if any.
         """
-        from stoa.trainer.lease import LeaseLost
 
         lost = isinstance(error, LeaseLost)
         if lost and self.unpublished_rows:  # the metrics file of a local bucket lies inside the bucket
@@ -413,7 +410,6 @@ class _Trainer:
     def evaluator_running(self) -> bool:
         """Whether a follow-along evaluator (``stoa eval --follow``) beats on this run: the periodic evals are
         then its job (the trainer keeps its before/after evals)."""
-        from stoa.lifecycle import evaluator_present
 
         try:
             return evaluator_present(self.bucket, self.cfg.run, EVALUATOR_MAX_AGE_S)

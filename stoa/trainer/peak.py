@@ -51,7 +51,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from stoa.config.memory import GB, Candidate, FitReport, activation_bytes, check_fit, refuse
+from stoa.machine import system_memory
 from stoa.models.shapes import ModelShape
+from stoa.tokenize import TextCodec
 
 __all__ = ["Budget", "PeakEstimate", "PromptLength", "Workload", "computes_bf16", "device_budget", "estimate_peak",
            "fit", "is_cuda", "preflight", "prompt_length", "workload"]
@@ -208,7 +210,6 @@ def device_budget(cfg: Any, world_size: int) -> Budget:
         index = int(local) if local else int(cfg.device.split(":")[1]) if ":" in cfg.device else 0  # as init_dist
         free, _ = torch.cuda.mem_get_info(index)
         return Budget(free / GB, f"free memory of cuda:{index}")
-    from stoa.machine import system_memory
 
     gb, source = system_memory()
     return Budget(gb, source, shared_by=max(1, world_size))
@@ -260,7 +261,6 @@ def prompt_length(task: Any, model_dir: Path | None, n: int = 256) -> PromptLeng
     """
     if model_dir is None:
         return PromptLength(DEFAULT_PROMPT_TOKENS, "a guess: no tokenizer offline, give --prompt-tokens")
-    from stoa.tokenize import TextCodec
 
     codec = TextCodec(model_dir)
     prompts = task.heldout(n)

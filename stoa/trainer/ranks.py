@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from stoa.algorithms import Algorithm
+from stoa.algorithms import Algorithm, get_algorithm
 from stoa.bucket import Bucket
 from stoa.config import TrainerConfig
 from stoa.trainer import checkpoint as ckpt
@@ -49,7 +49,6 @@ class RankOps:
 
     def __init__(self, cfg: TrainerConfig, dist: Dist, device: torch.device, model_dir: Path, bucket: Bucket,
                  echo=print):
-        from stoa.algorithms import get_algorithm
 
         self.cfg, self.dist, self.bucket, self.echo = cfg, dist, bucket, echo
         dtype = compute_dtype(cfg.dtype, device)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from stoa.bucket import Bucket, ObjectExists, ObjectNotFound
 from stoa.config import ConfigError, TrainerConfig
+from stoa.config.loading import coerce
 from stoa.contract import ContractMismatch, canonical_json
 from stoa.layout import trainer_config_key
 from stoa.schemas import BadSchemaObject
@@ -75,7 +76,6 @@ def parse_config(data: bytes, run_id: str) -> dict[str, Any]:
     Raises:
         ConfigError: not a stored configuration, or a value of the wrong type.
     """
-    from stoa.config.loading import coerce
 
     try:
         settings = StoredConfig.parse(data, trainer_config_key(run_id)).settings

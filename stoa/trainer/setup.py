@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from stoa.bucket import Bucket, ObjectExists, ObjectNotFound, open_bucket
 from stoa.config import TrainerConfig
@@ -18,15 +19,22 @@ from stoa.contract import (
     RunContract,
     SamplingSpec,
     canonical_json,
+    digest_hex,
     download_model_files,
     upload_model_files,
 )
+from stoa.engines import engine_from_model
 from stoa.episodes.evaluation import evaluate_heldout
 from stoa.layout import contract_key
+from stoa.models import default_cache_dir, model_fingerprint, resolve_model
 from stoa.taskdata import TaskData, TaskFile, file_options, localize_options, portable_task_data, upload_task_files
+from stoa.tasks import TASKS, get_task, parse_task_spec
 from stoa.tasks.base import Task
 from stoa.tokenize import TextCodec
+from stoa.trainer.lease import Lease
 from stoa.trainer.resume import Change, changes_line, legacy_line, merge, read_stored, store
+from stoa.weights.planes import state_to_f32
+from stoa.weights.sync import WeightSync
 
 
 def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextCodec, vocab_size: int,
@@ -46,7 +54,6 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
         task_data: ``portable_task_data(task)`` when the caller already has it (its files go to
             :func:`ensure_contract`); computed here otherwise.
     """
-    from stoa.models import model_fingerprint
 
     fp = model_fingerprint(model_dir)
     algo = cfg.algo_config()
@@ -206,7 +213,6 @@ def resume_plan(cfg: TrainerConfig, given: Mapping[str, str], echo=print) -> Res
 
 def _resume_task(cfg: TrainerConfig, given: Mapping[str, str], contract: RunContract, bucket: Bucket) -> str:
     """The run's task spec string; a given ``--task`` must build the contract's task (compared portably)."""
-    from stoa.tasks import TASKS, get_task, parse_task_spec
 
     if "task" in given:
         name, opts = parse_task_spec(cfg.task)
@@ -244,7 +250,6 @@ def _resume_algorithm(cfg: TrainerConfig, given: Mapping[str, str], contract: Ru
 
 def _fingerprint_diff(model: str, spec: ModelSpec) -> list[str] | None:
     """The contract's model fields ``model`` disagrees on; ``None`` when it does not resolve here."""
-    from stoa.models import model_fingerprint, resolve_model
 
     try:
         fp = model_fingerprint(resolve_model(model))
@@ -255,7 +260,6 @@ def _fingerprint_diff(model: str, spec: ModelSpec) -> list[str] | None:
 
 def _resume_model(cfg: TrainerConfig, given: Mapping[str, str], contract: RunContract, bucket: Bucket,
                   echo) -> str:
-    from stoa.trainer.lease import Lease
 
     spec = contract.model
     if "model" in given:
@@ -288,12 +292,7 @@ def model_from_bucket(bucket: Bucket, run_id: str, plane: str, dest: Path | None
         dest: the directory to fill (default: under the stoa cache, per bucket and run).
         run_key: a signed run's public key: the pointer must carry its signature.
     """
-    from safetensors.numpy import save_file
 
-    from stoa.contract import digest_hex
-    from stoa.models import default_cache_dir
-    from stoa.weights.planes import state_to_f32
-    from stoa.weights.sync import WeightSync
 
     if dest is None:
         dest = default_cache_dir() / "runs" / digest_hex(bucket.url.encode())[:12] / run_id / "model"
@@ -319,7 +318,6 @@ def evaluate(model, codec: TextCodec, task: Task, n: int, max_new_tokens: int, b
         tools: a multi-turn task's tools (None: single-turn).
         k: sampled episodes per prompt for pass@k (multi-turn; 1: greedy only).
     """
-    from stoa.engines import engine_from_model
 
     was_training = model.training
     try:

@@ -14,9 +14,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from stoa.bucket import BucketError, open_bucket
+from stoa.config import WorkerConfig
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import contract_key, rollout_key, rollouts_prefix
+from stoa.models import model_fingerprint, resolve_model
 from stoa.rollouts.records import RecordRejected, RolloutRecord, Sample, validate_record
+from stoa.tasks import get_task, parse_task_spec
+from stoa.tokenize import TextCodec
+from stoa.worker import loop
+from stoa.worker.loop import default_engine
 
 if TYPE_CHECKING:
     from stoa.engines import Completion, GenStats
@@ -28,7 +35,6 @@ PREFIX_ROOT = "local-e2e"
 
 def _probe(bucket: Any, prefix: str, url: str) -> None:
     """Fail early, before any generation, when the bucket cannot be listed."""
-    from stoa.bucket import BucketError
 
     try:
         next(iter(bucket.list(prefix)), None)
@@ -139,8 +145,6 @@ def _check(groups: int, samples: int, tokens: int, engine: str, task: str) -> tu
         engine: ``auto``, ``torch`` or ``mlx``.
         task: task spec.
     """
-    from stoa.tasks import get_task, parse_task_spec
-    from stoa.worker.loop import default_engine
 
     for name, value in (("groups", groups), ("samples", samples), ("tokens", tokens)):
         if value < 1:
@@ -159,7 +163,6 @@ def _open(bucket_url: str | None, prefix: str) -> tuple[Any, str, str | None]:
         bucket_url: the bucket URL, or None for a temporary local directory.
         prefix: the check's prefix (the probe lists it).
     """
-    from stoa.bucket import open_bucket
 
     if bucket_url:
         bucket = open_bucket(bucket_url)
@@ -182,10 +185,6 @@ def _set_up(trial: _Trial, engine_name: str, model: str | None, samples: int,
         samples: completions per group.
         tokens: max new tokens.
     """
-    from stoa.config import WorkerConfig
-    from stoa.models import model_fingerprint, resolve_model
-    from stoa.tokenize import TextCodec
-    from stoa.worker import loop
 
     model_dir = resolve_model(model or os.environ.get("MODEL") or "tiny")
     eng: Any = loop.make_engine(engine_name, model_dir, WorkerConfig())
@@ -333,7 +332,6 @@ def _same(back: RolloutRecord, sent: RolloutRecord) -> None:
 
 def _cleanup(bucket: Any, prefix: str, summary: dict[str, Any], echo: Callable[[str], Any]) -> None:
     """Delete the run's prefix; record (and say) whether anything is left."""
-    from stoa.bucket import BucketError
 
     try:
         bucket.delete_prefix(prefix)

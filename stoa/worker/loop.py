@@ -22,11 +22,20 @@ from stoa.episodes.collect import episode_sample, sample_episode_batch
 from stoa.episodes.task_tools import open_task_tools
 from stoa.layout import rollout_key
 from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
+from stoa.models import model_fingerprint
 from stoa.rollouts.records import RolloutRecord, Sample
+from stoa.taskdata import contract_refs, localize_contract_options
+from stoa.tasks import get_task
+from stoa.tasks.multiturn import is_multiturn
+from stoa.tokenize import TextCodec
 from stoa.trackers import open_trackers
+from stoa.weights.follow import WeightFollower
+from stoa.weights.signing import trusted_run_key
+from stoa.weights.sync import WeightSync
 from stoa.worker.pacing import RunWatch, Verdict
 from stoa.worker.syncing import published_at as _published_at
 from stoa.worker.syncing import sync_weights as _sync
+from stoa.worker.tiers import choose_tier
 
 METRICS_FLUSH_ROWS = 200
 """A worker uploads its buffered metrics rows as a chunk once this many gathered ..."""
@@ -52,7 +61,6 @@ def check_model(model_dir: Path, contract: RunContract) -> None:
         model_dir: the local model directory.
         contract: the run contract.
     """
-    from stoa.models import model_fingerprint
 
     fp = model_fingerprint(model_dir)
     bad = [f"model.{k}" for k in ("config_hash", "tokenizer_hash", "architecture")
@@ -204,13 +212,6 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
         cfg: validated worker config.
         echo: where progress lines go.
     """
-    from stoa.taskdata import contract_refs, localize_contract_options
-    from stoa.tasks import get_task
-    from stoa.tasks.multiturn import is_multiturn
-    from stoa.tokenize import TextCodec
-    from stoa.weights.follow import WeightFollower
-    from stoa.weights.signing import trusted_run_key
-    from stoa.weights.sync import WeightSync
 
     bucket = PatientBucket(open_bucket(cfg.bucket, retry_seconds=cfg.bucket_retry_seconds),
                            exit_on_outage=cfg.exit_on_outage, note=echo)
@@ -363,7 +364,6 @@ def _log_batch(w: _Worker, p: _Progress, batch: _Batch) -> None:
 
 def _tier_groups(n_samples: int) -> int:
     """Groups in flight from the machine's memory tier (env overrides apply)."""
-    from stoa.worker.tiers import choose_tier
 
     return choose_tier(n_samples=n_samples).groups_in_flight
 

@@ -4,6 +4,7 @@ usable; one log line and metrics row per refused object."""
 from __future__ import annotations
 
 import time
+from datetime import datetime
 
 from stoa.config import WorkerConfig
 from stoa.contract import RunContract
@@ -12,7 +13,6 @@ from stoa.metrics import MetricsWriter
 
 def published_at(sync) -> float | None:
     """Unix time the trainer published the version this worker just adopted (from the pointer)."""
-    from datetime import datetime
 
     p = getattr(sync, "pointer", None)
     try:

@@ -56,9 +56,7 @@ def test_smoke_command_exits_1_on_a_trainable_base_leaf(tiny_dir, monkeypatch, c
     import argparse
 
     from stoa.cli import local as cli
-    from stoa.local import loop as loop_mod
-
-    real = loop_mod.make_backend
+    real = cli.make_backend
 
     def leaky(cfg, model_dir):
         b = real(cfg, model_dir)
@@ -71,7 +69,7 @@ def test_smoke_command_exits_1_on_a_trainable_base_leaf(tiny_dir, monkeypatch, c
     args = parser.parse_args(["local", "smoke", "--model", str(tiny_dir), "--backend", "torch", "--threads", "1"])
     assert args.func(args) == 0
     assert "smoke: ok" in capsys.readouterr().out
-    monkeypatch.setattr(loop_mod, "make_backend", leaky)
+    monkeypatch.setattr(cli, "make_backend", leaky)
     assert args.func(args) == 1
     assert "FAILED: 1 trainable leaves are not LoRA adapters: model.norm.weight" in capsys.readouterr().err
 

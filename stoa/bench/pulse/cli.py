@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 from stoa.bucket import open_bucket
 from stoa.config.text import deprecated_flag
+from stoa.models import resolve_model
 from stoa.weights.planes import PLANES
 
 from .report import report_lines
@@ -98,7 +99,6 @@ def main(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from stoa.models import resolve_model
 
     lrs = parse_lrs(args.lr)
     if args.steps < 1 or args.repeat < 1 or args.samples < 2 or args.torch_threads < 1:

@@ -25,8 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors.numpy import save_file
 
+from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.config.text import deprecated_flag
+from stoa.models import resolve_model
+from stoa.models.tiny_families import family_weights
+from stoa.rollouts.records import RolloutRecord, Sample
+from stoa.trainer.pool import Entry
 from stoa.weights.patch_format import _parse
 from stoa.weights.planes import PLANES, State, quant_stem, state_from_f32
 from stoa.weights.pulse import apply_patch, encode_patch
@@ -202,9 +208,7 @@ def variant_model(model_dir: Path, experts: int, out_dir: Path) -> Path:
         experts: number of experts.
         out_dir: where to write the variant.
     """
-    from safetensors.numpy import save_file
 
-    from stoa.models.tiny_families import family_weights
 
     config = json.loads((model_dir / "config.json").read_text())
     text = config.get("text_config", config)
@@ -235,8 +239,6 @@ def sampled_entries(policy: Any, rng: np.random.Generator, groups: int, n: int, 
     """
     import torch
 
-    from stoa.rollouts.records import RolloutRecord, Sample
-    from stoa.trainer.pool import Entry
 
     vocab = int(policy.model.config.get_text_config().vocab_size)
     out = []
@@ -278,8 +280,6 @@ def run(model: str, steps: int, lr: float, planes: tuple[str, ...], groups: int 
     """
     import torch
 
-    from stoa.algorithms import AlgoConfig, get_algorithm
-    from stoa.models import resolve_model
     from stoa.trainer.policy import Policy
     from stoa.trainer.step import train_step
 
