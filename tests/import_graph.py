@@ -22,7 +22,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"bucket", "weights", "rollouts", "contract", "lifecycle"}),
     frozenset({"tasks", "envs", "algorithms", "retrieval", "taskdata"}),
     frozenset({"config"}),
-    frozenset({"engines", "episodes", "metrics", "trackers", "preflight"}),
+    frozenset({"engines", "episodes", "metrics", "trackers"}),
     frozenset({"worker", "trainer", "local", "evaluator"}),
     frozenset({"observe", "join", "export"}),
     frozenset({"cli", "bench", "__main__"}),
