@@ -17,7 +17,7 @@ from .base import (
     validate_key,
 )
 from .credentials import CredentialsError, resolve_env, s3_credentials
-from .local import LocalBucket
+from .directory import LocalBucket
 from .outage import PatientBucket, RetryPolicy
 from .url import ACCEPTED_FORMS, BucketURL, BucketURLError, parse_bucket_url
 

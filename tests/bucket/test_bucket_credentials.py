@@ -15,7 +15,7 @@ from stoa.bucket.credentials import (
     resolve_env,
     s3_credentials,
 )
-from stoa.bucket.local import LocalBucket
+from stoa.bucket.directory import LocalBucket
 from stoa.bucket.s3 import S3Bucket
 
 SECRET = "sk-test-DO-NOT-LEAK-8c2f41"

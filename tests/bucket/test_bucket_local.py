@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stoa.bucket import BucketError, ObjectExists
-from stoa.bucket.local import LocalBucket
+from stoa.bucket.directory import LocalBucket
 
 
 def test_internal_files_are_never_listed(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import stoa.bucket.local as local_mod
+import stoa.bucket.directory as local_mod
 from stoa.bucket import AccessDenied, Bucket, BucketUnreachable, PatientBucket, RetryPolicy, open_bucket
 from stoa.bucket.credentials import S3Credentials, scrub_secrets
 from stoa.bucket.s3 import S3Bucket

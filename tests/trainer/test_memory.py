@@ -9,8 +9,8 @@ import pytest
 
 from stoa.cli.trainer import memory_report, torchrun_argv, world_size
 from stoa.config import TrainerConfig
-from stoa.config.memory import MemoryPreflightError
 from stoa.config import memory as core
+from stoa.config.memory import MemoryPreflightError
 from stoa.models.shapes import KNOWN_SHAPES, ModelShape
 from stoa.trainer import peak as memory
 from stoa.trainer.peak import Budget, Workload, estimate_peak, fit, preflight, workload
