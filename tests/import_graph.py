@@ -20,9 +20,9 @@ STOA = ROOT / "stoa"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"stoa", "layout", "untrusted", "schemas", "machine", "stopflag", "tokenize", "models"}),
     frozenset({"bucket", "weights", "rollouts", "contract", "lifecycle"}),
-    frozenset({"tasks", "envs", "algorithms", "retrieval", "taskdata"}),
+    frozenset({"tasks", "envs", "algorithms", "retrieval"}),
     frozenset({"config"}),
-    frozenset({"engines", "episodes", "metrics", "trackers"}),
+    frozenset({"engines", "episodes", "telemetry"}),
     frozenset({"worker", "trainer", "local", "evaluator"}),
     frozenset({"observe", "join", "export"}),
     frozenset({"cli", "bench", "__main__"}),

@@ -14,7 +14,7 @@ from stoa.bucket import open_bucket
 from stoa.cli import main
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import contract_key, task_data_key
-from stoa.taskdata import (
+from stoa.tasks.data import (
     TaskDataMismatch,
     TaskDataRefused,
     contract_refs,
@@ -107,7 +107,7 @@ def test_content_addressed_data_is_fetched_and_other_options_pass(tmp_path):
     bucket = open_bucket(str(tmp_path / "b"))
     local = tmp_path / "train.jsonl"
     local.write_bytes(TRAIN)
-    from stoa.taskdata import DataRef, TaskFile
+    from stoa.tasks.data import DataRef, TaskFile
 
     upload_task_files(bucket, "r", [TaskFile("path", local, DataRef(DIGEST, "train.jsonl"))])
     opts = localize_contract_options(bucket, "r", "gsm8k", {"path": REF, "n_train": 1, "test_path": None},
@@ -148,8 +148,8 @@ HOSTILE_LINES = {
 def test_referenced_data_with_a_hostile_line_is_one_line_exit_2(tmp_path, kind):
     from stoa.cli import user_error
     from stoa.retrieval import CorpusError, read_corpus
-    from stoa.taskdata import DataRef, TaskFile
     from stoa.tasks import get_task
+    from stoa.tasks.data import DataRef, TaskFile
 
     bucket = open_bucket(str(tmp_path / "b"))
     local = tmp_path / "train.jsonl"

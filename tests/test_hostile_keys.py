@@ -22,7 +22,7 @@ from stoa.layout import (
     rollout_version_prefix,
     rollouts_prefix,
 )
-from stoa.metrics import read_bucket_metrics
+from stoa.telemetry.metrics import read_bucket_metrics
 from stoa.trainer.demand import RolloutRetention
 from tests.bucket.conftest import (  # noqa: F401 (fixtures)
     MOTO_SECRET,

@@ -16,9 +16,9 @@ from stoa.config import TrainerConfig, WorkerConfig, load_config
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import contract_key, metrics_prefix, rollouts_prefix, status_key
 from stoa.lifecycle import read_status
-from stoa.metrics import read_bucket_metrics, read_metrics
 from stoa.models import model_fingerprint
 from stoa.schemas.control import RunStatus
+from stoa.telemetry.metrics import read_bucket_metrics, read_metrics
 from stoa.trainer.demand import wanted_groups
 from stoa.weights.planes import state_from_f32
 from stoa.weights.publish import WeightPublisher

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from stoa.bucket import BucketUnreachable, open_bucket
 from stoa.layout import metrics_chunk_key
-from stoa.metrics import BucketMetrics, MetricsWriter, read_bucket_metrics, read_metrics
+from stoa.telemetry.metrics import BucketMetrics, MetricsWriter, read_bucket_metrics, read_metrics
 
 
 class Clock:

@@ -15,8 +15,8 @@ from stoa.bucket import open_bucket
 from stoa.config import TrainerConfig
 from stoa.contract import RunContract
 from stoa.layout import contract_key, task_data_key
-from stoa.taskdata import TaskDataMismatch, localize_options, parse_ref, portable_task_data, upload_task_files
 from stoa.tasks import SearchQATask, get_task
+from stoa.tasks.data import TaskDataMismatch, localize_options, parse_ref, portable_task_data, upload_task_files
 
 PROBLEMS = [
     {"question": "Tom has 3 apples and buys 4 more. How many apples?", "answer": "3 + 4 = 7\n#### 7"},

@@ -19,8 +19,8 @@ from stoa.bucket import open_bucket
 from stoa.config import ConfigError, LocalConfig, TrainerConfig, WorkerConfig, load_config
 from stoa.config.text import add_config_flags, overrides_from_args
 from stoa.layout import tracker_key
-from stoa.metrics import MetricsWriter, read_metrics
-from stoa.trackers import (
+from stoa.telemetry.metrics import MetricsWriter, read_metrics
+from stoa.telemetry.trackers import (
     Completion,
     TensorBoardTracker,
     TrackerSet,
@@ -126,7 +126,7 @@ def test_a_failing_tracker_is_disabled_after_one_warning(tmp_path, monkeypatch, 
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(fail=True))
     trackers = open_trackers(["wandb", "tensorboard"], run_id="r1", source="worker-w0", log_dir=tmp_path)
     w = MetricsWriter(tmp_path / "w.jsonl", "w0", trackers=trackers)
-    with caplog.at_level(logging.WARNING, logger="stoa.trackers"):
+    with caplog.at_level(logging.WARNING, logger="stoa.telemetry.trackers"):
         for step in range(1, 4):
             w.log({"worker/groups": step}, step=step)
     assert len(caplog.records) == 1
@@ -169,7 +169,7 @@ def test_workers_join_the_runs_group_and_store_nothing(tmp_path, fakes):
 def test_missing_packages_warn_and_open_nothing(tmp_path, monkeypatch, caplog):
     for name in ("wandb", "tensorboardX", "torch.utils.tensorboard"):
         monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: the import raises ImportError
-    with caplog.at_level(logging.WARNING, logger="stoa.trackers"):
+    with caplog.at_level(logging.WARNING, logger="stoa.telemetry.trackers"):
         trackers = open_trackers("wandb,tensorboard", run_id="r", source="trainer", log_dir=tmp_path)
     assert trackers == []
     assert len(caplog.records) == 2
@@ -188,7 +188,7 @@ def test_a_wandb_init_that_raises_is_skipped(tmp_path, monkeypatch, caplog):
 
     mod.init = init  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "wandb", mod)
-    with caplog.at_level(logging.WARNING, logger="stoa.trackers"):
+    with caplog.at_level(logging.WARNING, logger="stoa.telemetry.trackers"):
         assert open_trackers("wandb", run_id="r", source="trainer", log_dir=tmp_path) == []
     assert len(caplog.records) == 1
 

@@ -29,7 +29,7 @@ from stoa.join.card import CardError, JoinCard, read_card
 from stoa.layout import contract_key, pointer_key
 from stoa.schemas.control import EvaluatorHeartbeat as Heartbeat
 from stoa.schemas.control import LeaseRecord
-from stoa.trackers import _IdStore
+from stoa.telemetry.trackers import _IdStore
 from stoa.trainer.lease import Lease, LeaseHeld
 from stoa.trainer.resume import config_bytes, parse_config
 from stoa.untrusted import BadBucketObject, loads_bounded, nesting_depth

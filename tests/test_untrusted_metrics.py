@@ -10,7 +10,8 @@ import pytest
 from stoa.bucket import open_bucket
 from stoa.evaluator.follow import _due, evaluated_versions
 from stoa.layout import metrics_chunk_key
-from stoa.metrics import (
+from stoa.observe import plotdata
+from stoa.telemetry.metrics import (
     MAX_LINE_BYTES,
     BucketMetrics,
     ReadCounts,
@@ -19,7 +20,6 @@ from stoa.metrics import (
     read_metrics,
     read_sourced_chunks,
 )
-from stoa.observe import plotdata
 
 HOSTILE_LINES = {
     "deep": b"[" * 100_000,
@@ -53,7 +53,7 @@ def test_each_hostile_line_is_skipped_counted_and_the_rest_of_the_chunk_and_run_
     key = plant(bucket, "eval", 1_700_000_000, [honest(1), HOSTILE_LINES[kind], honest(2)])
     plant(bucket, "eval", 1_700_000_001, [honest(3)])
     counts = ReadCounts()
-    with caplog.at_level(logging.WARNING, logger="stoa.metrics"):
+    with caplog.at_level(logging.WARNING, logger="stoa.telemetry.metrics"):
         rows = read_bucket_metrics(bucket, "r", source="eval", counts=counts)
     assert [r["i"] for r in rows] == [1, 2, 3]
     assert (counts.chunks, counts.bad_chunks, counts.bad_lines) == (2, 0, 1)
@@ -70,7 +70,7 @@ def test_a_chunk_of_many_bad_lines_warns_once_and_counts_each(tmp_path, caplog):
     bucket = open_bucket(str(tmp_path / "b"))
     plant(bucket, "trainer", 1_700_000_000, list(HOSTILE_LINES.values()) * 3 + [honest(7)])
     counts = ReadCounts()
-    with caplog.at_level(logging.WARNING, logger="stoa.metrics"):
+    with caplog.at_level(logging.WARNING, logger="stoa.telemetry.metrics"):
         rows = read_bucket_metrics(bucket, "r", counts=counts)
     assert [r["i"] for r in rows] == [7]
     assert counts.bad_lines == 3 * len(HOSTILE_LINES)
@@ -87,7 +87,7 @@ def test_an_oversized_chunk_is_skipped_unread_and_the_others_read(tmp_path, monk
     real = bucket.get_range
     monkeypatch.setattr(bucket, "get_range", lambda k, a, b: fetched.append((k, b - a)) or real(k, a, b))
     counts = ReadCounts()
-    with caplog.at_level(logging.WARNING, logger="stoa.metrics"):
+    with caplog.at_level(logging.WARNING, logger="stoa.telemetry.metrics"):
         rows = read_sourced_chunks(bucket, "r", max_chunk_bytes=cap, counts=counts)
     assert [row["i"] for _, row in rows] == [1, 3]
     assert (counts.chunks, counts.bad_chunks) == (2, 1)
@@ -104,7 +104,7 @@ def test_a_chunk_deleted_after_the_listing_is_skipped(tmp_path):
 
 
 def test_a_local_file_with_an_overlong_line_reads_the_rows_around_it(tmp_path, monkeypatch):
-    import stoa.metrics as metrics
+    import stoa.telemetry.metrics as metrics
 
     monkeypatch.setattr(metrics, "MAX_LINE_BYTES", 64)
     path = tmp_path / "m.jsonl"

@@ -14,9 +14,9 @@ from stoa.bucket import open_bucket
 from stoa.config import WorkerConfig, load_config
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import contract_key
-from stoa.metrics import read_metrics
 from stoa.models import model_fingerprint
 from stoa.rollouts.records import RolloutRecord
+from stoa.telemetry.metrics import read_metrics
 from stoa.weights.planes import state_from_f32
 from stoa.weights.publish import WeightPublisher
 

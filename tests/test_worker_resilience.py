@@ -15,7 +15,7 @@ from stoa.bucket import Bucket, BucketUnreachable, ObjectInfo, PatientBucket, op
 from stoa.config import WorkerConfig, load_config
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import anchor_prefix, patch_key, pointer_key
-from stoa.metrics import MetricsWriter, read_metrics
+from stoa.telemetry.metrics import MetricsWriter, read_metrics
 from stoa.weights.follow import WeightFollower
 from stoa.weights.hashing import state_hash
 from stoa.weights.planes import State, state_from_f32

@@ -25,9 +25,9 @@ from stoa.config.local import load_local_config
 from stoa.config.text import deprecated_flag
 from stoa.engines.mlx_blas import blas_status, find_mkl_rt
 from stoa.local.loop import run_local
-from stoa.metrics import read_metrics
 from stoa.models import resolve_model
 from stoa.tasks import load_task
+from stoa.telemetry.metrics import read_metrics
 
 MLXRL_DRIVER = "mlxrl_driver.py"
 """The mlxrl timing driver in the checkout's ``benchmarks/``: run by the python of a separate venv with mlxrl."""

@@ -12,8 +12,8 @@ from typing import Any
 
 from stoa.config import ConfigError, TrainerConfig, load_config, parse_scalar
 from stoa.layout import checkpoint_files_prefix, logs_prefix, metrics_prefix, run_prefix, weights_prefix
-from stoa.metrics import read_metrics
 from stoa.models import resolve_model
+from stoa.telemetry.metrics import read_metrics
 
 # Defaults sized for learning per minute on a 2-core CPU with SmolLM2-135M: 30 steps of ~10 s (bf16 trainer,
 # groups without signal skipped) reach held-out 0.68 from 0.13 in ~9 min (docs/speed.md); 12 steps reached 0.48.

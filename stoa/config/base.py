@@ -19,7 +19,7 @@ PLANES = ("bf16", "int8g64")
 DTYPES = ("auto", "float32", "bfloat16")
 """Compute dtypes of a worker engine and of local mode."""
 TRACKERS = ("wandb", "tensorboard")
-"""Experiment trackers ``report_to`` may name (``stoa.trackers``)."""
+"""Experiment trackers ``report_to`` may name (``stoa.telemetry.trackers``)."""
 ENGINES = ("auto", "torch", "mlx")
 """Sampling engines of a worker (``auto``: mlx on Apple silicon, else torch)."""
 BACKENDS = ("auto", "mlx", "torch")

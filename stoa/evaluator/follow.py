@@ -23,13 +23,13 @@ from stoa.episodes.task_tools import open_task_tools
 from stoa.evaluator.chain import ChainRefused, at_version, chain_hashes, rebase
 from stoa.layout import contract_key
 from stoa.lifecycle import read_status, write_heartbeat
-from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir, read_bucket_metrics
 from stoa.models import default_cache_dir, model_fingerprint
-from stoa.taskdata import contract_refs, localize_contract_options
 from stoa.tasks import get_task
+from stoa.tasks.data import contract_refs, localize_contract_options
 from stoa.tasks.multiturn import is_multiturn
+from stoa.telemetry.metrics import BucketMetrics, MetricsWriter, default_log_dir, read_bucket_metrics
+from stoa.telemetry.trackers import open_trackers
 from stoa.tokenize import TextCodec
-from stoa.trackers import open_trackers
 from stoa.weights.errors import SyncError
 from stoa.weights.pointer import Pointer
 from stoa.weights.signing import trusted_run_key

@@ -24,13 +24,13 @@ from stoa.local import checkpoint as ckpt
 from stoa.local.backend import Backend, derive_seed
 from stoa.local.preflight import episode_tokens, preflight
 from stoa.local.smoke import check_only_adapters
-from stoa.metrics import MetricsWriter, read_metrics
 from stoa.models import resolve_model
 from stoa.models.shapes import shape_for, shape_from_dir
 from stoa.stopflag import StopFlag
 from stoa.tasks import Prompt, Task, load_task
+from stoa.telemetry.metrics import MetricsWriter, read_metrics
+from stoa.telemetry.trackers import open_trackers
 from stoa.tokenize import TextCodec
-from stoa.trackers import open_trackers
 
 EVAL_BATCH = 32
 """Held-out prompts decoded together."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from stoa.layout import parse_rollout_key, rollouts_prefix
-from stoa.metrics import ReadCounts, read_sourced_chunks
+from stoa.telemetry.metrics import ReadCounts, read_sourced_chunks
 
 MAX_CHUNK_BYTES = 64 << 20
 """A metrics chunk larger than this is skipped (the trainer's are a few kB)."""
@@ -127,7 +127,7 @@ def version_of(value: Any) -> int | None:
 def read_sourced_rows(bucket: Any, run_id: str, counts: ReadCounts | None = None) -> list[tuple[str, dict[str, Any]]]:
     """Every JSON-object row of a run's metrics chunks with the writer (``source``) of its chunk.
 
-    Chunks are read in writer, process start, chunk order through the bounded parser of ``stoa.metrics``: a
+    Chunks are read in writer, process start, chunk order through the bounded parser of ``stoa.telemetry.metrics``: a
     chunk over :data:`MAX_CHUNK_BYTES`, one deleted since the listing and any line that is not a bounded JSON
     object (too deep, a number too long, NaN, invalid UTF-8) are skipped, one warning line per chunk.
 

@@ -257,7 +257,7 @@ class EvaluatorHeartbeat:
 
 @dataclass(frozen=True)
 class TrackerHandle:
-    """What ``trackers/<name>.json`` holds: the owner's experiment-tracker run to resume (``stoa.trackers``).
+    """What ``trackers/<name>.json`` holds: the owner's experiment-tracker run to resume (``stoa.telemetry.trackers``).
 
     Args:
         id: the tracker's run id.

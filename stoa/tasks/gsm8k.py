@@ -185,10 +185,10 @@ class GSM8KTask:
     }
     FILE_OPTIONS: ClassVar[tuple[str, ...]] = ("path", "test_path")
     """Options naming local files: the trainer uploads them and the contract names them ``bucket:<sha256>/<name>``
-    (``stoa.taskdata``), so workers elsewhere need no copy."""
+    (``stoa.tasks.data``), so workers elsewhere need no copy."""
     HUB_OPTIONS: ClassVar[tuple[str, ...]] = ("hf",)
     """Options naming a Hugging Face hub dataset: a worker or evaluator accepts only a hub id there
-    (``owner/name``), never a local path, which ``datasets`` would read (``stoa.taskdata.contract_refs``)."""
+    (``owner/name``), never a local path, which ``datasets`` would read (``stoa.tasks.data.contract_refs``)."""
 
     def __init__(
         self,

@@ -193,7 +193,7 @@ class SearchQATask(SearchTaskBase):
                                           "prompt_version": int, "use_prompt": bool, **SEARCH_OPTIONS}
     FILE_OPTIONS: ClassVar[tuple[str, ...]] = ("path", "test_path", "corpus")
     """Options naming local files: the trainer uploads them and the contract names them ``bucket:<sha256>/<name>``
-    (``stoa.taskdata``), so workers elsewhere need no copy."""
+    (``stoa.tasks.data``), so workers elsewhere need no copy."""
 
     def __init__(self, path: str | None = None, test_path: str | None = None, corpus: str | None = None,
                  n_train: int | None = None, n_test: int | None = None, train_sha256: str | None = None,

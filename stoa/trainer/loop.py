@@ -12,13 +12,13 @@ from stoa.config import TrainerConfig
 from stoa.episodes.task_tools import open_task_tools
 from stoa.layout import checkpoint_key
 from stoa.lifecycle import evaluator_present
-from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.models import resolve_model
 from stoa.stopflag import StopFlag
-from stoa.taskdata import localize_options, portable_task_data
 from stoa.tasks import get_task, parse_task_spec
+from stoa.tasks.data import localize_options, portable_task_data
+from stoa.telemetry.metrics import BucketMetrics, MetricsWriter, default_log_dir
+from stoa.telemetry.trackers import open_trackers, sample_completions
 from stoa.tokenize import TextCodec
-from stoa.trackers import open_trackers, sample_completions
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.cadence import CheckpointCadence
 from stoa.trainer.demand import RolloutRetention, StatusPublisher, UniformSkips, poll_delay, wanted_groups

@@ -27,9 +27,9 @@ from stoa.engines import engine_from_model
 from stoa.episodes.evaluation import evaluate_heldout
 from stoa.layout import contract_key
 from stoa.models import default_cache_dir, model_fingerprint, resolve_model
-from stoa.taskdata import TaskData, TaskFile, file_options, localize_options, portable_task_data, upload_task_files
 from stoa.tasks import TASKS, get_task, parse_task_spec
 from stoa.tasks.base import Task
+from stoa.tasks.data import TaskData, TaskFile, file_options, localize_options, portable_task_data, upload_task_files
 from stoa.tokenize import TextCodec
 from stoa.trainer.lease import Lease
 from stoa.trainer.resume import Change, changes_line, legacy_line, merge, read_stored, store
@@ -42,7 +42,7 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
     """Assemble the run contract from the resolved config, model and task.
 
     The task's spec goes in portable: each file option names its ``bucket:<sha256>/<name>`` copy, never the
-    trainer's local path (``stoa.taskdata``), so the contract is the same on every machine.
+    trainer's local path (``stoa.tasks.data``), so the contract is the same on every machine.
 
     Args:
         cfg: resolved trainer config.

@@ -21,14 +21,14 @@ from stoa.engines import make_engine as build_engine
 from stoa.episodes.collect import episode_sample, sample_episode_batch
 from stoa.episodes.task_tools import open_task_tools
 from stoa.layout import rollout_key
-from stoa.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.models import model_fingerprint
 from stoa.rollouts.records import RolloutRecord, Sample
-from stoa.taskdata import contract_refs, localize_contract_options
 from stoa.tasks import get_task
+from stoa.tasks.data import contract_refs, localize_contract_options
 from stoa.tasks.multiturn import is_multiturn
+from stoa.telemetry.metrics import BucketMetrics, MetricsWriter, default_log_dir
+from stoa.telemetry.trackers import open_trackers
 from stoa.tokenize import TextCodec
-from stoa.trackers import open_trackers
 from stoa.weights.follow import WeightFollower
 from stoa.weights.signing import trusted_run_key
 from stoa.weights.sync import WeightSync

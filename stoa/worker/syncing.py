@@ -8,7 +8,7 @@ from datetime import datetime
 
 from stoa.config import WorkerConfig
 from stoa.contract import RunContract
-from stoa.metrics import MetricsWriter
+from stoa.telemetry.metrics import MetricsWriter
 
 
 def published_at(sync) -> float | None:

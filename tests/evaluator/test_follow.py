@@ -17,9 +17,9 @@ from stoa.contract import ModelSpec, RunContract, SamplingSpec, upload_model_fil
 from stoa.evaluator import EvalConfig, evaluated_versions, run_evaluator
 from stoa.layout import contract_key, evaluator_key, patch_key, status_key
 from stoa.lifecycle import evaluator_present, read_heartbeat, write_heartbeat
-from stoa.metrics import read_bucket_metrics
 from stoa.models import model_fingerprint
 from stoa.schemas.control import RunStatus
+from stoa.telemetry.metrics import read_bucket_metrics
 from stoa.weights.planes import state_from_f32
 from stoa.weights.publish import WeightPublisher
 
@@ -164,7 +164,7 @@ def test_the_trainer_leaves_periodic_evals_to_a_live_evaluator(tmp_path) -> None
 def test_a_trainer_with_a_live_evaluator_keeps_only_its_first_eval(tmp_path, stoa_cache) -> None:
     from stoa.config import TrainerConfig, WorkerConfig, load_config
     from stoa.lifecycle import write_heartbeat
-    from stoa.metrics import read_bucket_metrics
+    from stoa.telemetry.metrics import read_bucket_metrics
     from stoa.trainer.loop import run_trainer
     from stoa.worker.loop import run_worker
 

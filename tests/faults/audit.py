@@ -31,8 +31,8 @@ from stoa.layout import (
     rollout_label,
     rollouts_prefix,
 )
-from stoa.metrics import read_metrics
 from stoa.rollouts.records import RecordRejected, RolloutRecord, validate_record
+from stoa.telemetry.metrics import read_metrics
 from stoa.weights.anchor import check_manifest, decode_anchor
 from stoa.weights.errors import WeightsError
 from stoa.weights.hashing import state_hash

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from stoa.metrics import read_metrics
+from stoa.telemetry.metrics import read_metrics
 
 
 class Procs:

@@ -18,11 +18,11 @@ import pytest
 from stoa.config import ConfigError
 from stoa.local import checkpoint as ckpt
 from stoa.local.loop import run_local
-from stoa.metrics import read_metrics
 from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ToolCall
 from stoa.tasks.base import Prompt
 from stoa.tasks.search import SearchEnv, SearchTask
 from stoa.tasks.walk import WalkEnv, WalkTask
+from stoa.telemetry.metrics import read_metrics
 
 WALK = "walk:max_turns=3,max_total_tokens=64"
 SEARCH = "search:entities=20,shots=0,max_turns=2,max_obs_tokens=48,max_total_tokens=96,max_doc_chars=60,topk=1"

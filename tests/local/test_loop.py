@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from stoa.local import checkpoint as ckpt
 from stoa.local.loop import run_local
-from stoa.metrics import read_metrics
+from stoa.telemetry.metrics import read_metrics
 
 
 def _rewards(out: Path) -> np.ndarray:

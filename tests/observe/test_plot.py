@@ -14,10 +14,10 @@ import pytest
 
 from stoa.bucket import open_bucket
 from stoa.layout import metrics_prefix, rollout_key, rollout_label
-from stoa.metrics import BucketMetrics, read_bucket_metrics
 from stoa.observe import plotdata
 from stoa.observe.plot import PLOT_HINT, render, time_unit
 from stoa.observe.plotdata import PANELS, WORKER_WINDOW, load_run, read_sourced_rows, run_curves
+from stoa.telemetry.metrics import BucketMetrics, read_bucket_metrics
 from tests.bucket.conftest import TEST_BUCKET, moto_endpoint, moto_env  # noqa: F401 - the fixture
 
 mpimg = pytest.importorskip("matplotlib.image", reason="stoa plot needs matplotlib (the plot extra)")

@@ -26,11 +26,11 @@ from stoa.layout import (
     rollouts_prefix,
     status_key,
 )
-from stoa.metrics import BucketMetrics
 from stoa.observe.snapshot import ChunkCache, parse_chunk, take_snapshot
 from stoa.observe.spark import BLOCKS, resample, sparkline
 from stoa.observe.status import render
 from stoa.schemas.control import LeaseRecord, RunStatus
+from stoa.telemetry.metrics import BucketMetrics
 from stoa.weights.pointer import Pointer
 from tests.bucket.conftest import TEST_BUCKET, moto_endpoint, moto_env  # noqa: F401 - fixture used below
 

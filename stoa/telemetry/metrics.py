@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from stoa.bucket import BucketError, ObjectExists, ObjectNotFound
 from stoa.layout import metrics_chunk_key, metrics_prefix, parse_metrics_chunk_key
 from stoa.schemas.rows import MAX_ROW_BYTES, MetricsRow
-from stoa.trackers import TrackerSet
+from stoa.telemetry.trackers import TrackerSet
 
 if TYPE_CHECKING:
-    from stoa.trackers import Completion, Tracker
+    from stoa.telemetry.trackers import Completion, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class MetricsWriter:
         path: the JSONL file (parent directories are created).
         run_name: a label for this writer (the run or worker id).
         sink: also hand every row to this :class:`BucketMetrics` (chunks in the bucket).
-        trackers: experiment trackers (``stoa.trackers.open_trackers``: W&B, TensorBoard); one that raises is
+        trackers: experiment trackers (``stoa.telemetry.trackers.open_trackers``: W&B, TensorBoard); one that raises is
             disabled with one warning and the JSONL file keeps every row.
     """
 
@@ -74,7 +74,7 @@ class MetricsWriter:
         """Hand a few sampled completions (prompt id, text, reward) to the trackers that keep a table.
 
         Args:
-            rows: the completions (``stoa.trackers.sample_completions``).
+            rows: the completions (``stoa.telemetry.trackers.sample_completions``).
             step: the trainer step.
         """
         self.trackers.log_completions(rows, step)
