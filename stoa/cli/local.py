@@ -10,7 +10,7 @@ from stoa.cli.export import EXIT_EXPORT_REFUSED
 from stoa.config import add_config_flags, config_to_toml, overrides_from_args
 from stoa.config.local import LocalConfig, load_local_config, resolve_backend
 from stoa.config.text import deprecated_flag
-from stoa.local.export import export_local
+from stoa.local.fuse import export_local
 from stoa.local.loop import make_backend, run_local
 from stoa.local.preflight import episode_tokens, fit
 from stoa.local.smoke import SMOKE_MESSAGES, TrainableLeafError, smoke_report

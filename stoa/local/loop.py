@@ -20,7 +20,7 @@ from stoa.envs.base import Tools
 from stoa.episodes.collect import collect_episodes
 from stoa.episodes.evaluation import evaluate_episodes, greedy_figures
 from stoa.episodes.task_tools import open_task_tools
-from stoa.local import checkpoint as ckpt
+from stoa.local import saved as ckpt
 from stoa.local.backend import Backend, derive_seed
 from stoa.local.preflight import episode_tokens, preflight
 from stoa.local.smoke import check_only_adapters

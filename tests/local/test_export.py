@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from stoa.local.export import export_local
+from stoa.local.fuse import export_local
 from stoa.models.hf_dir import ExportError
 
 PROMPTS = [[1, 5, 9, 13], [2, 7, 11], [3, 30, 40, 50, 60]]
@@ -18,8 +18,8 @@ PROMPTS = [[1, 5, 9, 13], [2, 7, 11], [3, 30, 40, 50, 60]]
 def local_run(tmp_path_factory, stoa_cache):
     """Two steps of a tiny torch local run (4-bit base), saved; and its model with the saved adapters."""
     from stoa.config.local import load_local_config
-    from stoa.local.checkpoint import find_latest
     from stoa.local.loop import make_backend, run_local
+    from stoa.local.saved import find_latest
     from stoa.models import resolve_model
 
     out = tmp_path_factory.mktemp("local") / "run"
@@ -91,7 +91,7 @@ def test_refusals_name_the_fix(local_run, tmp_path):
 def test_fusing_keeps_the_outputs_of_adapted_and_merely_quantized_linears(make_cfg, tiny_dir):
     import torch
 
-    from stoa.local.export import fuse_into_linears
+    from stoa.local.fuse import fuse_into_linears
     from stoa.local.loop import make_backend
     from stoa.local.torch_lora import QuantLinear
 

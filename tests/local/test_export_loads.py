@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stoa.local.export import export_local
+from stoa.local.fuse import export_local
 
 PROMPTS = [[1, 5, 9, 13], [2, 7, 11], [3, 30, 40, 50, 60]]
 NEW = 6
@@ -24,8 +24,8 @@ fused experts, an ``expert_bias`` buffer); the rest are slow."""
 def _train(stoa_cache: Path, tmp: Path, name: str, backend: str) -> tuple[Path, Any]:
     """Two steps of a tiny local run, saved; and the run's own model with the saved adapters."""
     from stoa.config.local import load_local_config
-    from stoa.local.checkpoint import find_latest
     from stoa.local.loop import make_backend, run_local
+    from stoa.local.saved import find_latest
     from stoa.models import resolve_model
 
     model_dir = resolve_model(name, cache_dir=stoa_cache)
@@ -103,7 +103,7 @@ def test_export_loads_in_transformers_and_mlx_lm(stoa_cache, tmp_path, name, bac
 
 
 def test_mlx_adapter_names_map_onto_transformers_modules():
-    from stoa.local.export import torch_adapter_names
+    from stoa.local.fuse import torch_adapter_names
 
     expected = {"model.layers.0.feed_forward.w1.lora_a", "model.layers.0.self_attn.q_proj.lora_a",
                 "model.layers.1.linear_attn.in_proj_qkv.lora_b"}

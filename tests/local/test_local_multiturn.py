@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from stoa.config import ConfigError
-from stoa.local import checkpoint as ckpt
+from stoa.local import saved as ckpt
 from stoa.local.loop import run_local
 from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ToolCall
 from stoa.tasks.base import Prompt

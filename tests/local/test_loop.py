@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from stoa.local import checkpoint as ckpt
+from stoa.local import saved as ckpt
 from stoa.local.loop import run_local
 from stoa.telemetry.metrics import read_metrics
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from stoa.config import ConfigError
 from stoa.config.local import load_local_config
-from stoa.local.checkpoint import find_latest
+from stoa.local.saved import find_latest
 from stoa.models import resolve_model
 from stoa.models.hf_dir import ExportError, check_out_dir, write_model_files
 
