@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from stoa.bucket import open_bucket
-from stoa.evaluator.follow import _due, evaluated_versions
+from stoa.evaluator.loop import _due, evaluated_versions
 from stoa.layout import metrics_chunk_key
 from stoa.observe import plotdata
 from stoa.telemetry.metrics import (

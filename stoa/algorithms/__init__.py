@@ -9,7 +9,7 @@ from stoa.algorithms.base import (
     LossInputs,
     echo_coefficient,
 )
-from stoa.algorithms.metrics import combine_metrics
+from stoa.algorithms.diagnostics import combine_metrics
 from stoa.algorithms.registry import get_algorithm
 
 __all__ = [

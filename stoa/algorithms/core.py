@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from stoa.algorithms.base import Reduction
-from stoa.algorithms.metrics import _denominator
+from stoa.algorithms.diagnostics import _denominator
 from stoa.algorithms.ops import Ops
 
 LOG_RATIO_BOUND = 20.0

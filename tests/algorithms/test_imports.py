@@ -34,7 +34,7 @@ def test_shared_math_and_algorithms_are_backend_free() -> None:
         "import stoa.algorithms.core, stoa.algorithms.bases, stoa.algorithms.advantages\n"
         "import stoa.algorithms.grpo, stoa.algorithms.dr_grpo, stoa.algorithms.dapo\n"
         "import stoa.algorithms.gspo, stoa.algorithms.rloo, stoa.algorithms.cispo, stoa.algorithms.gigpo\n"
-        "import stoa.algorithms.metrics, stoa.algorithms.batch\n"
+        "import stoa.algorithms.diagnostics, stoa.algorithms.batch\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'mlx')]\n"
         "assert not bad, bad\n"
     )

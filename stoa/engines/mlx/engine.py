@@ -18,8 +18,8 @@ import numpy as np
 
 from stoa.engines.base import Completion, GenStats, RowLog
 from stoa.engines.mlx.caches import cache_arrays, check_cache_kinds
+from stoa.engines.mlx.install import QUANT_SUFFIXES, cast_model, install, quant_prefix
 from stoa.engines.mlx.kv import compact, feed, merge_rows
-from stoa.engines.mlx.loading import QUANT_SUFFIXES, cast_model, install, quant_prefix
 from stoa.engines.mlx.quantized import use_float32_gather
 from stoa.engines.mlx.rounds import Batch, Sampler, check_driver, run_rounds
 from stoa.engines.mlx.sampling import Draw, draw, make_key
@@ -129,7 +129,7 @@ class MLXEngine:
         fp32). int8g64 plane: ``<p>.weight`` (uint32 codes), ``<p>.scales`` and ``<p>.biases`` (bf16 bits)
         go into quantized layers (``nn.quantize(group_size=64, bits=8)``), the layout of ``mx.quantize``;
         a fused 3-D expert tensor ``<p>.experts.gate_up_proj`` quantizes likewise, its scales named
-        ``<p>.experts.gate_up_proj.scales`` (``stoa.engines.mlx.loading``); everything else is bf16 bits.
+        ``<p>.experts.gate_up_proj.scales`` (``stoa.engines.mlx.install``); everything else is bf16 bits.
 
         Args:
             state: tensor name (torch/HF ``named_parameters`` naming) -> stored bits.
@@ -175,7 +175,7 @@ class MLXEngine:
         self._install(arrays)
 
     def _install(self, arrays: dict[str, mx.array]) -> None:
-        """Check every name, shape and dtype against the model, then load all at once (``loading.install``)."""
+        """Check every name, shape and dtype against the model, then load all at once (``stoa.engines.mlx.install``)."""
         install(self.model, arrays)
 
     # -------------------------------------------------------------------------------------- generation
