@@ -382,7 +382,7 @@ def test_heldout_negative_n() -> None:
 
 
 def test_get_task_unknown_lists_known() -> None:
-    known = r"\['arithmetic', 'gsm8k', 'search', 'searchqa', 'toy', 'walk'\]"
+    known = r"\['arithmetic', 'dataset', 'gsm8k', 'rg', 'search', 'searchqa', 'toy', 'vf', 'walk'\]"
     with pytest.raises(ValueError, match=rf"unknown task 'math'.*{known}"):
         get_task("math")
 

@@ -12,9 +12,12 @@ import numpy as np
 __all__ = [
     "Prompt",
     "PromptIdError",
+    "RewardError",
+    "RewardFunctionError",
     "Task",
     "TaskDataError",
     "TaskOptionError",
+    "TaskPluginError",
     "chat_messages",
     "check_prompt_version",
     "coerce_options",
@@ -79,6 +82,28 @@ class TaskOptionError(TaskDataError, ValueError):
     """A task option names a missing or malformed file, or has a bad value; the message names the option and
     the fix. Also a ``ValueError``, so callers that can do without the task's data (a dry run's estimate)
     still catch it."""
+
+
+class TaskPluginError(ValueError):
+    """A task plugin that cannot be used: its module does not import, the name is not a class, or the class does
+    not meet the ``Task`` protocol; the message names the plugin and the fix (exit 14). Raised before anything is
+    written to the bucket."""
+
+
+class RewardFunctionError(TaskPluginError):
+    """A reward function that cannot be called as the task needs: wrong signature, or a probe call that returns
+    the wrong number of rewards or something that is not a number (exit 15). Found at start-up."""
+
+
+class RewardError(ValueError):
+    """One group's reward could not be computed: the task's reward code raised, hung past its deadline, or
+    returned something that is not a finite number, or the wrong number of rewards. The trainer rejects that
+    record with ``reason`` and goes on; a worker drops the group; an evaluation scores the prompt 0."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        """``reward_raised``, ``reward_timeout``, ``reward_not_finite`` or ``reward_wrong_length``."""
 
 
 class PromptIdError(ValueError, KeyError):
@@ -198,6 +223,11 @@ def _coerce(task_id: str, name: str, kind: type, value: object) -> object:
         if isinstance(value, str):
             return value
         raise ValueError(f"{where} must be a string, got {value!r}")
+    if kind is tuple:  # a repeatable option (``reward=a:f,reward=b:g``): a tuple of strings
+        items = (value,) if isinstance(value, str) else value
+        if isinstance(items, list | tuple) and all(isinstance(v, str) for v in items):
+            return tuple(items)
+        raise ValueError(f"{where} must be one or more strings, got {value!r}")
     raise TypeError(f"{where}: unsupported option type {kind.__name__}")  # pragma: no cover
 
 
@@ -211,7 +241,8 @@ def coerce_options(
 
     Args:
         task_id: task name, used in error messages.
-        declared: option name -> type (bool, int, float or str).
+        declared: option name -> type (bool, int, float, str, or tuple for a repeatable option whose values
+            are strings).
         options: the given options.
 
     Raises:
