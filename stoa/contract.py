@@ -154,6 +154,9 @@ class RunContract:
     retriever: Mapping[str, Any] = field(default_factory=dict)
     """Search tasks: the index every worker and the trainer search (``fingerprint``, under
     ``runs/<run>/retriever/<fingerprint>/``) and the tool's settings (``k``); empty for other tasks."""
+    task_code: tuple[Mapping[str, str], ...] = ()
+    """The task plugin code every machine must run (``stoa.tasks.code``): per module ``module``, ``dist``,
+    ``version`` and ``sha256`` of its source; empty for built-in tasks."""
     schema_version: int = SCHEMA_VERSION
     """Schema version of records and weights."""
     created_at: float = 0.0
@@ -166,6 +169,8 @@ class RunContract:
 
     def _fields(self) -> dict[str, Any]:
         d = asdict(self)
+        if not self.task_code:
+            d.pop("task_code")  # a built-in task writes the same run.json as before plugins existed
         if not self.run_key and not self.signature:
             d.pop("run_key")  # a run without a key writes the same run.json as before keys existed
             d.pop("signature")
@@ -177,8 +182,9 @@ class RunContract:
 
     def signed_bytes(self) -> bytes:
         """What the run key signs: a domain prefix and the canonical JSON of every field but the signature."""
-        d = asdict(self)
-        d.pop("signature")
+        d = self._fields()
+        d.pop("signature", None)
+        d.setdefault("run_key", "")
         return CONTRACT_DOMAIN + canonical_json(d)
 
     def check_signature(self) -> RunContract:
@@ -280,9 +286,27 @@ def _contract_fields(cls: type[RunContract], d: dict[str, Any]) -> RunContract:
                staleness_bound=check_int(d.get("staleness_bound", 3), "staleness_bound", hi=MAX_WINDOW),
                reuse_cap=check_int(d.get("reuse_cap", 2), "reuse_cap", hi=MAX_WINDOW),
                algorithm=field_object(d, "algorithm", default={}), retriever=field_object(d, "retriever", default={}),
+               task_code=_task_code(d.get("task_code", [])),
                schema_version=SCHEMA_VERSION, created_at=check_number(d.get("created_at", 0.0), "created_at", lo=0),
                run_key=check_text(d.get("run_key", ""), "run_key", max_len=128),
                signature=check_text(d.get("signature", ""), "signature", max_len=256))
+
+
+TASK_CODE_KEYS = ("module", "dist", "version", "sha256")
+"""The fields of one ``task_code`` entry."""
+
+
+def _task_code(value: Any) -> tuple[dict[str, str], ...]:
+    """The ``task_code`` field: at most 16 objects with exactly ``TASK_CODE_KEYS``, each a short string."""
+    if not isinstance(value, list) or len(value) > 16:
+        raise ValueError("task_code must be a list of at most 16 objects")
+    out = []
+    for i, item in enumerate(value):
+        d = as_object(item, f"task_code[{i}]")
+        if sorted(d) != sorted(TASK_CODE_KEYS):
+            raise ValueError(f"task_code[{i}] must have exactly the keys {list(TASK_CODE_KEYS)}")
+        out.append({k: check_text(d[k], f"task_code[{i}].{k}", max_len=128) for k in TASK_CODE_KEYS})
+    return tuple(out)
 
 
 def _diff_fields(a: Any, b: Any, path: str) -> list[str]:

@@ -126,8 +126,8 @@ def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch
      "stoa: invalid setting config: . is a directory; give the path of a TOML file"),
     (["worker", "--config", "/dev/null/x"], "stoa: invalid setting config: file not found: /dev/null/x"),
     (["trainer", "--dry-run", "--task", "nosuch"],
-     "stoa: invalid setting task: unknown task 'nosuch'; known tasks: ['arithmetic', 'gsm8k', 'search', 'searchqa', "
-     "'toy', 'walk']"),
+     "stoa: invalid setting task: unknown task 'nosuch'; known tasks: ['arithmetic', 'dataset', 'gsm8k', 'rg', "
+     "'search', 'searchqa', 'toy', 'vf', 'walk'], or module.path:ClassName of your own"),
 ])
 def test_bad_choices_say_did_you_mean(argv, message, capsys) -> None:
     assert _run(argv, capsys) == (2, message + "\n")
@@ -269,6 +269,21 @@ def _run_with_contract(bucket_dir) -> None:
     open_bucket(str(bucket_dir)).put_create(contract_key("r1"), contract.to_json())
 
 
+def _plugin_contract(bucket_dir) -> None:
+    """A run 'r1' whose task is a plugin this machine does not have (``my_quiz`` from ``my-quiz`` 1.0)."""
+    import time
+
+    from stoa.bucket import open_bucket
+    from stoa.contract import ModelSpec, RunContract, SamplingSpec
+    from stoa.layout import contract_key
+
+    code = {"module": "my_quiz_not_here", "dist": "my-quiz", "version": "1.0", "sha256": "a" * 64}
+    contract = RunContract(run_id="r1", model=ModelSpec("llama", "c" * 32, "t" * 32, 512), n_samples=8,
+                           plane="bf16", task_id="my-quiz", task_spec={}, reward_version="1",
+                           sampling=SamplingSpec(max_new_tokens=16), task_code=(code,), created_at=time.time())
+    open_bucket(str(bucket_dir)).put_create(contract_key("r1"), contract.to_json())
+
+
 def _nested_contract(bucket_dir) -> None:
     """A run 'r1' whose run.json someone with bucket credentials replaced by 100,000 nested arrays."""
     from stoa.bucket import open_bucket
@@ -315,6 +330,11 @@ MISTAKES = [  # (exit code, argv with {b} for the bucket and {t} for tmp_path, e
     (12, ["export", "{t}/out", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract,
      "stoa: no run 'nope' in bucket "),
     (12, ["join-card", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: run 'nope' has no "),
+    (14, ["trainer", "--dry-run", "--task", "no_such_plugin_xyz:Task"], {}, None,
+     "stoa: task plugin: task 'no_such_plugin_xyz:Task': cannot import 'no_such_plugin_xyz' "),
+    (16, ["worker", "--bucket", "{b}", "--run", "r1", "--model", "tiny"], {}, _plugin_contract,
+     "stoa: task code: the run's task needs 'my_quiz_not_here', which is not installed here; "
+     "pip install 'my-quiz==1.0'"),
     (13, ["join-card", "--bucket", "{b}", "--run", "r1"], {}, _nested_contract,
      "stoa: runs/r1/run.json is not a run contract (JSON nested 100000 deep > 16); the trainer did not "
      "write it; restore it from a backup of the bucket, or start a new --run"),

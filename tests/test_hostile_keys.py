@@ -366,7 +366,8 @@ def test_a_raw_request_to_a_dead_endpoint_is_bucket_unreachable_and_a_refusal_na
 
     dead = f"http://127.0.0.1:{closed_port()}"
     creds = S3Credentials("k", "s", endpoint=dead)
-    raw = RawS3(S3Failures("s3://b", dead, "b", creds, RetryPolicy(total_timeout_s=60, max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.02)))
+    policy = RetryPolicy(total_timeout_s=60, max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.02)
+    raw = RawS3(S3Failures("s3://b", dead, "b", creds, policy))
     # the attempt cap, not the clock, ends it: a slow machine still makes all 3 tries
     with pytest.raises(BucketUnreachable, match="delete on s3://b .*after 3 attempt"):
         raw.delete("a\x01b")

@@ -350,3 +350,30 @@ def test_groups_whose_rewards_all_agree_are_skipped_before_training_and_not_char
     kept = make_pool(*setup)
     kept.refresh(1)
     assert len(kept.take(3)) == 3 and kept.drain_stats().skipped_uniform == 0
+
+
+class FlakyRewardTask:
+    """The toy task with the reward code of a user's plugin that raises on some completions."""
+
+    def __init__(self, task):
+        self.inner = task
+        self.id, self.reward_version = task.id, task.reward_version
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def reward(self, prompt, completion):
+        if "x" in completion:
+            raise ZeroDivisionError("the user's reward code divided by zero")
+        return self.inner.reward(prompt, completion)
+
+
+def test_reward_code_that_raises_rejects_that_record_only_and_is_not_held_against_the_worker(setup):
+    bucket, contract, task, codec = setup
+    put(*setup, seq=0, text=("aaa", "xyz"))  # "xyz" trips the reward code
+    put(*setup, seq=1, text=("aaa", "aab"))
+    gate = GateSpy()
+    pool = RecordPool(bucket, contract, FlakyRewardTask(task), codec, staleness_bound=3, reuse_cap=2, gate=gate)
+    assert pool.refresh(1) == 1
+    assert pool.drain_stats().rejected == {"reward_raised": 1}
+    assert gate.seen == [("w", True)]  # the trainer's own reward code failed: no mark against the worker

@@ -42,6 +42,9 @@ EXIT_CODES: dict[int, str] = {
     11: "the model could not be fetched",
     12: "no such run in the bucket (stoa runs --bucket B lists them)",
     13: "an object in the bucket is malformed and nothing can go on without it (restore it or start a new run)",
+    14: "a task plugin does not import or is not a task (docs/tasks.md#your-own-task)",
+    15: "a task's reward function has the wrong signature or returns the wrong number or kind of rewards",
+    16: "this machine's task plugin code is missing or differs from the run's (the message names the pip install)",
     130: "interrupted",
 }
 
@@ -74,6 +77,9 @@ USER_ERRORS: tuple[UserError, ...] = (
     UserError("stoa.retrieval.bm25:BadIndex", 2, lambda e: f"retriever index: {e}"),
     UserError("stoa.retrieval.corpus:CorpusError", 2, lambda e: f"corpus: {e}"),
     UserError("stoa.tasks.base:TaskDataError", 2, lambda e: f"task data: {e}"),
+    UserError("stoa.tasks.base:RewardFunctionError", 15, lambda e: f"reward function: {e}"),
+    UserError("stoa.tasks.base:TaskPluginError", 14, lambda e: f"task plugin: {e}"),
+    UserError("stoa.tasks.code:TaskCodeMismatch", 16, lambda e: f"task code: {e}"),
     UserError("stoa.bench.checkout:BenchScriptMissing", 2, str),
     UserError("stoa.contract:ContractMismatch", 3, str),
     UserError("stoa.contract:RunNotFound", 12, str),

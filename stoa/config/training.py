@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from stoa.algorithms import AlgoConfig
 from stoa.config.base import BaseConfig, ConfigError, at_least, setting
-from stoa.tasks import check_file_options, parse_task_spec
+from stoa.tasks import TaskPluginError, check_file_options, parse_task_spec
 
 if TYPE_CHECKING:
     from stoa.algorithms import AlgoConfig
@@ -117,6 +117,8 @@ class TrainingConfig(BaseConfig):
 
         try:
             check_file_options(*parse_task_spec(self.task))
+        except TaskPluginError:  # the plugin's own fault: its exit code, not a setting's
+            raise
         except ValueError as e:
             raise ConfigError("task", str(e)) from None
 

@@ -27,6 +27,7 @@ from stoa.rollouts.episode import END_REASONS, ROLE_ACTION
 from stoa.rollouts.records import Sample
 from stoa.tasks.base import Prompt
 from stoa.tasks.multiturn import episode_limits
+from stoa.tasks.scoring import rewards_or_zeros
 
 __all__ = ["EpisodeBatch", "collect_episodes", "episode_metrics", "episode_sample", "episode_trajectory",
            "sample_episode_batch", "sample_episodes", "turn_of_token"]
@@ -79,7 +80,7 @@ def sample_episodes(engine: Any, task: Any, codec: Any, tools: Tools, prompts: S
                                              generator=generator, greedy=greedy)
     seconds = time.perf_counter() - t0
     texts = [[episode_text(e.tokens, e.roles, codec.decode) for e in g] for g in groups]
-    rewards = [[float(task.reward(p, t)) for t in ts] for p, ts in zip(prompts, texts, strict=True)]
+    rewards = [rewards_or_zeros(task, p, ts) for p, ts in zip(prompts, texts, strict=True)]
     return EpisodeBatch(list(prompts), prompt_tokens, groups, rewards, texts, stats, seconds)
 
 

@@ -8,6 +8,7 @@ figures and how they are computed live here. No torch or mlx: the engine comes i
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -16,7 +17,10 @@ import numpy as np
 
 from stoa.envs.base import Tools
 from stoa.episodes.collect import episode_metrics, sample_episodes
-from stoa.tasks.base import Prompt, Task
+from stoa.tasks.base import Prompt, RewardError, Task
+from stoa.tasks.scoring import judge, score_group
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the engines import this package's driver; an engine comes in as an argument
     from stoa.engines.base import Engine, GenStats
@@ -50,19 +54,24 @@ def greedy_figures(decode: GreedyDecode, codec: Any, task: Task, n: int, batch: 
         ``accuracy``, ``n`` (prompts), ``seconds``, ``tokens_per_s`` and, with ``reward``, ``reward_mean``.
     """
     prompts = task.heldout(n)
-    correct, total, t0, new_tokens = 0, 0.0, time.perf_counter(), 0
+    correct, total, t0, new_tokens, failed = 0, 0.0, time.perf_counter(), 0, 0
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         groups, st = decode([codec.encode_prompt(p.messages) for p in chunk])
         new_tokens += st.new_tokens
         for p, g in zip(chunk, groups, strict=True):
             text = codec.decode(g[0].tokens)
-            correct += bool(task.is_correct(p, text))
-            if reward:
-                total += task.reward(p, text)
+            try:
+                correct += judge(task, p, text)
+                total += score_group(task, p, [text])[0] if reward else 0.0
+            except RewardError as e:  # the task's reward code failed on this completion: it scores 0
+                failed += 1
+                log.warning("held-out %s scored 0: %s", p.id, e)
     dt = time.perf_counter() - t0
     out = {"accuracy": correct / max(len(prompts), 1), "n": float(len(prompts)), "seconds": dt,
            "tokens_per_s": new_tokens / dt if dt > 0 else 0.0}
+    if failed:
+        out["reward_errors"] = float(failed)
     if reward:
         out["reward_mean"] = total / max(len(prompts), 1)
     return out

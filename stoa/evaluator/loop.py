@@ -25,6 +25,7 @@ from stoa.layout import contract_key
 from stoa.lifecycle import read_status, write_heartbeat
 from stoa.models import default_cache_dir, model_fingerprint
 from stoa.tasks import get_task
+from stoa.tasks.code import check_task_code, from_contract
 from stoa.tasks.data import contract_refs, localize_contract_options
 from stoa.tasks.multiturn import is_multiturn
 from stoa.telemetry.metrics import BucketMetrics, MetricsWriter, default_log_dir, read_bucket_metrics
@@ -217,6 +218,7 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     bucket = open_bucket(cfg.bucket, create=cfg.wait_seconds > 0)  # waiting: the trainer may not have started
     contract = read_contract(bucket, cfg.run, cfg.wait_seconds, cfg.poll_seconds or 1.0, echo)
     run_key = trusted_run_key(contract.run_key, bucket.url, cfg.run, echo=echo, who="eval")
+    check_task_code(from_contract(contract.task_code))  # the run's plugin code, before importing any
     contract_refs(contract.task_id, contract.task_spec)  # task data by content address only, before any download
     done = evaluated_versions(bucket, cfg.run)
     dest = default_cache_dir() / "runs" / digest_hex(bucket.url.encode())[:12] / cfg.run / "eval-model"

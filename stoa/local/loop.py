@@ -28,6 +28,7 @@ from stoa.models import resolve_model
 from stoa.models.shapes import shape_for, shape_from_dir
 from stoa.stopflag import StopFlag
 from stoa.tasks import Prompt, Task, load_task
+from stoa.tasks.scoring import rewards_or_zeros
 from stoa.telemetry.metrics import MetricsWriter, read_metrics
 from stoa.telemetry.trackers import open_trackers
 from stoa.tokenize import TextCodec
@@ -99,9 +100,11 @@ def collect_groups(backend: Backend, task: Task, codec: Any, prompts: Sequence[t
                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                     top_p=cfg.top_p, eos_ids=codec.eos_ids, seed=seed)
     dt = time.perf_counter() - t0
-    trajs = [[Trajectory.single_turn(ids, c.tokens, c.logprobs, task.reward(p, codec.decode(c.tokens)),
-                                     c.finish_reason)
-              for c in group] for (p, ids), group in zip(prompts, groups, strict=True)]
+    rewards = [rewards_or_zeros(task, p, [codec.decode(c.tokens) for c in group])
+               for (p, _), group in zip(prompts, groups, strict=True)]
+    trajs = [[Trajectory.single_turn(ids, c.tokens, c.logprobs, r, c.finish_reason)
+              for c, r in zip(group, rs, strict=True)]
+             for (_, ids), group, rs in zip(prompts, groups, rewards, strict=True)]
     return trajs, {"rollout_s": dt, "new_tokens": float(stats.new_tokens),
                    "tokens_per_s": stats.new_tokens / dt if dt > 0 else 0.0, "prefill_s": stats.prefill_s}
 

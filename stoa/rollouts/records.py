@@ -263,6 +263,10 @@ REJECT_REASONS = (
     "observation",
     "turn_end",
     "recompute",
+    "reward_raised",  # the task's reward code raised on this group (stoa.tasks.scoring)
+    "reward_timeout",
+    "reward_not_finite",
+    "reward_wrong_length",
 )
 
 

@@ -27,6 +27,7 @@ from stoa.tasks.registry import (
     load_task,
     parse_task_spec,
     task_class,
+    task_name,
 )
 from stoa.tasks.search import SearchTask
 from stoa.tasks.searchqa import SearchQATask
@@ -62,4 +63,5 @@ __all__ = [
     "normalize_number",
     "parse_task_spec",
     "task_class",
+    "task_name",
 ]

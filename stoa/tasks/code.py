@@ -21,17 +21,13 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stoa.untrusted import as_object, check_text
+__all__ = ["TaskCode", "TaskCodeMismatch", "check_task_code", "from_contract", "identify", "pip_requirement",
+           "task_code", "task_modules", "working_dir_on_path"]
 
-__all__ = ["MAX_TASK_CODE", "TaskCode", "TaskCodeMismatch", "check_task_code", "identify", "parse_task_code",
-           "pip_requirement", "task_code", "task_modules", "working_dir_on_path"]
-
-MAX_TASK_CODE = 16
-"""Most modules one contract may record."""
 MAX_SOURCE_FILES = 20_000
 """Most ``.py`` files hashed for one package (reasoning-gym has ~600)."""
 
@@ -77,8 +73,8 @@ def _source_files(module: str) -> tuple[Path, list[Path]] | None:
     if spec.submodule_search_locations:
         roots = [Path(p) for p in spec.submodule_search_locations]
         files = sorted({f for r in roots for f in r.rglob("*.py") if "__pycache__" not in f.parts})
-        return roots[0], files[:MAX_SOURCE_FILES + 1]
-    if spec.origin and spec.origin.endswith(".py"):
+        return (roots[0], files[:MAX_SOURCE_FILES + 1]) if files else None  # a removed package's stale spec
+    if spec.origin and spec.origin.endswith(".py") and Path(spec.origin).is_file():
         origin = Path(spec.origin)
         return origin.parent, [origin]
     return None
@@ -186,21 +182,10 @@ def check_task_code(recorded: tuple[TaskCode, ...]) -> None:
             raise TaskCodeMismatch(problem)
 
 
-def parse_task_code(value: object) -> tuple[TaskCode, ...]:
-    """The contract's ``task_code`` field, type-checked and bounded (``ValueError`` naming the bad entry).
+def from_contract(entries: Sequence[Mapping[str, str]]) -> tuple[TaskCode, ...]:
+    """The contract's ``task_code`` (already type-checked by ``stoa.contract``) as ``TaskCode`` records.
 
     Args:
-        value: the parsed JSON (a list of objects), or None when the field is absent.
+        entries: ``RunContract.task_code``.
     """
-    if value is None:
-        return ()
-    if not isinstance(value, list) or len(value) > MAX_TASK_CODE:
-        raise ValueError(f"task_code must be a list of at most {MAX_TASK_CODE} objects")
-    out = []
-    for i, item in enumerate(value):
-        d = as_object(item, f"task_code[{i}]")
-        if set(d) != {"module", "dist", "version", "sha256"}:
-            raise ValueError(f"task_code[{i}] must have exactly module, dist, version, sha256")
-        out.append(TaskCode(*(check_text(d[k], f"task_code[{i}].{k}", max_len=128)
-                              for k in ("module", "dist", "version", "sha256"))))
-    return tuple(out)
+    return tuple(TaskCode(e["module"], e["dist"], e["version"], e["sha256"]) for e in entries)

@@ -33,7 +33,7 @@ from stoa.bucket import Bucket, ObjectExists, ObjectNotFound
 from stoa.contract import ContractMismatch
 from stoa.layout import task_data_key
 from stoa.models.registry import default_cache_dir
-from stoa.tasks import TASKS
+from stoa.tasks.registry import TASKS, task_class
 
 __all__ = [
     "REF_PREFIX",
@@ -126,14 +126,20 @@ def file_options(task_id: str) -> tuple[str, ...]:
         task_id: a task name (``gsm8k``).
     """
 
-    cls = TASKS.get(task_id)
-    return tuple(getattr(cls, "FILE_OPTIONS", ())) if cls is not None else ()
+    try:
+        cls = task_class(task_id) if task_id not in TASKS else TASKS[task_id]
+    except ValueError:  # an unknown name has no file options; building it fails later with the fix
+        return ()
+    return tuple(getattr(cls, "FILE_OPTIONS", ()))
 
 
 def _hub_options(task_id: str) -> tuple[str, ...]:
     """The options of a registered task that name a hub dataset (``HUB_OPTIONS``; ``()`` for none)."""
 
-    return tuple(getattr(TASKS.get(task_id), "HUB_OPTIONS", ()))
+    try:
+        return tuple(getattr(task_class(task_id), "HUB_OPTIONS", ()))
+    except ValueError:
+        return ()
 
 
 def parse_ref(value: object) -> DataRef | None:

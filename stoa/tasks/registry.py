@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import re
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from stoa.tasks.toy import ToyTask
 from stoa.tasks.walk import WalkTask
 
 __all__ = ["ADAPTERS", "ENTRY_POINT_GROUP", "TASKS", "check_file_options", "get_task", "known_tasks", "load_task",
-           "parse_task_spec", "task_class"]
+           "parse_task_spec", "task_class", "task_name"]
 
 TASKS: dict[str, type] = {
     "arithmetic": ArithmeticTask,
@@ -55,6 +56,8 @@ with TRL-style reward functions, a reasoning-gym generator, a verifiers environm
 ENTRY_POINT_GROUP = "stoa.tasks"
 """The entry-point group of installed task plugins: ``[project.entry-points."stoa.tasks"] my-task = "pkg:Cls"``."""
 
+_NAMES: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
+"""The name each task was built under, when it differs from its ``id`` (a plugin's ``module:Class``)."""
 _IMPORT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 _FIX = ("give a built-in task, an installed plugin's name, or module.path:ClassName of an importable class "
         "(docs/tasks.md#your-own-task)")
@@ -158,7 +161,26 @@ def get_task(name: str, **options: object) -> Task:
     if not isinstance(task, Task) or not isinstance(getattr(task, "id", None), str):
         raise TaskPluginError(f"task {name!r}: an instance of {cls.__qualname__} lacks the attributes 'id' and "
                               "'reward_version' (str); implement the Task protocol (docs/tasks.md#your-own-task)")
+    if task.id != name:
+        try:
+            _NAMES[task] = name
+        except TypeError:  # a class with __slots__ and no __weakref__
+            raise TaskPluginError(f"task {name!r}: its id is {task.id!r}; set id = {name!r} on the class (or allow "
+                                  "weak references), so workers build the same task from the run contract") from None
     return task
+
+
+def task_name(task: Task) -> str:
+    """The name that rebuilds ``task`` with ``get_task`` (what the run contract records as ``task_id``): the
+    spec's name for a task built here (``my_pkg.tasks:Quiz``), else its ``id``.
+
+    Args:
+        task: a task.
+    """
+    try:
+        return _NAMES.get(task, task.id)
+    except TypeError:
+        return task.id
 
 
 def _split_name(spec: str) -> tuple[str, str]:

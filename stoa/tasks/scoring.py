@@ -11,14 +11,17 @@ cannot kill a thread) and reported as ``reward_timeout``.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from stoa.tasks.base import Prompt, RewardError, Task
 
-__all__ = ["REWARD_TIMEOUT_S", "score_group"]
+__all__ = ["REWARD_TIMEOUT_S", "judge", "rewards_or_zeros", "score_group"]
+
+log = logging.getLogger(__name__)
 
 REWARD_TIMEOUT_S = 60.0
 """How long one group's rewards may take before the group is given up (``reward_timeout``)."""
@@ -52,6 +55,27 @@ def _checked(values: Any, n: int, task_id: str) -> list[float]:
     return out
 
 
+def _guarded(task_id: str, call: Callable[[], Any], what: str, timeout_s: float) -> Any:
+    """``call()`` on a helper thread with a deadline; its failure or hang is a ``RewardError``."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - the user's reward code: any failure is this group's
+            result["error"] = e
+
+    worker = threading.Thread(target=run, name=f"reward-{task_id}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RewardError("reward_timeout", f"{task_id}: {what} took over {timeout_s:g}s")
+    if "error" in result:
+        e = result["error"]
+        raise RewardError("reward_raised", f"{task_id}: the reward code raised {type(e).__name__}: {str(e)[:200]}")
+    return result["value"]
+
+
 def score_group(task: Task, prompt: Prompt, texts: Sequence[str], timeout_s: float = REWARD_TIMEOUT_S) -> list[float]:
     """The rewards of a group's completions, each a finite float.
 
@@ -65,20 +89,36 @@ def score_group(task: Task, prompt: Prompt, texts: Sequence[str], timeout_s: flo
         RewardError: the reward code raised (``reward_raised``), hung (``reward_timeout``), returned a non-number
             or a non-finite one (``reward_not_finite``) or the wrong count (``reward_wrong_length``).
     """
-    result: dict[str, Any] = {}
+    values = _guarded(task.id, lambda: _call(task, prompt, texts), f"scoring {len(texts)} completions", timeout_s)
+    return _checked(values, len(texts), task.id)
 
-    def run() -> None:
-        try:
-            result["values"] = _call(task, prompt, texts)
-        except BaseException as e:  # noqa: BLE001 - the user's reward code: any failure is this group's
-            result["error"] = e
 
-    worker = threading.Thread(target=run, name=f"reward-{task.id}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise RewardError("reward_timeout", f"{task.id}: scoring {len(texts)} completions took over {timeout_s:g}s")
-    if "error" in result:
-        e = result["error"]
-        raise RewardError("reward_raised", f"{task.id}: the reward code raised {type(e).__name__}: {str(e)[:200]}")
-    return _checked(result["values"], len(texts), task.id)
+def rewards_or_zeros(task: Task, prompt: Prompt, texts: Sequence[str]) -> list[float]:
+    """``score_group``, or zeros with a warning when the reward code fails: for a worker's own rewards, which
+    are informational (the trainer re-scores every record and rejects it with the reason if it fails there too).
+
+    Args:
+        task: the run's task.
+        prompt: the group's prompt.
+        texts: the completions.
+    """
+    try:
+        return score_group(task, prompt, texts)
+    except RewardError as e:
+        log.warning("rewards of %s set to 0: %s", prompt.id, e)
+        return [0.0] * len(texts)
+
+
+def judge(task: Task, prompt: Prompt, text: str, timeout_s: float = REWARD_TIMEOUT_S) -> bool:
+    """``task.is_correct(prompt, text)`` under the same guard as :func:`score_group`.
+
+    Args:
+        task: the run's task.
+        prompt: the prompt.
+        text: one completion.
+        timeout_s: its deadline.
+
+    Raises:
+        RewardError: ``reward_raised`` or ``reward_timeout``.
+    """
+    return bool(_guarded(task.id, lambda: task.is_correct(prompt, text), "judging a completion", timeout_s))

@@ -25,8 +25,9 @@ from stoa.layout import parse_rollout_key, rollout_version_prefix
 from stoa.rollouts.episode import EpisodeLimits, ToolCall
 from stoa.rollouts.records import MAX_RECORD_BYTES, RecordRejected, RolloutRecord, validate_record
 from stoa.schemas.journal import PoolUse
-from stoa.tasks.base import Prompt, Task
+from stoa.tasks.base import Prompt, RewardError, Task
 from stoa.tasks.multiturn import MultiTurnTask, episode_limits, is_multiturn
+from stoa.tasks.scoring import score_group
 from stoa.tokenize import TextCodec
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,9 @@ class RecordPool:
         self.stats.rejected[reason] += 1
         # Duplicates are not held against a worker: a collapsed policy makes honest identical groups, and
         # anyone can copy a worker's records under its id.
-        if worker is not None and self.gate is not None and reason not in ("quarantined", "duplicate"):
+        # Nor is a reward function that fails: the trainer's own code (an honest worker's text may trip it).
+        if (worker is not None and self.gate is not None and reason not in ("quarantined", "duplicate")
+                and not reason.startswith("reward_")):
             self.gate.observe(worker, accepted=False)
         log.warning("rejected %.200r: %s: %.300s", key, reason, detail)  # bounded: a listed key may be any length
         return 0
@@ -272,7 +275,11 @@ class RecordPool:
         replayed = self._replay(rec, prompt) if self.limits is not None else None
         texts = ([r.text for r in replayed] if replayed is not None
                  else [self.codec.decode(s.tokens.tolist()) for s in rec.samples])
-        return _Checked(rec, np.array([self.task.reward(prompt, t) for t in texts], dtype=np.float32), replayed)
+        try:
+            rewards = score_group(self.task, prompt, texts)
+        except RewardError as e:  # the task's reward code failed on this group: this record only
+            raise RecordRejected(e.reason, str(e)) from None
+        return _Checked(rec, np.array(rewards, dtype=np.float32), replayed)
 
     def _replay(self, rec: RolloutRecord, prompt: Prompt) -> list[Replayed]:
         """Replay a multi-turn record with the trainer's tools (one request per record), timing it.

@@ -27,8 +27,9 @@ from stoa.engines import engine_from_model
 from stoa.episodes.evaluation import evaluate_heldout
 from stoa.layout import contract_key
 from stoa.models import default_cache_dir, model_fingerprint, resolve_model
-from stoa.tasks import TASKS, get_task, parse_task_spec
+from stoa.tasks import get_task, parse_task_spec, task_class, task_name
 from stoa.tasks.base import Task
+from stoa.tasks.code import task_code
 from stoa.tasks.data import TaskData, TaskFile, file_options, localize_options, portable_task_data, upload_task_files
 from stoa.tokenize import TextCodec
 from stoa.trainer.lease import Lease
@@ -68,8 +69,9 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
         ),
         n_samples=cfg.n_samples,
         plane=cfg.plane,
-        task_id=task.id,
+        task_id=task_name(task),
         task_spec=(task_data or portable_task_data(task)).spec,
+        task_code=tuple(code.to_dict() for code in task_code(task)),
         reward_version=task.reward_version,
         sampling=SamplingSpec(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens),
         staleness_bound=cfg.staleness_bound,
@@ -218,7 +220,7 @@ def _resume_task(cfg: TrainerConfig, given: Mapping[str, str], contract: RunCont
         name, opts = parse_task_spec(cfg.task)
         task = get_task(name, **localize_options(bucket, cfg.run, name, opts))
         spec = portable_task_data(task).spec
-        if task.id != contract.task_id or canonical_json(spec) != canonical_json(contract.task_spec):
+        if task_name(task) != contract.task_id or canonical_json(spec) != canonical_json(contract.task_spec):
             raise _contradiction(contract.run_id, "task", f"{contract.task_id} {dict(contract.task_spec)}",
                                  given["task"], f"{task.id} {spec}")
         return cfg.task
@@ -226,8 +228,9 @@ def _resume_task(cfg: TrainerConfig, given: Mapping[str, str], contract: RunCont
         default = {} if file_options(contract.task_id) else get_task(contract.task_id).spec()
     except ValueError:
         default = {}
-    opts = TASKS[contract.task_id].OPTIONS if contract.task_id in TASKS else {}
-    items = [f"{k}={v}" for k, v in contract.task_spec.items() if k in opts and default.get(k) != v]
+    opts = getattr(task_class(contract.task_id), "OPTIONS", {})
+    items = [f"{k}={one}" for k, v in contract.task_spec.items() if k in opts and default.get(k) != v
+             for one in (v if isinstance(v, list) else [v])]  # a repeatable option, once per value
     if any("," in item for item in items):
         raise ContractMismatch(["task"], f"run {contract.run_id!r} has a task option with a comma; give --task "
                                          "as the run was started")

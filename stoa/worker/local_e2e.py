@@ -21,6 +21,7 @@ from stoa.layout import contract_key, rollout_key, rollouts_prefix
 from stoa.models import model_fingerprint, resolve_model
 from stoa.rollouts.records import RecordRejected, RolloutRecord, Sample, validate_record
 from stoa.tasks import get_task, parse_task_spec
+from stoa.tasks.scoring import score_group
 from stoa.tokenize import TextCodec
 from stoa.worker import loop
 from stoa.worker.loop import default_engine
@@ -243,8 +244,9 @@ def _upload(trial: _Trial, contract: RunContract, codec: Any,
     rewards: list[float] = []
     groups = zip(gen.prompts, gen.prompt_ids, gen.completions, strict=True)
     for seq, (prompt, ids, group) in enumerate(groups):
-        recs = [Sample(np.array(c.tokens, np.int32), np.array(c.logprobs, np.float32),
-                       task.reward(prompt, codec.decode(c.tokens)), c.finish_reason) for c in group]
+        scores = score_group(task, prompt, [codec.decode(c.tokens) for c in group])
+        recs = [Sample(np.array(c.tokens, np.int32), np.array(c.logprobs, np.float32), r, c.finish_reason)
+                for c, r in zip(group, scores, strict=True)]
         rewards += [s.reward for s in recs]
         rec = RolloutRecord(worker_id=worker, seq=seq, policy_version=1,
                             contract_fingerprint=contract.fingerprint(), task_id=task.id,

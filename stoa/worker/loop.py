@@ -24,8 +24,10 @@ from stoa.layout import rollout_key
 from stoa.models import model_fingerprint
 from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.tasks import get_task
+from stoa.tasks.code import check_task_code, from_contract
 from stoa.tasks.data import contract_refs, localize_contract_options
 from stoa.tasks.multiturn import is_multiturn
+from stoa.tasks.scoring import rewards_or_zeros
 from stoa.telemetry.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.telemetry.trackers import open_trackers
 from stoa.tokenize import TextCodec
@@ -219,6 +221,7 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     contract = wait_for_contract(bucket, cfg.run, cfg.wait_seconds, echo=echo)
     check_expectations(cfg, contract)
     run_key = trusted_run_key(contract.run_key, bucket.url, cfg.run, cfg.run_key_pub, echo)
+    check_task_code(from_contract(contract.task_code))  # the run's plugin code, before importing any
     contract_refs(contract.task_id, contract.task_spec)  # task data by content address only, before any download
     if cfg.model:
         model_dir = Path(cfg.model)
@@ -328,8 +331,9 @@ def _upload(w: _Worker, p: _Progress, batch: _Batch) -> None:
         if batch.rewards is not None:
             samples = [episode_sample(e, r) for e, r in zip(comps, batch.rewards[g], strict=True)]
         else:
-            samples = [Sample(np.array(c.tokens, np.int32), np.array(c.logprobs, np.float32),
-                              task.reward(prompt, w.codec.decode(c.tokens)), c.finish_reason) for c in comps]
+            rewards = rewards_or_zeros(task, prompt, [w.codec.decode(c.tokens) for c in comps])
+            samples = [Sample(np.array(c.tokens, np.int32), np.array(c.logprobs, np.float32), r, c.finish_reason)
+                       for c, r in zip(comps, rewards, strict=True)]
         rec = RolloutRecord(worker_id=w.wid, seq=p.seq, policy_version=p.version,
                             contract_fingerprint=w.fingerprint, task_id=task.id, prompt_id=prompt.id,
                             prompt_tokens=np.array(ids, np.int32), samples=samples,
