@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--install-service", action="store_true",
                    help="write and load a launchd agent (macOS) or systemd user unit (Linux) running the worker")
     p.add_argument("--uninstall", action="store_true", help="stop and remove the service of the card's run")
+    p.add_argument("--install-task-code", action="store_true",
+                   help="when this machine lacks the run's task plugin (the card's task code), pip install the "
+                        "versions the trainer ran, then check again")
     p.set_defaults(func=run)
 
 
@@ -49,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     """
 
     opts = JoinOptions(card=args.card, env_file=args.env, name=args.name, dry_run=args.dry_run,
-                       install=args.install_service, uninstall=args.uninstall)
+                       install=args.install_service, uninstall=args.uninstall,
+                       install_task_code=args.install_task_code)
     try:
         return join(opts)
     except (CardError, ServiceError) as e:

@@ -20,6 +20,7 @@ from stoa.bucket import ObjectNotFound, open_bucket, parse_bucket_url
 from stoa.bucket.credentials import R2_VARS, resolve_env
 from stoa.contract import MAX_SAMPLES, RunContract
 from stoa.layout import contract_key
+from stoa.tasks.code import TaskCode, from_contract
 from stoa.untrusted import loads_bounded
 
 CARD_VERSION = 1
@@ -57,6 +58,9 @@ class JoinCard:
         credentials: names of the variables a joiner must set (never their values).
         run_key: the run's public key (64 hex digits; empty for an unsigned run): the worker refuses a
             contract that carries another (``--run-key-pub``).
+        requires: the task plugin code the run's workers need (``stoa.tasks.code``): ``dist==version`` for an
+            installed distribution (``stoa join --install-task-code`` installs it), ``module.py sha256:<hex>``
+            for a loose module to copy.
         card_version: :data:`CARD_VERSION`.
     """
 
@@ -70,6 +74,7 @@ class JoinCard:
     retriever: str = ""
     credentials: tuple[str, ...] = field(default_factory=tuple)
     run_key: str = ""
+    requires: tuple[str, ...] = field(default_factory=tuple)
     card_version: int = CARD_VERSION
 
 
@@ -148,7 +153,19 @@ def make_card(bucket_url: str, run: str, retriever: str = "", env: Mapping[str, 
                         "a directory does not travel, and without --retriever workers use the run's index")
     return JoinCard(bucket=_card_bucket(bucket_url), run=run, n_samples=contract.n_samples, plane=contract.plane,
                     task=contract.task_id, contract=contract.fingerprint(), search=search, retriever=retriever,
-                    credentials=credential_names(bucket_url, variables), run_key=contract.run_key)
+                    credentials=credential_names(bucket_url, variables), run_key=contract.run_key,
+                    requires=tuple(requirement(c) for c in from_contract(contract.task_code)))
+
+
+def requirement(code: TaskCode) -> str:
+    """How a card names one module of task code: ``dist==version``, or ``module.py sha256:<hex>``.
+
+    Args:
+        code: one entry of the contract's ``task_code``.
+    """
+    if code.dist:
+        return f"{code.dist}=={code.version}" if code.version else code.dist
+    return f"{code.module}.py sha256:{code.sha256}"
 
 
 def _toml_value(value: Any) -> str:
@@ -171,7 +188,7 @@ def card_toml(card: JoinCard) -> str:
             else "stoa join --card FILE")
     lines = [f"# stoa join card for run {card.run!r}: no secrets here.", f"# Join with: {join}"]
     lines += [f"{name} = {_toml_value(value)}" for name, value in asdict(card).items()
-              if name != "run_key" or value]  # an unsigned run's card reads as before keys existed
+              if name not in ("run_key", "requires") or value]  # a card without them reads as before
     return "\n".join(lines) + "\n"
 
 
@@ -228,12 +245,17 @@ def _card_from(data: Mapping[str, Any], path: str | os.PathLike[str]) -> JoinCar
                                                          and all(c in "0123456789abcdef" for c in run_key))):
         raise CardError(f"card {path}: 'run_key' is not a public key (64 lowercase hex digits); make a new card "
                         "with stoa join-card --out FILE")
+    requires = data.get("requires", [])
+    if not isinstance(requires, list) or not all(isinstance(r, str) and _utf8(r) and len(r) <= 256
+                                                 for r in requires) or len(requires) > 16:
+        raise CardError(f"card {path}: 'requires' must list at most 16 requirements; make a new card with "
+                        "stoa join-card --out FILE")
     names = tuple(data["credentials"])
     if not all(isinstance(n, str) for n in names):
         raise CardError(f"card {path}: 'credentials' must list variable names")
     return JoinCard(bucket=data["bucket"], run=data["run"], n_samples=data["n_samples"], plane=data["plane"],
                     task=data["task"], contract=data["contract"], search=data["search"],
-                    retriever=data["retriever"], credentials=names, run_key=run_key)
+                    retriever=data["retriever"], credentials=names, run_key=run_key, requires=tuple(requires))
 
 
 def card_text(card: JoinCard, card_file: str, env_file: str = "") -> str:
@@ -255,6 +277,7 @@ def card_text(card: JoinCard, card_file: str, env_file: str = "") -> str:
     rows = [("bucket", card.bucket), ("run", card.run), ("group size n", str(card.n_samples)),
             ("plane", card.plane), ("task", card.task), ("retriever", retriever), ("contract", card.contract),
             ("run key", card.run_key or "none (the run's weights are unsigned)"),
+            ("task-code", ", ".join(card.requires) or "built in (nothing to install)"),
             ("set these", creds + (" (values handed over apart from this card)" if card.credentials else "")),
             ("join with", f"stoa join --card {card_file}{env_arg}")]
     return "\n".join([f"stoa join card for run {card.run!r}"] + [f"  {k + ':':<14}{v}" for k, v in rows])

@@ -1,4 +1,5 @@
-"""What ``stoa join`` checks before it starts a worker: engine, BLAS, memory tier, disk, bucket, contract, retriever.
+"""What ``stoa join`` checks before it starts a worker: engine, BLAS, memory tier, disk, bucket, contract, task code,
+retriever.
 
 Each check returns a :class:`Check` (one printed line; a failing one names its fix and the exit code of its
 kind, as in ``stoa.cli.EXIT_CODES``). Nothing here imports torch or mlx: engines are probed with
@@ -24,6 +25,7 @@ from stoa.join.card import JoinCard
 from stoa.layout import contract_key
 from stoa.lifecycle import read_status
 from stoa.retrieval.client import HTTPSearcher, RetrieverError
+from stoa.tasks import code as task_code
 from stoa.untrusted import BadBucketObject
 from stoa.worker.tiers import choose_tier
 
@@ -32,6 +34,7 @@ MIN_FREE_GB = 2.0
 ENGINE_PACKAGES = {"torch": ("torch", "transformers"), "mlx": ("mlx", "mlx_lm")}
 """Python packages each engine imports."""
 EXIT_BAD_SETUP, EXIT_CONTRACT, EXIT_BUCKET, EXIT_TIMEOUT, EXIT_CREDENTIALS, EXIT_BAD_OBJECT = 2, 3, 4, 5, 9, 13
+EXIT_TASK_CODE = 16
 """Exit codes of failed checks, the kinds of ``stoa.cli.EXIT_CODES``."""
 
 
@@ -212,6 +215,23 @@ def check_contract(card: JoinCard, contract: RunContract, state: str | None) -> 
         return _fail("contract", f"run {card.run!r} is {state}", "ask for the card of a live run", EXIT_CONTRACT)
     return _ok("contract", f"n={contract.n_samples}, plane {contract.plane}, task {contract.task_id}, "
                            f"state {state or 'starting'}")
+
+
+def check_plugins(contract: RunContract) -> Check:
+    """This machine has the run's task plugin code, the same source as the trainer's (``stoa.tasks.code``).
+
+    Args:
+        contract: the run's contract (its ``task_code``).
+    """
+    recorded = task_code.from_contract(contract.task_code)
+    if not recorded:
+        return _ok("task-code", f"built-in task {contract.task_id}")
+    try:
+        task_code.check_task_code(recorded)
+    except task_code.TaskCodeMismatch as e:
+        fix = "; ".join(task_code.pip_requirement(c) for c in recorded)
+        return _fail("task-code", str(e), f"{fix} (or stoa join --install-task-code)", EXIT_TASK_CODE)
+    return _ok("task-code", ", ".join(f"{c.dist or c.module} {c.version}".strip() for c in recorded))
 
 
 def check_retriever(card: JoinCard, contract: RunContract) -> Check:

@@ -7,6 +7,7 @@ reaches it as ``STOA_ENV_FILE``, never on the command line.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +27,7 @@ from stoa.join.checks import (
     check_contract,
     check_disk,
     check_engine,
+    check_plugins,
     check_retriever,
     check_tier,
 )
@@ -42,6 +44,8 @@ class JoinOptions:
         dry_run: check and print the worker's command line, start nothing.
         install: write and load a launchd agent / systemd user unit instead of starting the worker here.
         uninstall: stop and remove that service.
+        install_task_code: when the task code check fails, ``pip install`` the card's ``requires`` (the
+            distributions the trainer ran) into this Python, then check again.
     """
 
     card: str
@@ -50,6 +54,7 @@ class JoinOptions:
     dry_run: bool = False
     install: bool = False
     uninstall: bool = False
+    install_task_code: bool = False
 
 
 def exec_worker(argv: Sequence[str], env: Mapping[str, str]) -> None:
@@ -98,7 +103,8 @@ def run_checks(card: JoinCard, env: Mapping[str, str]) -> list[Check]:
     probe = check_bucket(card, env)
     checks.append(probe.check)
     if probe.contract is not None:
-        checks += [check_contract(card, probe.contract, probe.state), check_retriever(card, probe.contract)]
+        checks += [check_contract(card, probe.contract, probe.state), check_plugins(probe.contract),
+                   check_retriever(card, probe.contract)]
     return checks
 
 
@@ -142,6 +148,13 @@ def join(opts: JoinOptions, *, echo: Callable[[str], object] = print, platform: 
     for c in checks:
         echo(c.line())
     failed = next((c for c in checks if c.status == "fail"), None)
+    if failed is not None and failed.name == "task-code" and opts.install_task_code:
+        if _install_task_code(card, echo, runner or service.run_command) != 0:
+            echo("[join] refused: task-code: pip could not install " + ", ".join(card.requires))
+            return failed.code
+        importlib.invalidate_caches()
+        checks = run_checks(card, env)
+        failed = next((c for c in checks if c.status == "fail"), None)
     if failed is not None:
         echo(f"[join] refused: {failed.name}: {failed.fix}")
         return failed.code
@@ -157,6 +170,16 @@ def join(opts: JoinOptions, *, echo: Callable[[str], object] = print, platform: 
     echo(f"[join] starting the worker: {' '.join(argv)}")
     (execute or exec_worker)(argv, worker_env)
     return 0
+
+
+def _install_task_code(card: JoinCard, echo: Callable[[str], object], runner: Callable[[Sequence[str]], int]) -> int:
+    """``pip install`` the card's distributions (a loose module cannot be installed: its copy is the operator's)."""
+    specs = [r for r in card.requires if " sha256:" not in r]
+    if not specs:
+        return 1
+    argv = [sys.executable, "-m", "pip", "install", *specs]
+    echo("[join] installing the run's task code: " + " ".join(argv))
+    return runner(argv)
 
 
 def _install(card: JoinCard, opts: JoinOptions, env_file: str, *, echo: Callable[[str], object],

@@ -165,7 +165,8 @@ def join_mac(mac_block: str, fleet: dict) -> None:
     assert load_env_file(env_file) == fleet["r2"] and stat.S_IMODE(os.stat(env_file).st_mode) == 0o600
     statuses = [line.split()[1:3] for line in done.stdout.splitlines() if line.startswith("[join] ") and
                 line.split()[1] in ("ok", "warn", "fail")]
-    assert statuses[:7] == [["ok", n] for n in ("engine", "blas", "tier", "disk", "bucket", "contract", "retriever")]
+    assert statuses[:8] == [["ok", n] for n in ("engine", "blas", "tier", "disk", "bucket", "contract", "task-code",
+                                                "retriever")]
     assert f"STOA_ENV_FILE={env_file}" in done.stdout and MOTO_SECRET not in done.stdout
     assert not (mac.home / ".config" / "systemd").exists()  # the install ran as a dry run
 

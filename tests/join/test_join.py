@@ -44,14 +44,14 @@ def test_every_check_passes_on_a_live_local_run(local_bucket):
     found = run_checks(make_card(local_bucket, "r1", env={}), {})
     assert [(c.name, c.status) for c in found] == [
         ("engine", "ok"), ("blas", "ok"), ("tier", "ok"), ("disk", "ok"), ("bucket", "ok"), ("contract", "ok"),
-        ("retriever", "ok")]
+        ("task-code", "ok"), ("retriever", "ok")]
 
 
 def test_a_dry_run_checks_and_starts_nothing(local_bucket, tmp_path):
     write_run(open_bucket(local_bucket), "r1")
     code, lines, execute = run_join(JoinOptions(card=str(make_card_file(tmp_path, local_bucket)), dry_run=True))
     assert code == 0 and execute.calls == []
-    assert len([line for line in lines if line.startswith("[join] ok")]) == 7
+    assert len([line for line in lines if line.startswith("[join] ok")]) == 8
 
 
 def test_join_execs_the_worker_with_the_cards_values_and_the_env_file(local_bucket, tmp_path):
@@ -140,3 +140,25 @@ def test_a_search_run_without_index_or_endpoint_fails_and_an_unreachable_endpoin
 
     card = card.__class__(**{**card.__dict__, "retriever": f"http://127.0.0.1:{closed_port()}"})
     assert checks.check_retriever(card, contract).code == checks.EXIT_TIMEOUT
+
+
+PLUGIN = {"module": "my_quiz_absent", "dist": "my-quiz", "version": "1.2", "sha256": "b" * 64}
+
+
+def test_a_run_whose_task_code_is_missing_here_is_refused_with_exit_16_and_the_pip_install(local_bucket, tmp_path):
+    write_run(open_bucket(local_bucket), "r1", task="my-quiz", task_code=(PLUGIN,))
+    card_file = make_card_file(tmp_path, local_bucket)
+    assert "requires = [\"my-quiz==1.2\"]" in card_file.read_text()
+    code, lines, execute = run_join(JoinOptions(card=str(card_file)))
+    assert code == 16 and execute.calls == []
+    assert lines[-1] == ("[join] refused: task-code: pip install 'my-quiz==1.2' (or stoa join "
+                         "--install-task-code)")
+
+
+def test_install_task_code_runs_pip_with_the_cards_requirement_then_checks_again(local_bucket, tmp_path):
+    write_run(open_bucket(local_bucket), "r1", task="my-quiz", task_code=(PLUGIN,))
+    ran: list[list[str]] = []
+    code, lines, _ = run_join(JoinOptions(card=str(make_card_file(tmp_path, local_bucket)), install_task_code=True),
+                              runner=lambda argv: ran.append(list(argv)) or 0)
+    assert ran == [[sys.executable, "-m", "pip", "install", "my-quiz==1.2"]]
+    assert code == 16  # pip "succeeded" here but installed nothing: the second check still refuses
