@@ -171,3 +171,39 @@ def test_a_multi_turn_task_needs_tools(setup):
 def test_the_turn_cap_is_the_contracts_max_new_tokens(setup):
     pool = make_pool(setup)
     assert pool.limits is not None and pool.limits.max_turn_tokens == 32 and pool.limits.max_turns == 3
+
+
+def test_replay_off_takes_the_recorded_observations_and_counts_them(setup):
+    """replay = false (tools that cannot be replayed): a record whose observation the trainer's tools would not
+    give is accepted as recorded, rewarded from the policy's own turns, counted, and no tool is called."""
+    bucket, contract, task, codec = setup
+    other = honest_sample(GOOD, codec, tools=FakeTools(docs={"color of y": "a live page, changed since"}), seed=3)
+    key = put(setup, [other, honest(setup, BAD)])
+    strict = make_pool(setup)
+    assert strict.refresh(1) == 0 and strict.drain_stats().rejected == {"observation": 1}
+    trusting = RecordPool(bucket, contract, task, codec, staleness_bound=3, reuse_cap=2, tools=None, replay=False)
+    assert trusting.refresh(1) == 1
+    entry = next(e for e in trusting.entries.values() if e.key == key)
+    np.testing.assert_array_equal(entry.rewards, [1.0, 0.0])
+    assert entry.replayed is not None and entry.replayed[0].text == "\n".join(GOOD)
+    assert [r.calls for r in entry.replayed] == [0, 0]
+    stats = trusting.drain_stats()
+    assert stats.unreplayed == 1 and stats.tool_calls == 0 and stats.rejected == {}
+
+
+def test_replay_settings_the_task_cannot_honour_are_refused_naming_the_setting(setup):
+    from stoa.config.base import ConfigError
+    from stoa.tasks import get_task
+    from stoa.trainer.setup import check_replay
+
+    task = setup[2]
+    assert check_replay(True, task) == ""
+    assert "rollout/unreplayed" in check_replay(False, task)
+    with pytest.raises(ConfigError, match="replay.*has no tool calls to replay"):
+        check_replay(False, get_task("toy"))
+    task.deterministic_tools = False  # a live web search
+    try:
+        with pytest.raises(ConfigError, match=r"replay.*not deterministic.*set replay = false"):
+            check_replay(True, task)
+    finally:
+        del task.deterministic_tools

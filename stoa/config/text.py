@@ -34,8 +34,8 @@ class FlagGroup(NamedTuple):
 FLAG_GROUPS: tuple[FlagGroup, ...] = (
     FlagGroup("model", "model", ("model", "dtype", "device", "threads", "engine", "backend", "quant_bits",
                                  "quant_group_size", "torch_base", "lora_rank", "lora_alpha", "lora_targets")),
-    FlagGroup("task", "task and evaluation", ("task", "retriever", "max_prompt_tokens", "eval_every", "eval_n",
-                                              "eval_k"), ("eval_",)),
+    FlagGroup("task", "task and evaluation", ("task", "retriever", "replay", "max_prompt_tokens", "eval_every",
+                                              "eval_n", "eval_k"), ("eval_",)),
     FlagGroup("sampling", "sampling", ("n_samples", "groups_per_step", "max_new_tokens", "temperature", "top_p",
                                        "seed", "groups_in_flight", "max_groups")),
     FlagGroup("optimizer", "optimizer and objective", ("algorithm", "algo", "kl_beta", "lr", "weight_decay",

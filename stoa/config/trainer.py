@@ -97,6 +97,11 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                               "groups_per_step (rollout/skipped_uniform). False trains on them "
                                               "(KL-only gradient). GiGPO and ECHO runs keep them (their step "
                                               "advantages and echo term carry signal).")
+    replay: bool = setting(True, "Replay every multi-turn record's tool calls with the trainer's own tools and "
+                                 "reject a record whose observations differ. False trusts the observations "
+                                 "workers recorded (a weaker trust level, counted as rollout/unreplayed): only "
+                                 "for a task whose tools are not deterministic (a live web search, a stateful "
+                                 "sandbox), which requires it.")
     sign_weights: str = setting("auto", "Sign the run contract and every weights pointer with the run's Ed25519 "
                                         "key so workers follow only this trainer's weights: auto (on for s3:// and "
                                         "r2:// buckets, off for a local directory), true, or false (a private "

@@ -95,6 +95,30 @@ def replay_group(envs: Sequence[Environment], samples: Sequence[Sample], tools: 
     return out
 
 
+def unreplayed(samples: Sequence[Sample], codec: ReplayCodec, limits: EpisodeLimits) -> list[Replayed]:
+    """A record's samples taken as recorded, without re-running a tool (``replay = false``): the structure is
+    checked, the observations are the worker's word. No anchor states (GiGPO's are the replayed ones).
+
+    Args:
+        samples: the record's samples.
+        codec: the run's tokenizer.
+        limits: the task's episode limits.
+
+    Raises:
+        RecordRejected: ``roles`` or ``limits`` (``check_episode``).
+    """
+    out = []
+    for i, s in enumerate(samples):
+        check_episode(s, i, limits)
+        tokens, roles = [int(t) for t in s.tokens], [int(r) for r in s.role_array()]
+        turn_of_token = np.full(len(tokens), -1, np.int32)
+        turns = action_runs(roles)
+        for k, (a, b) in enumerate(turns):
+            turn_of_token[a:b] = k
+        out.append(Replayed(episode_text(tokens, roles, codec.decode), turn_of_token, ("",) * len(turns), 0))
+    return out
+
+
 def _replay_sample(index: int, env: Environment, s: Sample, results: Sequence[ToolResult],
                    codec: ReplayCodec, ender: _Ender) -> Replayed:
     """Replay one structurally valid sample against its tool results; raises ``RecordRejected``."""

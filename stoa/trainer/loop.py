@@ -29,7 +29,7 @@ from stoa.trainer.pool import Entry, RecordPool
 from stoa.trainer.quarantine import Quarantine
 from stoa.trainer.ranks import Driver, RankOps, serve
 from stoa.trainer.retry import RETRY_MAX_SLEEP_S, ride_out  # noqa: F401 - re-exported
-from stoa.trainer.setup import build_contract, ensure_contract, evaluate
+from stoa.trainer.setup import build_contract, check_replay, ensure_contract, evaluate
 from stoa.trainer.steplog import StepClock, step_line, step_row
 from stoa.weights.errors import SyncError
 from stoa.weights.planes import state_from_f32, state_to_f32
@@ -125,6 +125,9 @@ class _Trainer:
         torch.manual_seed(cfg.seed)
         name, opts = parse_task_spec(cfg.task)
         self.task = get_task(name, **localize_options(self.bucket, cfg.run, name, opts))  # a resumed run's data
+        trust = check_replay(cfg.replay, self.task)
+        if trust:
+            self.echo(f"[trainer] {trust}")
         model_dir = resolve_model(cfg.model)
         self.codec = TextCodec(model_dir)
         self.ops = RankOps(cfg, self.dist, device or resolve_device(cfg.device), model_dir, self.bucket, self.echo)
@@ -143,7 +146,8 @@ class _Trainer:
                                      reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
                                      temperature=cfg.temperature, top_p=cfg.top_p)
         self.pool = RecordPool(self.bucket, self.contract, self.task, self.codec, staleness_bound=cfg.staleness_bound,
-                               reuse_cap=cfg.reuse_cap, gate=self.quarantine, tools=self.tools.tools)
+                               reuse_cap=cfg.reuse_cap, gate=self.quarantine, tools=self.tools.tools,
+                               replay=cfg.replay)
         log_dir = default_log_dir(cfg.bucket, cfg.run, cfg.log_dir)
         trackers = open_trackers(cfg.report_to, run_id=cfg.run, source="trainer", bucket=self.bucket,
                                  log_dir=log_dir, config=cfg)

@@ -20,7 +20,7 @@ import numpy as np
 from stoa.bucket import Bucket, BucketError, ObjectInfo
 from stoa.contract import RunContract
 from stoa.envs.base import Environment, ToolResult, Tools, ToolUnavailable
-from stoa.episodes.replay import Replayed, replay_group
+from stoa.episodes.replay import Replayed, replay_group, unreplayed
 from stoa.layout import parse_rollout_key, rollout_version_prefix
 from stoa.rollouts.episode import EpisodeLimits, ToolCall
 from stoa.rollouts.records import MAX_RECORD_BYTES, RecordRejected, RolloutRecord, validate_record
@@ -68,6 +68,8 @@ class PoolStats:
     """Seconds spent replaying multi-turn records (tool calls included)."""
     tool_calls: int = 0
     """Tool calls the replays sent to the trainer's tools."""
+    unreplayed: int = 0
+    """Multi-turn records taken with the observations the worker recorded (``replay = false``)."""
 
 
 class WorkerGate(Protocol):
@@ -95,25 +97,28 @@ class RecordPool:
         gate: worker quarantine; records of a quarantined worker are skipped (``quarantined``).
         tools: the trainer's own tools (``task.make_tools(searcher)``); required for a multi-turn task, whose
             records are replayed with them.
+        replay: False takes a multi-turn record's observations as recorded, without tools (``replay = false``).
 
     Raises:
         ValueError: a multi-turn task without ``tools``.
     """
 
     def __init__(self, bucket: Bucket, contract: RunContract, task: Task, codec: TextCodec, *,
-                 staleness_bound: int, reuse_cap: int, gate: WorkerGate | None = None, tools: Tools | None = None):
+                 staleness_bound: int, reuse_cap: int, gate: WorkerGate | None = None, tools: Tools | None = None,
+                 replay: bool = True):
         self.bucket, self.contract, self.task, self.codec = bucket, contract, task, codec
         self.staleness_bound, self.reuse_cap, self.gate = staleness_bound, reuse_cap, gate
         self.limits: EpisodeLimits | None = None
         self.tools: _CountingTools | None = None
         self.make_env: Callable[[Prompt, int], Environment] | None = None
+        self.replay = replay
         if is_multiturn(task):
-            if tools is None:
+            if tools is None and replay:
                 raise ValueError(f"tools: the multi-turn task {task.id!r} needs the trainer's tools "
                                  "(task.make_tools(searcher)) to replay records")
             multi = cast(MultiTurnTask, task)
             self.limits = episode_limits(multi, contract.sampling.max_new_tokens)
-            self.tools = _CountingTools(tools)
+            self.tools = _CountingTools(tools) if tools is not None else None
             self.make_env = multi.make_env
         self.tools_down = False  # the trainer's tools failed; warned once until a replay succeeds
         self.entries: dict[str, Entry] = {}  # by content id
@@ -272,7 +277,12 @@ class RecordPool:
             raise RecordRejected("prompt", str(e)) from None
         if self.codec.encode_prompt(prompt.messages) != rec.prompt_tokens.tolist():
             raise RecordRejected("prompt", f"prompt tokens do not render {rec.prompt_id}")
-        replayed = self._replay(rec, prompt) if self.limits is not None else None
+        replayed = None
+        if self.limits is not None and self.replay:
+            replayed = self._replay(rec, prompt)
+        elif self.limits is not None:
+            replayed = unreplayed(rec.samples, self.codec, self.limits)
+            self.stats.unreplayed += 1
         texts = ([r.text for r in replayed] if replayed is not None
                  else [self.codec.decode(s.tokens.tolist()) for s in rec.samples])
         try:

@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 
 from stoa.bucket import Bucket, ObjectExists, ObjectNotFound, open_bucket
 from stoa.config import TrainerConfig
+from stoa.config.base import ConfigError
 from stoa.contract import (
     ContractMismatch,
     ModelSpec,
@@ -31,6 +32,7 @@ from stoa.tasks import get_task, parse_task_spec, task_class, task_name
 from stoa.tasks.base import Task
 from stoa.tasks.code import task_code
 from stoa.tasks.data import TaskData, TaskFile, file_options, localize_options, portable_task_data, upload_task_files
+from stoa.tasks.multiturn import is_multiturn
 from stoa.tokenize import TextCodec
 from stoa.trainer.lease import Lease
 from stoa.trainer.resume import Change, changes_line, legacy_line, merge, read_stored, store
@@ -211,6 +213,33 @@ def resume_plan(cfg: TrainerConfig, given: Mapping[str, str], echo=print) -> Res
     merged = merge(cfg, stored or {}, given)
     cfg = dataclasses.replace(merged.cfg, model=_resume_model(merged.cfg, given, contract, bucket, echo))
     return Resumed(cfg.validate(), True, stored is not None, merged.changes)
+
+
+def check_replay(replay: bool, task: Task) -> str:
+    """Refuse ``replay`` settings the task cannot honour; the line to print when the run trusts its workers.
+
+    A multi-turn task whose tools are not deterministic declares ``deterministic_tools = False``: replaying them
+    would reject honest records, so such a run must say ``replay = false`` itself, never by default.
+
+    Args:
+        replay: the ``replay`` setting.
+        task: the run's task.
+
+    Raises:
+        ConfigError: ``replay = false`` for a single-turn task, or ``replay = true`` for tools that cannot be
+            replayed.
+    """
+    multi = is_multiturn(task)
+    if not replay and not multi:
+        raise ConfigError("replay", f"task {task.id!r} has no tool calls to replay; leave replay out")
+    if replay and multi and getattr(task, "deterministic_tools", True) is False:
+        raise ConfigError("replay", f"task {task.id!r} declares tools that are not deterministic, which the trainer "
+                                    "cannot replay; set replay = false (--set replay=false), a weaker trust level "
+                                    "(docs/tasks.md#tools-that-cannot-be-replayed)")
+    if not replay:
+        return ("replay = false: the trainer takes the observations workers recorded without re-running a tool "
+                "(rollout/unreplayed counts them)")
+    return ""
 
 
 def _resume_task(cfg: TrainerConfig, given: Mapping[str, str], contract: RunContract, bucket: Bucket) -> str:

@@ -372,6 +372,7 @@ def episode_figures(entries: list[Entry], ps: PoolStats, step_s: float) -> dict[
         return {}
     out = episode_metrics(groups, "rollout/")
     total = ps.replay_s + step_s
-    out.update({"rollout/tool_calls": float(ps.tool_calls), "train/replay_s": ps.replay_s,
+    out.update({"rollout/tool_calls": float(ps.tool_calls), "rollout/unreplayed": float(ps.unreplayed),
+                "train/replay_s": ps.replay_s,
                 "train/replay_share": ps.replay_s / total if total > 0 else 0.0})
     return out
