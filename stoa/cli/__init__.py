@@ -25,7 +25,7 @@ from stoa.config.names import foreign_hint
 from stoa.config.text import HelpFormatter, RawHelpFormatter
 
 COMMANDS = ("trainer", "worker", "quickstart", "model", "bench", "local-e2e", "local", "export", "retriever",
-            "join-card", "join", "status", "plot", "eval", "runs")
+            "join-card", "join", "status", "plot", "eval", "runs", "task")
 
 EXIT_CODES: dict[int, str] = {
     0: "done",
@@ -79,6 +79,7 @@ USER_ERRORS: tuple[UserError, ...] = (
     UserError("stoa.tasks.base:TaskDataError", 2, lambda e: f"task data: {e}"),
     UserError("stoa.tasks.base:RewardFunctionError", 15, lambda e: f"reward function: {e}"),
     UserError("stoa.tasks.base:TaskPluginError", 14, lambda e: f"task plugin: {e}"),
+    UserError("stoa.tasks.base:RewardError", 15, lambda e: f"reward function: {e}"),
     UserError("stoa.tasks.code:TaskCodeMismatch", 16, lambda e: f"task code: {e}"),
     UserError("stoa.bench.checkout:BenchScriptMissing", 2, str),
     UserError("stoa.contract:ContractMismatch", 3, str),

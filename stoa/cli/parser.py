@@ -39,7 +39,7 @@ COMMAND_GROUPS: tuple[CommandGroup, ...] = (
     CommandGroup("fleet: more machines, run management", ("join-card", "join", "runs")),
     CommandGroup("watch a run", ("status", "plot", "eval")),
     CommandGroup("local mode (one machine, LoRA)", ("local", "local-e2e")),
-    CommandGroup("tools", ("model", "export", "retriever", "bench")),
+    CommandGroup("tools", ("task", "model", "export", "retriever", "bench")),
 )
 """``stoa --help``'s command listing; a name not registered in this build (``runs`` before its module lands)
 is left out of the listing."""

@@ -108,6 +108,7 @@ def identify(module: str) -> TaskCode | None:
         module: an import name; only its top-level part counts (``my_task.rewards`` -> ``my_task``).
     """
     top = module.split(".")[0]
+    working_dir_on_path()  # a loose module is found where the trainer found it: the working directory
     found = _source_files(top)
     if found is None:
         return None

@@ -251,3 +251,23 @@ def test_a_plugin_file_in_the_working_directory_is_found_without_sys_path(tmp_pa
         assert load_task("cwd_quiz:Quiz").id == "quiz"
     finally:
         sys.modules.pop("cwd_quiz", None)
+
+
+def test_stoa_task_prints_the_contract_form_the_code_and_scores_the_reference_answers(plugin_dir: Path,
+                                                                                      capsys) -> None:
+    assert main(["task", "quiz_plugin:Quiz:n=3", "--n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("task quiz_plugin:Quiz (quiz_plugin.Quiz), reward version 1\n")
+    assert "code every worker needs: quiz_plugin (copy the trainer's quiz_plugin.py" in out
+    assert out.count("reward 1; an empty completion: 0") == 2
+
+
+def test_stoa_task_with_reward_code_that_raises_is_one_line_and_exit_15(plugin_dir: Path, capsys) -> None:
+    (plugin_dir / "raising_plugin.py").write_text(QUIZ.replace(
+        "return float(completion.strip() == prompt.answer)", "raise KeyError('column')"))
+    try:
+        assert main(["task", "raising_plugin:Quiz"]) == 15
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "reward_raised: quiz: the reward code raised KeyError" in err
+    finally:
+        sys.modules.pop("raising_plugin", None)
