@@ -139,8 +139,9 @@ def _refusal(code: TaskCode) -> str | None:
         return f"the run's task needs {top!r}, which is not installed here; {pip_requirement(code)}"
     if mine.sha256 != code.sha256:
         here = f"{mine.dist} {mine.version}".strip() or "a loose module"
+        theirs = f"{code.dist} {code.version}".strip() or "a loose module"
         return (f"the run's task code {top!r} differs here ({here}, sha256 {mine.sha256[:12]}...) from the "
-                f"trainer's ({code.dist} {code.version}, sha256 {code.sha256[:12]}...); {pip_requirement(code)}")
+                f"trainer's ({theirs}, sha256 {code.sha256[:12]}...); {pip_requirement(code)}")
     return None
 
 
