@@ -14,7 +14,7 @@ from stoa.episodes import evaluation
 from stoa.episodes.evaluation import EPISODE_BATCH, evaluate_heldout, greedy_figures
 
 PROMPTS = [SimpleNamespace(id=f"test:{i}", messages=i, answer=str(i % 3)) for i in range(7)]
-TASK = SimpleNamespace(heldout=lambda n: PROMPTS[:n], is_correct=lambda p, text: text == p.answer,
+TASK = SimpleNamespace(id="fake", heldout=lambda n: PROMPTS[:n], is_correct=lambda p, text: text == p.answer,
                        reward=lambda p, text: 2.0 if text == p.answer else 0.5)
 CODEC = SimpleNamespace(encode_prompt=lambda m: [1, m], decode=lambda t: str(t[0]), eos_ids=(2,))
 
