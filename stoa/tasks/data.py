@@ -33,7 +33,7 @@ from stoa.bucket import Bucket, ObjectExists, ObjectNotFound
 from stoa.contract import ContractMismatch
 from stoa.layout import task_data_key
 from stoa.models.registry import default_cache_dir
-from stoa.tasks import TASKS
+from stoa.tasks import ADAPTERS, TASKS, TaskPluginError, task_class
 
 __all__ = [
     "REF_PREFIX",
@@ -126,14 +126,23 @@ def file_options(task_id: str) -> tuple[str, ...]:
         task_id: a task name (``gsm8k``).
     """
 
-    cls = TASKS.get(task_id)
-    return tuple(getattr(cls, "FILE_OPTIONS", ())) if cls is not None else ()
+    return tuple(getattr(_task_cls(task_id), "FILE_OPTIONS", ()))
+
+
+def _task_cls(task_id: str) -> type | None:
+    """A built-in task's class, or an adapter's (stoa's own, imported when named: ``dataset``); else None."""
+    if task_id in ADAPTERS:
+        try:
+            return task_class(task_id)
+        except TaskPluginError:  # an adapter whose optional package is absent: the task itself will say so
+            return None
+    return TASKS.get(task_id)
 
 
 def _hub_options(task_id: str) -> tuple[str, ...]:
     """The options of a registered task that name a hub dataset (``HUB_OPTIONS``; ``()`` for none)."""
 
-    return tuple(getattr(TASKS.get(task_id), "HUB_OPTIONS", ()))
+    return tuple(getattr(_task_cls(task_id), "HUB_OPTIONS", ()))
 
 
 def parse_ref(value: object) -> DataRef | None:

@@ -178,11 +178,17 @@ def _number(v: Any) -> float | None:
         return None
 
 
+def _not_a_number(v: Any, rf: RewardFn) -> object:
+    """A stand-in for a value that is not a number, which no ``float()`` takes (a string such as "1" would pass
+    ``score_group``'s check): its type's name says what the function returned, so the rejection names it."""
+    return type(f"{type(v).__name__} from {rf.label}", (), {"__slots__": ()})()
+
+
 def combine(outputs: Sequence[tuple[RewardFn, Any]], n: int) -> Any:
     """The weighted sum of several functions' outputs, per completion.
 
-    What cannot be summed is passed on as it is, so ``score_group`` names it: a function's output that is not
-    ``n`` items (``reward_wrong_length``), an item that is not a number (``reward_not_finite``). A completion
+    What cannot be summed is passed on for ``score_group`` to name: a function's output that is not ``n`` items,
+    as it is (``reward_wrong_length``), an item that is not a number (``reward_not_finite``). A completion
     no function scored (all None) is NaN. Returns a list of ``n`` floats when all is well.
 
     Args:
@@ -198,7 +204,7 @@ def combine(outputs: Sequence[tuple[RewardFn, Any]], n: int) -> Any:
             x = _number(v)
             if v is None or not isinstance(total[i], float | None):
                 continue
-            total[i] = v if x is None else (total[i] or 0.0) + rf.weight * x
+            total[i] = _not_a_number(v, rf) if x is None else (total[i] or 0.0) + rf.weight * x
     return [math.nan if t is None else t for t in total]
 
 
