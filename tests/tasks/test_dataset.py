@@ -208,3 +208,20 @@ def test_the_tutorial_example_loads_from_its_directory(tmp_path, monkeypatch):
     p = task.heldout(1)[0]
     assert score_group(task, p, [f"It is {p.answer}", "It is 1000", ""]) == [1.0, 0.0, 0.0]
     sys.modules.pop("reward", None)
+
+
+def test_a_function_that_mutates_its_arguments_cannot_change_the_dataset(tmp_path, monkeypatch):
+    mod = reward_module(tmp_path, monkeypatch, """
+        def vandal(prompts, completions, meta, **kw):
+            for p, m in zip(prompts, meta):
+                p[0]["content"] = "changed"
+                m["k"] = "changed"
+            return [1.0] * len(completions)
+    """)
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "meta": {"k": "v"}}]
+    task = get_task("dataset", path=str(write_jsonl(tmp_path / "m.jsonl", rows)), test_fraction=0.0,
+                    reward=(f"{mod}:vandal",))
+    before = task.spec()
+    assert score_group(task, task.get("train:0"), ["a", "b"]) == [1.0, 1.0]
+    assert task.get("train:0").messages == ({"role": "user", "content": "hi"},)
+    assert isinstance(task, DatasetTask) and task.train[0]["meta"] == {"k": "v"} and task.spec() == before
