@@ -3,6 +3,7 @@ TRL reward functions unchanged, extra columns, weights, the held-out split, spec
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +160,9 @@ def test_weights_multiply_and_rewards_sum(tmp_path, monkeypatch, additions):
     task = _load(f"dataset:path={additions},reward={mod}:one*0.25,reward={mod}:length*-2,reward={mod}:one")
     assert score_group(task, task.get("train:0"), ["", "xyz"]) == [1.25, 1.25 - 6.0]
     assert task.code_modules() == (mod,)
+    spec = json.loads(json.dumps(task.spec()))  # as the run contract carries it
+    assert spec["reward"] == [f"{mod}:one*0.25", f"{mod}:length*-2", f"{mod}:one"]
+    assert get_task(task.id, **spec).spec() == task.spec()
 
 
 def test_a_function_without_kwargs_gets_only_the_keywords_it_names(tmp_path, monkeypatch, additions):

@@ -200,3 +200,11 @@ def test_none_from_one_function_counts_as_nothing_when_another_scores(tmp_path, 
     with pytest.raises(RewardError) as e:
         score_group(alone, alone.get("train:0"), ["skip", "go"])
     assert e.value.reason == "reward_not_finite"
+
+
+def test_a_test_file_without_the_answer_column_is_refused(tmp_path):
+    write_jsonl(tmp_path / "d" / "train.jsonl", ADDITIONS[:10])
+    write_jsonl(tmp_path / "d" / "test.jsonl", [{"prompt": r["prompt"]} for r in ADDITIONS[10:]])
+    with pytest.raises(TaskOptionError, match=r"no column 'answer' in .*test.jsonl; its columns: \['prompt'\]; give "
+                                              "every split the answer column"):
+        get_task("dataset", path=str(tmp_path / "d"))
