@@ -190,14 +190,36 @@ def test_the_task_code_records_the_reward_module(tmp_path, monkeypatch, addition
     assert task_code(get_task("dataset", path=str(additions))) == ()  # the built-in reward is stoa's own
 
 
-def test_the_trainer_ships_the_files_and_a_worker_accepts_only_bucket_references(additions):
-    from stoa.tasks.data import TaskDataRefused, contract_refs, parse_ref, portable_task_data
+def test_a_worker_rebuilds_the_same_task_from_the_bucket_and_accepts_only_references(tmp_path):
+    pytest.importorskip("pyarrow", reason="parquet needs pyarrow (stoa[data])")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    data = portable_task_data(get_task("dataset", path=str(additions)))
-    ref = parse_ref(data.spec["path"])
-    assert ref is not None and ref.name == "additions.jsonl" and [f.option for f in data.files] == ["path"]
+    from stoa.bucket import open_bucket
+    from stoa.tasks.data import (
+        TaskDataRefused,
+        contract_refs,
+        localize_contract_options,
+        parse_ref,
+        portable_task_data,
+        upload_task_files,
+    )
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist(ADDITIONS[:45]), folder / "train.parquet")
+    write_jsonl(folder / "test.jsonl", ADDITIONS[45:])
+    task = get_task("dataset", path=str(folder))
+    data = portable_task_data(task)
+    refs = [parse_ref(data.spec[o]) for o in ("path", "test_path")]
+    assert [r.name for r in refs if r] == ["train.parquet", "test.jsonl"]
+    bucket = open_bucket(str(tmp_path / "bucket"))
+    upload_task_files(bucket, "r", data.files)
+    local = localize_contract_options(bucket, "r", "dataset", data.spec, cache_dir=tmp_path / "worker-cache")
+    assert str(local["path"]).startswith(str(tmp_path / "worker-cache"))
+    assert portable_task_data(get_task("dataset", **local)).spec == data.spec
     with pytest.raises(TaskDataRefused, match="absolute path"):
-        contract_refs("dataset", {**data.spec, "path": str(additions)})
+        contract_refs("dataset", {**data.spec, "path": str(folder / "train.parquet")})
 
 
 def test_the_tutorial_example_loads_from_its_directory(tmp_path, monkeypatch):
