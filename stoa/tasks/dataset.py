@@ -31,6 +31,7 @@ import numpy as np
 from stoa.tasks.base import (
     Prompt,
     PromptIdError,
+    RewardError,
     TaskOptionError,
     check_prompt_version,
     format_prompt_id,
@@ -38,6 +39,7 @@ from stoa.tasks.base import (
 )
 from stoa.tasks.extract import EXTRACT_VERSION, answers_match, extract_answer, normalize_number
 from stoa.tasks.rewardfn import RewardFn, call_reward, combine, load_reward, probe
+from stoa.tasks.scoring import score_group
 from stoa.tasks.table import Table, fingerprint, read_table, resolve_files
 
 __all__ = ["DatasetTask"]
@@ -281,13 +283,17 @@ class DatasetTask:
         return float(self.rewards(prompt, [completion])[0])
 
     def is_correct(self, prompt: Prompt, completion: str) -> bool:
-        """Whether the summed reward is at least ``correct_at``.
+        """Whether the summed reward is at least ``correct_at``; False when the reward code fails (scored through
+        ``score_group``, so a raising or hanging function never stops an evaluation).
 
         Args:
             prompt: the prompt answered.
             completion: the model's text.
         """
-        return self.reward(prompt, completion) >= self.correct_at
+        try:
+            return score_group(self, prompt, [completion])[0] >= self.correct_at
+        except RewardError:
+            return False
 
     def __repr__(self) -> str:
         return f"DatasetTask(train={self.train_source!r}, test={self.test_source!r}, reward={self.reward_specs!r})"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from stoa.tasks import RewardError, RewardFunctionError, TaskOptionError, TaskPluginError, get_task, load_task
@@ -129,11 +129,11 @@ _ITEM = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-1
                   st.text(max_size=3), st.booleans())
 
 
-def _expected(out: Any, n: int) -> str | None:
+def _expected(out: Any, n: int, weight: float) -> str | None:
     """The reason ``score_group`` must give for one function's output, or None when it is fine."""
     if not isinstance(out, list) or len(out) != n:
         return "reward_wrong_length"
-    if any(v is None or isinstance(v, str) or not math.isfinite(float(v)) for v in out):
+    if any(v is None or isinstance(v, str) or not math.isfinite(weight * float(v)) for v in out):  # 2 * 1e308
         return "reward_not_finite"
     return None
 
@@ -145,10 +145,14 @@ def test_fuzzed_reward_outputs_are_named_rejections(tmp_path, monkeypatch, addit
     prompt, seen = task.get("train:0"), set()
 
     @settings(max_examples=200, deadline=None)
-    @given(out=st.one_of(st.lists(_ITEM, min_size=0, max_size=5), _ITEM, st.just({"a": 1.0})))
+    @given(out=st.one_of(st.lists(_ITEM, min_size=0, max_size=5), _ITEM, st.just({"a": 1.0}),
+                         st.lists(st.floats(-1e6, 1e6) | st.integers(-9, 9), min_size=3, max_size=3)))
+    @example(out=[0.5, -1, True])
+    @example(out=[1e308, 0.0, 0.0])  # finite, but not once weighted
+    @example(out=[0.0, "1", 0.0])  # a string float() would take
     def check(out: Any) -> None:
         mod.OUT = out
-        want = _expected(out, 3)
+        want = _expected(out, 3, 2.0)
         seen.add(want)
         if want is None:
             assert score_group(task, prompt, ["a", "b", "c"]) == [2.0 * float(v) for v in out]
@@ -156,7 +160,7 @@ def test_fuzzed_reward_outputs_are_named_rejections(tmp_path, monkeypatch, addit
         with pytest.raises(RewardError) as e:
             score_group(task, prompt, ["a", "b", "c"])
         assert e.value.reason == want
-        first_bad = next((v for v in out if v is None or isinstance(v, str) or not math.isfinite(v)), None) \
+        first_bad = next((v for v in out if v is None or isinstance(v, str) or not math.isfinite(2.0 * v)), None) \
             if want == "reward_not_finite" else None
         if isinstance(first_bad, str):  # a string is named (scoring's float() would take "1")
             assert f"a reward is str from {name}:f, not a number" in str(e.value)
@@ -174,6 +178,7 @@ def test_raising_and_hanging_reward_functions_are_named_rejections(tmp_path, mon
     with pytest.raises(RewardError, match="reward_raised: dataset: the reward code raised KeyError") as e:
         score_group(task, prompt, ["x"])
     assert e.value.reason == "reward_raised"
+    assert task.is_correct(prompt, "x") is False  # an evaluation scores it wrong and goes on
     mod.OUT = "hang"
     try:
         with pytest.raises(RewardError) as e:
