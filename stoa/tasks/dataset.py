@@ -1,10 +1,11 @@
 """Your own data and reward functions, TRL-shaped: ``--task dataset:path=FILE,reward=module:fn``.
 
-The data is a jsonl or parquet file (or a directory holding ``train.jsonl`` and ``test.jsonl``, or ``.parquet``)
-with a prompt column (default ``prompt``): a string, or a list of chat messages ``{"role", "content"}`` as TRL's
-conversational format. An answer column (default ``answer``, used when present) is optional. Every column but
-the prompt reaches the reward functions as keyword lists, as TRL's ``GRPOTrainer`` passes them
-(``stoa.tasks.rewardfn``), so a TRL reward function works unchanged.
+The data is a jsonl or parquet file (or a directory holding ``train.jsonl`` and ``test.jsonl``, or ``.parquet``;
+or ``hf=owner/name``, a hub dataset through the optional ``datasets`` package) with a prompt column (default
+``prompt``): a string, or a list of chat messages ``{"role", "content"}`` as TRL's conversational format. An
+answer column (default ``answer``, used when present) is optional. Every column but the prompt reaches the reward
+functions as keyword lists, as TRL's ``GRPOTrainer`` passes them (``stoa.tasks.rewardfn``), so a TRL reward
+function works unchanged.
 
 Rewards: each ``reward=module:fn[*weight]`` (repeatable) is called once per group and the weighted rewards are
 summed. Without ``reward=``, the built-in reward is exact match against the answer column: a numeric answer
@@ -40,7 +41,7 @@ from stoa.tasks.base import (
 from stoa.tasks.extract import EXTRACT_VERSION, answers_match, extract_answer, normalize_number
 from stoa.tasks.rewardfn import RewardFn, call_reward, combine, load_reward, probe
 from stoa.tasks.scoring import score_group
-from stoa.tasks.table import Table, fingerprint, read_table, resolve_files
+from stoa.tasks.table import Table, fingerprint, hub_tables, read_table, resolve_files
 
 __all__ = ["DatasetTask"]
 
@@ -94,6 +95,9 @@ class DatasetTask:
     Args:
         path: the train file (jsonl or parquet), or a directory holding ``train.jsonl`` (and ``test.jsonl``).
         test_path: the test file; default ``test.*`` beside a directory's train file, else a hash split.
+        hf: a Hugging Face hub dataset id instead of ``path`` (needs ``datasets`` and the network everywhere);
+            its ``train`` split, and its ``test`` split when it has one (else a hash split).
+        hf_config: the hub dataset's config ("" for its default).
         prompt: the prompt column (default "prompt").
         answer: the answer column; default "answer" when the data has it; "" for none.
         system: a system message put before every prompt (default none).
@@ -106,28 +110,26 @@ class DatasetTask:
     id: str = "dataset"
     reward_version: str = f"{_REWARD_REV}.{EXTRACT_VERSION}"
     OPTIONS: ClassVar[dict[str, type]] = {
-        "path": str, "test_path": str, "prompt": str, "answer": str, "system": str, "reward": tuple,
-        "correct_at": float, "test_fraction": float, "prompt_version": int, "n_train": int, "n_test": int,
-        "train_sha256": str, "test_sha256": str,
+        "path": str, "test_path": str, "hf": str, "hf_config": str, "prompt": str, "answer": str, "system": str,
+        "reward": tuple, "correct_at": float, "test_fraction": float, "prompt_version": int, "n_train": int,
+        "n_test": int, "train_sha256": str, "test_sha256": str,
     }
     POSITIONAL: ClassVar[str] = "path"
     """``dataset:problems.jsonl`` means ``dataset:path=problems.jsonl``."""
     FILE_OPTIONS: ClassVar[tuple[str, ...]] = ("path", "test_path")
     """Options naming local files, uploaded by the trainer and named ``bucket:<sha256>/<name>`` in the contract."""
+    HUB_OPTIONS: ClassVar[tuple[str, ...]] = ("hf",)
+    """Options naming a hub dataset: a worker accepts only a hub id there (``stoa.tasks.data.contract_refs``)."""
 
-    def __init__(self, path: str | None = None, test_path: str | None = None, prompt: str = "prompt",
-                 answer: str | None = None, system: str = "", reward: Sequence[str] = (), correct_at: float = 1.0,
-                 test_fraction: float = 0.1, prompt_version: int | None = None, n_train: int | None = None,
-                 n_test: int | None = None, train_sha256: str | None = None, test_sha256: str | None = None) -> None:
+    def __init__(self, path: str | None = None, test_path: str | None = None, hf: str | None = None,
+                 hf_config: str = "", prompt: str = "prompt", answer: str | None = None, system: str = "",
+                 reward: Sequence[str] = (), correct_at: float = 1.0, test_fraction: float = 0.1,
+                 prompt_version: int | None = None, n_train: int | None = None, n_test: int | None = None,
+                 train_sha256: str | None = None, test_sha256: str | None = None) -> None:
         check_prompt_version(self.id, prompt_version, _PROMPT_VERSION)
-        if path is None:
-            raise TaskOptionError("dataset: option 'path' is required; give dataset:path=FILE.jsonl (or .parquet, "
-                                  "or a directory holding train.jsonl)")
         if not 0.0 <= test_fraction < 1.0:
             raise TaskOptionError(f"dataset: option 'test_fraction' must be in [0, 1), got {test_fraction}")
-        files = resolve_files(path, test_path)
-        train = read_table(files.train)
-        test = read_table(files.test) if files.test is not None else None
+        train, test = self._tables(path, test_path, hf, hf_config)
         self.prompt_column = prompt
         self.answer_column = self._answer_column(answer, train)
         self.system, self.correct_at, self.test_fraction = system, correct_at, test_fraction
@@ -139,7 +141,7 @@ class DatasetTask:
             self.test = [r for r in train.rows if _in_test(r[prompt], test_fraction)]
         else:
             self.train, self.test = train.rows, test.rows
-        self.train_source, self.test_source = str(files.train), str(files.test) if files.test else None
+        self.train_source, self.test_source = train.source, test.source if test is not None else None
         if not self.train:
             raise TaskOptionError(f"dataset: the train split of {self.train_source} is empty; add rows or lower "
                                   "test_fraction")
@@ -148,6 +150,25 @@ class DatasetTask:
         self._check_expected(n_train=n_train, n_test=n_test, train_sha256=train_sha256, test_sha256=test_sha256)
         self.reward_specs = tuple(reward)
         self.reward_fns = self._load_rewards(train.columns)
+
+    def _tables(self, path: str | None, test_path: str | None, hf: str | None,
+                hf_config: str) -> tuple[Table, Table | None]:
+        """The train and test tables from the files or the hub; sets ``_source`` (what ``spec()`` names)."""
+        if (path is None) == (hf is None):
+            raise TaskOptionError("dataset: give option 'path' (a jsonl or parquet file, or a directory holding "
+                                  "train.jsonl) or option 'hf' (a hub dataset id), exactly one")
+        if hf is not None:
+            if test_path is not None:
+                raise TaskOptionError("dataset: option 'test_path' goes with 'path', not with 'hf' (the hub "
+                                      "dataset's test split is used when it has one)")
+            self._source: dict[str, object] = {"hf": hf, "hf_config": hf_config}
+            return hub_tables(hf, hf_config)
+        assert path is not None
+        files = resolve_files(path, test_path)
+        self._source = {"path": str(files.train)}
+        if files.test is not None:
+            self._source["test_path"] = str(files.test)
+        return read_table(files.train), read_table(files.test) if files.test is not None else None
 
     def _answer_column(self, answer: str | None, train: Table) -> str:
         if answer is None:
@@ -202,10 +223,7 @@ class DatasetTask:
 
     def spec(self) -> dict[str, object]:
         """JSON-able description of the data and rewards; ``get_task("dataset", **spec)`` rebuilds and checks it."""
-        out: dict[str, object] = {"path": self.train_source}
-        if self.test_source is not None:
-            out["test_path"] = self.test_source
-        return {**out, "prompt": self.prompt_column, "answer": self.answer_column, "system": self.system,
+        return {**self._source, "prompt": self.prompt_column, "answer": self.answer_column, "system": self.system,
                 "reward": list(self.reward_specs), "correct_at": self.correct_at, "test_fraction": self.test_fraction,
                 "prompt_version": _PROMPT_VERSION, "n_train": len(self.train), "n_test": len(self.test),
                 "train_sha256": self._train_sha256, "test_sha256": self._test_sha256}

@@ -4,7 +4,8 @@ A file is a table: one JSON object per jsonl line (blank lines skipped), or one 
 ``stoa[data]`` extra, imported only for parquet). A directory holds ``train.jsonl`` (or ``train.parquet``) and
 optionally ``test.jsonl`` (or ``test.parquet``). A ``datasets.save_to_disk`` directory is refused with the
 one-line export that turns it into a parquet file: the trainer ships task files through the bucket one file
-each, and the ``datasets`` package is not needed to read either format.
+each, and the ``datasets`` package is not needed to read either format. A Hugging Face hub dataset
+(:func:`hub_tables`) needs ``datasets`` (the ``stoa[datasets]`` extra) and the network on every machine.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 from stoa.tasks.base import TaskDataError, TaskOptionError
 from stoa.untrusted import loads_bounded
 
-__all__ = ["MAX_LINE_BYTES", "MAX_ROWS", "SUFFIXES", "DataFiles", "Table", "fingerprint", "read_table",
-           "resolve_files"]
+__all__ = ["MAX_LINE_BYTES", "MAX_ROWS", "SUFFIXES", "DataFiles", "Table", "fingerprint", "hub_tables",
+           "read_table", "resolve_files"]
 
 MAX_LINE_BYTES = 16 << 20
 """Longest jsonl line read."""
@@ -170,3 +171,45 @@ def fingerprint(rows: Iterable[dict[str, Any]]) -> str:
         h.update(json.dumps(row, ensure_ascii=False, sort_keys=True, default=str).encode())
         h.update(b"\n")
     return h.hexdigest()
+
+
+def _split_table(splits: Any, name: str, where: str) -> Table:
+    split = splits[name]
+    if len(split) > MAX_ROWS:
+        raise TaskOptionError(f"dataset: {where} has {len(split)} {name} rows, more than {MAX_ROWS}")
+    rows = [dict(r) for r in split]
+    columns: dict[str, None] = {}
+    for r in rows:
+        columns.update(dict.fromkeys(r))
+    return Table(rows, tuple(columns), f"{where}[{name}]")
+
+
+def hub_tables(dataset: str, config: str) -> tuple[Table, Table | None]:
+    """The train split and the test split (None when the dataset has none) of a hub dataset, via ``datasets``.
+
+    Args:
+        dataset: the hub id, ``owner/name``.
+        config: the dataset's config name, "" for its default.
+
+    Raises:
+        TaskDataError: ``datasets`` is not installed, or the load failed (no network); the message names a local
+            file instead.
+        TaskOptionError: the dataset has no train split.
+    """
+    local = "or save it as jsonl where the network reaches (ds.to_json('train.jsonl')) and give path=train.jsonl"
+    try:
+        datasets = importlib.import_module("datasets")
+    except ImportError:
+        raise TaskDataError(f"dataset: hf={dataset} needs the 'datasets' package (pip install 'stoa[datasets]'), "
+                            f"{local}") from None
+    try:
+        splits = datasets.load_dataset(dataset, config or None)
+    except Exception as e:  # noqa: BLE001 - the hub raises many kinds (connection, auth, missing config)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise TaskDataError(f"dataset: could not load {dataset!r} from the hub ({first}); {local}") from None
+    where = f"hf:{dataset}" + (f"/{config}" if config else "")
+    if "train" not in splits:
+        raise TaskOptionError(f"dataset: {where} has no 'train' split (its splits: {sorted(splits)}); give a local "
+                              "file with path=FILE")
+    test = _split_table(splits, "test", where) if "test" in splits else None
+    return _split_table(splits, "train", where), test

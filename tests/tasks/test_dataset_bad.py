@@ -72,7 +72,7 @@ def test_folders_without_train_data_name_the_fix(tmp_path):
         get_task("dataset", path=str(tmp_path))
     with pytest.raises(TaskOptionError, match="option 'path': no such file"):
         load_task(f"dataset:{tmp_path / 'missing.jsonl'}")
-    with pytest.raises(TaskOptionError, match="option 'path' is required"):
+    with pytest.raises(TaskOptionError, match="give option 'path' .* or option 'hf' .*, exactly one"):
         get_task("dataset")
 
 
