@@ -20,7 +20,7 @@ import inspect
 import math
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,10 +162,13 @@ def call_reward(rf: RewardFn, prompt: object, texts: Sequence[str], columns: Map
 
 
 def _as_list(values: Any) -> Any:
-    """A numpy array or torch tensor as a list; anything else as it is."""
-    if not isinstance(values, Sequence) and callable(getattr(values, "tolist", None)):
+    """What a reward function returned as a list where TRL would take it (any iterable but a string or a mapping:
+    a numpy array, a tensor, a generator); anything else as it is."""
+    if isinstance(values, Sequence) or isinstance(values, str | bytes | Mapping):
+        return values
+    if callable(getattr(values, "tolist", None)):
         return values.tolist()
-    return values
+    return list(values) if isinstance(values, Iterable) else values
 
 
 def _number(v: Any) -> float | None:

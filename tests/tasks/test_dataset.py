@@ -152,7 +152,7 @@ def test_every_other_column_reaches_the_function_once_per_group(tmp_path, monkey
 def test_weights_multiply_and_rewards_sum(tmp_path, monkeypatch, additions):
     mod = reward_module(tmp_path, monkeypatch, """
         def one(completions, **kw):
-            return [1.0] * len(completions)
+            return (1.0 for _ in completions)  # any iterable, as TRL takes it
 
         def length(completions, **kw):
             return [len(c) for c in completions]
