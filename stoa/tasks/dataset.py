@@ -43,7 +43,7 @@ from stoa.tasks.rewardfn import RewardFn, call_reward, combine, load_reward, pro
 from stoa.tasks.scoring import score_group
 from stoa.tasks.table import Table, fingerprint, hub_tables, read_table, resolve_files
 
-__all__ = ["DatasetTask"]
+__all__ = ["DatasetTask", "exact_match"]
 
 _SPLITS = ("train", "test")
 _REWARD_REV = 1
