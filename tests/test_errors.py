@@ -284,6 +284,11 @@ def _plugin_contract(bucket_dir) -> None:
     open_bucket(str(bucket_dir)).put_create(contract_key("r1"), contract.to_json())
 
 
+def _problems(bucket_dir) -> None:
+    """A two-row dataset beside the bucket (``{t}/p.jsonl``)."""
+    (bucket_dir.parent / "p.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": "4"}\n')
+
+
 def _nested_contract(bucket_dir) -> None:
     """A run 'r1' whose run.json someone with bucket credentials replaced by 100,000 nested arrays."""
     from stoa.bucket import open_bucket
@@ -332,6 +337,8 @@ MISTAKES = [  # (exit code, argv with {b} for the bucket and {t} for tmp_path, e
     (12, ["join-card", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: run 'nope' has no "),
     (14, ["trainer", "--dry-run", "--task", "no_such_plugin_xyz:Task"], {}, None,
      "stoa: task plugin: task 'no_such_plugin_xyz:Task': cannot import 'no_such_plugin_xyz' "),
+    (15, ["task", "dataset:path={t}/p.jsonl,reward=json:loads"], {}, _problems,
+     "stoa: reward function: reward function json:loads: its parameter 's' cannot be filled: it is not a column"),
     (16, ["worker", "--bucket", "{b}", "--run", "r1", "--model", "tiny"], {}, _plugin_contract,
      "stoa: task code: the run's task needs 'my_quiz_not_here', which is not installed here; "
      "pip install 'my-quiz==1.0'"),

@@ -72,6 +72,8 @@ def _guarded(task_id: str, call: Callable[[], Any], what: str, timeout_s: float)
         raise RewardError("reward_timeout", f"{task_id}: {what} took over {timeout_s:g}s")
     if "error" in result:
         e = result["error"]
+        if isinstance(e, RewardError):  # the task named what failed (a dataset task: which reward function)
+            raise e
         raise RewardError("reward_raised", f"{task_id}: the reward code raised {type(e).__name__}: {str(e)[:200]}")
     return result["value"]
 
