@@ -277,7 +277,7 @@ def card_text(card: JoinCard, card_file: str, env_file: str = "") -> str:
     rows = [("bucket", card.bucket), ("run", card.run), ("group size n", str(card.n_samples)),
             ("plane", card.plane), ("task", card.task), ("retriever", retriever), ("contract", card.contract),
             ("run key", card.run_key or "none (the run's weights are unsigned)"),
-            ("task-code", ", ".join(card.requires) or "built in (nothing to install)"),
+            ("task code", ", ".join(card.requires) or "built in (nothing to install)"),
             ("set these", creds + (" (values handed over apart from this card)" if card.credentials else "")),
             ("join with", f"stoa join --card {card_file}{env_arg}")]
     return "\n".join([f"stoa join card for run {card.run!r}"] + [f"  {k + ':':<14}{v}" for k, v in rows])

@@ -136,7 +136,7 @@ def task_class(name: str) -> type:
     raise ValueError(f"unknown task {name!r}; known tasks: {known_tasks()}, or module.path:ClassName of your own")
 
 
-def get_task(name: str, **options: object) -> Task:
+def get_task(name: str, /, **options: object) -> Task:
     """Build a task by name.
 
     Args:
