@@ -197,6 +197,8 @@ class ReasoningGymTask:
                 raise TaskOptionError(f"rg:{name}: option {option!r} must be in [{low}, 2**31), got {value}")
         self.name, self.size, self.seed, self.test_size = name, size, seed, test_size
         self.test_seed = (seed + _TEST_SEED_OFFSET) % 2**32 if test_seed is None else test_seed
+        if not 0 <= self.test_seed < 2**32:
+            raise TaskOptionError(f"rg:{name}: option 'test_seed' must be in [0, 2**32), got {self.test_seed}")
         self.disjoint, self.system_option, self.config = disjoint, system, tuple(config)
         if extract not in _EXTRACTS:
             raise TaskOptionError(f"rg:{name}: option 'extract' must be one of {list(_EXTRACTS)}, got {extract!r}")
