@@ -128,3 +128,12 @@ def test_hash_seeded_generators_need_a_fixed_hash_seed(monkeypatch):
         load_task("rg:word_ladder")
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     assert load_task("rg:word_ladder,size=5").get("train:0").answer
+
+
+def test_the_default_test_seed_is_far_from_the_training_indices():
+    # reasoning-gym draws entry i from Random(seed + i): test_seed = seed + 1 would repeat train:1.. as test:0..
+    task = load_task("rg:leg_counting,size=50,seed=3,disjoint=false")
+    train = {task.get(f"train:{i}").messages[-1]["content"] for i in range(50)}
+    assert not train & {p.messages[-1]["content"] for p in task.heldout(50)}
+    near = load_task("rg:leg_counting,size=50,seed=3,disjoint=false,test_seed=4")
+    assert len(train & {p.messages[-1]["content"] for p in near.heldout(50)}) == 49
