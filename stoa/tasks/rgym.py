@@ -328,6 +328,10 @@ class ReasoningGymTask:
             raise ValueError(f"rg:{self.name}: score_answer returned NaN")
         return min(1.0, max(0.0, score))
 
+    def reference_completion(self, prompt: Prompt) -> str:
+        """The reference answer written as a completion should write it (``stoa task`` scores it)."""
+        return f"<answer>{prompt.answer}</answer>"
+
     def is_correct(self, prompt: Prompt, completion: str) -> bool:
         """Whether reasoning-gym scores the completion 1.0."""
         return self.reward(prompt, completion) == 1.0
