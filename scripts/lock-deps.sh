@@ -9,7 +9,7 @@ venv=$(mktemp -d)/venv
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q "torch==2.13.0"
-"$venv/bin/python" -m pip install -q -e ".[trainer,worker,s3,dev,plot,data]"
+"$venv/bin/python" -m pip install -q -e ".[trainer,worker,s3,dev,plot,data,rg,verifiers]"
 {
   echo "# Exact versions CI and the README install (pip install -c constraints.txt ...)."
   echo "# Written by scripts/lock-deps.sh on $(date -u +%Y-%m-%d) with $("$venv/bin/python" --version) on $(uname -sm);"
