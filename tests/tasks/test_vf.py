@@ -34,6 +34,7 @@ ENVS = {
     "vft_math": _HEAD + """
 class Config(vf.TasksetConfig):
     n: int = 30
+    start: int = 0
     split: str = "train"
     shout: bool = False
 
@@ -49,7 +50,7 @@ class MathTask(vf.Task[Data, vf.State, vf.TaskConfig]):
 class MathTaskset(vf.Taskset[MathTask, Config]):
     def load(self):
         base = 1000 if self.config.split == "test" else 0
-        for i in range(self.config.n):
+        for i in range(self.config.start, self.config.start + self.config.n):
             q = f"What is {base + i} + {i}?"
             yield MathTask(Data(prompt=q.upper() if self.config.shout else q, answer=str(base + 2 * i),
                                 system_prompt="Answer with a number only."), self.config.task)
@@ -178,9 +179,10 @@ def test_single_turn_prompts_splits_and_typed_args():
     assert len(held) == len(task.test)
     assert not {h.messages[1]["content"] for h in held} & {task.get(f"train:{i}").messages[1]["content"]
                                                           for i in range(len(task.train))}
-    # the split is by each task's content, so more rows move no row between splits
-    bigger = load_task("vf:vft_math,arg=n:80,arg=shout:true")
-    assert [h.messages for h in held] == [h.messages for h in bigger.heldout(len(held))]
+    # the split is by each task's content, so rows removed before a row move it to no other split
+    later = load_task("vf:vft_math,arg=n:35,arg=start:5,arg=shout:true")
+    assert [h.messages for h in held if h.messages[1]["content"] not in
+            {f"WHAT IS {i} + {i}?" for i in range(5)}] == [h.messages for h in later.heldout(100)]
     assert task.sample_train(np.random.default_rng(0)).id.startswith("train:")
 
 
