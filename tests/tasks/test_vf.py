@@ -297,3 +297,27 @@ def test_importing_stoa_tasks_does_not_import_verifiers():
     code = ("import sys, stoa.tasks, stoa.tasks.vf; from stoa.tasks.registry import task_class; task_class('vf'); "
             "assert 'verifiers.v1' not in sys.modules, 'verifiers imported eagerly'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_trainer_replays_the_tool_calls_and_rejects_a_forged_result():
+    from stoa.envs.base import ToolResult, result_hash
+    from stoa.episodes.replay import replay_group
+    from stoa.rollouts.records import RecordRejected
+    from tests.envs.fakes import CharCodec, honest_sample
+
+    class ForgedTools:
+        """A worker whose calculator answers what it likes."""
+
+        def run(self, calls):
+            return [ToolResult("999", result_hash([c.name, c.arguments, "999"])) for c in calls]
+
+    task, codec = _calc(), CharCodec()
+    p = task.get("train:2")
+    turns = ['<tool_call>{"name": "calculator_add", "arguments": {"a": 74, "b": 182}}</tool_call>', "256$"]  # $: EOS
+    limits = EpisodeLimits(max_turns=3, max_turn_tokens=200, max_obs_tokens=64, max_total_tokens=600)
+    honest = honest_sample(turns, codec, task.make_tools(None), env=task.make_env(p, 0))
+    out = replay_group([task.make_env(p, 0)], [honest], task.make_tools(None), codec, limits, [ord("$")])
+    assert out[0].calls == 1 and score_group(task, p, [out[0].text]) == [1.0]
+    forged = honest_sample(turns, codec, ForgedTools(), env=task.make_env(p, 0))
+    with pytest.raises(RecordRejected, match="observation"):
+        replay_group([task.make_env(p, 0)], [forged], task.make_tools(None), codec, limits, [ord("$")])
