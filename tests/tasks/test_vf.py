@@ -3,6 +3,7 @@ round trip, rubric rewards through ``score_group``, in-process tools played by t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -111,16 +112,20 @@ __all__ = ["CTaskset"]
 """,
     # rewards that raise, or return NaN, depending on the prompt
     "vft_bad_reward": _HEAD + """
+import asyncio
+
 class BTask(vf.Task[Data, vf.State, vf.TaskConfig]):
     @vf.reward
     async def fragile(self, task, trace) -> float:
         if task.answer == "raise":
             raise KeyError("missing column")
+        if task.answer == "hang":
+            await asyncio.sleep(30)
         return float("nan")
 
 class BTaskset(vf.Taskset[BTask, vf.TasksetConfig]):
     def load(self):
-        for a in ("raise", "nan") * 10:
+        for a in ("raise", "nan", "hang") * 10:
             yield BTask(Data(prompt="q", answer=a), self.config.task)
 
 __all__ = ["BTaskset"]
@@ -222,6 +227,19 @@ def test_rubric_that_raises_or_returns_nan_is_a_named_reward_error():
     with pytest.raises(RewardError) as e:
         score_group(task, nan, ["a"])
     assert e.value.reason == "reward_not_finite"
+    with pytest.raises(RewardError) as e:
+        score_group(task, task.get("train:2"), ["a"], timeout_s=0.3)
+    assert e.value.reason == "reward_timeout"
+
+
+def test_rewards_run_from_inside_an_event_loop():
+    task = load_task("vf:vft_math,arg=n:20")
+    p = task.get("train:1")
+
+    async def caller() -> list[float]:
+        return task.rewards(p, [p.answer, "x"])
+
+    assert asyncio.run(caller()) == [1.5, 0.5]
 
 
 def test_task_code_records_the_environment_and_verifiers():
