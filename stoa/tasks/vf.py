@@ -41,6 +41,7 @@ toolsets; ``@vf.stop`` and ``@vf.intercept`` hooks (never run: stoa's own limits
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from typing import Any, ClassVar
@@ -233,8 +234,6 @@ class VerifiersTask:
         Raises:
             verifiers' ``TaskError`` (or any error of the reward code): ``score_group`` reports ``reward_raised``.
         """
-        import asyncio
-
         import verifiers.v1 as vf
         from verifiers.v1.graph import MessageNode
 
