@@ -21,6 +21,7 @@ from stoa.tasks.code import task_code  # noqa: E402
 from stoa.tasks.multiturn import is_multiturn  # noqa: E402
 from stoa.tasks.registry import get_task, load_task  # noqa: E402
 from stoa.tasks.scoring import score_group  # noqa: E402
+from stoa.tasks.vf import VerifiersTask  # noqa: E402
 from tests.tasks.conftest import play, text_of  # noqa: E402
 
 _HEAD = """
@@ -173,8 +174,22 @@ def envs(tmp_path_factory: pytest.TempPathFactory):
     sys.path.remove(str(root))
 
 
+def _load(spec: str) -> VerifiersTask:
+    """The task a spec builds, typed."""
+    task = load_task(spec)
+    assert isinstance(task, VerifiersTask)
+    return task
+
+
+def _get(**options: object) -> VerifiersTask:
+    """The vf task these options build, typed."""
+    task = get_task("vf", **options)
+    assert isinstance(task, VerifiersTask)
+    return task
+
+
 def test_single_turn_prompts_splits_and_typed_args():
-    task = load_task("vf:vft_math,arg=n:40,arg=shout:true")
+    task = _load("vf:vft_math,arg=n:40,arg=shout:true")
     assert not is_multiturn(task)
     assert len(task.train) + len(task.test) == 40 and 0 < len(task.test) < 12
     p = task.get("train:0")
@@ -185,32 +200,32 @@ def test_single_turn_prompts_splits_and_typed_args():
     assert not {h.messages[1]["content"] for h in held} & {task.get(f"train:{i}").messages[1]["content"]
                                                           for i in range(len(task.train))}
     # the split is by each task's content, so rows removed before a row move it to no other split
-    later = load_task("vf:vft_math,arg=n:35,arg=start:5,arg=shout:true")
+    later = _load("vf:vft_math,arg=n:35,arg=start:5,arg=shout:true")
     assert [h.messages for h in held if h.messages[1]["content"] not in
             {f"WHAT IS {i} + {i}?" for i in range(5)}] == [h.messages for h in later.heldout(100)]
     assert task.sample_train(np.random.default_rng(0)).id.startswith("train:")
 
 
 def test_spec_round_trips_and_refuses_other_data():
-    task = load_task("vf:vft_math,arg=n:20")
+    task = _load("vf:vft_math,arg=n:20")
     spec = json.loads(json.dumps(task.spec()))
-    again = get_task("vf", **spec)
+    again = _get(**spec)
     assert again.spec() == task.spec() and again.get("test:0") == task.get("test:0")
     with pytest.raises(TaskOptionError, match="option 'sha256'.*install the environment version"):
-        get_task("vf", **{**spec, "sha256": "0" * 64})
+        _get(**{**spec, "sha256": "0" * 64})
     with pytest.raises(TaskOptionError, match="n_train"):
-        get_task("vf", **{**spec, "arg": ["n:21"]})
+        _get(**{**spec, "arg": ["n:21"]})
 
 
 def test_eval_arg_loads_the_held_out_split():
-    task = load_task("vf:vft_math,arg=n:10,eval_arg=split:test")
+    task = _load("vf:vft_math,arg=n:10,eval_arg=split:test")
     assert len(task.train) == 10 and len(task.test) == 10
     assert task.heldout(1)[0].answer == "1000"
-    assert get_task("vf", **task.spec()).sha256 == task.sha256
+    assert _get(**task.spec()).sha256 == task.sha256
 
 
 def test_weighted_rubric_reward_through_score_group():
-    task = load_task("vf:vft_math,arg=n:20")
+    task = _load("vf:vft_math,arg=n:20")
     p = task.get("train:3")
     right, wordy, short_wrong = p.answer, f"The answer is {p.answer}.", "7"  # answers are even
     assert score_group(task, p, [right, wordy, short_wrong]) == [1.5, 0.0, 0.5]  # exact (1.0) + short (0.5)
@@ -219,7 +234,7 @@ def test_weighted_rubric_reward_through_score_group():
 
 
 def test_rubric_that_raises_or_returns_nan_is_a_named_reward_error():
-    task = load_task("vf:vft_bad_reward,heldout=0")
+    task = _load("vf:vft_bad_reward,heldout=0")
     raising, nan = task.get("train:0"), task.get("train:1")
     with pytest.raises(RewardError) as e:
         score_group(task, raising, ["a", "b"])
@@ -233,7 +248,7 @@ def test_rubric_that_raises_or_returns_nan_is_a_named_reward_error():
 
 
 def test_rewards_run_from_inside_an_event_loop():
-    task = load_task("vf:vft_math,arg=n:20")
+    task = _load("vf:vft_math,arg=n:20")
     p = task.get("train:1")
 
     async def caller() -> list[float]:
@@ -243,7 +258,7 @@ def test_rewards_run_from_inside_an_event_loop():
 
 
 def test_task_code_records_the_environment_and_verifiers():
-    recorded = {c.module: c for c in task_code(load_task("vf:vft_math,arg=n:5"))}
+    recorded = {c.module: c for c in task_code(_load("vf:vft_math,arg=n:5"))}
     assert set(recorded) == {"vft_math", "verifiers"}
     assert recorded["verifiers"].dist == "verifiers" and recorded["verifiers"].version.startswith("0.4")
     assert recorded["vft_math"].dist == "" and len(recorded["vft_math"].sha256) == 64
@@ -268,12 +283,12 @@ def test_task_code_records_the_environment_and_verifiers():
 ])
 def test_bad_input_is_one_line(spec: str, error: type, match: str):
     with pytest.raises(error, match=match) as e:
-        load_task(spec)
+        _load(spec)
     assert "\n" not in str(e.value)
 
 
 def _calc():
-    task = load_task("vf:vft_calc,tools=deterministic,heldout=0,max_turns=3")
+    task = _load("vf:vft_calc,tools=deterministic,heldout=0,max_turns=3")
     assert is_multiturn(task) and task.tool_kind == "local"
     return task
 
