@@ -226,6 +226,9 @@ class VerifiersTask:
         """The first ``min(n, size)`` held-out prompts, in load order."""
         if n < 0:
             raise ValueError(f"vf: heldout n must be >= 0, got {n}")
+        if n and not self.test:
+            raise ValueError(f"vf:{self.env}: no held-out tasks (heldout={self.heldout_fraction} of "
+                             f"{len(self.train)} tasks chose none); raise 'heldout' or give eval_arg=key:value")
         return [self.get(format_prompt_id("test", i)) for i in range(min(n, len(self.test)))]
 
     def rewards(self, prompt: Prompt, completions: list[str]) -> list[float]:

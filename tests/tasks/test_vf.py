@@ -204,6 +204,8 @@ def test_single_turn_prompts_splits_and_typed_args():
     assert [h.messages for h in held if h.messages[1]["content"] not in
             {f"WHAT IS {i} + {i}?" for i in range(5)}] == [h.messages for h in later.heldout(100)]
     assert task.sample_train(np.random.default_rng(0)).id.startswith("train:")
+    with pytest.raises(ValueError, match="no held-out tasks.*raise 'heldout'"):
+        _load("vf:vft_math,arg=n:5,heldout=0").heldout(1)
 
 
 def test_spec_round_trips_and_refuses_other_data():
