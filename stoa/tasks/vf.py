@@ -26,8 +26,9 @@ Covered:
 - Tools: a taskset whose toolsets (``Taskset.toolsets``, ``Task.toolsets``) are in-process ``vf.Toolset`` classes
   of plain functions becomes a multi-turn task with local tools (``tool_kind = "local"``) that the trainer replays
   exactly; the text protocol and what it cannot reproduce are in ``stoa.tasks.vf_tools``. Such an environment must
-  say ``tools=deterministic``; ``tools=nondeterministic`` (a live search, a sandbox) is refused, since the trainer
-  replays every tool call and does not yet support ``replay=off``.
+  say ``tools=deterministic``, or ``tools=nondeterministic`` for functions whose answers change (a live lookup):
+  the task then declares ``deterministic_tools = False`` and the trainer refuses to start unless the run sets
+  ``replay = false`` (docs/tasks.md#tools-that-cannot-be-replayed).
 - Identity: ``spec()`` carries the taskset's config, counts and a SHA-256 over the tasks' content, so a worker with
   another version of the data is refused; ``code_modules()`` names the environment's module and ``verifiers``, so
   the contract records both distributions and digests.
@@ -55,7 +56,6 @@ from stoa.tasks.base import (
     PromptIdError,
     TaskDataError,
     TaskOptionError,
-    TaskPluginError,
     format_prompt_id,
     parse_prompt_id,
 )
@@ -95,7 +95,6 @@ class VerifiersTask:
         heldout: fraction of tasks held out when no ``eval_arg`` is given (0 .. 0.5).
         limit: read at most this many tasks per load (0: all; needed for an infinite taskset).
         tools: ``deterministic`` or ``nondeterministic``; required when the environment has tools.
-        replay: ``on`` (the trainer replays tool calls) or ``off`` (not supported yet: refused).
         correct_at: the reward at or above which a completion counts as correct.
         max_turns: model turns per episode (tool environments).
         max_obs_tokens: tokens of one tool result.
@@ -107,12 +106,12 @@ class VerifiersTask:
     reward_version: str = "1"
     POSITIONAL: ClassVar[str] = "env"
     OPTIONS: ClassVar[dict[str, type]] = {
-        "env": str, "arg": tuple, "eval_arg": tuple, "heldout": float, "limit": int, "tools": str, "replay": str,
+        "env": str, "arg": tuple, "eval_arg": tuple, "heldout": float, "limit": int, "tools": str,
         "correct_at": float, "prompt_version": int, "n_train": int, "n_test": int, "sha256": str, **LIMIT_OPTIONS,
     }
 
     def __init__(self, env: str = "", arg: tuple[str, ...] = (), eval_arg: tuple[str, ...] = (),
-                 heldout: float = 0.1, limit: int = 0, tools: str = "", replay: str = "on", correct_at: float = 1.0,
+                 heldout: float = 0.1, limit: int = 0, tools: str = "", correct_at: float = 1.0,
                  max_turns: int = 8, max_obs_tokens: int = 512, max_total_tokens: int = 4096,
                  prompt_version: int | None = None, n_train: int | None = None, n_test: int | None = None,
                  sha256: str | None = None) -> None:
@@ -131,7 +130,9 @@ class VerifiersTask:
         if not self.train:
             raise TaskDataError(f"vf:{env}: no training tasks (the held-out split took all "
                                 f"{len(self.test)}); lower 'heldout' or give eval_arg")
-        self.tools: dict[str, LocalTool] = self._check_tools(loaded, tools, replay)
+        self.tools: dict[str, LocalTool] = self._check_tools(loaded, tools)
+        self.deterministic_tools = tools != "nondeterministic"
+        """False: the trainer cannot replay these tools; a run must set ``replay = false``."""
         self.tools_text = tools_prompt(self.tools) if self.tools else ""
         self.limits = task_limits("vf", max_turns, max_obs_tokens, max_total_tokens) if self.tools else None
         self.tool_kind = "local" if self.tools else None
@@ -154,20 +155,11 @@ class VerifiersTask:
         return ([t for i, t in enumerate(loaded.tasks) if i not in test],
                 [t for i, t in enumerate(loaded.tasks) if i in test])
 
-    def _check_tools(self, loaded: Loaded, tools: str, replay: str) -> dict[str, LocalTool]:
-        """The in-process tools, after the declared determinism and replay mode allow them."""
+    def _check_tools(self, loaded: Loaded, tools: str) -> dict[str, LocalTool]:
+        """The in-process tools, once the environment declared whether they are deterministic."""
         if tools not in ("", "deterministic", "nondeterministic"):
             raise TaskOptionError(f"vf:{self.env}: option 'tools' must be deterministic or nondeterministic, "
                                   f"got {tools!r}")
-        if replay not in ("on", "off"):
-            raise TaskOptionError(f"vf:{self.env}: option 'replay' must be on or off, got {replay!r}")
-        if tools == "nondeterministic":
-            if replay != "off":
-                raise TaskPluginError(f"vf:{self.env}: tools=nondeterministic cannot be replayed by the trainer; "
-                                      "a run must choose replay=off explicitly (a weaker trust level)")
-            raise TaskPluginError(f"vf:{self.env}: replay=off is not supported yet: the trainer must replay every "
-                                  "tool call; it needs a replay=off mode that trusts workers' tool results, "
-                                  "records the trust level in the contract and counts such records in metrics")
         if not loaded.servers:
             return {}
         if not tools:
@@ -186,7 +178,8 @@ class VerifiersTask:
                                   "correct_at": self.correct_at, "prompt_version": _PROMPT_VERSION,
                                   "n_train": len(self.train), "n_test": len(self.test), "sha256": self.sha256}
         if self.limits is not None:
-            out.update(tools="deterministic", replay="on", **limits_spec(self.limits))
+            out.update(tools="deterministic" if self.deterministic_tools else "nondeterministic",
+                       **limits_spec(self.limits))
         return out
 
     def _task(self, prompt_id: str) -> Any:

@@ -121,11 +121,11 @@ def local_tools(servers: Sequence[Any], env: str) -> dict[str, LocalTool]:
     for server in servers:
         if not isinstance(server, vf.Toolset):
             raise TaskPluginError(f"vf:{env}: tool server {type(server).__name__} is not a vf.Toolset; stoa runs "
-                                  "only in-process @vf.tool functions (declare tools=nondeterministic otherwise)")
+                                  "only in-process @vf.tool functions")
         why = _refusal(server, vf.State, vf.Toolset)
         if why is not None:
-            raise TaskPluginError(f"vf:{env}: toolset {type(server).__name__} cannot be replayed: {why}; declare "
-                                  "tools=nondeterministic")
+            raise TaskPluginError(f"vf:{env}: toolset {type(server).__name__} cannot run in stoa: {why}; stoa runs "
+                                  "stateless in-process @vf.tool functions")
         for fn in discover_decorated(server, "tool"):
             raw = getattr(fn, "tool_name", None) or fn.__name__
             name = f"{server.server_name}_{raw}" if server.server_name else raw

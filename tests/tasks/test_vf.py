@@ -277,10 +277,8 @@ def test_task_code_records_the_environment_and_verifiers():
     ("vf:vft_math,arg=nocolon", TaskOptionError, "must be key:value"),
     ("vf:vft_runtime", TaskPluginError, "tests_pass needs a runtime"),
     ("vf:vft_calc", TaskOptionError, "has tools; declare tools=deterministic"),
-    ("vf:vft_calc,tools=nondeterministic", TaskPluginError, "must choose replay=off explicitly"),
-    ("vf:vft_calc,tools=nondeterministic,replay=off", TaskPluginError, "replay=off is not supported yet: the "
-                                                                        "trainer must replay every tool call"),
-    ("vf:vft_counter,tools=deterministic", TaskPluginError, "per-rollout state.*tools=nondeterministic"),
+    ("vf:vft_calc,tools=sometimes", TaskOptionError, "must be deterministic or nondeterministic"),
+    ("vf:vft_counter,tools=deterministic", TaskPluginError, "per-rollout state.*stateless in-process"),
     ("vf:", TaskOptionError, "name the environment"),
 ])
 def test_bad_input_is_one_line(spec: str, error: type, match: str):
@@ -356,3 +354,15 @@ def test_trainer_replays_the_tool_calls_and_rejects_a_forged_result():
     forged = honest_sample(turns, codec, ForgedTools(), env=task.make_env(p, 0))
     with pytest.raises(RecordRejected, match="observation"):
         replay_group([task.make_env(p, 0)], [forged], task.make_tools(None), codec, limits, [ord("$")])
+
+
+def test_nondeterministic_tools_need_a_run_that_sets_replay_false():
+    from stoa.config.base import ConfigError
+    from stoa.trainer.setup import check_replay
+
+    task = _load("vf:vft_calc,tools=nondeterministic,heldout=0,max_turns=3")
+    assert is_multiturn(task) and task.deterministic_tools is False
+    assert task.spec()["tools"] == "nondeterministic"
+    with pytest.raises(ConfigError, match="replay.*not deterministic.*set replay = false"):
+        check_replay(True, task)
+    assert "rollout/unreplayed" in check_replay(False, task)
