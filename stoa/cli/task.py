@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _show(task: Task, prompt: Prompt) -> str:
     """One prompt's line: id, the last message, the answer, and the rewards of the answer and of ''."""
     written = getattr(task, "reference_completion", None)  # the answer as a completion writes it, if not bare
-    answer, empty = score_group(task, prompt, [written(prompt) if callable(written) else prompt.answer, ""])
+    reference = str(written(prompt)) if callable(written) else prompt.answer
+    answer, empty = score_group(task, prompt, [reference, ""])
     text = prompt.messages[-1]["content"] if prompt.messages else ""
     text = text if len(text) <= 100 else text[:97] + "..."
     shown = json.dumps(text, ensure_ascii=False)
