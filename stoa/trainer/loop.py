@@ -433,7 +433,7 @@ class _Trainer:
                       tools=self.tools.tools, k=cfg.eval_k)
         self.metrics.log({"version": self.version, **{f"eval/{k}": v for k, v in ev.items()}})
         extra = (f", cover-EM {ev['cover_em']:.3f}, EM {ev['em']:.3f}, search rate {ev['search_rate']:.2f}"
-                 if "cover_em" in ev else "")
+                 if {"cover_em", "em", "search_rate"} <= set(ev) else "")
         self.echo(f"[trainer] eval ({label}, v{self.version}): held-out accuracy {ev['accuracy']:.3f}{extra} on "
                   f"{int(ev['n'])} prompts ({ev['seconds']:.1f}s)")
         self.summary["evals"].append({"version": self.version, "label": label, **ev})
