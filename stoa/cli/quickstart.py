@@ -13,6 +13,7 @@ from typing import Any
 from stoa.config import ConfigError, TrainerConfig, load_config, parse_scalar
 from stoa.layout import checkpoint_files_prefix, logs_prefix, metrics_prefix, run_prefix, weights_prefix
 from stoa.models import resolve_model
+from stoa.tasks import load_task
 from stoa.telemetry.metrics import read_metrics
 
 # Defaults sized for learning per minute on a 2-core CPU with SmolLM2-135M: 30 steps of ~10 s (bf16 trainer,
@@ -95,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         k, v = item.split("=", 1)
         overrides[k.strip().replace("-", "_")] = parse_scalar(v.strip())
     cfg = load_config(TrainerConfig, overrides=overrides, env={})
+
+    load_task(cfg.task)  # a task that cannot be built is one line before anything starts or is written
 
     print(f"[quickstart] run {run_id} in {Path(args.bucket).resolve()} with {args.workers} workers, "
           f"model {args.model}, task {task}, {args.steps} steps")
