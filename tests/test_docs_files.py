@@ -22,14 +22,15 @@ class TomlBlock(NamedTuple):
 
 
 def toml_blocks() -> list[TomlBlock]:
-    """Every fenced ``toml`` block of README.md and docs/*.md."""
+    """Every fenced ``toml`` block of README.md and docs/*.md (but a plugin's own ``# pyproject.toml``)."""
     found = []
     for path in DOCS:
         lines = path.read_text().splitlines()
         starts = [i for i, line in enumerate(lines) if line.rstrip() == "```toml"]
         for i in starts:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            found.append(TomlBlock(str(path.relative_to(ROOT)), i + 1, "\n".join(lines[i + 1:end]) + "\n"))
+            if not lines[i + 1].startswith("# pyproject.toml"):  # another tool's file, not a stoa configuration
+                found.append(TomlBlock(str(path.relative_to(ROOT)), i + 1, "\n".join(lines[i + 1:end]) + "\n"))
     return found
 
 
