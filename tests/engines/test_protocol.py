@@ -71,7 +71,7 @@ def test_trainer_eval_runs_any_engine_greedily_in_batches() -> None:
     engine = _FakeEngine()
     assert isinstance(engine, Engine)
     prompts = [SimpleNamespace(id=f"test:{i}", messages=i, answer=str(i % 3)) for i in range(7)]
-    task = SimpleNamespace(heldout=lambda n: prompts[:n], is_correct=lambda p, text: text == p.answer)
+    task = SimpleNamespace(id="fake", heldout=lambda n: prompts[:n], is_correct=lambda p, text: text == p.answer)
     codec = SimpleNamespace(encode_prompt=lambda m: [1, m % 3], decode=lambda t: str(t[0]), eos_ids=(2,))
     ev = greedy_accuracy(engine, codec, task, n=7, max_new_tokens=5, batch=3)  # type: ignore[arg-type]
     assert ev["accuracy"] == 1.0 and ev["n"] == 7.0 and ev["tokens_per_s"] > 0
