@@ -17,7 +17,6 @@ corpus file (``corpus=``) is read with ``stoa.retrieval.read_corpus`` (``id``, `
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -31,14 +30,13 @@ from stoa.retrieval.base import Doc
 from stoa.tasks.base import (
     Prompt,
     PromptIdError,
-    TaskDataError,
     check_prompt_version,
     format_prompt_id,
     parse_prompt_id,
 )
 from stoa.tasks.qa import encode_golds
 from stoa.tasks.search import SEARCH_OPTIONS, SearchTaskBase, search_messages
-from stoa.untrusted import loads_bounded
+from stoa.tasks.table import jsonl_rows, parquet_rows
 
 __all__ = ["QAItem", "SearchQATask", "load_qa"]
 
@@ -110,27 +108,6 @@ def _items(rows: Iterable[tuple[str, Any]], system: str, use_prompt: bool, shots
     return out
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open("rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", loads_bounded(line, max_bytes=MAX_LINE_BYTES, max_depth=MAX_LINE_DEPTH)
-            except ValueError as e:  # also too deep, a number too long, NaN or invalid UTF-8
-                raise ValueError(f"searchqa: {path}:{lineno}: not valid JSON ({str(e)[:200]})") from None
-
-
-def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    try:
-        pq = importlib.import_module("pyarrow.parquet")
-    except ImportError:
-        raise TaskDataError(f"searchqa: reading {path} needs pyarrow (pip install pyarrow), or convert it to "
-                           "jsonl") from None
-    for i, row in enumerate(pq.read_table(path).to_pylist()):
-        yield f"{path}:row {i}", row
-
-
 def load_qa(path: str | Path, system: str = "", use_prompt: bool = False, shots: int = 1) -> list[QAItem]:
     """The questions of a jsonl or parquet file (parquet when the name ends in ``.parquet``).
 
@@ -148,7 +125,8 @@ def load_qa(path: str | Path, system: str = "", use_prompt: bool = False, shots:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"searchqa: no such file: {p}")
-    rows = _parquet_rows(p) if p.suffix == ".parquet" else _jsonl_rows(p)
+    rows = (parquet_rows(p, "searchqa") if p.suffix == ".parquet"
+            else jsonl_rows(p, "searchqa", MAX_LINE_BYTES, MAX_LINE_DEPTH))
     return _items(rows, system, use_prompt, shots)
 
 

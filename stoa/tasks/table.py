@@ -21,8 +21,8 @@ from typing import Any
 from stoa.tasks.base import TaskDataError, TaskOptionError
 from stoa.untrusted import loads_bounded
 
-__all__ = ["MAX_LINE_BYTES", "MAX_ROWS", "SUFFIXES", "DataFiles", "Table", "fingerprint", "hub_tables",
-           "read_table", "resolve_files"]
+__all__ = ["MAX_LINE_BYTES", "MAX_ROWS", "SUFFIXES", "DataFiles", "Table", "fingerprint", "hub_tables", "jsonl_rows",
+           "parquet_rows", "read_table", "resolve_files"]
 
 MAX_LINE_BYTES = 16 << 20
 """Longest jsonl line read."""
@@ -104,34 +104,56 @@ def resolve_files(path: str, test_path: str | None) -> DataFiles:
     return DataFiles(p, test)
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def jsonl_rows(path: Path, who: str = "dataset", max_bytes: int = MAX_LINE_BYTES,
+               max_depth: int = MAX_LINE_DEPTH) -> Iterator[tuple[str, Any]]:
+    """(``file:line``, parsed JSON) of each non-blank line, each bounded (``stoa.untrusted``).
+
+    Args:
+        path: the jsonl file.
+        who: the task, for messages.
+        max_bytes: the longest line read.
+        max_depth: the deepest nesting read.
+
+    Raises:
+        TaskOptionError: a line that is not valid JSON within the bounds, named by file and line.
+    """
     with path.open("rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", loads_bounded(line, max_bytes=MAX_LINE_BYTES, max_depth=MAX_LINE_DEPTH)
+                yield f"{path}:{lineno}", loads_bounded(line, max_bytes=max_bytes, max_depth=max_depth)
             except ValueError as e:  # also too deep, a number too long, NaN or invalid UTF-8
-                raise TaskOptionError(f"dataset: {path}:{lineno}: not valid JSON ({str(e)[:200]}); fix or drop "
+                raise TaskOptionError(f"{who}: {path}:{lineno}: not valid JSON ({str(e)[:200]}); fix or drop "
                                       "that line") from None
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def parquet_rows(path: Path, who: str = "dataset") -> Iterator[tuple[str, Any]]:
+    """(``file:row i``, row) of a parquet file, its row count bounded; a damaged file is one line.
+
+    Args:
+        path: the parquet file.
+        who: the task, for messages.
+
+    Raises:
+        TaskDataError: pyarrow is not installed.
+        TaskOptionError: too many rows, or a file pyarrow cannot read.
+    """
     try:
         pq = importlib.import_module("pyarrow.parquet")
     except ImportError:
-        raise TaskDataError(f"dataset: reading {path} needs pyarrow (pip install 'stoa[data]'), or convert it to "
+        raise TaskDataError(f"{who}: reading {path} needs pyarrow (pip install 'stoa[data]'), or convert it to "
                             "jsonl") from None
     try:
         f = pq.ParquetFile(path)
         if f.metadata.num_rows > MAX_ROWS:
-            raise TaskOptionError(f"dataset: {path} has {f.metadata.num_rows} rows, more than {MAX_ROWS}; "
+            raise TaskOptionError(f"{who}: {path} has {f.metadata.num_rows} rows, more than {MAX_ROWS}; "
                                   "split it")
         rows = f.read().to_pylist()
     except TaskOptionError:
         raise
     except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds on a damaged file
-        raise TaskOptionError(f"dataset: {path} is not a readable parquet file ({type(e).__name__}: "
+        raise TaskOptionError(f"{who}: {path} is not a readable parquet file ({type(e).__name__}: "
                               f"{str(e)[:200]}); write it again (df.to_parquet)") from None
     for i, row in enumerate(rows):
         yield f"{path}:row {i}", row
@@ -147,7 +169,7 @@ def read_table(path: Path) -> Table:
         TaskOptionError: a line that is not a JSON object (named by line), too many rows, a damaged parquet file.
         TaskDataError: a parquet file without pyarrow installed.
     """
-    reader = _parquet_rows if path.suffix == ".parquet" else _jsonl_rows
+    reader = parquet_rows if path.suffix == ".parquet" else jsonl_rows
     rows: list[dict[str, Any]] = []
     columns: dict[str, None] = {}
     for where, row in reader(path):

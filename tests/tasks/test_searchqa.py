@@ -172,7 +172,7 @@ def test_jsonl_not_json_and_missing_files(tmp_path: Path, files: dict[str, Path]
 
 def test_parquet_without_pyarrow_names_the_install(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # makes the import fail
-    with pytest.raises(RuntimeError, match=r"pip install pyarrow"):
+    with pytest.raises(RuntimeError, match=r"searchqa: reading .*needs pyarrow \(pip install 'stoa\[data\]'\)"):
         SearchQATask(path=str(files["train_parquet"]))
     SearchQATask(path=str(files["train_jsonl"]))  # jsonl needs no pyarrow
 
