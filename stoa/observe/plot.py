@@ -1,8 +1,9 @@
 """``stoa plot``: one PNG of a run's curves, read from the bucket alone (matplotlib, the ``plot`` extra).
 
 The figure has one panel per concern (reward, held-out eval, loss, KL, clip/gate fractions, lag, records/s,
-workers, see ``stoa.observe.plotdata.PANELS``) against the policy version or the wall time since each run's
-first row; other runs of the same bucket can be overlaid, one color per run. A panel without data says so.
+workers, see ``stoa.observe.plotdata.PANELS``; the search rate too when a run logged it) against the policy
+version or the wall time since each run's first row; other runs of the same bucket can be overlaid, one color
+per run. A panel without data says so.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from stoa.layout import contract_key, metrics_prefix
-from stoa.observe.plotdata import PANELS, Panel, Points, RunCurves, load_run
+from stoa.observe.plotdata import Panel, Points, RunCurves, load_run, panels_for
 
 PLOT_HINT = "matplotlib is not installed; pip install 'stoa[plot]'"
 STYLES = ("-", "--", ":", "-.")
@@ -53,7 +54,7 @@ class PlotResult(NamedTuple):
         path: the PNG.
         width: pixels.
         height: pixels.
-        panels: every panel's box, in ``PANELS`` order.
+        panels: every panel's box, in ``panels_for(runs)`` order.
     """
 
     path: Path
@@ -189,12 +190,12 @@ def render(runs: Sequence[RunCurves], out: str | Path, *, x: str = "version", wi
     Figure, FigureCanvasAgg = require_matplotlib()
     fig = Figure(figsize=(width / dpi, height / dpi), dpi=dpi)
     FigureCanvasAgg(fig)
-    cols = 2
-    axes = fig.subplots((len(PANELS) + cols - 1) // cols, cols, squeeze=False).ravel()
+    cols, panels = 2, panels_for(runs)
+    axes = fig.subplots((len(panels) + cols - 1) // cols, cols, squeeze=False).ravel()
     axis = time_unit(runs) if x == "time" else x
     xlim = x_range(runs, axis)
-    drawn = [draw_panel(ax, panel, runs, axis, xlim) for ax, panel in zip(axes, PANELS, strict=False)]
-    for ax in axes[len(PANELS):]:
+    drawn = [draw_panel(ax, panel, runs, axis, xlim) for ax, panel in zip(axes, panels, strict=False)]
+    for ax in axes[len(panels):]:
         ax.set_visible(False)
     from matplotlib.lines import Line2D
 
@@ -207,7 +208,7 @@ def render(runs: Sequence[RunCurves], out: str | Path, *, x: str = "version", wi
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi, format="png")
     boxes = []
-    for ax, panel, lines in zip(axes, PANELS, drawn, strict=False):
+    for ax, panel, lines in zip(axes, panels, drawn, strict=False):
         b = ax.get_window_extent()
         boxes.append(PanelBox(panel.name, math.ceil(b.x0), math.ceil(height - b.y1), math.floor(b.x1),
                               math.floor(height - b.y0), lines))

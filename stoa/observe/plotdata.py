@@ -74,6 +74,9 @@ PANELS: tuple[Panel, ...] = (
     Panel("records", "records accepted per second", (Metric("rollout/records_per_s", "records/s"),)),
     Panel("workers", "workers sampling (records sampled in the last 4 versions)", (Metric("workers", "workers"),)),
 )
+SEARCH_PANEL = Panel("search", "search rate (episodes that searched)",
+                     (Metric("eval/search_rate", "held-out (greedy)"), Metric("rollout/search_rate", "training")))
+"""Drawn right after ``eval`` when some run logged a search rate (a search task's eval or rollout metrics)."""
 TRAINER_ONLY = ("train/", "rollout/")
 """Metric prefixes read from the trainer's chunks only (``eval/*`` may come from any writer, e.g. an evaluator)."""
 
@@ -176,7 +179,7 @@ def run_curves(run_id: str, rows: Sequence[tuple[str, dict[str, Any]]],
         rows: ``(source, row)`` pairs (``read_sourced_rows``).
         records: ``(version, worker id)`` of the record keys listed in the bucket (``listed_records``).
     """
-    keys = [m.key for p in PANELS for m in p.metrics if m.key != "workers"]
+    keys = [m.key for p in (*PANELS, SEARCH_PANEL) for m in p.metrics if m.key != "workers"]
     curves: dict[str, Points] = defaultdict(Points)
     seen: dict[int, set[str]] = defaultdict(set)
     for v, wid in records:
@@ -215,3 +218,17 @@ def load_run(bucket: Any, run_id: str) -> RunCurves:
         run_id: the run id.
     """
     return run_curves(run_id, read_sourced_rows(bucket, run_id), listed_records(bucket, run_id))
+
+
+def panels_for(runs: Sequence[RunCurves]) -> tuple[Panel, ...]:
+    """The panels of a figure of ``runs``: every one of :data:`PANELS`, plus :data:`SEARCH_PANEL` after ``eval``
+    when some run has a point of one of its curves.
+
+    Args:
+        runs: the runs to draw (``load_run``).
+    """
+    keys = {m.key for m in SEARCH_PANEL.metrics}
+    if not any(run.curves.get(k) is not None and run.curves[k].rows for run in runs for k in keys):
+        return PANELS
+    at = next(i for i, p in enumerate(PANELS) if p.name == "eval") + 1
+    return (*PANELS[:at], SEARCH_PANEL, *PANELS[at:])

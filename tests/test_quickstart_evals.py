@@ -1,0 +1,43 @@
+"""The search quickstart's held-out evals during the run: a curve of ``SEARCH_EVALS`` points after the one
+before training, however many steps, the last at the final step; ``--set eval_every=N`` still wins."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from stoa.cli.quickstart import SEARCH_EVALS, search_eval_every, trainer_settings
+
+
+def evals_after_start(steps: int, every: int) -> list[int]:
+    """The steps the trainer evaluates at after v1: every ``every`` steps, plus the final step (the trainer's
+    'after' eval when the last step is not on the cadence)."""
+    at = list(range(every, steps + 1, every))
+    return at if at and at[-1] == steps else [*at, steps]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 5, 8, 12, 13, 20, 30, 31, 100])
+def test_a_search_run_evaluates_a_few_times_during_the_run_and_at_its_end(steps):
+    at = evals_after_start(steps, search_eval_every(steps))
+    assert len(at) <= SEARCH_EVALS and at[-1] == steps
+    assert len(at) >= min(steps, SEARCH_EVALS - 1)  # a curve: at least three points besides the first
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(model="smollm2-135m", task="search", steps=12, bucket="b", algorithm="grpo", set=[])
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_the_smollm2_search_preset_spreads_its_evals_over_the_steps():
+    assert trainer_settings(_args(), "r")["eval_every"] == 3  # 12 steps: v1, then steps 3, 6, 9, 12
+    assert trainer_settings(_args(steps=40), "r")["eval_every"] == 10
+    s = trainer_settings(_args(), "r")
+    assert s["task"].startswith("search:") and s["eval_n"] == 48 and s.get("eval_k", 1) == 1
+
+
+def test_set_wins_and_other_presets_keep_their_cadence():
+    assert trainer_settings(_args(set=["eval_every=1"]), "r")["eval_every"] == 1
+    assert trainer_settings(_args(set=["eval-every=0"]), "r")["eval_every"] == 0
+    assert trainer_settings(_args(model="tiny"), "r")["eval_every"] == 1  # CI's tiny search run: every step
+    assert trainer_settings(_args(task="arithmetic", steps=30), "r")["eval_every"] == 10
