@@ -143,6 +143,9 @@ class TorchEngine:
         plane: the run's weight plane, for ``dtype="auto"``.
     """
 
+    batch_resumes: bool = True
+    """Feed all rows resumed in a round in one forward (``torch_rows.feed_batch``); False: one at a time."""
+
     def __init__(self, model_dir: str | Path, device: str = "auto", threads: int = 0, dtype: str = "float32",
                  plane: str = "bf16"):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -340,9 +343,9 @@ class TorchEngine:
         """Run ``n`` multi-turn episodes of each prompt in one batch; the driver holds the limits and tools.
 
         Each prompt is prefilled once and its KV shared by its ``n`` rows. Rows decode until every one has
-        ended or paused; the paused rows' tools then run in one request (``driver.resume``), each resumed row
-        is fed its last sampled token and its observation on its own cache, and the resumed rows decode again
-        as one left-padded batch.
+        ended or paused; the paused rows' tools then run in one request (``driver.resume``), the resumed rows
+        are fed their last sampled token and observation in one forward (``batch_resumes``; a hybrid's rows one
+        at a time), and they decode again as one left-padded batch.
 
         Args:
             prompts: token ids of each prompt (one group per prompt).
@@ -376,7 +379,7 @@ class TorchEngine:
                 break
             fed = driver.resume()  # every paused row's tools in one request
             t1 = time.perf_counter()
-            batch = resume_rows(self.model, self._cache_kw, paused, fed)
+            batch = resume_rows(self.model, self._cache_kw, paused, fed, self.batch_resumes)
             stats.extra["obs_prefill_s"] += time.perf_counter() - t1
         stats.prefill_s += stats.extra["obs_prefill_s"]
         stats.extra.update(driver.stats)

@@ -152,3 +152,30 @@ def test_the_trainers_replay_accepts_every_honest_episode(torch_engine, codec, s
     samples = [episode_sample(e, 0.0) for e in eps]
     out = replay_group([LetterEnv() for _ in samples], samples, RecordingTools(), codec, LIMITS, codec.eos_ids)
     assert [r.calls for r in out] == [len(e.calls) for e in eps]
+
+
+@pytest.mark.parametrize("seed,greedy", [(1, False), (3, False), (5, True)])
+def test_batched_observation_prefill_equals_feeding_rows_one_at_a_time(torch_engine, codec, seed, greedy):
+    """All rows resumed in a round are fed in one forward: same tokens, roles and calls as the batch-1 path, the
+    same logprobs to the fp32 gate, and the round's feed holds several rows of different lengths."""
+    from stoa.engines import torch_rows
+
+    widths: list[int] = []
+    real = torch_rows.feed_batch
+
+    def spy(model, cache_kw, rows, fed):
+        widths.append(len({len(t) for t in fed.values()}) * 100 + len(fed))
+        return real(model, cache_kw, rows, fed)
+
+    torch_rows.feed_batch = spy
+    try:
+        batched, _, _ = run(torch_engine, codec, QUESTIONS, 3, seed=seed, greedy=greedy)
+        torch_engine.batch_resumes = False
+        single, _, _ = run(torch_engine, codec, QUESTIONS, 3, seed=seed, greedy=greedy)
+    finally:
+        torch_rows.feed_batch, torch_engine.batch_resumes = real, True
+    assert any(w % 100 >= 2 for w in widths) and any(w // 100 >= 2 for w in widths)  # several rows, ragged
+    for a, b in zip((e for g in batched for e in g), (e for g in single for e in g), strict=True):
+        assert (a.tokens, a.roles, a.turn_starts, a.calls, a.end_reason) == (
+            b.tokens, b.roles, b.turn_starts, b.calls, b.end_reason)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=TOL)
