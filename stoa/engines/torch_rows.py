@@ -282,6 +282,24 @@ def feed_batch(model: Any, cache_kw: str, rows: Mapping[int, RowKV], fed: Mappin
     return DecodeBatch(active=order, cache=cache, mask=mask, next_pos=next_pos, logits=out.logits[:, -1, :].float())
 
 
+def join_batches(a: DecodeBatch, b: DecodeBatch, config: Any = None) -> DecodeBatch:
+    """Two decoding batches as one (``a``'s rows, then ``b``'s): the narrower cache and mask are left-padded.
+
+    Args:
+        a: rows decoding (their logits set by the last forward).
+        b: rows just resumed.
+        config: the model's config, for the cache's layer kinds.
+    """
+    wa, wb = int(a.mask.shape[1]), int(b.mask.shape[1])
+    width = max(wa, wb)
+    parts = [_layer_rows(x.cache, slice(None), slice(None)) for x in (a, b)]
+    pads = [width - wa, width - wb]
+    layers = [_merge_layer([parts[0][li], parts[1][li]], pads) for li in range(len(parts[0]))]
+    mask = torch.cat([torch.nn.functional.pad(a.mask, (pads[0], 0)), torch.nn.functional.pad(b.mask, (pads[1], 0))])
+    return DecodeBatch(active=a.active + b.active, cache=make_cache(config, layers), mask=mask,
+                       next_pos=torch.cat([a.next_pos, b.next_pos]), logits=torch.cat([a.logits, b.logits]))
+
+
 def resume_rows(model: Any, cache_kw: str, paused: Mapping[int, RowKV],
                 fed: Mapping[int, Sequence[int]], batched: bool = True) -> DecodeBatch | None:
     """Feed each resumed row ``[last token] + observation`` and return the resumed rows as one batch.
