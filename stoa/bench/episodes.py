@@ -6,7 +6,9 @@ Each repeat runs, per engine, one seeded batch of P prompts x N episodes (``stoa
 the engine's ``generate_episodes`` driven by ``EpisodeDriver``, every paused row's call in one tool request),
 then ``generate`` on the same prompt tokens with ``max_new_tokens`` = the per-turn cap (EOS ignored, so every row
 decodes all its tokens). Engines alternate within a repeat, so load changes hit both alike; the table gives
-medians over repeats.
+medians over repeats. The last line printed, ``ratio_episode_vs_single=X``, is the lowest engine's median of the
+per-repeat ratio of multi-turn action tokens/s to ``generate`` tokens/s (observation tokens are prefilled, not
+counted as actions).
 """
 
 from __future__ import annotations
