@@ -6,6 +6,7 @@ import inspect
 import secrets
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from stoa.config import WORKER_DTYPES
 from stoa.engines.base import Completion, GenStats, RowLog
-from stoa.engines.torch_episodes import Sampling, run_episodes
+from stoa.engines.torch_episodes import run_episodes
 from stoa.engines.torch_rows import DecodeBatch
 from stoa.episodes.driver import Episode, EpisodeDriver
 from stoa.weights.planes import state_to_f32
@@ -377,7 +378,8 @@ class TorchEngine:
         t0 = time.perf_counter()
         batch = self._prefill(prompts, n)
         stats.prefill_s = time.perf_counter() - t0
-        run_episodes(self, batch, driver, Sampling(temperature, top_p, greedy, generator), stats, self.refill)
+        draw = partial(sample_step, temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)
+        run_episodes(self, batch, driver, draw, stats, self.refill)
         stats.prefill_s += stats.extra["obs_prefill_s"]
         stats.extra.update(driver.stats)
         return driver.episodes(n), stats

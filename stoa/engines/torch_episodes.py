@@ -11,7 +11,7 @@ every round of tools. Every row's positions stay contiguous, so a full forward r
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,22 +20,11 @@ from stoa.engines.base import GenStats
 from stoa.engines.torch_rows import DecodeBatch, RowKV, join_batches, resume_rows, take_rows
 from stoa.episodes.driver import EpisodeDriver
 
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a step samples (``TorchEngine.generate_episodes``'s arguments)."""
-
-    temperature: float
-    """Sampling temperature."""
-    top_p: float
-    """Nucleus mass."""
-    greedy: bool
-    """Take the argmax (logprobs stay those of the temperature/top-p distribution)."""
-    generator: torch.Generator | None
-    """The torch RNG (None: torch's global one)."""
+Draw = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""[rows, V] logits -> [rows] sampled tokens and their logprobs (``torch.sample_step`` with the call's settings)."""
 
 
-def run_episodes(engine: Any, batch: DecodeBatch, driver: EpisodeDriver, sampling: Sampling, stats: GenStats,
+def run_episodes(engine: Any, batch: DecodeBatch, driver: EpisodeDriver, draw: Draw, stats: GenStats,
                  refill: bool) -> None:
     """Decode and resume rows until every episode has ended.
 
@@ -43,7 +32,7 @@ def run_episodes(engine: Any, batch: DecodeBatch, driver: EpisodeDriver, samplin
         engine: the ``TorchEngine`` (``_forward``, ``model``, ``_cache_kw``, ``batch_resumes``).
         batch: every row after the prompts' prefill.
         driver: the episodes (records tokens, pauses and ends rows, runs the tools).
-        sampling: how to sample.
+        draw: samples one token per row.
         stats: ``decode_s``, ``steps``, ``new_tokens`` and ``extra`` (``rounds``: tool requests,
             ``obs_prefill_s``, ``refills``: requests made while other rows still decoded) grow.
         refill: resume paused rows once they are as many as the decoding rows; False waits until none decodes.
@@ -51,14 +40,11 @@ def run_episodes(engine: Any, batch: DecodeBatch, driver: EpisodeDriver, samplin
     Raises:
         ToolUnavailable: the tools could not answer (from ``driver.resume``).
     """
-    from stoa.engines.torch import sample_step
-
     live: DecodeBatch | None = batch
     paused: dict[int, RowKV] = {}
     t0 = time.perf_counter()
     while live is not None:
-        tok, tok_lp = sample_step(live.logits, sampling.temperature, sampling.top_p, sampling.greedy,
-                                  sampling.generator)
+        tok, tok_lp = draw(live.logits)
         stats.steps += 1
         stats.new_tokens += len(live.active)
         toks = tok.tolist()
