@@ -6,7 +6,9 @@ Each repeat runs, per engine, one seeded batch of P prompts x N episodes (``stoa
 the engine's ``generate_episodes`` driven by ``EpisodeDriver``, every paused row's call in one tool request),
 then ``generate`` on the same prompt tokens with ``max_new_tokens`` = the per-turn cap (EOS ignored, so every row
 decodes all its tokens). Engines alternate within a repeat, so load changes hit both alike; the table gives
-medians over repeats.
+medians over repeats. The last line printed, ``ratio_episode_vs_single=X``, is the lowest engine's median of the
+per-repeat ratio of multi-turn action tokens/s to ``generate`` tokens/s (observation tokens are prefilled, not
+counted as actions).
 """
 
 from __future__ import annotations
@@ -183,9 +185,29 @@ class EngineRun:
                 "generate_tokens_per_s": st.new_tokens / max(wall, 1e-9), "generate_prefill_s": st.prefill_s}
 
 
+def with_ratio(fig: dict[str, float]) -> dict[str, float]:
+    """One repeat's figures plus ``episodes_vs_generate``: its episodes' action tokens/s over its ``generate``
+    tokens/s, measured back to back so load changes hit both alike.
+
+    Args:
+        fig: the repeat's episode and generate figures.
+    """
+    return fig | {"episodes_vs_generate": fig["action_tokens_per_s"] / max(fig["generate_tokens_per_s"], 1e-9)}
+
+
+def ratio_line(rows: dict[str, dict[str, Any]]) -> str:
+    """The benchmark's last line, ``ratio_episode_vs_single=X``: the lowest engine's median ratio of multi-turn
+    action tokens/s to single-turn ``generate`` tokens/s on the same prompts and model.
+
+    Args:
+        rows: engine -> :func:`summarise`'s row.
+    """
+    return f"ratio_episode_vs_single={min(r['episodes_vs_generate'] for r in rows.values()):.3f}"
+
+
 def summarise(info: dict[str, Any], runs: Sequence[dict[str, float]]) -> dict[str, Any]:
-    """An engine's row: its info, the median of every figure over the repeats, derived ratios, and ``runs``
-    (every repeat's figures).
+    """An engine's row: its info, the median of every figure over the repeats (``episodes_vs_generate``: the
+    median of each repeat's side-by-side ratio), the action tokens/s range, and ``runs`` (every repeat's figures).
 
     Args:
         info: ``EngineRun.info()``.
@@ -196,7 +218,6 @@ def summarise(info: dict[str, Any], runs: Sequence[dict[str, float]]) -> dict[st
         row[key] = statistics.median(r[key] for r in runs)
     row["action_tokens_per_s_min"] = min(r["action_tokens_per_s"] for r in runs)
     row["action_tokens_per_s_max"] = max(r["action_tokens_per_s"] for r in runs)
-    row["episodes_vs_generate"] = row["action_tokens_per_s"] / max(row["generate_tokens_per_s"], 1e-9)
     row["runs"] = [dict(r) for r in runs]
     return row
 
@@ -266,7 +287,7 @@ def run_episode_bench(spec: EpisodeBenchSpec, task: Any = None, echo: Callable[[
     load: list[float] = []
     for rep in range(spec.repeats):
         for run, figs in zip(runs, figures, strict=True):
-            figs.append(run.episodes() | run.generate())
+            figs.append(with_ratio(run.episodes() | run.generate()))
             load.append(_load_avg())
             echo(f"[bench] repeat {rep + 1}/{spec.repeats} {run.name}: "
                  f"{figs[-1]['action_tokens_per_s']:.1f} action tokens/s, "
@@ -311,6 +332,10 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         print(f"[bench] wrote {args.json}", file=sys.stderr)
+    for name, row in result["engines"].items():
+        print(f"[bench] {name}: episodes' action tokens/s at {row['episodes_vs_generate']:.3f}x generate "
+              f"(median of {row['repeats']} side-by-side repeats)", flush=True)
+    print(ratio_line(result["engines"]), flush=True)
     return 0
 
 

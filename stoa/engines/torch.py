@@ -6,6 +6,7 @@ import inspect
 import secrets
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,8 @@ import torch
 
 from stoa.config import WORKER_DTYPES
 from stoa.engines.base import Completion, GenStats, RowLog
-from stoa.engines.torch_rows import DecodeBatch, RowKV, resume_rows, take_rows
+from stoa.engines.torch_episodes import run_episodes
+from stoa.engines.torch_rows import DecodeBatch
 from stoa.episodes.driver import Episode, EpisodeDriver
 from stoa.weights.planes import state_to_f32
 
@@ -142,6 +144,12 @@ class TorchEngine:
         dtype: ``float32`` (default), ``bfloat16`` or ``auto`` (see ``resolve_dtype``).
         plane: the run's weight plane, for ``dtype="auto"``.
     """
+
+    batch_resumes: bool = True
+    """Feed all rows resumed in a round in one forward (``torch_rows.feed_batch``); False: one at a time."""
+    refill: bool = True
+    """Resume paused rows once they are as many as the rows still decoding, and decode them with those rows
+    (``torch_episodes``); False: resume only when no row decodes (one tool request per round)."""
 
     def __init__(self, model_dir: str | Path, device: str = "auto", threads: int = 0, dtype: str = "float32",
                  plane: str = "bf16"):
@@ -339,10 +347,11 @@ class TorchEngine:
     ) -> tuple[list[list[Episode]], GenStats]:
         """Run ``n`` multi-turn episodes of each prompt in one batch; the driver holds the limits and tools.
 
-        Each prompt is prefilled once and its KV shared by its ``n`` rows. Rows decode until every one has
-        ended or paused; the paused rows' tools then run in one request (``driver.resume``), each resumed row
-        is fed its last sampled token and its observation on its own cache, and the resumed rows decode again
-        as one left-padded batch.
+        Each prompt is prefilled once and its KV shared by its ``n`` rows. Rows decode until they end or pause;
+        once as many rows wait as decode (``refill``; else once none decodes) the paused rows' tools run in one
+        request (``driver.resume``), the resumed rows are fed their last sampled token and observation in one
+        forward (``batch_resumes``; a hybrid's rows one at a time) and rejoin the decoding rows
+        (``stoa.engines.torch_episodes``).
 
         Args:
             prompts: token ids of each prompt (one group per prompt).
@@ -354,8 +363,8 @@ class TorchEngine:
             greedy: take the argmax; logprobs stay those of the temperature/top-p distribution.
 
         Returns:
-            per prompt, its ``n`` episodes; and timing figures (``extra``: the driver's stats, ``rounds``,
-            ``obs_prefill_s``).
+            per prompt, its ``n`` episodes; and timing figures (``extra``: the driver's stats, ``rounds`` (tool
+            requests), ``refills`` (of them, made while rows still decoded), ``obs_prefill_s``).
 
         Raises:
             ToolUnavailable: the tools could not answer (from ``driver.resume``).
@@ -365,51 +374,12 @@ class TorchEngine:
         if driver.rows != len(prompts) * n:
             raise ValueError(f"driver: has {driver.rows} rows, the batch {len(prompts)} prompts x n={n}; "
                              "build one environment per row")
-        stats = GenStats(extra={"rounds": 0.0, "obs_prefill_s": 0.0})
+        stats = GenStats(extra={"rounds": 0.0, "obs_prefill_s": 0.0, "refills": 0.0})
         t0 = time.perf_counter()
-        batch: DecodeBatch | None = self._prefill(prompts, n)
+        batch = self._prefill(prompts, n)
         stats.prefill_s = time.perf_counter() - t0
-        while batch is not None:
-            paused = self._decode_turns(batch, driver, stats, temperature, top_p, greedy, generator)
-            stats.extra["rounds"] += 1
-            if not driver.paused:
-                break
-            fed = driver.resume()  # every paused row's tools in one request
-            t1 = time.perf_counter()
-            batch = resume_rows(self.model, self._cache_kw, paused, fed)
-            stats.extra["obs_prefill_s"] += time.perf_counter() - t1
+        draw = partial(sample_step, temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)
+        run_episodes(self, batch, driver, draw, stats, self.refill)
         stats.prefill_s += stats.extra["obs_prefill_s"]
         stats.extra.update(driver.stats)
         return driver.episodes(n), stats
-
-    def _decode_turns(self, batch: DecodeBatch, driver: EpisodeDriver, stats: GenStats, temperature: float,
-                      top_p: float, greedy: bool, generator: torch.Generator | None) -> dict[int, RowKV]:
-        """Decode until no row of the batch goes on; returns the caches of the rows that paused.
-
-        Args:
-            batch: the decoding rows (consumed).
-            driver: records every token and says which rows go on.
-            stats: ``decode_s``, ``steps`` and ``new_tokens`` grow.
-            temperature: sampling temperature.
-            top_p: nucleus mass.
-            greedy: take the argmax.
-            generator: torch RNG.
-        """
-        t1 = time.perf_counter()
-        paused: dict[int, RowKV] = {}
-        while True:
-            tok, tok_lp = sample_step(batch.logits, temperature, top_p, greedy, generator)
-            stats.steps += 1
-            stats.new_tokens += len(batch.active)
-            toks = tok.tolist()
-            keep = driver.record(batch.active, toks, tok_lp.tolist())
-            waiting = set(driver.paused)
-            stop = [i for i in range(len(batch.active)) if batch.active[i] in waiting]
-            paused.update(take_rows(batch, stop, [toks[i] for i in stop]))
-            if not keep:
-                break
-            if len(keep) < len(batch.active):
-                tok = tok[batch.compact(keep)]
-            self._forward(batch, tok)
-        stats.decode_s += time.perf_counter() - t1
-        return paused

@@ -93,18 +93,19 @@ def _states(states: Mapping[int, Any], ready: Mapping[int, bool], rows: slice) -
     return tuple(states[s][rows].clone() if ready[s] else None for s in sorted(states))
 
 
-def _layer_rows(cache: Any, rows: slice, width: int, length: int) -> list[LayerRow]:
-    """Every layer's state of ``rows`` of a cache; keys and values keep their last ``length`` positions of ``width``."""
+def _layer_rows(cache: Any, rows: slice, real: slice | torch.Tensor) -> list[LayerRow]:
+    """Every layer's state of ``rows`` of a cache; keys and values keep the positions ``real`` (the row's tokens:
+    a slice past the left padding, or the indices where its mask is 1 when padding lies inside the row)."""
     layers = getattr(cache, "layers", None)
     if layers is None:  # transformers < 4.56: key_cache / value_cache lists, attention only
-        return [LayerRow(k[rows, :, width - length:].clone(), v[rows, :, width - length:].clone())
+        return [LayerRow(k[rows, :, real].clone(), v[rows, :, real].clone())
                 for k, v in zip(cache.key_cache, cache.value_cache, strict=True)]
     linear = _linear_mixin()
     out = []
     for layer in layers:
         keys = values = None
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            keys, values = layer.keys[rows, :, width - length:].clone(), layer.values[rows, :, width - length:].clone()
+            keys, values = layer.keys[rows, :, real].clone(), layer.values[rows, :, real].clone()
         conv: tuple[torch.Tensor | None, ...] = ()
         rec: tuple[torch.Tensor | None, ...] = ()
         if linear is not None and isinstance(layer, linear):
@@ -147,11 +148,13 @@ def take_rows(batch: DecodeBatch, positions: Sequence[int], tokens: Sequence[int
     Returns:
         row number -> its cache.
     """
-    width = int(batch.mask.shape[1])
     out: dict[int, RowKV] = {}
     for i, tok in zip(positions, tokens, strict=True):
         length = int(batch.next_pos[i, 0])
-        out[batch.active[i]] = RowKV(_layer_rows(batch.cache, slice(i, i + 1), width, length), length, int(tok))
+        real = batch.mask[i].nonzero().squeeze(-1)  # feed_batch leaves pad positions inside a row
+        if int(real.numel()) != length:
+            raise ValueError(f"take_rows: row {batch.active[i]} has {int(real.numel())} cached tokens, not {length}")
+        out[batch.active[i]] = RowKV(_layer_rows(batch.cache, slice(i, i + 1), real), length, int(tok))
     return out
 
 
@@ -173,7 +176,7 @@ def feed_row(model: Any, cache_kw: str, row: RowKV, ids: Sequence[int]) -> None:
     mask = torch.ones((1, width), dtype=torch.long, device=dev)
     out = model(input_ids=inp, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                 **{cache_kw: cache})
-    row.layers, row.length = _layer_rows(cache, slice(0, 1), width, width), width
+    row.layers, row.length = _layer_rows(cache, slice(0, 1), slice(0, width)), width
     row.logits = out.logits[0, -1, :].float()
 
 
@@ -204,6 +207,18 @@ def _merge_layer(parts: Sequence[LayerRow], pads: Sequence[int]) -> LayerRow:
     return LayerRow(keys, values, conv, rec)
 
 
+def _merged(rows: Mapping[int, RowKV], order: Sequence[int], config: Any) -> tuple[Any, torch.Tensor]:
+    """The rows' caches as one left-padded cache (keys/values padded, states stacked), and its [rows, width] mask."""
+    width = max(rows[r].length for r in order)
+    dev = _device(rows[order[0]].layers)
+    pads = [width - rows[r].length for r in order]
+    layers = [_merge_layer([rows[r].layers[li] for r in order], pads) for li in range(len(rows[order[0]].layers))]
+    mask = torch.zeros((len(order), width), dtype=torch.long, device=dev)
+    for b, pad in enumerate(pads):
+        mask[b, pad:] = 1
+    return make_cache(config, layers), mask
+
+
 def merge_rows(rows: Mapping[int, RowKV], config: Any = None) -> DecodeBatch:
     """One left-padded decoding batch from fed rows (row order), positions continuing each row's length.
 
@@ -220,37 +235,91 @@ def merge_rows(rows: Mapping[int, RowKV], config: Any = None) -> DecodeBatch:
     if not rows:
         raise ValueError("merge_rows: no rows to merge")
     order = sorted(rows)
-    width = max(rows[r].length for r in order)
-    dev = _device(rows[order[0]].layers)
-    pads = [width - rows[r].length for r in order]
-    layers = [_merge_layer([rows[r].layers[li] for r in order], pads) for li in range(len(rows[order[0]].layers))]
-    mask = torch.zeros((len(order), width), dtype=torch.long, device=dev)
-    logits = []
+    unfed = [r for r in order if rows[r].logits is None]
+    if unfed:
+        raise ValueError(f"merge_rows: row {unfed[0]} was never fed; feed_row it first")
+    cache, mask = _merged(rows, order, config)
+    next_pos = torch.tensor([[rows[r].length] for r in order], dtype=torch.long, device=mask.device)
+    return DecodeBatch(active=order, cache=cache, mask=mask, next_pos=next_pos,
+                       logits=torch.stack([rows[r].logits for r in order]))  # type: ignore[misc]
+
+
+def has_states(rows: Mapping[int, RowKV]) -> bool:
+    """True when the rows hold conv / recurrent states (hybrids): padding inside a fed sequence would reach them."""
+    return any(layer.conv or layer.recurrent for row in rows.values() for layer in row.layers)
+
+
+def feed_batch(model: Any, cache_kw: str, rows: Mapping[int, RowKV], fed: Mapping[int, Sequence[int]]) -> DecodeBatch:
+    """Feed every row its tokens in ONE forward and return the rows as one decoding batch (row order).
+
+    The rows' caches merge left-padded to one width; the fed tokens are left-padded to one length after them,
+    so each row's last position is the batch's last and its pad positions (before and inside the sequence) are
+    mask zeros that no real query sees. Positions continue each row's length, so every real token is computed
+    as ``feed_row`` computes it (the same logprobs up to float rounding). Attention-only models: a hybrid's
+    conv / recurrent states would read the pad tokens (``has_states``; feed those one at a time).
+
+    Args:
+        model: the HF causal LM.
+        cache_kw: the name of its cache argument.
+        rows: row -> its cache (every row of ``fed``).
+        fed: row -> the tokens to feed it (its last sampled token, then the observation); none empty.
+    """
+    order = sorted(fed)
+    cache, cmask = _merged(rows, order, getattr(model, "config", None))
+    dev, width = cmask.device, max(len(fed[r]) for r in order)
+    ids = torch.zeros((len(order), width), dtype=torch.long, device=dev)
+    imask = torch.zeros_like(ids)
+    pos = torch.zeros_like(ids)
     for b, r in enumerate(order):
-        mask[b, pads[b]:] = 1
-        lg = rows[r].logits
-        if lg is None:
-            raise ValueError(f"merge_rows: row {r} was never fed; feed_row it first")
-        logits.append(lg)
-    next_pos = torch.tensor([[rows[r].length] for r in order], dtype=torch.long, device=dev)
-    return DecodeBatch(active=order, cache=make_cache(config, layers), mask=mask, next_pos=next_pos,
-                       logits=torch.stack(logits))
+        k, start = len(fed[r]), rows[r].length
+        ids[b, width - k:] = torch.tensor(list(fed[r]), dtype=torch.long, device=dev)
+        imask[b, width - k:] = 1
+        pos[b] = torch.arange(start + k - width, start + k, device=dev).clamp(min=start)
+    mask = torch.cat([cmask, imask], dim=1)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                **{cache_kw: cache})
+    next_pos = torch.tensor([[rows[r].length + len(fed[r])] for r in order], dtype=torch.long, device=dev)
+    return DecodeBatch(active=order, cache=cache, mask=mask, next_pos=next_pos, logits=out.logits[:, -1, :].float())
+
+
+def join_batches(a: DecodeBatch, b: DecodeBatch, config: Any = None) -> DecodeBatch:
+    """Two decoding batches as one (``a``'s rows, then ``b``'s): the narrower cache and mask are left-padded.
+
+    Args:
+        a: rows decoding (their logits set by the last forward).
+        b: rows just resumed.
+        config: the model's config, for the cache's layer kinds.
+    """
+    wa, wb = int(a.mask.shape[1]), int(b.mask.shape[1])
+    width = max(wa, wb)
+    parts = [_layer_rows(x.cache, slice(None), slice(None)) for x in (a, b)]
+    pads = [width - wa, width - wb]
+    layers = [_merge_layer([parts[0][li], parts[1][li]], pads) for li in range(len(parts[0]))]
+    mask = torch.cat([torch.nn.functional.pad(a.mask, (pads[0], 0)), torch.nn.functional.pad(b.mask, (pads[1], 0))])
+    return DecodeBatch(active=a.active + b.active, cache=make_cache(config, layers), mask=mask,
+                       next_pos=torch.cat([a.next_pos, b.next_pos]), logits=torch.cat([a.logits, b.logits]))
 
 
 def resume_rows(model: Any, cache_kw: str, paused: Mapping[int, RowKV],
-                fed: Mapping[int, Sequence[int]]) -> DecodeBatch | None:
-    """Feed each resumed row ``[last token] + observation`` on its own cache and merge them into one batch.
+                fed: Mapping[int, Sequence[int]], batched: bool = True) -> DecodeBatch | None:
+    """Feed each resumed row ``[last token] + observation`` and return the resumed rows as one batch.
 
     Args:
         model: the HF causal LM.
         cache_kw: the name of its cache argument.
         paused: row -> the cache it paused with (rows not in ``fed`` have ended: their caches are dropped).
         fed: row -> its observation tokens (``EpisodeDriver.resume``).
+        batched: feed every row in one forward (``feed_batch``) unless the model is a hybrid; False feeds each
+            row at batch 1 on its own cache (``feed_row``), then merges.
 
     Returns:
         the resumed rows as one decoding batch; None when none resumed.
     """
+    if not fed:
+        return None
     rows = {r: paused[r] for r in fed}
+    if batched and not has_states(rows):
+        return feed_batch(model, cache_kw, rows, {r: [rows[r].last, *obs] for r, obs in fed.items()})
     for r, obs in fed.items():
         feed_row(model, cache_kw, rows[r], [rows[r].last, *obs])
-    return merge_rows(rows, getattr(model, "config", None)) if rows else None
+    return merge_rows(rows, getattr(model, "config", None))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 
 from stoa.bench.episodes import EpisodeBenchSpec, run_episode_bench
 from stoa.cli.bench import bench_parser
@@ -60,7 +61,7 @@ def test_bench_episodes_figures_add_up_on_both_engines_with_real_search_tools(ti
             assert run["action_tokens_per_s"] == run["action_tokens"] / run["wall_s"]
 
 
-def test_stoa_bench_episodes_flags_run_the_builtin_search_task_and_write_json(tiny_dir, tmp_path):
+def test_stoa_bench_episodes_flags_run_the_builtin_search_task_and_write_json(tiny_dir, tmp_path, capsys):
     from stoa.bench import episodes
 
     path = tmp_path / "episodes.json"
@@ -76,3 +77,6 @@ def test_stoa_bench_episodes_flags_run_the_builtin_search_task_and_write_json(ti
     assert row["action_tokens"] == 1 * 2 * 4  # the random model never closes a search: every turn runs to T
     assert row["end/length"] == 1.0 and row["tool_calls"] == 0 and row["search_rate"] == 0
     assert row["generate_tokens"] == 8 and row["threads"] == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]  # the ratio a script reads: the last line
+    assert last == f"ratio_episode_vs_single={row['episodes_vs_generate']:.3f}"
+    assert row["episodes_vs_generate"] == statistics.median(r["episodes_vs_generate"] for r in row["runs"])

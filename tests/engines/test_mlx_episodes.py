@@ -267,3 +267,36 @@ def test_an_observation_outside_the_vocabulary_is_refused(mlx_engine, codec) -> 
     driver = EpisodeDriver([TinyEnv(r) for r in range(4)], FixedTools(), WideCodec(), LIMITS, EOS)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         mlx_engine.generate_episodes([PROMPTS[0]], 4, driver, generator=1)
+
+
+class RaggedTools(FixedTools):
+    """Results whose length follows the query's, so the rows resumed in one round feed different lengths."""
+
+    def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        return [ToolResult(f"Doc{' apples' * (len(c.arguments) % 5)}", r.digest)
+                for c, r in zip(calls, super().run(calls), strict=True)]
+
+
+def run_ragged(engine, codec, seed: int, greedy: bool) -> tuple[list[Episode], GenStats]:
+    driver, _ = make_driver(codec, len(PROMPTS) * 2, RaggedTools())
+    groups, stats = engine.generate_episodes(PROMPTS, 2, driver, greedy=greedy, temperature=0.9, generator=seed)
+    assert_multi_turn(groups)
+    return [e for g in groups for e in g], stats
+
+
+@pytest.mark.parametrize("seed,greedy", [(3, False), (5, True)])
+def test_batched_observation_prefill_equals_feeding_rows_one_at_a_time(mlx_engine, codec, seed, greedy) -> None:
+    """All rows resumed in a round are fed in one forward (shorter rows re-feed their cache's last tokens): the
+    same tokens, roles and calls as the batch-1 path, and the same logprobs to the fp32 gate."""
+    batched, stats = run_ragged(mlx_engine, codec, seed, greedy)
+    mlx_engine.batch_resumes = False
+    try:
+        single, alone = run_ragged(mlx_engine, codec, seed, greedy)
+    finally:
+        mlx_engine.batch_resumes = True
+    assert stats.extra["obs_prefill_batched"] >= 2 and stats.extra["obs_prefill_refed"] > 0  # ragged rounds
+    assert alone.extra["obs_prefill_batched"] == 0
+    for a, b in zip(batched, single, strict=True):
+        assert (a.tokens, a.roles, a.turn_starts, a.calls, a.end_reason) == (
+            b.tokens, b.roles, b.turn_starts, b.calls, b.end_reason)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -77,6 +77,7 @@ def test_multi_turn_logprobs_equal_a_full_forward_recompute(torch_engine, codec,
     groups, _, extra = run(torch_engine, codec, QUESTIONS[:2], 3, top_p=top_p)
     eps = [e for g in groups for e in g]
     assert max(len(e.turn_starts) for e in eps) >= 2 and extra["tool_calls"] >= 2  # tools really ran
+    assert extra["refills"] >= 1  # resumed rows joined rows still decoding
     worst = 0.0
     for prompt, group in zip(prompts_of(codec, QUESTIONS[:2]), groups, strict=True):
         for e in group:
@@ -117,12 +118,28 @@ def test_rows_finish_independently_of_the_batch(torch_engine, codec):
 
 
 def test_one_tool_request_per_round_holds_every_paused_rows_call(torch_engine, codec):
-    groups, tools, extra = run(torch_engine, codec, QUESTIONS[:2], 3, seed=3)
+    torch_engine.refill = False  # rounds end only when no row decodes
+    try:
+        groups, tools, extra = run(torch_engine, codec, QUESTIONS[:2], 3, seed=3)
+    finally:
+        torch_engine.refill = True
     eps = [e for g in groups for e in g]
     assert len(tools.batches) >= 2 and max(len(b) for b in tools.batches) >= 2
     # round k runs the (k+1)-th call of every row still going (no observation is refused at these limits)
     assert tools.batches == [[e.calls[k] for e in eps if len(e.calls) > k] for k in range(len(tools.batches))]
     assert extra["tool_calls"] == sum(len(b) for b in tools.batches) and extra["rounds"] >= len(tools.batches)
+    assert extra["refills"] == 0
+
+
+def test_paused_rows_refill_the_batch_while_others_decode(torch_engine, codec):
+    """With refill (the default), paused rows resume once as many wait as decode: tool requests are made while
+    rows still decode, each still holds several rows' calls, and every row's k-th call precedes its (k+1)-th."""
+    groups, tools, extra = run(torch_engine, codec, QUESTIONS, 3, seed=3)
+    eps = [e for g in groups for e in g]
+    assert extra["refills"] >= 1 and max(len(b) for b in tools.batches) >= 2
+    calls = [c for b in tools.batches for c in b]
+    assert sorted(map(repr, calls)) == sorted(repr(c) for e in eps for c in e.calls)  # every call ran once
+    assert extra["tool_calls"] == len(calls)
 
 
 def test_episodes_are_deterministic(torch_engine, codec):
@@ -152,3 +169,30 @@ def test_the_trainers_replay_accepts_every_honest_episode(torch_engine, codec, s
     samples = [episode_sample(e, 0.0) for e in eps]
     out = replay_group([LetterEnv() for _ in samples], samples, RecordingTools(), codec, LIMITS, codec.eos_ids)
     assert [r.calls for r in out] == [len(e.calls) for e in eps]
+
+
+@pytest.mark.parametrize("seed,greedy", [(3, False), (5, True)])
+def test_batched_observation_prefill_equals_feeding_rows_one_at_a_time(torch_engine, codec, seed, greedy):
+    """All rows resumed in a round are fed in one forward: same tokens, roles and calls as the batch-1 path, the
+    same logprobs to the fp32 gate, and the round's feed holds several rows of different lengths."""
+    from stoa.engines import torch_rows
+
+    widths: list[int] = []
+    real = torch_rows.feed_batch
+
+    def spy(model, cache_kw, rows, fed):
+        widths.append(len({len(t) for t in fed.values()}) * 100 + len(fed))
+        return real(model, cache_kw, rows, fed)
+
+    torch_rows.feed_batch = spy
+    try:
+        batched, _, _ = run(torch_engine, codec, QUESTIONS, 3, seed=seed, greedy=greedy)
+        torch_engine.batch_resumes = False
+        single, _, _ = run(torch_engine, codec, QUESTIONS, 3, seed=seed, greedy=greedy)
+    finally:
+        torch_rows.feed_batch, torch_engine.batch_resumes = real, True
+    assert any(w % 100 >= 2 for w in widths) and any(w // 100 >= 2 for w in widths)  # several rows, ragged
+    for a, b in zip((e for g in batched for e in g), (e for g in single for e in g), strict=True):
+        assert (a.tokens, a.roles, a.turn_starts, a.calls, a.end_reason) == (
+            b.tokens, b.roles, b.turn_starts, b.calls, b.end_reason)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=TOL)

@@ -69,6 +69,9 @@ class MLXEngine:
             ``bfloat16`` or ``float16``: the compute dtype of every unquantized weight and activation.
     """
 
+    batch_resumes: bool = True
+    """Feed all rows resumed in a round in one forward (``rounds.feed_together``); False: one at a time."""
+
     def __init__(self, model_dir: str | Path, dtype: str = "auto"):
         from mlx_lm.utils import load_model
 
@@ -318,7 +321,8 @@ class MLXEngine:
         """Run ``n`` multi-turn episodes for each prompt; each prompt is prefilled once and its KV shared.
 
         Rows decode until each ends or pauses (the driver decides); the tools of all paused rows run in one
-        request, and resumed rows get their observation in their own cache (``stoa.engines.mlx.rounds``).
+        request, and the resumed rows are fed their observations in one forward (``batch_resumes``; else each in its
+        own cache at batch 1; ``stoa.engines.mlx.rounds``).
 
         Args:
             prompts: token ids of each prompt (one group per prompt).
@@ -345,8 +349,9 @@ class MLXEngine:
         sample: Sampler = partial(draw, temperature=temperature, top_p=top_p, greedy=greedy)
         with wired_limit(self.model):
             cache, first = self._start(prompts, n, True, sample, make_key(generator), stats)
+            history = (lambda r: [*prompts[r // n], *driver.episode(r).tokens]) if self.batch_resumes else None
             run_rounds(self.model, Batch(cache, list(range(driver.rows)), first), sample, driver,
-                       self.vocab_size, PREFILL_CHUNK, stats)
+                       self.vocab_size, PREFILL_CHUNK, stats, history)
             stats.extra["peak_memory_mb"] = mx.get_peak_memory() / 1e6
         stats.prefill_s += stats.extra["obs_prefill_s"]
         stats.extra.update(driver.stats)

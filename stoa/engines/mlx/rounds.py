@@ -1,10 +1,10 @@
-"""Multi-turn episodes on the MLX engine: decode rounds, paused rows' caches, observations fed at batch 1.
+"""Multi-turn episodes on the MLX engine: decode rounds, paused rows' caches, observations fed in one forward.
 
 A round decodes the batch until no row decodes (each row ended or paused, as ``EpisodeDriver.record``
 says). A paused row's KV leaves the batch as its own single-row ``KVCache`` (``take_row``, without the left
 padding). At the round boundary ``EpisodeDriver.resume`` runs the tools of every paused row in one request;
-each row that goes on is fed ``[its last sampled token] + observation tokens`` at batch 1 (``feed``),
-and the resumed rows' caches merge into one left-padded ``BatchKVCache`` for the next round. Every row's
+the rows that go on are fed ``[last sampled token] + observation tokens`` in one forward (``feed_together``;
+a hybrid's rows at batch 1, ``feed``), and the resumed rows' caches form one left-padded ``BatchKVCache``. Every row's
 positions stay contiguous (prompt, then every token), so a full forward of prompt + episode recomputes the
 recorded logprobs. Conv / linear-attention layers cannot drop a token, so a paused row's state is the
 snapshot from before the step that fed its last token (``caches.snapshot``), fed again like the KV layers.
@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, cast
 import mlx.core as mx
 
 from stoa.engines.base import GenStats
-from stoa.engines.mlx.caches import cache_arrays, snapshot
+from stoa.engines.mlx.caches import cache_arrays, has_state, snapshot
 from stoa.engines.mlx.kv import compact, feed, merge_rows, take_row
 from stoa.engines.mlx.sampling import Draw
 from stoa.episodes.driver import EpisodeDriver
@@ -88,9 +88,55 @@ def decode_round(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDrive
         cur = nxt
 
 
+History = Callable[[int], list[int]]
+"""Row -> its prompt followed by every episode token so far (what its cache holds, then ``[last] + observation``)."""
+
+
+def feed_together(model: Any, paused: dict[int, PausedRow], seqs: dict[int, list[int]], history: History,
+                  chunk: int) -> tuple[list[Any], mx.array] | None:
+    """Feed every resumed row its tokens in ONE forward; None when a row cannot take part (then feed at batch 1).
+
+    ``BatchKVCache`` hides only left padding, so every row's fed sequence must end at the batch's last column
+    with no gap: a row with fewer tokens than the longest gives its cache's last positions back and feeds those
+    tokens again before its own (the same keys and values, recomputed). Hybrids (a state cannot give tokens
+    back) and rows whose cache is shorter than what they would give back return None.
+
+    Args:
+        model: the mlx-lm model.
+        paused: the paused rows' caches.
+        seqs: row -> ``[last token] + observation`` (row order).
+        history: row -> prompt + episode tokens.
+        chunk: tokens per forward.
+
+    Returns:
+        the merged per-layer cache after the feed and the ``[rows, V]`` logits; or None.
+    """
+    from mlx_lm.models.cache import KVCache
+
+    rows, width = sorted(seqs), max(len(t) for t in seqs.values())
+    if any(has_state(paused[r].cache) for r in rows):
+        return None
+    caches, inputs = [], []
+    for r in rows:
+        back, length = width - len(seqs[r]), paused[r].cache[0].offset
+        if back >= length:
+            return None
+        cut = []
+        for c in paused[r].cache:  # merge_rows reads keys/values up to offset: a shorter offset gives them back
+            t = KVCache()
+            t.keys, t.values, t.offset = c.keys, c.values, c.offset - back
+            cut.append(t)
+        caches.append(cut)
+        inputs.append(history(r)[length - back:length] + seqs[r])
+    cache = [merge_rows([c[layer] for c in caches]) for layer in range(len(caches[0]))]
+    return cache, feed(model, cache, mx.array(inputs, dtype=mx.int32), chunk)
+
+
 def resume_batch(model: Any, paused: dict[int, PausedRow], observations: dict[int, list[int]],
-                 vocab_size: int, chunk: int, sample: Sampler, key: mx.array | None, stats: GenStats) -> Batch:
-    """Feed each resumed row its last token and observation at batch 1, then merge the rows into a batch.
+                 vocab_size: int, chunk: int, sample: Sampler, key: mx.array | None, stats: GenStats,
+                 history: History | None = None) -> Batch:
+    """Feed the resumed rows their last token and observation (in one forward when ``history`` is given and
+    ``feed_together`` can, else each at batch 1), as one merged batch.
 
     Args:
         model: the mlx-lm model.
@@ -100,7 +146,9 @@ def resume_batch(model: Any, paused: dict[int, PausedRow], observations: dict[in
         chunk: tokens per forward.
         sample: the step's draw.
         key: the key the draw uses.
-        stats: receives ``extra["obs_prefill_tokens"]`` and ``extra["obs_prefill_s"]``.
+        stats: ``extra``: ``obs_prefill_tokens``, ``obs_prefill_s``, ``obs_prefill_batched`` (rounds fed in one
+            forward) and ``obs_prefill_refed`` (cached tokens fed again to line the rows up) grow.
+        history: row -> prompt + episode tokens (None: feed each row at batch 1).
 
     Returns:
         the resumed rows in row order, their merged cache and the draw from their last logits.
@@ -110,24 +158,30 @@ def resume_batch(model: Any, paused: dict[int, PausedRow], observations: dict[in
     missing = [r for r in rows if r not in paused]
     if missing:
         raise ValueError(f"observations for row {missing[0]}: the row did not pause in this round")
-    logits = []
+    seqs = {r: [paused[r].last, *[int(t) for t in observations[r]]] for r in rows}
     for r in rows:
-        obs = [int(t) for t in observations[r]]
-        bad = [t for t in obs if not 0 <= t < vocab_size]
+        bad = [t for t in seqs[r][1:] if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"observation of row {r}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-        logits.append(feed(model, paused[r].cache, [paused[r].last, *obs], chunk))
-        stats.extra["obs_prefill_tokens"] = stats.extra.get("obs_prefill_tokens", 0.0) + 1 + len(obs)
-    layers = len(paused[rows[0]].cache)
-    cache = [merge_rows([paused[r].cache[layer] for r in rows]) for layer in range(layers)]
-    first = sample(mx.concatenate(logits, axis=0), key)
+        stats.extra["obs_prefill_tokens"] = stats.extra.get("obs_prefill_tokens", 0.0) + len(seqs[r])
+    together = feed_together(model, paused, seqs, history, chunk) if history is not None else None
+    if together is None:
+        logits = mx.concatenate([feed(model, paused[r].cache, seqs[r], chunk) for r in rows], axis=0)
+        cache = [merge_rows([paused[r].cache[layer] for r in rows]) for layer in range(len(paused[rows[0]].cache))]
+    else:
+        cache, logits = together
+        width = max(len(t) for t in seqs.values())
+        stats.extra["obs_prefill_batched"] = stats.extra.get("obs_prefill_batched", 0.0) + 1
+        stats.extra["obs_prefill_refed"] = stats.extra.get("obs_prefill_refed", 0.0) + sum(
+            width - len(t) for t in seqs.values())
+    first = sample(logits, key)
     mx.eval(first.tokens, first.logprobs, cache_arrays(cache))
     stats.extra["obs_prefill_s"] = stats.extra.get("obs_prefill_s", 0.0) + time.perf_counter() - t0
     return Batch(cache, rows, first)
 
 
 def run_rounds(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDriver, vocab_size: int, chunk: int,
-               stats: GenStats) -> None:
+               stats: GenStats, history: History | None = None) -> None:
     """Decode rounds and resume paused rows until every episode has ended.
 
     Args:
@@ -138,12 +192,16 @@ def run_rounds(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDriver,
         vocab_size: rows of the model's output projection.
         chunk: tokens per observation forward.
         stats: receives ``decode_s``, steps, new tokens and ``extra``: ``rounds``, ``resume_s`` (tools and
-            observation building), ``obs_prefill_tokens``, ``obs_prefill_s``.
+            observation building), ``obs_prefill_tokens``, ``obs_prefill_s``, ``obs_prefill_batched``,
+            ``obs_prefill_refed``.
+        history: row -> prompt + episode tokens, to feed each round's resumed rows in one forward (None: each
+            at batch 1).
 
     Raises:
         ToolUnavailable: the tools could not answer (from ``driver.resume``; the episodes are unfinished).
     """
-    stats.extra.update(rounds=0.0, resume_s=0.0, obs_prefill_tokens=0.0, obs_prefill_s=0.0)
+    stats.extra.update(rounds=0.0, resume_s=0.0, obs_prefill_tokens=0.0, obs_prefill_s=0.0,
+                       obs_prefill_batched=0.0, obs_prefill_refed=0.0)
     while True:
         t0 = time.perf_counter()
         paused, key = decode_round(model, batch, sample, driver, stats)
@@ -156,7 +214,7 @@ def run_rounds(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDriver,
         stats.extra["resume_s"] += time.perf_counter() - t1
         if not observations:
             return
-        batch = resume_batch(model, paused, observations, vocab_size, chunk, sample, key, stats)
+        batch = resume_batch(model, paused, observations, vocab_size, chunk, sample, key, stats, history)
 
 
 def check_driver(driver: EpisodeDriver, prompts: Sequence[Sequence[int]], n: int) -> None:

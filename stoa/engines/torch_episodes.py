@@ -1,0 +1,80 @@
+"""Multi-turn decoding on the torch engine: decode the batch, pause rows at tool calls, feed observations, refill.
+
+Rows decode until they end or pause (``EpisodeDriver.record``). A paused row leaves the batch with its cache
+(``torch_rows.take_rows``). When as many rows wait as still decode (``refill``), or when none decodes, the
+paused rows' tools run in one request (``driver.resume``), the resumed rows are fed ``[last token] +
+observation`` in one forward (``torch_rows.resume_rows``) and join the rows still decoding
+(``torch_rows.join_batches``), so the batch stays at least half full instead of draining to one row before
+every round of tools. Every row's positions stay contiguous, so a full forward recomputes its logprobs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from stoa.engines.base import GenStats
+from stoa.engines.torch_rows import DecodeBatch, RowKV, join_batches, resume_rows, take_rows
+from stoa.episodes.driver import EpisodeDriver
+
+Draw = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""[rows, V] logits -> [rows] sampled tokens and their logprobs (``torch.sample_step`` with the call's settings)."""
+
+
+def run_episodes(engine: Any, batch: DecodeBatch, driver: EpisodeDriver, draw: Draw, stats: GenStats,
+                 refill: bool) -> None:
+    """Decode and resume rows until every episode has ended.
+
+    Args:
+        engine: the ``TorchEngine`` (``_forward``, ``model``, ``_cache_kw``, ``batch_resumes``).
+        batch: every row after the prompts' prefill.
+        driver: the episodes (records tokens, pauses and ends rows, runs the tools).
+        draw: samples one token per row.
+        stats: ``decode_s``, ``steps``, ``new_tokens`` and ``extra`` (``rounds``: tool requests,
+            ``obs_prefill_s``, ``refills``: requests made while other rows still decoded) grow.
+        refill: resume paused rows once they are as many as the decoding rows; False waits until none decodes.
+
+    Raises:
+        ToolUnavailable: the tools could not answer (from ``driver.resume``).
+    """
+    live: DecodeBatch | None = batch
+    paused: dict[int, RowKV] = {}
+    t0 = time.perf_counter()
+    while live is not None:
+        tok, tok_lp = draw(live.logits)
+        stats.steps += 1
+        stats.new_tokens += len(live.active)
+        toks = tok.tolist()
+        keep = driver.record(live.active, toks, tok_lp.tolist())
+        waiting = set(driver.paused)
+        stop = [i for i in range(len(live.active)) if live.active[i] in waiting]
+        paused.update(take_rows(live, stop, [toks[i] for i in stop]))
+        if keep:
+            if len(keep) < len(live.active):
+                tok = tok[live.compact(keep)]
+            engine._forward(live, tok)
+        else:
+            live = None
+        if paused and (live is None or (refill and len(paused) >= len(live.active))):
+            stats.decode_s += time.perf_counter() - t0
+            live = _resume(engine, driver, paused, live, stats)
+            paused = {}
+            t0 = time.perf_counter()
+    stats.decode_s += time.perf_counter() - t0
+
+
+def _resume(engine: Any, driver: EpisodeDriver, paused: dict[int, RowKV], live: DecodeBatch | None,
+            stats: GenStats) -> DecodeBatch | None:
+    """Run the paused rows' tools, feed the rows that go on in one forward and join them to the live rows."""
+    stats.extra["rounds"] += 1
+    stats.extra["refills"] += live is not None
+    fed = driver.resume()  # every paused row's tools in one request; the others have ended
+    t1 = time.perf_counter()
+    resumed = resume_rows(engine.model, engine._cache_kw, paused, fed, engine.batch_resumes)
+    stats.extra["obs_prefill_s"] += time.perf_counter() - t1
+    if live is None or resumed is None:
+        return live if resumed is None else resumed
+    return join_batches(live, resumed, getattr(engine.model, "config", None))
