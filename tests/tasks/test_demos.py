@@ -11,6 +11,7 @@ from stoa.envs.base import observation_tokens
 from stoa.episodes.task_tools import open_task_tools
 from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO
 from stoa.tasks import get_task
+from stoa.tasks.arithmetic import ArithmeticTask
 from stoa.tokenize import TextCodec
 from stoa.trainer.coldstart import ColdStartError, build_rows, load_conversations
 
@@ -50,7 +51,7 @@ def test_search_demos_carry_the_environments_own_observation_and_earn_full_rewar
 
 
 def test_arithmetic_demo_is_the_answer_then_eos(codec):
-    task = get_task("arithmetic")
+    task = ArithmeticTask()
     demos = task.demonstrations(4, np.random.default_rng(1))
     rows, dropped = build_rows(demos, task, codec, None, 16, strict=True)
     assert dropped == 0

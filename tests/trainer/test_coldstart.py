@@ -12,7 +12,7 @@ from stoa.bucket import open_bucket
 from stoa.config import TrainerConfig
 from stoa.config.base import ConfigError
 from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED
-from stoa.tasks import get_task
+from stoa.tasks.arithmetic import ArithmeticTask
 from stoa.telemetry.metrics import read_bucket_metrics
 from stoa.tokenize import TextCodec
 from stoa.trainer.coldstart import SftRow, build_rows, cold_start_key, read_marker, sft_loss, sft_steps
@@ -44,7 +44,7 @@ def test_sft_loss_is_the_negative_logprob_of_action_tokens_only(policy):
 def test_loss_falls_over_a_few_steps_on_the_tiny_model(tiny_dir):
     torch.manual_seed(0)
     fresh = Policy(tiny_dir, torch.device("cpu"))
-    task = get_task("arithmetic")
+    task = ArithmeticTask()
     rows, _ = build_rows(task.demonstrations(8, np.random.default_rng(0)), task, TextCodec(tiny_dir), None, 16,
                          strict=True)
     figures = sft_steps(fresh, rows, steps=6, batch=8, micro_batch=3, lr=3e-3, grad_clip=1.0, seed=0)
@@ -89,6 +89,7 @@ def test_a_new_run_cold_starts_before_v1_and_a_resumed_run_never_redoes_it(tmp_p
     stored = json.loads(bucket.get("runs/r/config.json"))["settings"]
     assert stored["cold_start"] == "demos" and stored["cold_start_steps"] == 3
     # v1 holds the cold-started weights, not the base model's
+    assert t.publisher.published_state is not None
     v1 = state_to_f32(t.publisher.published_state, "bf16")
     base = Policy(tiny_dir, torch.device("cpu")).export_f32()
     assert sum(not np.array_equal(v1[k], _bf16(base[k])) for k in base) >= len(base) // 2
@@ -115,12 +116,12 @@ def test_a_run_whose_cold_start_was_interrupted_is_refused_with_the_fix(tmp_path
     with pytest.raises(KeyboardInterrupt):
         start(cfg_of(url), [])
     monkeypatch.undo()
-    assert read_marker(open_bucket(url), "r")["state"] == "started"
+    assert (read_marker(open_bucket(url), "r") or {}).get("state") == "started"
     with pytest.raises(SystemExit, match=r"cold start did not finish .*start a new run .*delete that marker"):
         start(cfg_of(url), [])
     open_bucket(url).delete(cold_start_key("r"))  # the fix the line names
     start(cfg_of(url), [])
-    assert read_marker(open_bucket(url), "r")["state"] == "done"
+    assert (read_marker(open_bucket(url), "r") or {}).get("state") == "done"
 
 
 def test_a_bad_demonstrations_file_trains_nothing_and_names_its_line(tmp_path, stoa_cache):
