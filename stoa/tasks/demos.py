@@ -1,4 +1,5 @@
-"""Demonstrations for a run's cold start: what the policy should write, turn by turn, for a prompt.
+"""Demonstrations for a run's cold start: what the policy should write, turn by turn, for a prompt (built by the
+task, or read from a JSONL file of conversations: ``load_conversations``).
 
 A task that can show its format implements ``demonstrations(n, rng) -> list[Demo]`` (``search``: search with
 the question, read the documents, answer with the gold entity; ``arithmetic``: the answer). A ``Demo`` holds
@@ -12,13 +13,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
 from stoa.tasks.base import Prompt
+from stoa.untrusted import check_text, load_object
 
-__all__ = ["Demo", "task_demonstrations"]
+__all__ = ["ColdStartError", "Demo", "load_conversations", "task_demonstrations"]
+
+MAX_LINE_BYTES = 1 << 20
+"""Longest JSONL line read."""
+MAX_MESSAGES = 64
+"""Most messages of one conversation."""
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class ColdStartError(ValueError):
+    """A demonstration that cannot be trained on (the message names its file and line, or the task)."""
 
 
 @dataclass(frozen=True)
@@ -53,3 +66,56 @@ def task_demonstrations(task: Any) -> Callable[[int, np.random.Generator], list[
         raise ValueError(f"cold_start: task {getattr(task, 'id', type(task).__name__)!r} builds no demonstrations; "
                          "give cold_start a JSONL file of conversations ({\"messages\": [...]}) or set it to ''")
     return cast(Callable[[int, np.random.Generator], list[Demo]], fn)
+
+
+def load_conversations(path: str | Path, n: int) -> list[Demo]:
+    """The first ``n`` conversations of a JSONL file, each ``{"messages": [{"role", "content"}, ...]}``: the
+    messages before the first ``assistant`` one are the prompt, then ``assistant`` turns, each but the last
+    followed by a ``tool`` message (the tool's result text). Every line is checked, not only the first ``n``.
+
+    Args:
+        path: the file.
+        n: how many to keep.
+
+    Raises:
+        ColdStartError: no such file, or a line that is not such a conversation (names the file and line).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ColdStartError(f"cold_start: no such file: {p}; give a JSONL file of conversations, 'demos' or ''")
+    out: list[Demo] = []
+    with p.open("rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                demo = _conversation(load_object(line, "the line", max_bytes=MAX_LINE_BYTES), where)
+            except ValueError as e:
+                raise ColdStartError(f"cold_start: {where}: {str(e)[:300]}; fix or remove the line "
+                                     "(nothing was trained)") from None
+            if len(out) < n:
+                out.append(demo)
+    if not out:
+        raise ColdStartError(f"cold_start: {p} holds no conversation; give at least one line")
+    return out
+
+
+def _conversation(obj: dict[str, Any], where: str) -> Demo:
+    """One JSONL conversation as a ``Demo`` (``ValueError`` naming what is wrong)."""
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list) or not 0 < len(msgs) <= MAX_MESSAGES:
+        raise ValueError(f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
+    parsed = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise ValueError(f"message {i} must be an object with 'role' one of {_ROLES}")
+        parsed.append((m["role"], check_text(m.get("content"), f"message {i} 'content'", max_len=1 << 18)))
+    first = next((i for i, (role, _) in enumerate(parsed) if role == "assistant"), None)
+    if first is None or not any(role == "user" for role, _ in parsed[:first]):
+        raise ValueError("a conversation needs a 'user' message, then an 'assistant' one")
+    rest = parsed[first:]
+    if any(role != ("assistant" if k % 2 == 0 else "tool") for k, (role, _) in enumerate(rest)) or len(rest) % 2 == 0:
+        raise ValueError("after the prompt, messages must alternate assistant, tool, ..., ending with assistant")
+    prompt = Prompt(where, tuple({"role": r, "content": c} for r, c in parsed[:first]), "")
+    return Demo(prompt, tuple(c for _, c in rest[0::2]), source=where, tool_results=tuple(c for _, c in rest[1::2]))

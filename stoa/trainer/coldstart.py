@@ -32,23 +32,12 @@ from stoa.engines.torch_scoring import to_device
 from stoa.envs.base import Tools, observation_tokens
 from stoa.layout import run_prefix
 from stoa.rollouts.episode import ROLE_ACTION
-from stoa.tasks.base import Prompt
-from stoa.tasks.demos import Demo, task_demonstrations
+from stoa.tasks.demos import ColdStartError, Demo, load_conversations, task_demonstrations
 from stoa.tasks.multiturn import is_multiturn
-from stoa.untrusted import check_text, load_object
+from stoa.untrusted import load_object
 
-__all__ = ["ColdStartError", "SftRow", "build_rows", "cold_start_key", "load_conversations", "sft_loss", "sft_steps"]
-
-MAX_LINE_BYTES = 1 << 20
-"""Longest JSONL line read."""
-MAX_MESSAGES = 64
-"""Most messages of one conversation."""
-_ROLES = ("system", "user", "assistant", "tool")
-
-
-class ColdStartError(ValueError):
-    """A demonstration that cannot be trained on (the message names its file and line, or the task)."""
-
+__all__ = ["ColdStartError", "SftRow", "build_rows", "cold_start_key", "load_conversations", "prepare", "run_stage",
+           "sft_loss", "sft_steps"]
 
 class SftRow(NamedTuple):
     """One demonstration as the trainer trains it: prompt ids, then the episode's tokens and their roles."""
@@ -94,59 +83,6 @@ def write_marker(bucket: Bucket, run_id: str, state: str, **figures: Any) -> Non
         **figures: what to record with it (source, steps, losses).
     """
     bucket.put(cold_start_key(run_id), json.dumps({"state": state, **figures}, sort_keys=True).encode())
-
-
-def load_conversations(path: str | Path, n: int) -> list[Demo]:
-    """The first ``n`` conversations of a JSONL file, each ``{"messages": [{"role", "content"}, ...]}``: the
-    messages before the first ``assistant`` one are the prompt, then ``assistant`` turns, each but the last
-    followed by a ``tool`` message (the tool's result text). Every line is checked, not only the first ``n``.
-
-    Args:
-        path: the file.
-        n: how many to keep.
-
-    Raises:
-        ColdStartError: no such file, or a line that is not such a conversation (names the file and line).
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise ColdStartError(f"cold_start: no such file: {p}; give a JSONL file of conversations, 'demos' or ''")
-    out: list[Demo] = []
-    with p.open("rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{p}:{lineno}"
-            try:
-                demo = _conversation(load_object(line, "the line", max_bytes=MAX_LINE_BYTES), where)
-            except ValueError as e:
-                raise ColdStartError(f"cold_start: {where}: {str(e)[:300]}; fix or remove the line "
-                                     "(nothing was trained)") from None
-            if len(out) < n:
-                out.append(demo)
-    if not out:
-        raise ColdStartError(f"cold_start: {p} holds no conversation; give at least one line")
-    return out
-
-
-def _conversation(obj: dict[str, Any], where: str) -> Demo:
-    """One JSONL conversation as a ``Demo`` (``ValueError`` naming what is wrong)."""
-    msgs = obj.get("messages")
-    if not isinstance(msgs, list) or not 0 < len(msgs) <= MAX_MESSAGES:
-        raise ValueError(f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
-    parsed = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise ValueError(f"message {i} must be an object with 'role' one of {_ROLES}")
-        parsed.append((m["role"], check_text(m.get("content"), f"message {i} 'content'", max_len=1 << 18)))
-    first = next((i for i, (role, _) in enumerate(parsed) if role == "assistant"), None)
-    if first is None or not any(role == "user" for role, _ in parsed[:first]):
-        raise ValueError("a conversation needs a 'user' message, then an 'assistant' one")
-    rest = parsed[first:]
-    if any(role != ("assistant" if k % 2 == 0 else "tool") for k, (role, _) in enumerate(rest)) or len(rest) % 2 == 0:
-        raise ValueError("after the prompt, messages must alternate assistant, tool, ..., ending with assistant")
-    prompt = Prompt(where, tuple({"role": r, "content": c} for r, c in parsed[:first]), "")
-    return Demo(prompt, tuple(c for _, c in rest[0::2]), source=where, tool_results=tuple(c for _, c in rest[1::2]))
 
 
 def build_rows(demos: Sequence[Demo], task: Any, codec: Any, tools: Tools | None, max_turn_tokens: int,
