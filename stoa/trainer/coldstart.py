@@ -120,7 +120,10 @@ def _row(demo: Demo, task: Any, codec: Any, tools: Tools | None, max_turn_tokens
     multi = is_multiturn(task)
     if not multi and len(demo.turns) != 1:
         raise ColdStartError(f"a single-turn task takes one assistant turn, not {len(demo.turns)}")
-    env = task.make_env(demo.prompt, 0) if multi else None
+    try:
+        env = task.make_env(demo.prompt, 0) if multi else None
+    except (ValueError, KeyError) as e:  # e.g. a walk prompt id the task cannot rebuild
+        raise ColdStartError(f"the task builds no environment for this prompt ({str(e)[:200]})") from None
     seen = []
     for k, turn in enumerate(demo.turns):
         ids = codec.encode_text(turn) + ([] if multi or not codec.eos_ids else [_eos(codec)])
@@ -308,7 +311,10 @@ def run_stage(trainer: Any) -> list[SftStep]:
     cfg, t = trainer.cfg, trainer
     if not cfg.cold_start:
         return []
-    marker = read_marker(t.bucket, cfg.run)
+    try:
+        marker = read_marker(t.bucket, cfg.run)
+    except ValueError as e:
+        marker = {"state": f"unreadable: {str(e)[:120]}"}
     if marker is not None:
         raise SystemExit(f"stoa: run {cfg.run!r}: its cold start did not finish (marker {cold_start_key(cfg.run)} "
                          f"says {marker.get('state')!r} and no v1 was published); start a new run with another "
