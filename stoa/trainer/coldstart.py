@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -211,7 +211,7 @@ class SftStep(NamedTuple):
 
 
 def sft_steps(policy: Any, rows: Sequence[SftRow], *, steps: int, batch: int, micro_batch: int, lr: float,
-              grad_clip: float, seed: int) -> list[SftStep]:
+              grad_clip: float, seed: int, note: Callable[[SftStep], Any] | None = None) -> list[SftStep]:
     """``steps`` AdamW steps of cross-entropy on the rows' action tokens (its own optimizer); the figures.
 
     Each step takes the next ``batch`` rows of a seeded shuffle (reshuffled when it runs out), in micro-batches
@@ -226,6 +226,7 @@ def sft_steps(policy: Any, rows: Sequence[SftRow], *, steps: int, batch: int, mi
         lr: the learning rate.
         grad_clip: clip the global gradient norm to this (0: no clip).
         seed: the shuffle's seed.
+        note: called with each step's figures as it ends (progress lines).
     """
     params = [p for p in policy.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -247,6 +248,8 @@ def sft_steps(policy: Any, rows: Sequence[SftRow], *, steps: int, batch: int, mi
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append(SftStep(step, loss_sum / max(total, 1), total, time.perf_counter() - t0))
+        if note is not None:
+            note(out[-1])
     return out
 
 

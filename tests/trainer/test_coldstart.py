@@ -86,6 +86,8 @@ def test_a_new_run_cold_starts_before_v1_and_a_resumed_run_never_redoes_it(tmp_p
     rows = [r for r in read_bucket_metrics(bucket, "r") if "sft/loss" in r]
     assert [r["sft/step"] for r in rows] == [1, 2, 3] and all(r["sft/tokens"] > 0 for r in rows)
     assert not t.pool.entries  # demonstrations are never rollout records
+    assert [x.split(":")[0] for x in lines if "cold start step" in x] == [f"[trainer] cold start step {i}/3"
+                                                                          for i in (1, 2, 3)]
     stored = json.loads(bucket.get("runs/r/config.json"))["settings"]
     assert stored["cold_start"] == "demos" and stored["cold_start_steps"] == 3
     # v1 holds the cold-started weights, not the base model's
