@@ -41,7 +41,7 @@ FLAG_GROUPS: tuple[FlagGroup, ...] = (
     FlagGroup("optimizer", "optimizer and objective", ("algorithm", "algo", "kl_beta", "lr", "weight_decay",
                                                        "grad_clip", "micro_batch", "gradient_checkpointing",
                                                        "steps", "skip_uniform_groups", "old_logprobs",
-                                                       "shared_prefix")),
+                                                       "shared_prefix", "cold_start"), ("cold_start",)),
     FlagGroup("fleet", "fleet: bucket, run, weights and pacing", (
         "bucket", "run", "name", "plane", "staleness_bound", "reuse_cap", "anchor_every", "keep_versions",
         "keep_rollout_versions", "backpressure", "poll_seconds", "wait_seconds", "max_wait_seconds",

@@ -110,6 +110,18 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                "<bucket digest>-<run>.ed25519; created 0600 with a signed run, never written to "
                                "the bucket); a restarted trainer needs the same file.")
 
+    cold_start: str = setting("", "Begin a new run with supervised fine-tuning before v1 is published (loss on the "
+                                  "policy's own turns only): '' (none), 'demos' (demonstrations the task builds; "
+                                  "search and arithmetic have them) or the path of a JSONL file of conversations "
+                                  "({\"messages\": [...]}, TRL's conversational format). Runs once per run; a "
+                                  "restart never redoes it.")
+    cold_start_steps: int = setting(32, "AdamW steps of the cold start (with cold_start set).")
+    cold_start_examples: int = setting(256, "Demonstrations the cold start trains on: built by the task, or the "
+                                            "first this many of the JSONL file.")
+    cold_start_batch: int = setting(8, "Demonstrations per cold-start step (micro-batched by micro_batch).")
+    cold_start_lr: float = setting(1e-4, "AdamW learning rate of the cold start (its own optimizer; RL starts "
+                                         "with fresh moments at lr); 0 = use lr.")
+
     def validate(self) -> TrainerConfig:
         """Raise ``ConfigError`` naming the first invalid field; return self."""
         super().validate()
@@ -134,6 +146,16 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         if not 0 < self.quarantine_reject_rate <= 1:
             raise ConfigError("quarantine_reject_rate", f"must be in (0, 1], got "
                                                         f"{self.quarantine_reject_rate}")
+        self._check_cold_start()
         if self.keep_versions < self.staleness_bound + 1:
             raise ConfigError("keep_versions", f"must be >= staleness_bound + 1 = {self.staleness_bound + 1}")
         return self
+
+    def _check_cold_start(self) -> None:
+        """Raise ``ConfigError`` for cold-start settings that cannot run."""
+        at_least(self, 1, ("cold_start_steps", "cold_start_examples", "cold_start_batch"))
+        if not 0 <= self.cold_start_lr < 1:
+            raise ConfigError("cold_start_lr", f"must be in [0, 1) (0 = use lr), got {self.cold_start_lr}")
+        if self.cold_start not in ("", "demos") and not self.cold_start.endswith((".jsonl", ".json")):
+            raise ConfigError("cold_start", f"{self.cold_start!r} is not '', 'demos' or a .jsonl file of "
+                                            "conversations; give one of those")

@@ -10,6 +10,7 @@ from typing import ClassVar
 import numpy as np
 
 from stoa.tasks.base import Prompt, chat_messages, check_prompt_version, format_prompt_id, parse_prompt_id
+from stoa.tasks.demos import Demo
 from stoa.tasks.extract import EXTRACT_VERSION, answers_match, extract_answer, normalize_number
 
 __all__ = ["ArithmeticTask"]
@@ -237,6 +238,19 @@ class ArithmeticTask:
             rng: source of the random training index.
         """
         return self.get(format_prompt_id("train", int(rng.integers(0, 2**62))))
+
+    def demonstrations(self, n: int, rng: np.random.Generator) -> list[Demo]:
+        """``n`` demonstrations on random training problems: the answer alone, as the prompt asks.
+
+        Args:
+            n: how many.
+            rng: source of the problems.
+        """
+        out = []
+        for _ in range(n):
+            prompt = self.sample_train(rng)
+            out.append(Demo(prompt, (prompt.answer,)))
+        return out
 
     def heldout(self, n: int) -> list[Prompt]:
         """The first n held-out prompts, "test:0" .. "test:<n-1>".

@@ -28,6 +28,7 @@ from stoa.tasks.base import (
     format_prompt_id,
     parse_prompt_id,
 )
+from stoa.tasks.demos import Demo
 from stoa.tasks.multiturn import LIMIT_OPTIONS, limits_spec, task_limits
 from stoa.tasks.qa import (
     QA_VERSION,
@@ -355,6 +356,23 @@ class SearchTask(SearchTaskBase):
         if n < 0:
             raise ValueError(f"search: heldout n must be >= 0, got {n}")
         return [self.get(format_prompt_id("test", i)) for i in range(min(n, len(self.world.test)))]
+
+    def demonstrations(self, n: int, rng: np.random.Generator) -> list[Demo]:
+        """``n`` demonstrations of the protocol on random training questions: search with the question, then
+        answer with the first gold answer. The trainer keeps one only when a document it retrieves holds that
+        answer (``Demo.evidence``).
+
+        Args:
+            n: how many.
+            rng: source of the questions.
+        """
+        out = []
+        for i in rng.integers(0, len(self.world.train), size=n):
+            q = self.world.train[int(i)]
+            prompt = self.get(format_prompt_id("train", int(i)))
+            out.append(Demo(prompt, (f"{_OPEN} {q.text.strip()} {_CLOSE}", f"<answer> {q.golds[0]} </answer>"),
+                            evidence=q.golds[0]))
+        return out
 
     def __repr__(self) -> str:
         return f"SearchTask(seed={self.seed}, entities={self.entities}, reward={self.reward_kind!r})"

@@ -20,6 +20,7 @@ from stoa.telemetry.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.telemetry.trackers import open_trackers, sample_completions
 from stoa.tokenize import TextCodec
 from stoa.trainer import checkpoint as ckpt
+from stoa.trainer import coldstart
 from stoa.trainer.cadence import CheckpointCadence
 from stoa.trainer.demand import RolloutRetention, StatusPublisher, UniformSkips, poll_delay, wanted_groups
 from stoa.trainer.dist import SINGLE, Dist
@@ -209,7 +210,10 @@ class _Trainer:
             self.version = 1
             # Evaluate before publishing v1, so workers (which wait for v1) don't compete for the CPU.
             self.evaluate("before")
+            if coldstart.run_stage(self):  # supervised steps first: v1 holds the cold-started weights
+                self.evaluate("cold start")
             self.publish(1)
+            coldstart.finish_stage(self)
             self.echo(f"[trainer] run {cfg.run}: published v1 ({self.contract.model.architecture}, plane {cfg.plane})")
             return
         self.version = pointer.version

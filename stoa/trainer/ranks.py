@@ -20,6 +20,7 @@ from stoa.algorithms import Algorithm, get_algorithm
 from stoa.bucket import Bucket
 from stoa.config import TrainerConfig
 from stoa.trainer import checkpoint as ckpt
+from stoa.trainer.coldstart import SftRow, SftStep, sft_steps
 from stoa.trainer.dist import Dist
 from stoa.trainer.policy import Policy, compute_dtype
 from stoa.trainer.pool import Entry
@@ -65,6 +66,18 @@ class RankOps:
         return train_step(self.policy, self.ref, self.opt, self.algo, entries, current_version=current_version,
                           micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip, shared_prefix=cfg.shared_prefix,
                           step=step, total_steps=cfg.steps, dist=self.dist, top_p=cfg.top_p)
+
+    def cold_start(self, rows: Sequence[SftRow]) -> list[SftStep]:
+        """The cold start's supervised steps (every rank runs every row; a sharded model averages equal grads)."""
+        cfg, every = self.cfg, max(1, self.cfg.cold_start_steps // 8)
+
+        def note(f: SftStep) -> None:
+            if self.dist.main and (f.step % every == 0 or f.step == cfg.cold_start_steps):
+                self.echo(f"[trainer] cold start step {f.step}/{cfg.cold_start_steps}: loss {f.loss:.3f} "
+                          f"({f.tokens} tokens, {f.seconds:.1f}s)")
+        return sft_steps(self.policy, rows, steps=cfg.cold_start_steps, batch=cfg.cold_start_batch,
+                         micro_batch=cfg.micro_batch, lr=cfg.cold_start_lr or cfg.lr, grad_clip=cfg.grad_clip,
+                         seed=cfg.seed, note=note)
 
     def export(self) -> dict[str, np.ndarray]:
         """The full fp32 master weights on rank 0 (``{}`` elsewhere)."""

@@ -1,0 +1,352 @@
+"""The cold start: supervised steps on demonstrations before a new run publishes v1.
+
+A run with ``cold_start`` set (``demos``: the task's own ``demonstrations``; a path: a JSONL file of
+conversations in TRL's conversational format) trains ``cold_start_steps`` AdamW steps of next-token
+cross-entropy on the policy's own turns (``ROLE_ACTION``; prompts and observations carry no loss) before the
+trainer publishes v1, so v1 holds the cold-started weights and RL continues from them.
+
+Each demonstration becomes a row exactly as an episode would have it: the prompt rendered with the run's chat
+template, each turn tokenised, each tool call run with the trainer's own tools and its observation built by the
+task's environment and ``observation_tokens``. A JSONL line that is malformed, whose tool results differ from
+the trainer's tools, or that exceeds the limits stops the stage with one line naming the file and line: nothing
+is trained. The rows never pass through the rollout pool. The stage writes ``runs/<run>/trainer/cold_start.json``
+(``started`` before the first step, ``done`` once v1 is published); a run whose marker says ``started`` and that
+has no v1 was stopped mid-stage, and the trainer refuses to start RL on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from stoa.algorithms.batch import pack_rows
+from stoa.bucket import Bucket, ObjectNotFound
+from stoa.engines.torch_scoring import to_device
+from stoa.envs.base import Tools, observation_tokens
+from stoa.layout import run_prefix
+from stoa.rollouts.episode import ROLE_ACTION
+from stoa.tasks.demos import ColdStartError, Demo, load_conversations, task_demonstrations
+from stoa.tasks.multiturn import is_multiturn
+from stoa.untrusted import load_object
+
+__all__ = ["ColdStartError", "SftRow", "build_rows", "cold_start_key", "load_conversations", "prepare", "run_stage",
+           "sft_loss", "sft_steps"]
+
+class SftRow(NamedTuple):
+    """One demonstration as the trainer trains it: prompt ids, then the episode's tokens and their roles."""
+
+    prompt: np.ndarray
+    """int32 prompt token ids (the chat template's rendering, generation prompt included)."""
+    tokens: np.ndarray
+    """int32 ids after the prompt: the policy's turns and the observations between them."""
+    roles: np.ndarray
+    """int8 ``ROLE_*`` of each token; the loss reads ``ROLE_ACTION`` only."""
+
+
+def cold_start_key(run_id: str) -> str:
+    """Key of the run's cold-start marker, ``runs/<run>/trainer/cold_start.json``.
+
+    Args:
+        run_id: the run.
+    """
+    return f"{run_prefix(run_id)}/trainer/cold_start.json"
+
+
+def read_marker(bucket: Bucket, run_id: str) -> dict[str, Any] | None:
+    """The run's cold-start marker (``state``: ``started`` or ``done``, and the stage's figures), or None.
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run.
+    """
+    try:
+        data = bucket.get(cold_start_key(run_id))
+    except ObjectNotFound:
+        return None
+    return load_object(data, cold_start_key(run_id), max_bytes=1 << 16)
+
+
+def write_marker(bucket: Bucket, run_id: str, state: str, **figures: Any) -> None:
+    """Write the run's cold-start marker.
+
+    Args:
+        bucket: the run's bucket (lease-fenced).
+        run_id: the run.
+        state: ``started`` or ``done``.
+        **figures: what to record with it (source, steps, losses).
+    """
+    bucket.put(cold_start_key(run_id), json.dumps({"state": state, **figures}, sort_keys=True).encode())
+
+
+def build_rows(demos: Sequence[Demo], task: Any, codec: Any, tools: Tools | None, max_turn_tokens: int,
+               strict: bool) -> tuple[list[SftRow], int]:
+    """The rows of the demonstrations, and how many were dropped.
+
+    Args:
+        demos: the demonstrations.
+        task: the run's task (its environment and limits for a multi-turn task).
+        codec: the run's tokenizer (``TextCodec``).
+        tools: the trainer's own tools (a multi-turn task), else None.
+        max_turn_tokens: tokens one turn may hold (``max_new_tokens``).
+        strict: raise on the first demonstration that cannot be used (a user's file); else drop it (the task's).
+
+    Raises:
+        ColdStartError: ``strict`` and a demonstration that cannot be used (names its ``source``).
+    """
+    rows, dropped = [], 0
+    for demo in demos:
+        try:
+            rows.append(_row(demo, task, codec, tools, max_turn_tokens))
+        except ColdStartError as e:
+            if strict:
+                raise ColdStartError(f"cold_start: {demo.source or task.id}: {e}; fix or remove it (nothing was "
+                                     "trained)") from None
+            dropped += 1
+    return rows, dropped
+
+
+def _row(demo: Demo, task: Any, codec: Any, tools: Tools | None, max_turn_tokens: int) -> SftRow:
+    """One demonstration as a row (``ColdStartError`` naming what is wrong)."""
+    prompt = np.asarray(codec.encode_prompt(demo.prompt.messages), np.int32)
+    tokens: list[int] = []
+    roles: list[int] = []
+    multi = is_multiturn(task)
+    if not multi and len(demo.turns) != 1:
+        raise ColdStartError(f"a single-turn task takes one assistant turn, not {len(demo.turns)}")
+    try:
+        env = task.make_env(demo.prompt, 0) if multi else None
+    except (ValueError, KeyError) as e:  # e.g. a walk prompt id the task cannot rebuild
+        raise ColdStartError(f"the task builds no environment for this prompt ({str(e)[:200]})") from None
+    seen = []
+    for k, turn in enumerate(demo.turns):
+        ids = codec.encode_text(turn) + ([] if multi or not codec.eos_ids else [_eos(codec)])
+        if len(ids) > max_turn_tokens:
+            raise ColdStartError(f"turn {k} is {len(ids)} tokens, over max_new_tokens = {max_turn_tokens}")
+        tokens += ids
+        roles += [ROLE_ACTION] * len(ids)
+        if env is not None:
+            seen += _observe(demo, k, env, tools, codec, task.limits, tokens, roles)
+    if multi:
+        _check_limits(demo, task.limits, tokens)
+    if demo.evidence and not any(demo.evidence.lower() in text.lower() for text in seen):
+        raise ColdStartError(f"no document shown holds the answer {demo.evidence!r}")
+    return SftRow(prompt, np.asarray(tokens, np.int32), np.asarray(roles, np.int8))
+
+
+def _eos(codec: Any) -> int:
+    """The token that ends a single-turn completion: the tokenizer's EOS, else the first end token."""
+    eos = getattr(codec.tok, "eos_token_id", None)
+    return int(eos) if eos is not None else int(codec.eos_ids[0])
+
+
+def _observe(demo: Demo, k: int, env: Any, tools: Tools | None, codec: Any, limits: Any, tokens: list[int],
+             roles: list[int]) -> list[str]:
+    """Append turn ``k``'s observation (none after the last turn, which must make no call); its texts."""
+    call = env.parse(demo.turns[k])
+    last = k == len(demo.turns) - 1
+    if last:
+        if call is not None:
+            raise ColdStartError(f"the last turn makes a tool call ({call.name}); end with an answer")
+        return []
+    if call is None:
+        raise ColdStartError(f"turn {k} makes no tool call, yet more turns follow")
+    if tools is None:
+        raise ColdStartError("the task's tools are not open")
+    result = tools.run([call])[0]
+    if k < len(demo.tool_results) and demo.tool_results[k].strip() != result.text.strip():
+        raise ColdStartError(f"the tool result after turn {k} differs from what the trainer's tools return for "
+                             f"{call.arguments[:80]!r}")
+    obs_tokens, obs_roles = observation_tokens(env.observe(call, result), codec)
+    if len(obs_tokens) > limits.max_obs_tokens:
+        raise ColdStartError(f"the observation after turn {k} is {len(obs_tokens)} tokens, over max_obs_tokens = "
+                             f"{limits.max_obs_tokens}")
+    tokens += obs_tokens
+    roles += obs_roles
+    return [result.text]
+
+
+def _check_limits(demo: Demo, limits: Any, tokens: list[int]) -> None:
+    """Refuse an episode longer than the task's limits."""
+    if len(demo.turns) > limits.max_turns:
+        raise ColdStartError(f"{len(demo.turns)} turns, over max_turns = {limits.max_turns}")
+    if len(tokens) > limits.max_total_tokens:
+        raise ColdStartError(f"{len(tokens)} tokens after the prompt, over max_total_tokens = "
+                             f"{limits.max_total_tokens}")
+
+
+def sft_loss(policy: Any, rows: Sequence[SftRow]) -> tuple[torch.Tensor, int]:
+    """Summed negative logprob of the rows' action tokens (one forward), and how many there are.
+
+    Args:
+        policy: the trainer's ``Policy`` (its forward: packed rows, logprobs at the masked positions).
+        rows: the micro-batch.
+    """
+    width = max(len(r.tokens) for r in rows)
+    pk = pack_rows([r.prompt for r in rows], [r.tokens for r in rows], width)
+    scored = np.zeros((len(rows), width), np.float32)
+    for j, r in enumerate(rows):
+        scored[j, : len(r.roles)] = r.roles == ROLE_ACTION
+    logp = policy.logprobs(to_device(pk, policy.device, scored))
+    return -logp.sum(), int(scored.sum())
+
+
+class SftStep(NamedTuple):
+    """One cold-start step's figures."""
+
+    step: int
+    """1-based step."""
+    loss: float
+    """Mean cross-entropy per action token."""
+    tokens: int
+    """Action tokens trained on."""
+    seconds: float
+    """Wall time of the step."""
+
+
+def sft_steps(policy: Any, rows: Sequence[SftRow], *, steps: int, batch: int, micro_batch: int, lr: float,
+              grad_clip: float, seed: int, note: Callable[[SftStep], Any] | None = None) -> list[SftStep]:
+    """``steps`` AdamW steps of cross-entropy on the rows' action tokens (its own optimizer); the figures.
+
+    Each step takes the next ``batch`` rows of a seeded shuffle (reshuffled when it runs out), in micro-batches
+    of ``micro_batch``; the loss is the mean over the step's action tokens.
+
+    Args:
+        policy: the trainer's ``Policy``.
+        rows: the demonstrations' rows.
+        steps: optimizer steps.
+        batch: rows per step.
+        micro_batch: rows per forward/backward (0: the whole step).
+        lr: the learning rate.
+        grad_clip: clip the global gradient norm to this (0: no clip).
+        seed: the shuffle's seed.
+        note: called with each step's figures as it ends (progress lines).
+    """
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    rng, order, at, out = np.random.default_rng(seed), np.array([], np.int64), 0, []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        if at + batch > len(order):
+            order, at = rng.permutation(len(rows)), 0
+        picked = [rows[int(i)] for i in order[at : at + batch]]
+        at += batch
+        total = sum(int((r.roles == ROLE_ACTION).sum()) for r in picked)
+        size = micro_batch or len(picked)
+        loss_sum = 0.0
+        for i in range(0, len(picked), size):
+            loss, _n = sft_loss(policy, picked[i : i + size])
+            (loss / max(total, 1)).backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(SftStep(step, loss_sum / max(total, 1), total, time.perf_counter() - t0))
+        if note is not None:
+            note(out[-1])
+    return out
+
+
+def file_digest(path: str | Path) -> str:
+    """SHA-256 of a demonstrations file (recorded in the marker).
+
+    Args:
+        path: the file.
+    """
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class Prepared(NamedTuple):
+    """The cold start's rows and what to record about them."""
+
+    rows: list[SftRow]
+    """The rows to train on."""
+    info: dict[str, Any]
+    """Source (``demos`` or the file and its SHA-256), demonstrations built and dropped."""
+
+
+def prepare(cfg: Any, task: Any, codec: Any, tools: Tools | None) -> Prepared:
+    """The rows of the run's ``cold_start`` setting.
+
+    Args:
+        cfg: the trainer config.
+        task: the run's task.
+        codec: the run's tokenizer.
+        tools: the trainer's own tools (None: a single-turn task).
+
+    Raises:
+        ColdStartError: no demonstrations, a bad file line (names the file and line), or none usable.
+    """
+    n = cfg.cold_start_examples
+    if cfg.cold_start == "demos":
+        demos = task_demonstrations(task)(n, np.random.default_rng(cfg.seed))
+        rows, dropped = build_rows(demos, task, codec, tools, cfg.max_new_tokens, strict=False)
+        info: dict[str, Any] = {"source": "demos"}
+    else:
+        demos = load_conversations(cfg.cold_start, n)
+        rows, dropped = build_rows(demos, task, codec, tools, cfg.max_new_tokens, strict=True)
+        info = {"source": str(cfg.cold_start), "sha256": file_digest(cfg.cold_start)}
+    if not rows:
+        raise ColdStartError(f"cold_start: none of the {len(demos)} demonstrations of task {task.id!r} could be "
+                             "used (over the limits, or no document shown holds the answer); raise "
+                             "max_new_tokens or the task's limits, or give a JSONL file")
+    return Prepared(rows, {**info, "examples": len(rows), "dropped": dropped})
+
+
+def run_stage(trainer: Any) -> list[SftStep]:
+    """Before a new run's v1: refuse a run whose cold start was interrupted, else train the cold start on every
+    rank, record it (``started`` marker) and log ``sft/*``; [] when ``cold_start`` is off. The caller publishes
+    v1 and then calls ``finish_stage``.
+
+    Args:
+        trainer: the trainer (``cfg``, ``bucket``, ``task``, ``codec``, ``tools``, ``ranks``, ``metrics``,
+            ``fence``, ``echo``).
+
+    Raises:
+        SystemExit: an interrupted cold start, or demonstrations that cannot be used (one line naming the fix).
+    """
+    cfg, t = trainer.cfg, trainer
+    if not cfg.cold_start:
+        return []
+    try:
+        marker = read_marker(t.bucket, cfg.run)
+    except ValueError as e:
+        marker = {"state": f"unreadable: {str(e)[:120]}"}
+    if marker is not None:
+        raise SystemExit(f"stoa: run {cfg.run!r}: its cold start did not finish (marker {cold_start_key(cfg.run)} "
+                         f"says {marker.get('state')!r} and no v1 was published); start a new run with another "
+                         "--run, or delete that marker to run the cold start again")
+    try:
+        prepared = prepare(cfg, t.task, t.codec, t.tools.tools)
+    except ColdStartError as e:
+        raise SystemExit(f"stoa: {e}") from None
+    t.fence()
+    write_marker(t.bucket, cfg.run, "started", **prepared.info)
+    t.echo(f"[trainer] cold start: {cfg.cold_start_steps} steps on {prepared.info['examples']} demonstrations "
+           f"from {prepared.info['source']} ({prepared.info['dropped']} dropped)")
+    figures = t.ranks("cold_start", prepared.rows)
+    for f in figures:
+        t.metrics.log({"sft/step": f.step, "sft/loss": f.loss, "sft/tokens": f.tokens, "sft/seconds": f.seconds})
+    t.echo(f"[trainer] cold start: loss {figures[0].loss:.3f} -> {figures[-1].loss:.3f} in "
+           f"{sum(f.seconds for f in figures):.1f}s")
+    t.cold_start_info = {**prepared.info, "steps": len(figures), "loss_first": figures[0].loss,
+                         "loss_last": figures[-1].loss}
+    return figures
+
+
+def finish_stage(trainer: Any) -> None:
+    """Mark the cold start ``done`` (after v1, which holds its weights, is published).
+
+    Args:
+        trainer: the trainer that ran ``run_stage``.
+    """
+    info = getattr(trainer, "cold_start_info", None)
+    if info is not None:
+        trainer.fence()
+        write_marker(trainer.bucket, trainer.cfg.run, "done", **info)
