@@ -65,7 +65,7 @@ _REWARD_REV = 2
 """2: an episode whose own turns hold ``OBSERVATION_MARKUP`` scores 0."""
 _PROMPT_VERSION = 2
 """Revision of the built-in task's prompts; bumped with ``INSTRUCTIONS`` and with ``world.WORLD_VERSION``."""
-_CACHE: dict[tuple[int, int], World] = {}
+_CACHE: dict[tuple[int, int, int], World] = {}
 
 
 EXAMPLE_QUESTION = "Where was Tom Brant born?"
@@ -281,6 +281,9 @@ class SearchTask(SearchTaskBase):
     Args:
         seed: the world's seed.
         entities: about how many entities the world has (>= 20).
+        hops: 1 (every answer is on the subject's own page) or 2 (also questions through a second entity: the
+            founder's birth year, the capital's river, ...; ``stoa.tasks.world``), which a model answers with two
+            searches.
         n_docs: if given, the corpus must have this many documents (a check, from spec()).
         n_train: if given, the train split must have this many questions (a check, from spec()).
         n_test: if given, the test split must have this many questions (a check, from spec()).
@@ -289,21 +292,24 @@ class SearchTask(SearchTaskBase):
     """
 
     id: str = "search"
-    OPTIONS: ClassVar[dict[str, type]] = {"seed": int, "entities": int, "n_docs": int, "n_train": int,
+    OPTIONS: ClassVar[dict[str, type]] = {"seed": int, "entities": int, "hops": int, "n_docs": int, "n_train": int,
                                           "n_test": int, "prompt_version": int, **SEARCH_OPTIONS}
 
-    def __init__(self, seed: int = 0, entities: int = 1000, n_docs: int | None = None, n_train: int | None = None,
-                 n_test: int | None = None, prompt_version: int | None = None, **search: Any) -> None:
+    def __init__(self, seed: int = 0, entities: int = 1000, hops: int = 1, n_docs: int | None = None,
+                 n_train: int | None = None, n_test: int | None = None, prompt_version: int | None = None,
+                 **search: Any) -> None:
         check_prompt_version(self.id, prompt_version, _PROMPT_VERSION)
         if not 0 <= seed < 2**63:
             raise ValueError(f"search: option 'seed' must be in [0, 2**63), got {seed}")
         if not 20 <= entities <= 200_000:
             raise ValueError(f"search: option 'entities' must be in [20, 200000], got {entities}")
+        if hops not in (1, 2):
+            raise ValueError(f"search: option 'hops' must be 1 or 2, got {hops}")
         self._init_search(**search)
-        self.seed, self.entities = seed, entities
-        key = (seed, entities)
+        self.seed, self.entities, self.hops = seed, entities, hops
+        key = (seed, entities, hops)
         if key not in _CACHE:
-            _CACHE[key] = build_world(seed, entities)
+            _CACHE[key] = build_world(seed, entities, hops)
         self.world = _CACHE[key]
         actual = {"n_docs": len(self.world.docs), "n_train": len(self.world.train), "n_test": len(self.world.test)}
         for name, want in (("n_docs", n_docs), ("n_train", n_train), ("n_test", n_test)):
@@ -313,7 +319,8 @@ class SearchTask(SearchTaskBase):
 
     def spec(self) -> dict[str, object]:
         """JSON-able options that rebuild this task (``get_task("search", **spec)``), sizes included."""
-        return {"seed": self.seed, "entities": self.entities, "n_docs": len(self.world.docs),
+        hops = {"hops": self.hops} if self.hops != 1 else {}  # one-hop runs keep the spec they always had
+        return {"seed": self.seed, "entities": self.entities, **hops, "n_docs": len(self.world.docs),
                 "n_train": len(self.world.train), "n_test": len(self.world.test),
                 "prompt_version": _PROMPT_VERSION, **self._search_spec()}
 
@@ -358,9 +365,9 @@ class SearchTask(SearchTaskBase):
         return [self.get(format_prompt_id("test", i)) for i in range(min(n, len(self.world.test)))]
 
     def demonstrations(self, n: int, rng: np.random.Generator) -> list[Demo]:
-        """``n`` demonstrations of the protocol on random training questions: search with the question, then
-        answer with the first gold answer. The trainer keeps one only when a document it retrieves holds that
-        answer (``Demo.evidence``).
+        """``n`` demonstrations of the protocol on random training questions: search with the question (a
+        two-hop question: with each of its sub-questions in turn), then answer with the first gold answer. The
+        trainer keeps one only when a document it retrieves holds that answer (``Demo.evidence``).
 
         Args:
             n: how many.
@@ -370,9 +377,9 @@ class SearchTask(SearchTaskBase):
         for i in rng.integers(0, len(self.world.train), size=n):
             q = self.world.train[int(i)]
             prompt = self.get(format_prompt_id("train", int(i)))
-            out.append(Demo(prompt, (f"{_OPEN} {q.text.strip()} {_CLOSE}", f"<answer> {q.golds[0]} </answer>"),
-                            evidence=q.golds[0]))
+            searches = tuple(f"{_OPEN} {query.strip()} {_CLOSE}" for query in (q.steps or (q.text,)))
+            out.append(Demo(prompt, (*searches, f"<answer> {q.golds[0]} </answer>"), evidence=q.golds[0]))
         return out
 
     def __repr__(self) -> str:
-        return f"SearchTask(seed={self.seed}, entities={self.entities}, reward={self.reward_kind!r})"
+        return f"SearchTask(seed={self.seed}, entities={self.entities}, hops={self.hops}, reward={self.reward_kind!r})"

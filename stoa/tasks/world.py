@@ -47,6 +47,11 @@ class Question:
     """The question."""
     golds: tuple[str, ...]
     """The gold answers (an invented name or a year; a river also by its name alone)."""
+    steps: tuple[str, ...] = ()
+    """A two-hop question's sub-questions in order (the first names the subject, the second the bridge entity
+    its answer names); empty for a one-hop question, whose answer is on the subject's own page."""
+    bridge: str = ""
+    """Id of the entity a two-hop question's answer is on (empty for a one-hop question)."""
 
 
 @dataclass(frozen=True)
@@ -215,12 +220,46 @@ def _questions(e: _Entities) -> list[Question]:
     return qs
 
 
-def build_world(seed: int, entities: int) -> World:
+def _two_hop_questions(e: _Entities) -> list[Question]:
+    """Questions whose answer sits on a second entity's page, named only on the subject's page: the founder's
+    birth year (the subject's page holds a distracting year of its own), the capital's river, the country of a
+    birth city or of a headquarters."""
+    qs: list[Question] = []
+    for c in e.countries:
+        cap = e.cities[int(c["capital"])]
+        qs.append(Question(_s(c["id"]), f"Which river flows through the capital of {c['name']}?",
+                           (f"{cap['river']} River", _s(cap["river"])),
+                           (f"What is the capital of {c['name']}?", f"Which river flows through {cap['name']}?"),
+                           _s(cap["id"])))
+    for p in e.people:
+        city = e.cities[int(p["city"])]
+        qs.append(Question(_s(p["id"]), f"In which country was {p['name']} born?",
+                           (_s(e.countries[int(city["country"])]["name"]),),
+                           (f"In which city was {p['name']} born?", f"In which country is {city['name']}?"),
+                           _s(city["id"])))
+    for c in e.companies:
+        founder, city = e.people[int(c["founder"])], e.cities[int(c["city"])]
+        qs.append(Question(_s(c["id"]), f"In what year was the founder of {c['name']} born?",
+                           (_s(founder["year"]),),
+                           (f"Who founded {c['name']}?", f"In what year was {founder['name']} born?"),
+                           _s(founder["id"])))
+        qs.append(Question(_s(c["id"]), f"In which country is {c['name']} headquartered?",
+                           (_s(e.countries[int(city["country"])]["name"]),),
+                           (f"In which city is {c['name']} headquartered?", f"In which country is {city['name']}?"),
+                           _s(city["id"])))
+    return qs
+
+
+def build_world(seed: int, entities: int, hops: int = 1) -> World:
     """The world of this seed and size.
 
     Args:
         seed: the generator's seed.
         entities: about how many entities (at least 20).
+        hops: 1: every question is about one entity's page; 2: two-hop questions too (``_two_hop_questions``).
+            The corpus and the held-out entities are the same for both. A two-hop question is held out when its
+            subject is (its bridge may be a training entity); a training one needs both its subject and its
+            bridge outside the held-out entities, so no demonstration ever shows a held-out entity's page.
     """
     rng = random.Random(f"stoa.tasks.world|v{WORLD_VERSION}|{seed}|{entities}")
     e = _make_entities(rng, _Namer(rng), entities)
@@ -228,8 +267,8 @@ def build_world(seed: int, entities: int) -> World:
     subjects = [_s(x["id"]) for group in (e.countries, e.cities, e.people, e.companies) for x in group]
     n_held = max(1, round(HELDOUT_SHARE * len(subjects)))
     held = frozenset(rng.sample(subjects, k=n_held))
-    qs = _questions(e)
-    train = [q for q in qs if q.subject not in held]
+    qs = _questions(e) + (_two_hop_questions(e) if hops >= 2 else [])
+    train = [q for q in qs if q.subject not in held and q.bridge not in held]
     test = [q for q in qs if q.subject in held]
     rng.shuffle(train)
     rng.shuffle(test)

@@ -61,7 +61,8 @@ def test_spec_round_trip_and_checks(task: SearchTask) -> None:
 @pytest.mark.parametrize(("options", "name"), [({"entities": 5}, "entities"), ({"seed": -1}, "seed"),
                                                ({"reward": "f1"}, "reward"), ({"topk": 0}, "topk"),
                                                ({"max_turns": 0}, "max_turns"), ({"size": 3}, "size"),
-                                               ({"shots": 2}, "shots"), ({"format_reward": 1.0}, "format_reward")])
+                                               ({"shots": 2}, "shots"), ({"format_reward": 1.0}, "format_reward"),
+                                               ({"hops": 3}, "hops"), ({"hops": 0}, "hops")])
 def test_bad_options_name_the_option(options: dict[str, object], name: str) -> None:
     with pytest.raises(ValueError, match=f"'{name}'"):
         get_task("search", **options)
@@ -108,6 +109,48 @@ def test_answers_are_not_in_the_prompt_but_in_the_subjects_document(task: Search
             assert golds == q.golds
             assert not any(normalize_answer(g) in prompt for g in golds), (p.id, golds)
             assert golds[0] in docs[q.subject].text, (p.id, golds)
+
+
+@pytest.fixture(scope="module")
+def two_hop() -> SearchTask:
+    return SearchTask(hops=2)
+
+
+def test_two_hop_spec_round_trips_and_one_hop_spec_is_unchanged(task: SearchTask, two_hop: SearchTask) -> None:
+    assert "hops" not in task.spec()  # a one-hop run's contract and fingerprint are what they always were
+    assert two_hop.spec()["hops"] == 2 and get_task("search", **two_hop.spec()).spec() == two_hop.spec()
+    assert [d.text for d in two_hop.corpus()] == [d.text for d in task.corpus()]
+    assert two_hop.world.heldout_entities == task.world.heldout_entities
+    assert {q.text for q in task.world.test} < {q.text for q in two_hop.world.test}
+
+
+def test_two_hop_answers_sit_on_the_bridge_page_which_only_the_subject_page_names(two_hop: SearchTask) -> None:
+    docs = {d.id: d for d in two_hop.corpus()}
+    hops = [q for q in two_hop.world.train + two_hop.world.test if q.steps]
+    assert len(hops) > 0.2 * (len(two_hop.world.train) + len(two_hop.world.test))
+    for q in hops:
+        subject, bridge = docs[q.subject], docs[q.bridge]
+        assert len(q.steps) == 2 and bridge.title in q.steps[1] and bridge.title not in q.text
+        assert bridge.title in subject.text  # the first search finds the bridge's name
+        assert q.golds[0] in bridge.text and q.golds[0] not in subject.text
+
+
+def test_two_hop_training_questions_never_show_a_held_out_page(two_hop: SearchTask) -> None:
+    held = two_hop.world.heldout_entities
+    assert all(q.subject not in held and q.bridge not in held for q in two_hop.world.train)
+    assert all(q.subject in held for q in two_hop.world.test)
+    assert any(q.steps for q in two_hop.world.test)
+
+
+def test_two_hop_demonstrations_search_each_step_then_answer(two_hop: SearchTask) -> None:
+    demos = two_hop.demonstrations(64, np.random.default_rng(0))
+    multi = [d for d in demos if len(d.turns) == 3]
+    assert multi and len(multi) < len(demos)
+    for d in multi:
+        q = next(q for q in two_hop.world.train if q.text in d.prompt.messages[-1]["content"])
+        assert d.turns[:2] == tuple(f"<search> {s} </search>" for s in q.steps)
+        assert d.turns[2] == f"<answer> {q.golds[0]} </answer>" and d.evidence == q.golds[0]
+        assert two_hop.is_correct(d.prompt, "\n".join(d.turns))
 
 
 def test_corpus_ids_unique_and_names_do_not_nest() -> None:
