@@ -82,6 +82,8 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                                  "records is rejected.")
     eval_k: int = setting(1, "Multi-turn tasks: sampled episodes per held-out prompt for eval/pass@k (1 = greedy "
                              "EM and cover-EM only).")
+    eval_k_final: int = setting(0, "Multi-turn tasks: sampled episodes per held-out prompt for eval/pass@k at the "
+                                   "two evals a run is judged by, after the cold start and the last (0 = eval_k).")
     quarantine_min_records: int = setting(8, "Records a worker must have sent before its rates are judged.")
     preflight: bool = setting(True, "Refuse to start when the estimated peak memory per rank exceeds the device's "
                                     "(stoa.trainer.peak; the error names the knob that would fit); false: "
@@ -129,6 +131,7 @@ class TrainerConfig(TrainingConfig, FleetConfig):
             raise ConfigError("plane", f"{self.plane!r} is not one of {PLANES}")
         at_least(self, 1, ("micro_batch", "anchor_every", "keep_checkpoints", "keep_versions", "reuse_cap",
                            "quarantine_min_records", "eval_k"))
+        at_least(self, 0, ("eval_k_final",))
         at_least(self, 0, ("staleness_bound", "available_memory_gb", "checkpoint_every", "checkpoint_minutes"))
         one_of(self, "dtype", DTYPES)
         if self.sign_weights.lower() not in ("auto", "true", "false"):

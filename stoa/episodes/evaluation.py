@@ -115,11 +115,12 @@ def evaluate_episodes(engine: Any, task: Any, codec: Any, tools: Tools, n: int, 
 
     Returns:
         ``accuracy`` (greedy, the task's ``is_correct``), ``em``, ``cover_em``, ``search_rate``, ``turns_mean``,
-        ``pass@k`` (with k > 1), ``n`` and ``seconds``.
+        ``pass@k`` and ``sampled_accuracy`` (the share of the ``k`` sampled episodes that are correct; with
+        k > 1), ``n`` and ``seconds``.
     """
     prompts = task.heldout(n)
     t0 = time.perf_counter()
-    em, cover, correct, eps, passed = [], [], [], [], []
+    em, cover, correct, eps, passed, sampled_ok = [], [], [], [], [], []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         greedy = sample_episodes(engine, task, codec, tools, chunk, 1, max_turn_tokens=max_turn_tokens,
@@ -133,14 +134,16 @@ def evaluate_episodes(engine: Any, task: Any, codec: Any, tools: Tools, n: int, 
         if k > 1:
             sampled = sample_episodes(engine, task, codec, tools, chunk, k, max_turn_tokens=max_turn_tokens,
                                       temperature=temperature)
-            passed += [float(any(task.is_correct(p, t) for t in texts))
-                       for p, texts in zip(chunk, sampled.texts, strict=True)]
+            ok = [[float(task.is_correct(p, t)) for t in texts] for p, texts in zip(chunk, sampled.texts, strict=True)]
+            passed += [max(row) for row in ok]
+            sampled_ok += [x for row in ok for x in row]
     out = {"accuracy": float(np.mean(correct)) if correct else 0.0, "em": float(np.mean(em)) if em else 0.0,
            "cover_em": float(np.mean(cover)) if cover else 0.0, "n": float(len(prompts)),
            "seconds": time.perf_counter() - t0}
     out.update({k_.removeprefix("eval/"): v for k_, v in episode_metrics([eps], "eval/").items()})
     if k > 1:
         out[f"pass@{k}"] = float(np.mean(passed)) if passed else 0.0
+        out["sampled_accuracy"] = float(np.mean(sampled_ok)) if sampled_ok else 0.0
     return out
 
 

@@ -38,6 +38,8 @@ from stoa.weights.publish import WeightPublisher
 from stoa.weights.signing import trainer_signer
 from stoa.weights.sync import WeightSync
 
+FINAL_EVALS = ("cold start", "after")
+"""The evals a run is judged by: they sample ``eval_k_final`` episodes per prompt for pass@k."""
 EVALUATOR_MAX_AGE_S = 90.0  # an evaluator beating this recently (every 30 s; clocks may differ) does the evals
 
 
@@ -433,11 +435,14 @@ class _Trainer:
                 self.echo(f"[trainer] {self.dist.world_size} ranks: the trainer does not evaluate; run "
                           f"'stoa eval --follow --bucket {cfg.bucket} --run {cfg.run}' for held-out figures")
             return
+        k = cfg.eval_k_final if label in FINAL_EVALS and cfg.eval_k_final else cfg.eval_k
         ev = evaluate(self.policy.model, self.codec, self.task, cfg.eval_n, cfg.max_new_tokens,
-                      tools=self.tools.tools, k=cfg.eval_k)
+                      tools=self.tools.tools, k=k)
         self.metrics.log({"version": self.version, **{f"eval/{k}": v for k, v in ev.items()}})
         extra = (f", cover-EM {ev['cover_em']:.3f}, EM {ev['em']:.3f}, search rate {ev['search_rate']:.2f}"
                  if {"cover_em", "em", "search_rate"} <= set(ev) else "")
+        if f"pass@{k}" in ev:
+            extra += f", pass@{k} {ev[f'pass@{k}']:.3f} (sampled {ev['sampled_accuracy']:.3f})"
         self.echo(f"[trainer] eval ({label}, v{self.version}): held-out accuracy {ev['accuracy']:.3f}{extra} on "
                   f"{int(ev['n'])} prompts ({ev['seconds']:.1f}s)")
         self.summary["evals"].append({"version": self.version, "label": label, **ev})

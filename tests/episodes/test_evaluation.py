@@ -79,3 +79,24 @@ def test_local_single_turn_eval_row_keeps_its_keys_and_its_decoding_settings() -
     assert row["eval/accuracy"] == pytest.approx(4 / 7) and row["eval/reward_mean"] == pytest.approx(9.5 / 7)
     assert calls[0] == {"n": 1, "max_new_tokens": 6, "temperature": 0.9, "top_p": 1.0, "eos_ids": (2,),
                         "seed": derive_seed(11, 3, 1), "greedy": True}
+
+
+def test_episode_eval_reports_pass_at_k_and_the_sampled_share_correct(monkeypatch) -> None:
+    """Prompt i's k sampled episodes: the first i % 3 of them correct; greedy: always wrong."""
+    k = 4
+
+    def sample(engine: Any, task: Any, codec: Any, tools: Any, chunk: Sequence[Any], n: int, **kw: Any) -> Any:
+        if kw.get("greedy"):
+            return SimpleNamespace(texts=[["wrong"] for _ in chunk], groups=[[None] for _ in chunk])
+        texts = [[p.answer if j < int(p.answer) else "wrong" for j in range(n)] for p in chunk]
+        return SimpleNamespace(texts=texts, groups=[[None] * n for _ in chunk])
+
+    monkeypatch.setattr(evaluation, "sample_episodes", sample)
+    monkeypatch.setattr(evaluation, "episode_metrics", lambda groups, prefix: {})
+    ev = evaluation.evaluate_episodes(None, TASK, CODEC, None, 7, max_turn_tokens=8, k=k, batch=3)  # type: ignore[arg-type]
+    answers = [int(p.answer) for p in PROMPTS]  # 0 1 2 0 1 2 0
+    assert ev["accuracy"] == 0.0
+    assert ev["pass@4"] == pytest.approx(sum(a > 0 for a in answers) / 7)
+    assert ev["sampled_accuracy"] == pytest.approx(sum(answers) / (7 * k))
+    greedy_only = evaluation.evaluate_episodes(None, TASK, CODEC, None, 7, max_turn_tokens=8)  # type: ignore[arg-type]
+    assert "sampled_accuracy" not in greedy_only and not any(key.startswith("pass@") for key in greedy_only)

@@ -1,0 +1,44 @@
+"""The evals a run is judged by (after the cold start, and the last) sample ``eval_k_final`` episodes per prompt
+for pass@k; the others keep ``eval_k``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from stoa.config import TrainerConfig
+from stoa.config.base import ConfigError
+
+
+def test_cold_start_and_last_evals_use_eval_k_final_and_the_curve_keeps_eval_k(tmp_path, tiny_dir, monkeypatch):
+    from stoa.trainer import loop
+
+    seen: list[int] = []
+
+    def fake_evaluate(model: Any, codec: Any, task: Any, n: int, max_new_tokens: int, **kw: Any) -> dict[str, float]:
+        seen.append(kw["k"])
+        return {"accuracy": 0.5, "n": float(n), "seconds": 0.0}
+
+    monkeypatch.setattr(loop, "evaluate", fake_evaluate)
+    cfg = TrainerConfig(bucket=str(tmp_path / "b"), run="r", model="tiny", task="arithmetic", n_samples=2,
+                        eval_n=2, eval_k=2, eval_k_final=5, kl_beta=0.0, groups_per_step=2, poll_seconds=0.01,
+                        log_dir="", cold_start="demos", cold_start_steps=1, cold_start_examples=4,
+                        cold_start_batch=4, max_new_tokens=8).validate()
+    t = loop._Trainer(cfg, echo=lambda _line: None)
+    try:
+        t.open_lifecycle()
+        t.resume()  # evals "before" and "cold start", then v1
+        t.evaluate("step 3")
+        t.evaluate("after")
+        t.metrics.close()
+    finally:
+        t.close()
+    assert seen == [2, 5, 2, 5]
+    assert [e["label"] for e in t.summary["evals"]] == ["before", "cold start", "step 3", "after"]
+
+
+def test_eval_k_final_zero_means_eval_k_and_negative_is_refused(tmp_path):
+    assert TrainerConfig(bucket=str(tmp_path), run="r", model="tiny").validate().eval_k_final == 0
+    with pytest.raises(ConfigError, match="eval_k_final"):
+        TrainerConfig(bucket=str(tmp_path), run="r", model="tiny", eval_k_final=-1).validate()
