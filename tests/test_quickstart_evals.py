@@ -41,3 +41,21 @@ def test_set_wins_and_other_presets_keep_their_cadence():
     assert trainer_settings(_args(set=["eval-every=0"]), "r")["eval_every"] == 0
     assert trainer_settings(_args(model="tiny"), "r")["eval_every"] == 1  # CI's tiny search run: every step
     assert trainer_settings(_args(task="arithmetic", steps=30), "r")["eval_every"] == 10
+
+
+def test_the_summary_sets_the_cold_start_beside_before_and_final_with_pass_at_k():
+    from stoa.cli.quickstart import eval_lines
+
+    ev = [{"label": "before", "accuracy": 0.0, "cover_em": 0.0, "em": 0.0, "search_rate": 0.25},
+          {"label": "cold start", "accuracy": 0.5, "cover_em": 0.625, "em": 0.5, "search_rate": 1.0, "pass@8": 0.75,
+           "sampled_accuracy": 0.375},
+          {"label": "step 3", "accuracy": 0.125, "cover_em": 0.125, "em": 0.125, "search_rate": 0.5},
+          {"label": "after", "accuracy": 0.75, "cover_em": 0.875, "em": 0.75, "search_rate": 1.0, "pass@8": 1.0,
+           "sampled_accuracy": 0.5}]
+    rows = {line.split()[0]: line for line in eval_lines(ev)}
+    assert "cold start 0.625" in rows["cover-EM"] and "final 0.875" in rows["cover-EM"]
+    assert "0.125" not in rows["cover-EM"]  # a mid-run point is not a stage
+    assert rows["pass@8"].split("->")[1].strip() == "final 1.000"
+    assert "cold start 0.375" in rows["sampled"]
+    plain = eval_lines([{"label": "before", "accuracy": 0.1}, {"label": "after", "accuracy": 0.6}])
+    assert len(plain) == 1 and "after 0.600" in plain[0]

@@ -201,6 +201,30 @@ def bucket_arg(bucket: str | None, old: str | None) -> str:
     return old
 
 
+def eval_lines(evals: list[dict[str, Any]]) -> list[str]:
+    """The summary's held-out lines: before -> after, and with a cold start the three stages side by side
+    (before, after the cold start alone, final), with pass@k and the sampled share where the eval sampled.
+
+    Args:
+        evals: the trainer's evals in order (``label`` and the figures).
+    """
+    if not evals:
+        return []
+    a, b = evals[0], evals[-1]
+    out = [f"  held-out acc   before {a['accuracy']:.3f} -> after {b['accuracy']:.3f} ({len(evals)} evals)"]
+    stages = [("before", a)] + [("cold start", e) for e in evals if e.get("label") == "cold start"][:1]
+    stages += [("final", b)] if b is not a and b.get("label") != "cold start" else []
+    for key, name in (("cover_em", "cover-EM"), ("em", "EM"), ("search_rate", "search rate")):
+        if key in a:
+            out.append(f"  {name:<14} " + " -> ".join(f"{label} {e[key]:.3f}" for label, e in stages))
+    for key in sorted({k for _, e in stages for k in e if k.startswith("pass@")} | {"sampled_accuracy"}):
+        have = [(label, e[key]) for label, e in stages if key in e]
+        if have:
+            name = "sampled acc" if key == "sampled_accuracy" else key
+            out.append(f"  {name:<14} " + " -> ".join(f"{label} {v:.3f}" for label, v in have))
+    return out
+
+
 def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
 
     rows = read_metrics(root / metrics_prefix(run_id) / "trainer.jsonl")
@@ -218,13 +242,8 @@ def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
     if steps and "rollout/search_rate" in steps[0]:
         first, last = steps[0]["rollout/search_rate"], steps[-1]["rollout/search_rate"]
         print(f"  search rate    first {first:.3f} -> last {last:.3f} (training episodes)")
-    if evals:
-        print(f"  held-out acc   before {evals[0]['accuracy']:.3f} -> after {evals[-1]['accuracy']:.3f} "
-              f"({len(evals)} evals)")
-    if evals and "cover_em" in evals[0]:
-        a, b = evals[0], evals[-1]
-        print(f"  held-out       cover-EM {a['cover_em']:.3f} -> {b['cover_em']:.3f}, EM {a['em']:.3f} -> "
-              f"{b['em']:.3f}, search rate {a['search_rate']:.3f} -> {b['search_rate']:.3f}")
+    for line in eval_lines(evals):
+        print(line)
     where = root.resolve()
     print(f"  model          v{summary.get('version')} published under {where / weights_prefix(run_id)}; "
           f"fp32 master weights (sharded checkpoint) in {where / checkpoint_files_prefix(run_id)}")
