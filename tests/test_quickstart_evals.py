@@ -52,10 +52,13 @@ def test_the_summary_sets_the_cold_start_beside_before_and_final_with_pass_at_k(
           {"label": "step 3", "accuracy": 0.125, "cover_em": 0.125, "em": 0.125, "search_rate": 0.5},
           {"label": "after", "accuracy": 0.75, "cover_em": 0.875, "em": 0.75, "search_rate": 1.0, "pass@8": 1.0,
            "sampled_accuracy": 0.5}]
+    for e, two in zip(ev, (0.0, 0.25, 0.0, 0.75), strict=True):
+        e["cover_em_2hop"] = two
     rows = {line.split()[0]: line for line in eval_lines(ev)}
     assert "cold start 0.625" in rows["cover-EM"] and "final 0.875" in rows["cover-EM"]
     assert "0.125" not in rows["cover-EM"]  # a mid-run point is not a stage
     assert rows["pass@8"].split("->")[1].strip() == "final 1.000"
     assert "cold start 0.375" in rows["sampled"]
+    assert rows["2hop"].split("->")[1:] == [" cold start 0.250 ", " final 0.750"]
     plain = eval_lines([{"label": "before", "accuracy": 0.1}, {"label": "after", "accuracy": 0.6}])
     assert len(plain) == 1 and "after 0.600" in plain[0]

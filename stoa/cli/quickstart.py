@@ -214,8 +214,10 @@ def eval_lines(evals: list[dict[str, Any]]) -> list[str]:
     out = [f"  held-out acc   before {a['accuracy']:.3f} -> after {b['accuracy']:.3f} ({len(evals)} evals)"]
     stages = [("before", a)] + [("cold start", e) for e in evals if e.get("label") == "cold start"][:1]
     stages += [("final", b)] if b is not a and b.get("label") != "cold start" else []
-    for key, name in (("cover_em", "cover-EM"), ("em", "EM"), ("search_rate", "search rate")):
-        if key in a:
+    kinds = sorted({k for _, e in stages for k in e if k.startswith("cover_em_")})
+    for key, name in (("cover_em", "cover-EM"), *((k, f"  {k.removeprefix('cover_em_')}") for k in kinds),
+                      ("em", "EM"), ("search_rate", "search rate")):
+        if all(key in e for _, e in stages):
             out.append(f"  {name:<14} " + " -> ".join(f"{label} {e[key]:.3f}" for label, e in stages))
     for key in sorted({k for _, e in stages for k in e if k.startswith("pass@")} | {"sampled_accuracy"}):
         have = [(label, e[key]) for label, e in stages if key in e]

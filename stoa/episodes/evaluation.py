@@ -141,6 +141,7 @@ def evaluate_episodes(engine: Any, task: Any, codec: Any, tools: Tools, n: int, 
            "cover_em": float(np.mean(cover)) if cover else 0.0, "n": float(len(prompts)),
            "seconds": time.perf_counter() - t0}
     out.update({k_.removeprefix("eval/"): v for k_, v in episode_metrics([eps], "eval/").items()})
+    out.update(_by_kind(task, prompts, cover))
     if k > 1:
         out[f"pass@{k}"] = float(np.mean(passed)) if passed else 0.0
         out["sampled_accuracy"] = float(np.mean(sampled_ok)) if sampled_ok else 0.0
@@ -168,6 +169,22 @@ def evaluate_heldout(engine: Engine, codec: Any, task: Task, n: int, max_new_tok
         return evaluate_episodes(engine, task, codec, tools, n, max_turn_tokens=max_new_tokens, k=k,
                                  temperature=temperature, batch=min(batch, EPISODE_BATCH))
     return greedy_accuracy(engine, codec, task, n, max_new_tokens, batch)
+
+
+def _by_kind(task: Any, prompts: Sequence[Prompt], cover: Sequence[float]) -> dict[str, float]:
+    """``cover_em_<kind>`` per kind of question of a task that tells them apart (``prompt_kind``, e.g. the
+    built-in search task's ``1hop`` / ``2hop``), and ``n_<kind>``; {} for a task with one kind."""
+    kind_of = getattr(task, "prompt_kind", None)
+    if kind_of is None:
+        return {}
+    kinds = [str(kind_of(p)) for p in prompts]
+    if len(set(kinds)) < 2:
+        return {}
+    out: dict[str, float] = {}
+    for kind in sorted(set(kinds)):
+        picked = [c for c, k in zip(cover, kinds, strict=True) if k == kind]
+        out[f"cover_em_{kind}"], out[f"n_{kind}"] = float(np.mean(picked)), float(len(picked))
+    return out
 
 
 def _scores(task: Any, prompt: Prompt, text: str) -> dict[str, float]:

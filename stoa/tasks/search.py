@@ -364,6 +364,15 @@ class SearchTask(SearchTaskBase):
             raise ValueError(f"search: heldout n must be >= 0, got {n}")
         return [self.get(format_prompt_id("test", i)) for i in range(min(n, len(self.world.test)))]
 
+    def prompt_kind(self, prompt: Prompt) -> str:
+        """``1hop`` or ``2hop``: how many searches the question needs (evaluations report cover-EM per kind).
+
+        Args:
+            prompt: a prompt of this task.
+        """
+        split, index = parse_prompt_id(self.id, prompt.id, _SPLITS)
+        return "2hop" if (self.world.train if split == "train" else self.world.test)[index].steps else "1hop"
+
     def demonstrations(self, n: int, rng: np.random.Generator) -> list[Demo]:
         """``n`` demonstrations of the protocol on random training questions: search with the question (a
         two-hop question: with each of its sub-questions in turn), then answer with the first gold answer. The

@@ -100,3 +100,21 @@ def test_episode_eval_reports_pass_at_k_and_the_sampled_share_correct(monkeypatc
     assert ev["sampled_accuracy"] == pytest.approx(sum(answers) / (7 * k))
     greedy_only = evaluation.evaluate_episodes(None, TASK, CODEC, None, 7, max_turn_tokens=8)  # type: ignore[arg-type]
     assert "sampled_accuracy" not in greedy_only and not any(key.startswith("pass@") for key in greedy_only)
+
+
+def test_a_task_with_kinds_of_questions_gets_cover_em_per_kind(monkeypatch) -> None:
+    """Greedy answers: prompts 0, 2, 4, 6 right (as ``_decode``); kinds: even ids ``a``, odd ``b``, id 6 ``b``."""
+    def sample(engine: Any, task: Any, codec: Any, tools: Any, chunk: Sequence[Any], n: int, **kw: Any) -> Any:
+        texts = [[p.answer if int(p.id.split(":")[1]) % 2 == 0 else "wrong"] for p in chunk]
+        return SimpleNamespace(texts=texts, groups=[[None] for _ in chunk])
+
+    monkeypatch.setattr(evaluation, "sample_episodes", sample)
+    monkeypatch.setattr(evaluation, "episode_metrics", lambda groups, prefix: {})
+    kinds = SimpleNamespace(**vars(TASK), prompt_kind=lambda p: "b" if p.id in ("test:1", "test:3", "test:5",
+                                                                                   "test:6") else "a")
+    ev = evaluation.evaluate_episodes(None, kinds, CODEC, None, 7, max_turn_tokens=8)  # type: ignore[arg-type]
+    assert (ev["cover_em_a"], ev["n_a"]) == (1.0, 3.0)  # prompts 0, 2, 4
+    assert (ev["cover_em_b"], ev["n_b"]) == (pytest.approx(1 / 4), 4.0)  # prompt 6 of 1, 3, 5, 6
+    one = SimpleNamespace(**vars(TASK), prompt_kind=lambda p: "a")
+    assert not any(key.startswith("cover_em_") for key in
+                   evaluation.evaluate_episodes(None, one, CODEC, None, 7, max_turn_tokens=8))  # type: ignore[arg-type]

@@ -281,3 +281,9 @@ def test_an_answer_after_observation_markup_the_policy_wrote_earns_nothing(task:
         s = task.score(prompt, text)
         assert not s.em and not s.cover_em
     assert task.reward(prompt, f"<search> q </search>\n<answer> {gold} </answer>") == 1.0  # without markup
+
+
+def test_prompt_kind_tells_one_hop_from_two_hop(two_hop: SearchTask) -> None:
+    kinds = [two_hop.prompt_kind(p) for p in two_hop.heldout(10_000)]
+    assert kinds.count("2hop") == sum(1 for q in two_hop.world.test if q.steps) > 0
+    assert set(kinds) == {"1hop", "2hop"}
