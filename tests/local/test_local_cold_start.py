@@ -1,0 +1,175 @@
+"""Local mode's cold start on the tiny model: loss on action tokens only, learning on both backends, backends
+agree, the stage before RL in a new run, resume never redoes it, an unfinished stage refuses, bad files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from stoa.algorithms.batch import micro_batches
+from stoa.config import ConfigError
+from stoa.episodes.demo_rows import SftRow, build_rows
+from stoa.local import saved as ckpt
+from stoa.local.coldstart import MARKER, read_marker
+from stoa.local.loop import make_backend, run_local
+from stoa.local.torch_backend import TorchBackend
+from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO, ROLE_MASKED
+from stoa.tasks.arithmetic import ArithmeticTask
+from stoa.telemetry.metrics import read_metrics
+from stoa.tokenize import TextCodec
+
+BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.mlx)]
+A, M, E = ROLE_ACTION, ROLE_MASKED, ROLE_ECHO
+
+
+def _backend(name, make_cfg, tiny_dir, **kw):
+    if name == "mlx":
+        pytest.importorskip("mlx.core", reason="needs mlx (mlx[cpu] on Linux)")
+    return make_backend(make_cfg(backend=name, **({"dtype": "float32"} if name == "mlx" else {}), **kw), tiny_dir)
+
+
+def _demo_rows(tiny_dir, n=8) -> list[SftRow]:
+    task = ArithmeticTask()
+    rows, dropped = build_rows(task.demonstrations(n, np.random.default_rng(0)), task, TextCodec(tiny_dir), None,
+                               16, strict=True)
+    assert dropped == 0 and len(rows) == n
+    return rows
+
+
+def _loss(backend, rows) -> tuple[float, int]:
+    """Loss and tokens of one step at lr 0 (AdamW without weight decay moves nothing)."""
+    r = backend.sft_step(rows, micro_batches(len(rows), 0), 0.0)
+    return r.loss, r.tokens
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_loss_falls_over_steps(name, make_cfg, tiny_dir):
+    b = _backend(name, make_cfg, tiny_dir)
+    rows = _demo_rows(tiny_dir)
+    before = {k: v.copy() for k, v in b.adapter_arrays().items()}  # torch on CPU: views of the live adapters
+    losses = [b.sft_step(rows, micro_batches(len(rows), 3), 3e-2) for _ in range(6)]
+    assert losses[-1].loss < 0.8 * losses[0].loss, [x.loss for x in losses]  # LoRA on a 64-wide model
+    assert all(x.tokens == sum(len(r.tokens) for r in rows) for x in losses)  # single-turn: every token acts
+    assert b.optimizer_arrays()[1] == 0  # the RL optimizer never stepped: RL starts with fresh moments
+    assert any(not np.array_equal(v, before[k]) for k, v in b.adapter_arrays().items())
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_only_action_tokens_carry_loss(name, make_cfg, tiny_dir):
+    b = _backend(name, make_cfg, tiny_dir)
+    row = SftRow(np.array([5, 9, 11], np.int32), np.array([20, 21, 22, 23, 24, 25, 26], np.int32),
+                 np.array([A, M, E, A, A, M, M], np.int8))
+    base, n = _loss(b, [row])
+    assert n == 3
+    obs = row._replace(tokens=np.array([20, 21, 22, 23, 24, 99, 98], np.int32))  # the observation tail
+    assert _loss(b, [obs])[0] == pytest.approx(base, rel=1e-6)
+    act = row._replace(tokens=np.array([20, 21, 22, 23, 99, 25, 26], np.int32))  # the last action token
+    assert abs(_loss(b, [act])[0] - base) > 1e-3
+    every = row._replace(roles=np.full(7, A, np.int8))  # the masked and echo tokens, counted, weigh in
+    loss_all, n_all = _loss(b, [every])
+    assert n_all == 7 and abs(loss_all * 7 - base * 3) > 1e-3
+
+
+@pytest.mark.mlx
+def test_torch_and_mlx_sft_losses_agree(make_cfg, tiny_dir):
+    """Same 4-bit base and adapters, same rows: the cold-start losses of three steps agree."""
+    t = _backend("torch", make_cfg, tiny_dir)
+    m = _backend("mlx", make_cfg, tiny_dir)
+    m.load_adapter_arrays(t.adapter_arrays())
+    rows = _demo_rows(tiny_dir)
+    micro = micro_batches(len(rows), 4)
+    lt = [t.sft_step(rows, micro, 3e-2).loss for _ in range(3)]
+    lm = [m.sft_step(rows, micro, 3e-2).loss for _ in range(3)]
+    np.testing.assert_allclose(lm, lt, rtol=1e-3)
+    assert lt[-1] < lt[0]
+
+
+def _cfg(make_cfg, out, **kw):
+    base = {"task": "arithmetic", "max_new_tokens": 16, "cold_start": "demos", "cold_start_steps": 3,
+            "cold_start_examples": 8, "cold_start_batch": 4, "cold_start_lr": 3e-2, "steps": 1, "eval_n": 4,
+            "output_dir": str(out)}
+    return make_cfg(**{**base, **kw})
+
+
+def test_a_new_run_cold_starts_before_rl_and_a_resumed_run_never_redoes_it(make_cfg, tmp_path, monkeypatch):
+    out, lines = tmp_path / "run", []
+    summary = run_local(_cfg(make_cfg, out), echo=lines.append)
+    marker = read_marker(out)
+    assert marker is not None and marker["state"] == "done" and marker["steps"] == 3 and marker["source"] == "demos"
+    cs = summary["cold_start"]
+    assert cs["steps"] == 3 and cs["examples"] == 8 and cs["loss_last"] < cs["loss_first"]
+    assert cs["eval"]["eval/n"] == 4
+    assert [e["label"] for e in summary["evals"]] == ["before", "cold start", "after"]
+    rows = read_metrics(out / "metrics.jsonl")
+    sft = [r for r in rows if "sft/loss" in r]
+    assert [(r["step"], r["sft/step"]) for r in sft] == [(0, 1), (0, 2), (0, 3)]
+    assert all(r["sft/tokens"] > 0 and r["sft/seconds"] > 0 for r in sft)
+    assert [x.split(":")[0] for x in lines if "cold start step" in x] == [f"[local] cold start step {i}/3"
+                                                                          for i in (1, 2, 3)]
+    first = ckpt.find_latest(out)
+    assert first is not None and first.step == 1
+    state = json.loads((out / "checkpoints" / "step-000000" / "state.json").read_text())
+    assert state["step"] == 0 and state["optimizer_step"] == 0  # the cold-started adapters, fresh RL moments
+
+    def never(*_a, **_k):
+        raise AssertionError("a resumed run ran the cold start again")
+
+    monkeypatch.setattr(TorchBackend, "sft_step", never)
+    lines.clear()
+    again = run_local(_cfg(make_cfg, out, steps=2), echo=lines.append)
+    assert again["step"] == 2 and again["cold_start"]["loss_last"] == cs["loss_last"]
+    assert not any("cold start" in x for x in lines) and any("resumed" in x for x in lines)
+
+
+def test_a_run_stopped_mid_stage_is_refused_with_the_fix(make_cfg, tmp_path, monkeypatch):
+    out, lines = tmp_path / "run", []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if line.startswith("[local] cold start step 1/"):
+            os.kill(os.getpid(), signal.SIGINT)  # the first signal ends the stage after this step
+
+    summary = run_local(_cfg(make_cfg, out, cold_start_steps=8), echo=echo)
+    assert summary["interrupted"] and summary["cold_start"] is None and summary["step"] == 0
+    assert (read_marker(out) or {}).get("state") == "started" and ckpt.find_latest(out) is None
+    assert any("cold start stopped after 1/8 steps" in x for x in lines)
+    with pytest.raises(SystemExit, match=rf"cold start did not finish .*use another output_dir, or delete "
+                                         rf"{out / MARKER}"):
+        run_local(_cfg(make_cfg, out), echo=lambda _s: None)
+    (out / MARKER).unlink()  # the fix the line names
+    def killed(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(TorchBackend, "sft_step", killed)
+    with pytest.raises(KeyboardInterrupt):  # a second signal: killed inside a step
+        run_local(_cfg(make_cfg, out), echo=lambda _s: None)
+    with pytest.raises(SystemExit, match="cold start did not finish"):
+        run_local(_cfg(make_cfg, out), echo=lambda _s: None)
+
+
+def test_a_bad_demonstrations_file_names_its_line_and_trains_nothing(make_cfg, tmp_path):
+    path, out = tmp_path / "demos.jsonl", tmp_path / "run"
+    good = json.dumps({"messages": [{"role": "user", "content": "What is 1 + 1?"},
+                                    {"role": "assistant", "content": "2"}]})
+    path.write_text(good + "\n" + good[:-3] + "\n")
+    lines: list[str] = []
+    with pytest.raises(SystemExit, match=rf"^stoa local train: cold_start: {path}:2: .*nothing was trained"):
+        run_local(_cfg(make_cfg, out, cold_start=str(path)), echo=lines.append)
+    assert read_marker(out) is None and ckpt.find_latest(out) is None
+    assert not any(r for r in read_metrics(out / "metrics.jsonl") if "sft/loss" in r or "eval/n" in r)
+    path.write_text(good + "\n" + good + "\n")  # fixed: the same directory starts the run
+    summary = run_local(_cfg(make_cfg, out, cold_start=str(path)), echo=lambda _s: None)
+    assert summary["cold_start"]["source"] == str(path) and summary["cold_start"]["examples"] == 2
+    assert len(summary["cold_start"]["sha256"]) == 64
+
+
+def test_cold_start_settings_are_checked_naming_the_field(make_cfg, tmp_path):
+    for kw, field in (({"cold_start_steps": 0}, "cold_start_steps"), ({"cold_start_batch": 0}, "cold_start_batch"),
+                      ({"cold_start": "demo"}, "cold_start"), ({"cold_start_lr": -1.0}, "cold_start_lr")):
+        with pytest.raises(ConfigError) as e:
+            _cfg(make_cfg, tmp_path, **kw)
+        assert e.value.field == field
