@@ -161,6 +161,12 @@ def test_a_bad_demonstrations_file_names_its_line_and_trains_nothing(make_cfg, t
         run_local(_cfg(make_cfg, out, cold_start=str(path)), echo=lines.append)
     assert read_marker(out) is None and ckpt.find_latest(out) is None
     assert not any(r for r in read_metrics(out / "metrics.jsonl") if "sft/loss" in r or "eval/n" in r)
+    long = json.dumps({"messages": [{"role": "user", "content": "What is 1 + 1?"},
+                                    {"role": "assistant", "content": "2 " * 40}]})
+    path.write_text(good + "\n" + long + "\n")  # well-formed, but over max_new_tokens = 16
+    with pytest.raises(SystemExit, match=rf"{path}:2: turn 0 is \d+ tokens, over max_new_tokens = 16"):
+        run_local(_cfg(make_cfg, out, cold_start=str(path)), echo=lines.append)
+    assert read_marker(out) is None and ckpt.find_latest(out) is None
     path.write_text(good + "\n" + good + "\n")  # fixed: the same directory starts the run
     summary = run_local(_cfg(make_cfg, out, cold_start=str(path)), echo=lambda _s: None)
     assert summary["cold_start"]["source"] == str(path) and summary["cold_start"]["examples"] == 2
@@ -173,3 +179,18 @@ def test_cold_start_settings_are_checked_naming_the_field(make_cfg, tmp_path):
         with pytest.raises(ConfigError) as e:
             _cfg(make_cfg, tmp_path, **kw)
         assert e.value.field == field
+
+
+def test_dry_run_shows_the_cold_start(tiny_dir, capsys):
+    import argparse
+
+    from stoa.cli import local as cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["local", "train", "--model", str(tiny_dir), "--task", "arithmetic", "--cold-start",
+                              "demos", "--cold-start-steps", "4", "--dry-run"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert 'cold_start = "demos"' in out and "cold_start_steps = 4" in out and "cold_start_lr = 0.0001" in out
+    assert "# cold start: 4 AdamW steps of 8 demonstrations (up to 256, built by the task) at lr 0.0001" in out
