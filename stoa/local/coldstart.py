@@ -179,7 +179,8 @@ def run_stage(run: Any, prepared: Prepared) -> dict[str, Any] | None:
     """Train the cold start in a new run (after its "before" evaluation): the ``started`` marker, the steps
     (``sft/*`` at step 0, a progress line every eighth), the "cold start" evaluation, a saved state at step 0,
     the ``done`` marker. Returns the figures recorded (``summary["cold_start"]``); None when a stop request
-    ended it mid-stage (the marker stays ``started``: the directory is refused from then on).
+    ended it (mid-stage: the marker stays ``started`` and the directory is refused from then on; before it: no
+    marker, nothing trained).
 
     Args:
         run: the local run (``cfg``, ``out``, ``backend``, ``metrics``, ``echo``, ``stop``, ``evaluate``,
@@ -188,6 +189,8 @@ def run_stage(run: Any, prepared: Prepared) -> dict[str, Any] | None:
     """
     cfg, out, info = run.cfg, run.out, prepared.info
     n = cfg.cold_start_steps
+    if run.stop.requested:  # stopped before the stage began: nothing trained, nothing marked
+        return None
     write_marker(out, "started", **info)
     run.echo(f"[local] cold start: {n} steps on {info['examples']} demonstrations from {info['source']} "
              f"({info['dropped']} dropped)")

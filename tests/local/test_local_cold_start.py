@@ -151,6 +151,19 @@ def test_a_run_stopped_mid_stage_is_refused_with_the_fix(make_cfg, tmp_path, mon
         run_local(_cfg(make_cfg, out), echo=lambda _s: None)
 
 
+def test_a_run_stopped_before_the_stage_leaves_no_marker(make_cfg, tmp_path):
+    out = tmp_path / "run"
+
+    def echo(line: str) -> None:
+        if line.startswith("[local] eval (before"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    summary = run_local(_cfg(make_cfg, out), echo=echo)
+    assert summary["interrupted"] and summary["cold_start"] is None and read_marker(out) is None
+    again = run_local(_cfg(make_cfg, out), echo=lambda _s: None)  # nothing trained: the next start is a new run
+    assert again["cold_start"]["steps"] == 3 and again["step"] == 1
+
+
 def test_a_bad_demonstrations_file_names_its_line_and_trains_nothing(make_cfg, tmp_path):
     path, out = tmp_path / "demos.jsonl", tmp_path / "run"
     good = json.dumps({"messages": [{"role": "user", "content": "What is 1 + 1?"},
