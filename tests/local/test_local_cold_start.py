@@ -194,6 +194,37 @@ def test_cold_start_settings_are_checked_naming_the_field(make_cfg, tmp_path):
         assert e.value.field == field
 
 
+def test_a_multi_turn_task_cold_starts_with_its_tools_and_observations_carry_no_loss(make_cfg, tiny_dir, tmp_path):
+    """The walk (tiny model's letter variant): each demonstration moves twice, reads the observations the task's
+    own tools and environment build, and answers; only the three turns train."""
+    from stoa.episodes.task_tools import open_task_tools
+    from stoa.local.coldstart import prepare
+    from stoa.tasks.demos import Demo
+    from tests.local.test_local_multiturn import WALK, LetterWalk
+
+    class DemoWalk(LetterWalk):
+        def demonstrations(self, n, rng):
+            return [Demo(self.sample_train(rng), ("ba", "be", "Ann")) for _ in range(n)]
+
+    task = DemoWalk(max_turns=3, max_total_tokens=64)
+    cfg = _cfg(make_cfg, tmp_path / "run", task=WALK, max_new_tokens=8, max_prompt_tokens=256)
+    b = make_backend(cfg, tiny_dir)
+    tools = open_task_tools(task, cfg.retriever, role="local", corpus="cached").tools
+    rows = prepare(cfg, task, TextCodec(tiny_dir), tools).rows
+    assert len(rows) == 8 and all((r.roles != A).any() for r in rows)  # observations between the turns
+    result = b.sft_step(rows, micro_batches(len(rows), 0), 0.0)
+    assert result.tokens == sum(int((r.roles == A).sum()) for r in rows) < sum(len(r.tokens) for r in rows)
+    # the summed loss splits exactly into the action part and the observation part (which it leaves out)
+    obs = [r._replace(roles=np.where(r.roles == A, M, A).astype(np.int8)) for r in rows]
+    every = [r._replace(roles=np.full(len(r.roles), A, np.int8)) for r in rows]
+    parts = [b.sft_step(x, micro_batches(len(x), 0), 0.0) for x in (obs, every)]
+    assert result.loss * result.tokens + parts[0].loss * parts[0].tokens == pytest.approx(
+        parts[1].loss * parts[1].tokens, rel=1e-5)
+    summary = run_local(cfg, echo=lambda _s: None, task=task)
+    assert summary["cold_start"]["steps"] == 3 and summary["cold_start"]["dropped"] == 0
+    assert summary["cold_start"]["loss_last"] < summary["cold_start"]["loss_first"]
+
+
 def test_dry_run_shows_the_cold_start(tiny_dir, capsys):
     import argparse
 
