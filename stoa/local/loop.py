@@ -227,8 +227,9 @@ def run_local(cfg: LocalConfig, *, echo: Callable[[str], Any] = print,
               backend: Backend | None = None, task: Task | None = None) -> dict[str, Any]:
     """Train ``cfg.steps`` steps (resuming from ``output_dir`` when it holds a saved state).
 
-    Order: config checks, the output directory's saved state, the memory preflight (from config.json, before
-    any weight loads), then the model. SIGINT/SIGTERM finish the current step, save and return; a second one
+    Order: config checks, the output directory's saved state and cold-start marker, the memory preflight (from
+    config.json, before any weight loads), then the model; a new run with ``cold_start`` set trains it before
+    the first RL step (``stoa.local.coldstart``). SIGINT/SIGTERM finish the current step, save and return; a second one
     interrupts.
 
     Args:
