@@ -186,6 +186,14 @@ def test_a_bad_demonstrations_file_names_its_line_and_trains_nothing(make_cfg, t
     assert len(summary["cold_start"]["sha256"]) == 64
 
 
+def test_a_task_without_demonstrations_is_one_line_naming_the_other_ways(make_cfg, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"^stoa local train: cold_start: task 'toy' builds no demonstrations; "
+                                         r"give cold_start a JSONL file"):
+        run_local(_cfg(make_cfg, out, task="toy"), echo=lambda _s: None)
+    assert read_marker(out) is None
+
+
 def test_cold_start_settings_are_checked_naming_the_field(make_cfg, tmp_path):
     for kw, field in (({"cold_start_steps": 0}, "cold_start_steps"), ({"cold_start_batch": 0}, "cold_start_batch"),
                       ({"cold_start": "demo"}, "cold_start"), ({"cold_start_lr": -1.0}, "cold_start_lr")):
