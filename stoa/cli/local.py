@@ -79,6 +79,9 @@ def run_train(args: argparse.Namespace) -> int:
     evals = summary["evals"]
     acc = " -> ".join(f"{e['eval/accuracy']:.3f}" for e in evals) if evals else "not evaluated"
     state = "interrupted, saved" if summary["interrupted"] else "done"
+    if summary.get("cold_start"):
+        cs = summary["cold_start"]
+        acc += f" (cold start loss {cs['loss_first']:.3f} -> {cs['loss_last']:.3f})"
     print(f"[local] {state}: step {summary['step']}/{cfg.steps} in {summary['wall_s']:.0f}s; held-out accuracy "
           f"{acc}; output in {summary['output_dir']}")
     return 0
@@ -108,6 +111,7 @@ def _dry_run(cfg: LocalConfig) -> int:
     print(f"\n# backend: {resolve_backend(cfg.backend)}")
     print("# resolved algorithm")
     print("\n".join(f"# {k} = {v!r}" for k, v in sorted(cfg.algo_config().to_dict().items())))
+    print(f"# cold start: {_cold_start_line(cfg)}")
     shape = shape_for(cfg.model)
     if shape is None:
         print(f"# memory: no config.json for {cfg.model!r} without downloading it; estimated at train time")
@@ -115,6 +119,16 @@ def _dry_run(cfg: LocalConfig) -> int:
         total = episode_tokens(load_task(cfg.task))  # a multi-turn row: prompt + the episode's token budget
         print(f"# memory: {fit(cfg, shape, total_tokens=total).message()}")
     return 0
+
+
+def _cold_start_line(cfg: LocalConfig) -> str:
+    """What a new run of ``cfg`` does before its first RL step (``--dry-run``)."""
+    if not cfg.cold_start:
+        return "none (cold_start = '')"
+    source = "built by the task" if cfg.cold_start == "demos" else f"from {cfg.cold_start}"
+    return (f"{cfg.cold_start_steps} AdamW steps of {cfg.cold_start_batch} demonstrations (up to "
+            f"{cfg.cold_start_examples}, {source}) at lr {cfg.cold_start_lr or cfg.lr:g}, before the first RL step "
+            "of a new run")
 
 
 def run_smoke(args: argparse.Namespace) -> int:

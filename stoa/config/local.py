@@ -114,6 +114,17 @@ class LocalConfig(TrainingConfig):
     available_memory_gb: float = setting(0.0, "Memory the run may use, for the preflight check (0 = detect).")
     preflight: bool = setting(True, "Refuse to load the model when the memory estimate exceeds the available "
                                     "memory.")
+    cold_start: str = setting("", "Begin a new run with supervised fine-tuning of the adapters before the first RL "
+                                  "step (loss on the policy's own turns only): '' (none), 'demos' "
+                                  "(demonstrations the task builds; search and arithmetic have them) or the path "
+                                  "of a JSONL file of conversations ({\"messages\": [...]}, TRL's conversational "
+                                  "format). Runs once per output_dir; a resumed run never redoes it.")
+    cold_start_steps: int = setting(32, "AdamW steps of the cold start (with cold_start set).")
+    cold_start_examples: int = setting(256, "Demonstrations the cold start trains on: built by the task, or the "
+                                            "first this many of the JSONL file.")
+    cold_start_batch: int = setting(8, "Demonstrations per cold-start step (micro-batched by micro_batch).")
+    cold_start_lr: float = setting(1e-4, "AdamW learning rate of the cold start (its own optimizer; RL starts "
+                                         "with fresh moments at lr); 0 = use lr.")
 
     def validate(self) -> LocalConfig:
         """Raise ``ConfigError`` naming the first invalid field; return self."""
@@ -136,7 +147,17 @@ class LocalConfig(TrainingConfig):
             one_of(self, name, choices)
         if resolve_backend(self.backend) == "mlx" and self.device not in ("auto", "cpu"):
             raise ConfigError("device", "the MLX backend picks its own device; device applies to torch only")
+        self._check_cold_start()
         return self
+
+    def _check_cold_start(self) -> None:
+        """Raise ``ConfigError`` for cold-start settings that cannot run (as the trainer's)."""
+        at_least(self, 1, ("cold_start_steps", "cold_start_examples", "cold_start_batch"))
+        if not 0 <= self.cold_start_lr < 1:
+            raise ConfigError("cold_start_lr", f"must be in [0, 1) (0 = use lr), got {self.cold_start_lr}")
+        if self.cold_start not in ("", "demos") and not self.cold_start.endswith((".jsonl", ".json")):
+            raise ConfigError("cold_start", f"{self.cold_start!r} is not '', 'demos' or a .jsonl file of "
+                                            "conversations; give one of those")
 
     def identity(self) -> dict[str, Any]:
         """The fields a resumed run must match (``IDENTITY_FIELDS``), with the backend resolved."""

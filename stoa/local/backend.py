@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from stoa.algorithms import Algorithm, LossInputs
-from stoa.algorithms.batch import Batch, Packed
+from stoa.algorithms.batch import Batch, Packed, pack_rows
 from stoa.engines import Completion, GenStats
+from stoa.episodes.demo_rows import SftRow
 from stoa.local.targets import choose_targets as choose_targets  # re-exported: the backends import it here
+from stoa.rollouts.episode import ROLE_ACTION
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 """The only parameter names (last path component) that may be trainable."""
@@ -92,6 +94,13 @@ class Backend(Protocol):
         """``accumulate`` then ``apply_update``; diagnostics plus ``grad_norm``."""
         ...
 
+    def sft_step(self, rows: Sequence[SftRow], micro: Sequence[np.ndarray], lr: float) -> SftResult:
+        """One cold-start step: cross-entropy of the rows' action tokens (``ROLE_ACTION``; prompts and
+        observations carry none), the mean over the step's action tokens, one forward/backward per micro-batch,
+        then a clipped AdamW step of the cold start's own optimizer (made on the first call, ``weight_decay``
+        0; the RL optimizer is untouched)."""
+        ...
+
     def adapter_arrays(self) -> dict[str, np.ndarray]:
         """Adapter weights by name (mlx-lm naming: ``model.layers.0.self_attn.q_proj.lora_a``), float32."""
         ...
@@ -115,6 +124,38 @@ class Backend(Protocol):
     def peak_memory_mb(self) -> float:
         """The backend allocator's peak in MB since start (0 where it keeps none)."""
         ...
+
+
+class SftResult(NamedTuple):
+    """What one cold-start step (``Backend.sft_step``) reports."""
+
+    loss: float
+    """Mean cross-entropy per action token, before the update."""
+    tokens: int
+    """Action tokens the step trained on."""
+
+
+def action_tokens(rows: Sequence[SftRow]) -> int:
+    """How many action tokens (``ROLE_ACTION``) the rows hold: the normaliser of a cold-start step.
+
+    Args:
+        rows: the step's rows.
+    """
+    return int(sum(int((r.roles == ROLE_ACTION).sum()) for r in rows))
+
+
+def pack_sft(rows: Sequence[SftRow]) -> Packed:
+    """One micro-batch of cold-start rows packed for a forward, its mask 1 on action tokens only.
+
+    Args:
+        rows: the micro-batch (each with at least one token after the prompt).
+    """
+    width = max(len(r.tokens) for r in rows)
+    pk = pack_rows([r.prompt for r in rows], [r.tokens for r in rows], width)
+    mask = np.zeros((len(rows), width), np.float32)
+    for j, r in enumerate(rows):
+        mask[j, : len(r.roles)] = r.roles == ROLE_ACTION
+    return replace(pk, mask=mask)
 
 
 class EchoPlan(NamedTuple):

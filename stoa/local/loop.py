@@ -20,6 +20,7 @@ from stoa.envs.base import Tools
 from stoa.episodes.collect import collect_episodes
 from stoa.episodes.evaluation import evaluate_episodes, greedy_figures
 from stoa.episodes.task_tools import open_task_tools
+from stoa.local import coldstart
 from stoa.local import saved as ckpt
 from stoa.local.backend import Backend, derive_seed
 from stoa.local.preflight import episode_tokens, preflight
@@ -226,8 +227,9 @@ def run_local(cfg: LocalConfig, *, echo: Callable[[str], Any] = print,
               backend: Backend | None = None, task: Task | None = None) -> dict[str, Any]:
     """Train ``cfg.steps`` steps (resuming from ``output_dir`` when it holds a saved state).
 
-    Order: config checks, the output directory's saved state, the memory preflight (from config.json, before
-    any weight loads), then the model. SIGINT/SIGTERM finish the current step, save and return; a second one
+    Order: config checks, the output directory's saved state and cold-start marker, the memory preflight (from
+    config.json, before any weight loads), then the model; a new run with ``cold_start`` set trains it before
+    the first RL step (``stoa.local.coldstart``). SIGINT/SIGTERM finish the current step, save and return; a second one
     interrupts.
 
     Args:
@@ -254,6 +256,7 @@ class _LocalRun:
         self.task = task if task is not None else load_task(cfg.task)
         self.saved = ckpt.find_latest(self.out)
         ckpt.check_resumable(cfg, self.saved)
+        self.marker = coldstart.check_marker(self.out, self.saved is not None)
         model_dir = self.preflight()
         self.tools = open_task_tools(self.task, cfg.retriever, role="local", corpus="cached", note=echo).tools
         self.codec = TextCodec(model_dir)
@@ -292,6 +295,10 @@ class _LocalRun:
         self.metrics = MetricsWriter(out / "metrics.jsonl", run_name=out.name, trackers=open_trackers(
             cfg.report_to, run_id=out.name, source="local", log_dir=out, config=cfg))
         self.summary["start_step"] = self.step
+        if self.marker is not None:  # a finished cold start: its figures, never the stage again
+            self.summary["cold_start"] = {k: v for k, v in self.marker.items() if k != "state"}
+        elif cfg.cold_start and self.saved is not None:
+            self.echo(f"[local] cold_start skipped: {out} holds a run saved at step {self.step} without one")
         s = self.backend.summary
         self.echo(f"[local] {s.backend}: {cfg.model}, {s.layers} layers, {s.quant_bits}-bit base, "
                   f"{s.trainable_params:,} trainable of {s.total_params:,}; {cfg.algorithm}, "
@@ -303,8 +310,11 @@ class _LocalRun:
         self.resume()
         last_saved = self.step
         with self.stop.installed():
-            if self.step == 0:
+            if self.saved is None:  # a new run: rows first (a bad file fails at once), "before", the cold start
+                prepared = coldstart.prepare(cfg, self.task, self.codec, self.tools) if cfg.cold_start else None
                 self.evaluate("before")
+                if prepared is not None:
+                    self.summary["cold_start"] = coldstart.run_stage(self, prepared)
             while self.step < cfg.steps and not self.stop.requested:
                 started = time.perf_counter()
                 groups, row = rollout(self.backend, self.task, self.codec, cfg, self.rng, self.step, self.tools)
@@ -341,10 +351,10 @@ class _LocalRun:
         ckpt.save_state(self.out, self.cfg, self.backend, step=self.step, rng=rng)
         return self.step
 
-    def evaluate(self, label: str) -> None:
-        """Greedy held-out evaluation (skipped when ``eval_n`` is 0), logged at the current step."""
+    def evaluate(self, label: str) -> dict[str, float] | None:
+        """Greedy held-out evaluation (skipped when ``eval_n`` is 0), logged at the current step; its figures."""
         if self.cfg.eval_n == 0:
-            return
+            return None
         ev = evaluate(self.backend, self.task, self.codec, self.cfg, self.step, self.tools)
         self.metrics.log(ev, step=self.step)
         self.summary["evals"].append({"step": self.step, "label": label, **ev})
@@ -353,3 +363,4 @@ class _LocalRun:
                    else f"reward {ev['eval/reward_mean']:.3f}")
         self.echo(f"[local] eval ({label}, step {self.step}): accuracy {ev['eval/accuracy']:.3f}, {figures} on "
                   f"{int(ev['eval/n'])} held-out prompts ({ev['eval/seconds']:.1f}s)")
+        return ev

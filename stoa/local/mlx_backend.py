@@ -18,10 +18,13 @@ from stoa.algorithms.batch import Batch, Packed, group_rows, pack
 from stoa.algorithms.mlx_loss import token_hits, token_logprobs
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats, engine_from_model
+from stoa.episodes.demo_rows import SftRow
+from stoa.local import mlx_sft
 from stoa.local.backend import (
     ADAPTER_LEAVES,
     EchoPlan,
     ModelSummary,
+    SftResult,
     check_same_arrays,
     choose_targets,
     echo_plan,
@@ -78,6 +81,7 @@ class MLXBackend:
         self.temperature = cfg.temperature
         self.opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay, bias_correction=True)
         self.opt.init(model.trainable_parameters())
+        self.sft_opt: optim.AdamW | None = None
         self.engine = engine_from_model(model, config, dtype_name)
         self._grads: Any = None
         self.summary = self._summary(str(model_dir), dtype_name)
@@ -297,6 +301,16 @@ class MLXBackend:
         out = self.accumulate(batch, micro, algo, echo_alpha)
         out["grad_norm"] = self.apply_update()
         return out
+
+    def sft_step(self, rows: Sequence[SftRow], micro: Sequence[np.ndarray], lr: float) -> SftResult:
+        """One cold-start step with its own AdamW (``stoa.local.mlx_sft.sft_step``).
+
+        Args:
+            rows: the step's rows.
+            micro: row indices per micro-batch.
+            lr: the cold start's learning rate.
+        """
+        return mlx_sft.sft_step(self, rows, micro, lr)
 
     def adapter_arrays(self) -> dict[str, np.ndarray]:
         """Adapter weights by name, float32."""

@@ -18,7 +18,16 @@ from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats
 from stoa.engines.torch import TorchEngine, resolve_device
 from stoa.engines.torch_scoring import Scores, group_score, score, to_device
-from stoa.local.backend import ModelSummary, check_same_arrays, echo_plan, loss_inputs
+from stoa.episodes.demo_rows import SftRow
+from stoa.local.backend import (
+    ModelSummary,
+    SftResult,
+    action_tokens,
+    check_same_arrays,
+    echo_plan,
+    loss_inputs,
+    pack_sft,
+)
 from stoa.local.torch_lora import LoRALinear, QuantLinear, decoder_layers, quantize_and_add_lora
 
 
@@ -62,6 +71,7 @@ class TorchBackend:
         self.loras = [m for m in model.modules() if isinstance(m, LoRALinear)]
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.sft_opt: torch.optim.AdamW | None = None
         self.engine = TorchEngine.from_model(model)
         self.temperature = cfg.temperature
         self.summary = self._summary(str(model_dir))
@@ -242,6 +252,38 @@ class TorchBackend:
         out = self.accumulate(batch, micro, algo, echo_alpha)
         out["grad_norm"] = self.apply_update()
         return out
+
+    def sft_step(self, rows: Sequence[SftRow], micro: Sequence[np.ndarray], lr: float) -> SftResult:
+        """One cold-start step: cross-entropy of the action tokens under the sampling temperature (as the
+        fleet trainer's cold start), the mean over the step's; a clipped AdamW step of the cold start's own
+        optimizer (made on the first call; ``self.opt``, the RL one, is untouched).
+
+        Args:
+            rows: the step's rows.
+            micro: row indices per micro-batch.
+            lr: the cold start's learning rate.
+        """
+        params = list(self.params.values())
+        opt = self.sft_opt
+        if opt is None:
+            opt = self.sft_opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        total = max(action_tokens(rows), 1)
+        self.model.train()
+        loss_sum = 0.0
+        for idx in micro:
+            pk = pack_sft([rows[int(i)] for i in idx])
+            logp = score(self.model, to_device(pk, self.device, pk.mask), temperature=self.temperature,
+                         autocast=self.autocast_dtype).logp
+            loss = -logp.float().sum()
+            (loss / total).backward()
+            loss_sum += float(loss.detach())
+        nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        self.model.eval()
+        return SftResult(loss_sum / total, action_tokens(rows))
 
     def adapter_arrays(self) -> dict[str, np.ndarray]:
         """Adapter weights by name, float32."""
