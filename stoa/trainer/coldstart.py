@@ -2,9 +2,9 @@
 
 A run with ``cold_start`` set (``demos``: the task's own ``demonstrations``; ``rft``: rejection sampling, the
 initial policy's own correct samples of ``cold_start_rft_samples`` per training prompt, ``stoa.episodes.rft``;
-a path: a JSONL file of conversations in TRL's conversational format) trains ``cold_start_steps`` AdamW steps of next-token
-cross-entropy on the policy's own turns (``ROLE_ACTION``; prompts and observations carry no loss) before the
-trainer publishes v1, so v1 holds the cold-started weights and RL continues from them.
+a path: a JSONL file of conversations in TRL's conversational format) trains ``cold_start_steps`` AdamW steps
+of next-token cross-entropy on the policy's own turns (``ROLE_ACTION``; prompts and observations carry no loss)
+before the trainer publishes v1, so v1 holds the cold-started weights and RL continues from them.
 
 Each demonstration becomes a row exactly as an episode would have it: the prompt rendered with the run's chat
 template, each turn tokenised, each tool call run with the trainer's own tools and its observation built by the
