@@ -30,11 +30,13 @@ import torch
 
 from stoa.algorithms.batch import pack_rows
 from stoa.bucket import Bucket, ObjectNotFound
+from stoa.engines.factory import engine_from_model
 from stoa.engines.torch_scoring import to_device
 from stoa.envs.base import Tools
 from stoa.episodes.demo_rows import SftRow, build_rows
 from stoa.episodes.rft import RftProgress, rejection_sample
 from stoa.layout import run_prefix
+from stoa.models import resolve_model
 from stoa.rollouts.episode import ROLE_ACTION
 from stoa.tasks.demos import ColdStartError, load_conversations, task_demonstrations
 from stoa.untrusted import load_object
@@ -243,7 +245,6 @@ def sampling_engine(policy: Any, sharded: bool, export: Callable[[], dict[str, n
         model_dir: the base model's directory (its config, for the temporary engine).
         dtype: the trainer's ``dtype`` setting.
     """
-    from stoa.engines.factory import engine_from_model
     from stoa.engines.torch import TorchEngine
 
     if not sharded:
@@ -266,7 +267,6 @@ def _prepare(trainer: Any) -> Prepared:
     cfg, t = trainer.cfg, trainer
     if cfg.cold_start != "rft":
         return prepare(cfg, t.task, t.codec, t.tools.tools)
-    from stoa.models import resolve_model
 
     def note(p: RftProgress) -> None:
         t.echo(f"[trainer] cold start rft: kept {p.kept}/{cfg.cold_start_examples} from {p.tried} samples of "
@@ -308,17 +308,19 @@ def run_stage(trainer: Any) -> list[SftStep]:
         raise SystemExit(f"stoa: {e}") from None
     t.fence()
     write_marker(t.bucket, cfg.run, "started", **prepared.info)
-    t.echo(f"[trainer] cold start: {cfg.cold_start_steps} steps on {prepared.info['examples']} demonstrations "
-           f"from {prepared.info['source']} ({prepared.info['dropped']} dropped)")
-    if prepared.info["source"] == "rft":
-        t.metrics.log({"sft/rft_kept": prepared.info["kept"], "sft/rft_tried": prepared.info["tried"],
-                       "sft/rft_prompts": prepared.info["prompts"], "sft/rft_seconds": prepared.info["seconds"]})
+    info = prepared.info
+    whence = (f"of the policy's own correct samples (rft: {info['kept']} kept of {info['tried']} samples)"
+              if info["source"] == "rft" else f"demonstrations from {info['source']} ({info['dropped']} dropped)")
+    t.echo(f"[trainer] cold start: {cfg.cold_start_steps} steps on {info['examples']} {whence}")
+    if info["source"] == "rft":
+        t.metrics.log({"sft/rft_kept": info["kept"], "sft/rft_tried": info["tried"], "sft/rft_prompts": info["prompts"],
+                       "sft/rft_seconds": info["seconds"]})
     figures = t.ranks("cold_start", prepared.rows)  # the rows go to every rank (pickled, broadcast)
     for f in figures:
         t.metrics.log({"sft/step": f.step, "sft/loss": f.loss, "sft/tokens": f.tokens, "sft/seconds": f.seconds})
     t.echo(f"[trainer] cold start: loss {figures[0].loss:.3f} -> {figures[-1].loss:.3f} in "
            f"{sum(f.seconds for f in figures):.1f}s")
-    t.cold_start_info = {**prepared.info, "steps": len(figures), "loss_first": figures[0].loss,
+    t.cold_start_info = {**info, "steps": len(figures), "loss_first": figures[0].loss,
                          "loss_last": figures[-1].loss}
     return figures
 

@@ -196,6 +196,7 @@ def test_the_trainer_trains_on_the_kept_samples_and_records_kept_and_tried(tmp_p
     assert (marker["kept"], marker["tried"], marker["prompts"], marker["samples"]) == (4, 32, 16, 2)
     assert marker["examples"] == 4 and marker["steps"] == 2
     assert "[trainer] cold start rft: kept 4/4 from 32 samples of 16 prompts" in lines
+    assert "[trainer] cold start: 2 steps on 4 of the policy's own correct samples (rft: 4 kept of 32 samples)" in lines
     rows = [r for r in read_bucket_metrics(open_bucket(url), "r") if "sft/rft_kept" in r]
     assert [(r["sft/rft_kept"], r["sft/rft_tried"]) for r in rows] == [(4, 32)]
     assert len(trained) == 1 and len(trained[0]) == 4
