@@ -114,12 +114,17 @@ class TrainerConfig(TrainingConfig, FleetConfig):
 
     cold_start: str = setting("", "Begin a new run with supervised fine-tuning before v1 is published (loss on the "
                                   "policy's own turns only): '' (none), 'demos' (demonstrations the task builds; "
-                                  "search and arithmetic have them) or the path of a JSONL file of conversations "
-                                  "({\"messages\": [...]}, TRL's conversational format). Runs once per run; a "
-                                  "restart never redoes it.")
+                                  "search, walk and arithmetic have them), 'rft' (rejection sampling: the initial "
+                                  "policy's first correct sample of cold_start_rft_samples per training prompt, "
+                                  "trying at most 4x cold_start_examples prompts) or the path of a JSONL file of "
+                                  "conversations ({\"messages\": [...]}, TRL's conversational format). Runs once "
+                                  "per run; a restart never redoes it.")
     cold_start_steps: int = setting(32, "AdamW steps of the cold start (with cold_start set).")
-    cold_start_examples: int = setting(256, "Demonstrations the cold start trains on: built by the task, or the "
-                                            "first this many of the JSONL file.")
+    cold_start_examples: int = setting(256, "Demonstrations the cold start trains on: built by the task, kept by "
+                                            "rft (at most), or the first this many of the JSONL file.")
+    cold_start_rft_samples: int = setting(8, "cold_start = 'rft': samples (completions or episodes) drawn per "
+                                             "training prompt at the run's temperature; the first the task scores "
+                                             "correct is kept.")
     cold_start_batch: int = setting(8, "Demonstrations per cold-start step (micro-batched by micro_batch).")
     cold_start_lr: float = setting(1e-4, "AdamW learning rate of the cold start (its own optimizer; RL starts "
                                          "with fresh moments at lr); 0 = use lr.")
@@ -156,9 +161,9 @@ class TrainerConfig(TrainingConfig, FleetConfig):
 
     def _check_cold_start(self) -> None:
         """Raise ``ConfigError`` for cold-start settings that cannot run."""
-        at_least(self, 1, ("cold_start_steps", "cold_start_examples", "cold_start_batch"))
+        at_least(self, 1, ("cold_start_steps", "cold_start_examples", "cold_start_batch", "cold_start_rft_samples"))
         if not 0 <= self.cold_start_lr < 1:
             raise ConfigError("cold_start_lr", f"must be in [0, 1) (0 = use lr), got {self.cold_start_lr}")
-        if self.cold_start not in ("", "demos") and not self.cold_start.endswith((".jsonl", ".json")):
-            raise ConfigError("cold_start", f"{self.cold_start!r} is not '', 'demos' or a .jsonl file of "
+        if self.cold_start not in ("", "demos", "rft") and not self.cold_start.endswith((".jsonl", ".json")):
+            raise ConfigError("cold_start", f"{self.cold_start!r} is not '', 'demos', 'rft' or a .jsonl file of "
                                             "conversations; give one of those")

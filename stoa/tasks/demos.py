@@ -2,11 +2,12 @@
 task, or read from a JSONL file of conversations: ``load_conversations``).
 
 A task that can show its format implements ``demonstrations(n, rng) -> list[Demo]`` (``search``: search with
-the question, read the documents, answer with the gold entity; ``arithmetic``: the answer). A ``Demo`` holds
-text, not tokens: a task has no tokenizer and no tools. The trainer's cold start (``stoa.trainer.coldstart``)
-tokenises each turn, runs the tool calls with its own tools and builds the observations with the task's
-environment and ``stoa.envs.base.observation_tokens``, exactly as an episode would have them; only the
-policy's turns (``ROLE_ACTION``) carry the loss.
+the question, read the documents, answer with the gold entity; ``walk``: the shortest walk, then the answer;
+``arithmetic``: the answer). ``cold_start = "rft"`` needs none: it keeps the policy's own correct samples
+(``stoa.episodes.rft``). A ``Demo`` holds text, not tokens: a task has no tokenizer and no tools. The
+trainer's cold start (``stoa.trainer.coldstart``) tokenises each turn, runs the tool calls with its own tools and
+builds the observations with the task's environment and ``stoa.envs.base.observation_tokens``, exactly as an
+episode would have them; only the policy's turns (``ROLE_ACTION``) carry the loss.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from stoa.envs.base import Observation, ToolResult, Tools
 from stoa.retrieval.base import Searcher
 from stoa.rollouts.episode import ROLE_ECHO, ROLE_MASKED, ToolCall
 from stoa.tasks.base import Prompt, chat_messages, check_prompt_version, format_prompt_id, parse_prompt_id
+from stoa.tasks.demos import Demo
 from stoa.tasks.multiturn import LIMIT_OPTIONS, LocalTools, limits_spec, task_limits
 from stoa.tasks.qa import extract_final_answer
 
@@ -163,6 +164,23 @@ class WalkTask:
         if n < 0:
             raise ValueError(f"walk: heldout n must be >= 0, got {n}")
         return [self.get(format_prompt_id("test", i)) for i in range(n)]
+
+    def demonstrations(self, n: int, rng: np.random.Generator) -> list[Demo]:
+        """``n`` optimal episodes on random training prompts: one ``<move>`` per step toward the goal, then
+        ``<answer>done</answer>``. The moves are answered locally; a walk longer than ``max_turns`` allows is
+        dropped by the cold start (over the limits), which a line of ``size`` <= ``max_turns`` never needs.
+
+        Args:
+            n: how many.
+            rng: source of the prompts.
+        """
+        out = []
+        for _ in range(n):
+            prompt = self.sample_train(rng)
+            start, goal = self.problem(prompt.id)
+            move = f"{_OPEN}{'right' if goal > start else 'left'}{_CLOSE}"
+            out.append(Demo(prompt, (move,) * abs(goal - start) + ("<answer>done</answer>",)))
+        return out
 
     def make_env(self, prompt: Prompt, seed: int) -> WalkEnv:
         """A walk from the prompt's start.

@@ -1,9 +1,10 @@
 """The cold start: supervised steps on demonstrations before a new run publishes v1.
 
-A run with ``cold_start`` set (``demos``: the task's own ``demonstrations``; a path: a JSONL file of
-conversations in TRL's conversational format) trains ``cold_start_steps`` AdamW steps of next-token
-cross-entropy on the policy's own turns (``ROLE_ACTION``; prompts and observations carry no loss) before the
-trainer publishes v1, so v1 holds the cold-started weights and RL continues from them.
+A run with ``cold_start`` set (``demos``: the task's own ``demonstrations``; ``rft``: rejection sampling, the
+initial policy's own correct samples of ``cold_start_rft_samples`` per training prompt, ``stoa.episodes.rft``;
+a path: a JSONL file of conversations in TRL's conversational format) trains ``cold_start_steps`` AdamW steps
+of next-token cross-entropy on the policy's own turns (``ROLE_ACTION``; prompts and observations carry no loss)
+before the trainer publishes v1, so v1 holds the cold-started weights and RL continues from them.
 
 Each demonstration becomes a row exactly as an episode would have it: the prompt rendered with the run's chat
 template, each turn tokenised, each tool call run with the trainer's own tools and its observation built by the
@@ -19,7 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,16 +30,19 @@ import torch
 
 from stoa.algorithms.batch import pack_rows
 from stoa.bucket import Bucket, ObjectNotFound
+from stoa.engines.factory import engine_from_model
 from stoa.engines.torch_scoring import to_device
 from stoa.envs.base import Tools
 from stoa.episodes.demo_rows import SftRow, build_rows
+from stoa.episodes.rft import RftProgress, rejection_sample
 from stoa.layout import run_prefix
+from stoa.models import resolve_model
 from stoa.rollouts.episode import ROLE_ACTION
 from stoa.tasks.demos import ColdStartError, load_conversations, task_demonstrations
 from stoa.untrusted import load_object
 
-__all__ = ["ColdStartError", "SftRow", "build_rows", "cold_start_key", "load_conversations", "prepare", "run_stage",
-           "sft_loss", "sft_steps"]
+__all__ = ["ColdStartError", "SftRow", "build_rows", "cold_start_key", "load_conversations", "prepare", "prepare_rft",
+           "run_stage", "sft_loss", "sft_steps"]
 
 def cold_start_key(run_id: str) -> str:
     """Key of the run's cold-start marker, ``runs/<run>/trainer/cold_start.json``.
@@ -177,6 +182,8 @@ def prepare(cfg: Any, task: Any, codec: Any, tools: Tools | None) -> Prepared:
         ColdStartError: no demonstrations, a bad file line (names the file and line), or none usable.
     """
     n = cfg.cold_start_examples
+    if cfg.cold_start == "rft":
+        raise ColdStartError("cold_start = rft samples from the policy: call prepare_rft with an engine")
     if cfg.cold_start == "demos":
         demos = task_demonstrations(task)(n, np.random.default_rng(cfg.seed))
         rows, dropped = build_rows(demos, task, codec, tools, cfg.max_new_tokens, strict=False)
@@ -192,6 +199,85 @@ def prepare(cfg: Any, task: Any, codec: Any, tools: Tools | None) -> Prepared:
     return Prepared(rows, {**info, "examples": len(rows), "dropped": dropped})
 
 
+def prepare_rft(cfg: Any, task: Any, codec: Any, tools: Tools | None, engine: Any,
+                note: Callable[[RftProgress], Any] | None = None) -> Prepared:
+    """The rows of ``cold_start = "rft"``: the policy's own correct samples (``stoa.episodes.rft``), sampled at
+    the run's temperature and top-p from training prompts drawn with the run's seed.
+
+    Args:
+        cfg: the trainer config (``cold_start_examples``, ``cold_start_rft_samples``, sampling settings).
+        task: the run's task.
+        codec: the run's tokenizer.
+        tools: the trainer's own tools (None: a single-turn task).
+        engine: the engine holding the initial policy.
+        note: progress (kept, tried, prompts) after each engine call.
+
+    Raises:
+        ColdStartError: no sample was correct (names the fix).
+    """
+    t0 = time.perf_counter()
+    got = rejection_sample(engine, task, codec, tools, examples=cfg.cold_start_examples,
+                           samples=cfg.cold_start_rft_samples, max_new_tokens=cfg.max_new_tokens,
+                           temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, note=note)
+    if not got.rows:
+        raise ColdStartError(f"cold_start = rft: none of {got.tried} samples of {got.prompts} training prompts of "
+                             f"task {task.id!r} was correct (nothing was trained); use cold_start = demos or a "
+                             "JSONL file, or raise cold_start_rft_samples")
+    return Prepared(got.rows, {"source": "rft", "examples": len(got.rows), "dropped": 0, "kept": len(got.rows),
+                               "tried": got.tried, "prompts": got.prompts, "samples": cfg.cold_start_rft_samples,
+                               "seconds": round(time.perf_counter() - t0, 3)})
+
+
+@contextmanager
+def sampling_engine(policy: Any, sharded: bool, export: Callable[[], dict[str, np.ndarray]], model_dir: Any,
+                    dtype: str) -> Iterator[Any]:
+    """An engine on the trainer's current weights, for rank 0 alone to sample from.
+
+    One rank: the policy's own model (no copy; put back in train mode after). Sharded (``torchrun``): a rank
+    cannot decode on its shard alone, so rank 0 loads the gathered full weights (``export``, which every rank
+    joins) into a temporary engine on its device, freed after; the rows then go to every rank with the
+    ``cold_start`` command (a broadcast).
+
+    Args:
+        policy: the trainer's ``Policy``.
+        sharded: whether the model is sharded over several ranks.
+        export: the full fp32 weights on rank 0 (every rank takes part).
+        model_dir: the base model's directory (its config, for the temporary engine).
+        dtype: the trainer's ``dtype`` setting.
+    """
+    from stoa.engines.torch import TorchEngine
+
+    if not sharded:
+        was_training = policy.model.training
+        try:
+            yield engine_from_model(policy.model)
+        finally:
+            policy.model.train(was_training)
+        return
+    engine = TorchEngine(model_dir, device=str(policy.device), dtype=dtype)
+    engine.load_weights(export())
+    try:
+        yield engine
+    finally:
+        del engine
+
+
+def _prepare(trainer: Any) -> Prepared:
+    """The stage's rows for the trainer's ``cold_start`` setting (rft: sampled on rank 0, with progress lines)."""
+    cfg, t = trainer.cfg, trainer
+    if cfg.cold_start != "rft":
+        return prepare(cfg, t.task, t.codec, t.tools.tools)
+
+    def note(p: RftProgress) -> None:
+        t.echo(f"[trainer] cold start rft: kept {p.kept}/{cfg.cold_start_examples} from {p.tried} samples of "
+               f"{p.prompts} prompts")
+
+    sharded = t.dist.sharded
+    with sampling_engine(t.policy, sharded, lambda: t.ranks("export"), resolve_model(cfg.model) if sharded else None,
+                         cfg.dtype) as engine:
+        return prepare_rft(cfg, t.task, t.codec, t.tools.tools, engine, note)
+
+
 def run_stage(trainer: Any) -> list[SftStep]:
     """Before a new run's v1: refuse a run whose cold start was interrupted, else train the cold start on every
     rank, record it (``started`` marker) and log ``sft/*``; [] when ``cold_start`` is off. The caller publishes
@@ -202,7 +288,8 @@ def run_stage(trainer: Any) -> list[SftStep]:
             ``fence``, ``echo``).
 
     Raises:
-        SystemExit: an interrupted cold start, or demonstrations that cannot be used (one line naming the fix).
+        SystemExit: an interrupted cold start, demonstrations that cannot be used, or (rft) no correct sample:
+            one line naming the fix, before any marker is written or anything trained.
     """
     cfg, t = trainer.cfg, trainer
     if not cfg.cold_start:
@@ -216,19 +303,24 @@ def run_stage(trainer: Any) -> list[SftStep]:
                          f"says {marker.get('state')!r} and no v1 was published); start a new run with another "
                          "--run, or delete that marker to run the cold start again")
     try:
-        prepared = prepare(cfg, t.task, t.codec, t.tools.tools)
+        prepared = _prepare(t)
     except ColdStartError as e:
         raise SystemExit(f"stoa: {e}") from None
     t.fence()
     write_marker(t.bucket, cfg.run, "started", **prepared.info)
-    t.echo(f"[trainer] cold start: {cfg.cold_start_steps} steps on {prepared.info['examples']} demonstrations "
-           f"from {prepared.info['source']} ({prepared.info['dropped']} dropped)")
-    figures = t.ranks("cold_start", prepared.rows)
+    info = prepared.info
+    whence = (f"of the policy's own correct samples (rft: {info['kept']} kept of {info['tried']} samples)"
+              if info["source"] == "rft" else f"demonstrations from {info['source']} ({info['dropped']} dropped)")
+    t.echo(f"[trainer] cold start: {cfg.cold_start_steps} steps on {info['examples']} {whence}")
+    if info["source"] == "rft":
+        t.metrics.log({"sft/rft_kept": info["kept"], "sft/rft_tried": info["tried"], "sft/rft_prompts": info["prompts"],
+                       "sft/rft_seconds": info["seconds"]})
+    figures = t.ranks("cold_start", prepared.rows)  # the rows go to every rank (pickled, broadcast)
     for f in figures:
         t.metrics.log({"sft/step": f.step, "sft/loss": f.loss, "sft/tokens": f.tokens, "sft/seconds": f.seconds})
     t.echo(f"[trainer] cold start: loss {figures[0].loss:.3f} -> {figures[-1].loss:.3f} in "
            f"{sum(f.seconds for f in figures):.1f}s")
-    t.cold_start_info = {**prepared.info, "steps": len(figures), "loss_first": figures[0].loss,
+    t.cold_start_info = {**info, "steps": len(figures), "loss_first": figures[0].loss,
                          "loss_last": figures[-1].loss}
     return figures
 

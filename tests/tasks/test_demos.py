@@ -99,3 +99,20 @@ def test_a_conversation_over_the_limits_or_with_forged_tool_results_is_refused_w
         build_rows(demos[:2], task, codec, tools, 64, strict=True)
     with pytest.raises(ColdStartError, match=rf"{path}:3: turn 1 is \d+ tokens, over max_new_tokens = 64"):
         build_rows(demos[2:], task, codec, tools, 64, strict=True)
+
+
+def test_walk_demos_are_the_shortest_walks_built_without_drops_and_scored_correct(codec):
+    from stoa.envs.base import episode_text
+    from stoa.tasks.walk import WalkTask
+
+    task = WalkTask(size=6, max_turns=8)
+    tools = task.make_tools()
+    demos = task.demonstrations(16, np.random.default_rng(2))
+    rows, dropped = build_rows(demos, task, codec, tools, 16, strict=True)
+    assert dropped == 0 and len(rows) == 16
+    for demo, row in zip(demos, rows, strict=True):
+        start, goal = task.problem(demo.prompt.id)
+        assert len(demo.turns) == abs(goal - start) + 1  # one move per step, then the answer
+        text = episode_text(row.tokens.tolist(), row.roles.tolist(), codec.decode)
+        assert task.is_correct(demo.prompt, text) and task.final_position(demo.prompt, text) == goal
+        assert codec.decode(row.tokens).rstrip().endswith(f"position {goal}</state>\n<answer>done</answer>".strip())
