@@ -60,12 +60,12 @@ def task_demonstrations(task: Any) -> Callable[[int, np.random.Generator], list[
         task: the run's task.
 
     Raises:
-        ValueError: the task builds no demonstrations (names the other ways to cold-start).
+        ColdStartError: the task builds no demonstrations (names the other ways to cold-start).
     """
     fn = getattr(task, "demonstrations", None)
     if not callable(fn):
-        raise ValueError(f"cold_start: task {getattr(task, 'id', type(task).__name__)!r} builds no demonstrations; "
-                         "give cold_start a JSONL file of conversations ({\"messages\": [...]}) or set it to ''")
+        raise ColdStartError(f"cold_start: task {getattr(task, 'id', type(task).__name__)!r} builds no demonstrations; "
+                         "give cold_start a JSONL file of conversations ({\"messages\": [...]}), 'rft', or set it to ''")
     return cast(Callable[[int, np.random.Generator], list[Demo]], fn)
 
 

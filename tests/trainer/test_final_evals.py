@@ -42,3 +42,21 @@ def test_eval_k_final_zero_means_eval_k_and_negative_is_refused(tmp_path):
     assert TrainerConfig(bucket=str(tmp_path), run="r", model="tiny").validate().eval_k_final == 0
     with pytest.raises(ConfigError, match="eval_k_final"):
         TrainerConfig(bucket=str(tmp_path), run="r", model="tiny", eval_k_final=-1).validate()
+
+
+def test_demos_on_a_task_that_builds_none_is_one_line_and_no_marker(tmp_path, tiny_dir):
+    from stoa.bucket import open_bucket
+    from stoa.trainer import loop
+    from stoa.trainer.coldstart import read_marker
+
+    cfg = TrainerConfig(bucket=str(tmp_path / "b"), run="r", model="tiny", task="toy", n_samples=2, eval_n=0,
+                        kl_beta=0.0, groups_per_step=2, poll_seconds=0.01, log_dir="", cold_start="demos",
+                        cold_start_steps=1, max_new_tokens=8).validate()
+    t = loop._Trainer(cfg, echo=lambda _line: None)
+    try:
+        t.open_lifecycle()
+        with pytest.raises(SystemExit, match=r"^stoa: cold_start: task 'toy' builds no demonstrations; .*'rft'"):
+            t.resume()
+    finally:
+        t.close()
+    assert read_marker(open_bucket(str(tmp_path / "b")), "r") is None
