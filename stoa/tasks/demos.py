@@ -64,8 +64,9 @@ def task_demonstrations(task: Any) -> Callable[[int, np.random.Generator], list[
     """
     fn = getattr(task, "demonstrations", None)
     if not callable(fn):
-        raise ColdStartError(f"cold_start: task {getattr(task, 'id', type(task).__name__)!r} builds no demonstrations; "
-                         "give cold_start a JSONL file of conversations ({\"messages\": [...]}), 'rft', or set it to ''")
+        name = getattr(task, "id", type(task).__name__)
+        raise ColdStartError(f"cold_start: task {name!r} builds no demonstrations; give cold_start a JSONL file "
+                             "of conversations ({\"messages\": [...]}) or set it to '' ('rft' in the fleet trainer)")
     return cast(Callable[[int, np.random.Generator], list[Demo]], fn)
 
 
