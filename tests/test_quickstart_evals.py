@@ -62,3 +62,11 @@ def test_the_summary_sets_the_cold_start_beside_before_and_final_with_pass_at_k(
     assert rows["2hop"].split("->")[1:] == [" cold start 0.250 ", " final 0.750"]
     plain = eval_lines([{"label": "before", "accuracy": 0.1}, {"label": "after", "accuracy": 0.6}])
     assert len(plain) == 1 and "after 0.600" in plain[0]
+
+
+def test_set_takes_algo_knobs_as_the_trainer_does():
+    from stoa.config import TrainerConfig, load_config
+
+    s = trainer_settings(_args(set=["algo.echo_alpha=0.05", "algo.echo-schedule=linear_taper_to_zero"]), "r")
+    cfg = load_config(TrainerConfig, overrides=s, env={})
+    assert cfg.algo == {"echo_alpha": 0.05, "echo_schedule": "linear_taper_to_zero"}

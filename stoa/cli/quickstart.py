@@ -146,7 +146,11 @@ def trainer_settings(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError("set", f"expected KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
-        overrides[k.strip().replace("-", "_")] = parse_scalar(v.strip())
+        field, dot, knob = k.strip().replace("-", "_").partition(".")
+        if dot:  # algo.KNOB=VALUE: an [algo] knob, as the trainer's --set takes it
+            overrides[field] = {**overrides.get(field, {}), knob: parse_scalar(v.strip())}
+        else:
+            overrides[field] = parse_scalar(v.strip())
     return overrides
 
 
