@@ -8,17 +8,19 @@ no mlx).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from stoa.envs.base import Tools, observation_tokens
 from stoa.rollouts.episode import ROLE_ACTION
-from stoa.tasks.demos import ColdStartError, Demo
+from stoa.tasks.demos import ColdStartError, Demo, load_conversations, task_demonstrations
 from stoa.tasks.multiturn import is_multiturn
 
-__all__ = ["SftRow", "build_rows"]
+__all__ = ["Prepared", "SftRow", "build_rows", "prepare_rows"]
 
 
 class SftRow(NamedTuple):
@@ -126,3 +128,42 @@ def _check_limits(demo: Demo, limits: Any, tokens: list[int]) -> None:
     if len(tokens) > limits.max_total_tokens:
         raise ColdStartError(f"{len(tokens)} tokens after the prompt, over max_total_tokens = "
                              f"{limits.max_total_tokens}")
+
+
+class Prepared(NamedTuple):
+    """The cold start's rows and what to record about them."""
+
+    rows: list[SftRow]
+    """The rows to train on."""
+    info: dict[str, Any]
+    """Source (``demos``, ``rft`` or the file and its SHA-256), examples built and dropped."""
+
+
+def prepare_rows(source: str, *, examples: int, seed: int, max_new_tokens: int, task: Any, codec: Any,
+                 tools: Tools | None) -> Prepared:
+    """The rows of a ``cold_start`` of demonstrations: the task's (``demos``; unusable ones dropped) or a JSONL
+    file's (the first unusable one stops it, naming its line).
+
+    Args:
+        source: ``demos`` or the path of a JSONL file of conversations.
+        examples: demonstrations to build (``cold_start_examples``).
+        seed: the run's seed (which training questions the task demonstrates).
+        max_new_tokens: tokens one turn may hold.
+        task: the run's task; codec: its tokenizer; tools: its tools (None: a single-turn task).
+
+    Raises:
+        ColdStartError: no demonstrations, a bad file line (names the file and line), or none usable.
+    """
+    if source == "demos":
+        demos = task_demonstrations(task)(examples, np.random.default_rng(seed))
+        rows, dropped = build_rows(demos, task, codec, tools, max_new_tokens, strict=False)
+        info: dict[str, Any] = {"source": "demos"}
+    else:
+        demos = load_conversations(source, examples)
+        rows, dropped = build_rows(demos, task, codec, tools, max_new_tokens, strict=True)
+        info = {"source": str(source), "sha256": hashlib.sha256(Path(source).read_bytes()).hexdigest()}
+    if not rows:
+        raise ColdStartError(f"cold_start: none of the {len(demos)} demonstrations of task {task.id!r} could be "
+                             "used (over the limits, or no document shown holds the answer); raise "
+                             "max_new_tokens or the task's limits, or give a JSONL file")
+    return Prepared(rows, {**info, "examples": len(rows), "dropped": dropped})

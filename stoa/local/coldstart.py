@@ -16,7 +16,6 @@ of the steps), evaluation "cold start", a saved state at step 0 holding the cold
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -29,9 +28,9 @@ import numpy as np
 from stoa.algorithms.batch import micro_batches
 from stoa.config.local import LocalConfig
 from stoa.envs.base import Tools
-from stoa.episodes.demo_rows import SftRow, build_rows
+from stoa.episodes.demo_rows import Prepared, SftRow, prepare_rows
 from stoa.local.backend import Backend
-from stoa.tasks.demos import ColdStartError, load_conversations, task_demonstrations
+from stoa.tasks.demos import ColdStartError
 from stoa.untrusted import load_object
 
 __all__ = ["MARKER", "Prepared", "SftStep", "check_marker", "prepare", "read_marker", "run_stage", "sft_steps",
@@ -90,15 +89,6 @@ def check_marker(out: Path, has_saved_state: bool) -> dict[str, Any] | None:
                      "the cold start again")
 
 
-class Prepared(NamedTuple):
-    """The cold start's rows and what to record about them."""
-
-    rows: list[SftRow]
-    """The rows to train on."""
-    info: dict[str, Any]
-    """Source (``demos`` or the file and its SHA-256), demonstrations used and dropped."""
-
-
 def prepare(cfg: LocalConfig, task: Any, codec: Any, tools: Tools | None) -> Prepared:
     """The rows of the run's ``cold_start`` setting (the task's demonstrations: unusable ones dropped; a file:
     the first unusable one stops it).
@@ -112,24 +102,11 @@ def prepare(cfg: LocalConfig, task: Any, codec: Any, tools: Tools | None) -> Pre
     Raises:
         SystemExit: no demonstrations, a bad file line (names the file and line), or none usable.
     """
-    n = cfg.cold_start_examples
     try:
-        if cfg.cold_start == "demos":
-            demos = task_demonstrations(task)(n, np.random.default_rng(cfg.seed))
-            rows, dropped = build_rows(demos, task, codec, tools, cfg.max_new_tokens, strict=False)
-            info: dict[str, Any] = {"source": "demos"}
-        else:
-            demos = load_conversations(cfg.cold_start, n)
-            rows, dropped = build_rows(demos, task, codec, tools, cfg.max_new_tokens, strict=True)
-            info = {"source": str(cfg.cold_start),
-                    "sha256": hashlib.sha256(Path(cfg.cold_start).read_bytes()).hexdigest()}
-    except (ColdStartError, ValueError) as e:  # task_demonstrations: a task without demonstrations
+        return prepare_rows(cfg.cold_start, examples=cfg.cold_start_examples, seed=cfg.seed,
+                            max_new_tokens=cfg.max_new_tokens, task=task, codec=codec, tools=tools)
+    except ColdStartError as e:
         raise SystemExit(f"stoa local train: {e}") from None
-    if not rows:
-        raise SystemExit(f"stoa local train: cold_start: none of the {len(demos)} demonstrations of task "
-                         f"{task.id!r} could be used (over the limits, or no document shown holds the answer); "
-                         "raise max_new_tokens or the task's limits, or give a JSONL file")
-    return Prepared(rows, {**info, "examples": len(rows), "dropped": dropped})
 
 
 class SftStep(NamedTuple):

@@ -17,12 +17,10 @@ has no v1 was stopped mid-stage, and the trainer refuses to start RL on it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -33,12 +31,12 @@ from stoa.bucket import Bucket, ObjectNotFound
 from stoa.engines.factory import engine_from_model
 from stoa.engines.torch_scoring import to_device
 from stoa.envs.base import Tools
-from stoa.episodes.demo_rows import SftRow, build_rows
+from stoa.episodes.demo_rows import Prepared, SftRow, build_rows, prepare_rows
 from stoa.episodes.rft import RftProgress, rejection_sample
 from stoa.layout import run_prefix
 from stoa.models import resolve_model
 from stoa.rollouts.episode import ROLE_ACTION
-from stoa.tasks.demos import ColdStartError, load_conversations, task_demonstrations
+from stoa.tasks.demos import ColdStartError, load_conversations
 from stoa.untrusted import load_object
 
 __all__ = ["ColdStartError", "SftRow", "build_rows", "cold_start_key", "load_conversations", "prepare", "prepare_rft",
@@ -151,24 +149,6 @@ def sft_steps(policy: Any, rows: Sequence[SftRow], *, steps: int, batch: int, mi
     return out
 
 
-def file_digest(path: str | Path) -> str:
-    """SHA-256 of a demonstrations file (recorded in the marker).
-
-    Args:
-        path: the file.
-    """
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-class Prepared(NamedTuple):
-    """The cold start's rows and what to record about them."""
-
-    rows: list[SftRow]
-    """The rows to train on."""
-    info: dict[str, Any]
-    """Source (``demos`` or the file and its SHA-256), demonstrations built and dropped."""
-
-
 def prepare(cfg: Any, task: Any, codec: Any, tools: Tools | None) -> Prepared:
     """The rows of the run's ``cold_start`` setting.
 
@@ -181,22 +161,10 @@ def prepare(cfg: Any, task: Any, codec: Any, tools: Tools | None) -> Prepared:
     Raises:
         ColdStartError: no demonstrations, a bad file line (names the file and line), or none usable.
     """
-    n = cfg.cold_start_examples
     if cfg.cold_start == "rft":
         raise ColdStartError("cold_start = rft samples from the policy: call prepare_rft with an engine")
-    if cfg.cold_start == "demos":
-        demos = task_demonstrations(task)(n, np.random.default_rng(cfg.seed))
-        rows, dropped = build_rows(demos, task, codec, tools, cfg.max_new_tokens, strict=False)
-        info: dict[str, Any] = {"source": "demos"}
-    else:
-        demos = load_conversations(cfg.cold_start, n)
-        rows, dropped = build_rows(demos, task, codec, tools, cfg.max_new_tokens, strict=True)
-        info = {"source": str(cfg.cold_start), "sha256": file_digest(cfg.cold_start)}
-    if not rows:
-        raise ColdStartError(f"cold_start: none of the {len(demos)} demonstrations of task {task.id!r} could be "
-                             "used (over the limits, or no document shown holds the answer); raise "
-                             "max_new_tokens or the task's limits, or give a JSONL file")
-    return Prepared(rows, {**info, "examples": len(rows), "dropped": dropped})
+    return prepare_rows(cfg.cold_start, examples=cfg.cold_start_examples, seed=cfg.seed,
+                        max_new_tokens=cfg.max_new_tokens, task=task, codec=codec, tools=tools)
 
 
 def prepare_rft(cfg: Any, task: Any, codec: Any, tools: Tools | None, engine: Any,
