@@ -21,7 +21,7 @@ def evals_after_start(steps: int, every: int) -> list[int]:
 def test_a_search_run_evaluates_a_few_times_during_the_run_and_at_its_end(steps):
     at = evals_after_start(steps, search_eval_every(steps))
     assert len(at) <= SEARCH_EVALS and at[-1] == steps
-    assert len(at) >= min(steps, SEARCH_EVALS - 1)  # a curve: at least three points besides the first
+    assert len(at) == min(steps, SEARCH_EVALS)  # with before and cold start: a curve of four points
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -30,8 +30,9 @@ def _args(**kw) -> argparse.Namespace:
 
 
 def test_the_smollm2_search_preset_spreads_its_evals_over_the_steps():
-    assert trainer_settings(_args(), "r")["eval_every"] == 3  # 12 steps: v1, then steps 3, 6, 9, 12
-    assert trainer_settings(_args(steps=40), "r")["eval_every"] == 10
+    assert trainer_settings(_args(), "r")["eval_every"] == 6  # 12 steps: v1, then steps 6 and 12
+    assert trainer_settings(_args(steps=40), "r")["eval_every"] == 20
+    assert trainer_settings(_args(steps=8), "r")["cold_start"] == "demos"
     s = trainer_settings(_args(), "r")
     assert s["task"].startswith("search:") and s["eval_n"] == 48 and s.get("eval_k", 1) == 1
 

@@ -23,7 +23,7 @@ DEFAULTS = {"model": "smollm2-135m", "task": "arithmetic", "steps": 30, "workers
 DEFAULT_BUCKET = "./stoa-quickstart"
 WORKER_EXIT_S = 15.0
 """Seconds the workers get to exit by themselves once the run finished (their current batch, then exit 0)."""
-SEARCH_STEPS = 12
+SEARCH_STEPS = 8
 """``--task search``'s default steps: multi-turn steps take minutes here (docs/search.md)."""
 PRESETS = {
     # Short completions and small batches: arithmetic answers need few tokens. Held-out evals at steps 0, 10, 20
@@ -35,22 +35,27 @@ PRESETS = {
              "micro_batch": 16, "skip_uniform_groups": False, "eval_every": 1},
 }
 SEARCH_PRESETS = {
-    # Multi-turn episodes (up to 3 model turns of 48 tokens, ~180-token observations): fewer, longer rows.
+    # Multi-turn episodes (up to 3 model turns of 48 tokens, ~180-token observations): fewer, longer rows. A
+    # 4-step cold start on the task's demonstrations first: 135M never completes search -> read -> answer by
+    # chance (cover-EM 0.000), after it 0.708 (docs/search.md). micro_batch 4: the trainer peaked at 8.2 GB of
+    # RSS (8 OOM-killed it next to other jobs on a 24 GB machine).
     "smollm2-135m": {"n_samples": 8, "groups_per_step": 4, "max_new_tokens": 48, "lr": 5e-6, "eval_n": 48,
-                     "micro_batch": 8, "kl_beta": 0.0},  # eval_every: search_eval_every(steps)
+                     "micro_batch": 4, "kl_beta": 0.0, "cold_start": "demos", "cold_start_steps": 4},
+    # eval_every: search_eval_every(steps)
     # A random model never finds an answer: every group scores 0, so it trains on them too (as above).
     "tiny": {"n_samples": 4, "groups_per_step": 2, "max_new_tokens": 8, "lr": 1e-3, "eval_n": 4,
              "micro_batch": 8, "skip_uniform_groups": False, "eval_every": 1},
 }
-SEARCH_EVALS = 4
-"""Held-out evals of a SmolLM2 search quickstart after the one before it (``search_eval_every``): a curve of five
-points. Measured on this 2-core CPU (load ~10): one eval of 48 greedy episodes took 125 s at v1 and 128 s at v4
-(search rate 0.29 and 0.92), a step ~250 s of wall time; 12 steps then add three evals, at most ~12% over the
-run with before/after evals alone (less while the workers sample on). eval_k stays 1: pass@8's 8 sampled
-episodes per prompt cost 2.6x the greedy eval more (8 prompts: 22 s greedy, 78 s with k=8, 1 thread)."""
-SEARCH_TASKS = {"smollm2-135m": "search:max_turns=3,max_total_tokens=640,format_reward=0.1",
+SEARCH_EVALS = 2
+"""Held-out evals of a SmolLM2 search quickstart after the ones before RL (``search_eval_every``): with the evals
+before and after the cold start, a curve of four points (before, cold start, mid-run, final). Measured on this
+2-core CPU at load ~8: one eval of 48 greedy episodes takes 71-180 s (312 s at load ~10) against 120-250 s per
+step, so more points would cost more than the steps they show. eval_k stays 1 (``--set eval_k_final=8`` adds
+pass@8 to the cold-start and final evals: 8 sampled episodes per prompt cost ~2.6x the greedy eval more)."""
+SEARCH_TASKS = {"smollm2-135m": "search:hops=2,max_turns=3,max_total_tokens=640,format_reward=0.1",
                 "tiny": "search:entities=60,max_turns=2,max_total_tokens=256"}
-"""``--task search`` per model: the built-in search task, sized for this machine (tiny: a small world, for CI)."""
+"""``--task search`` per model: the built-in search task with two-hop questions (room for RL after the cold start),
+sized for this machine (tiny: a small one-hop world, for CI)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
