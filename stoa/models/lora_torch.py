@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.numpy import save_file
 from torch import nn
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -161,8 +162,6 @@ def write_peft(directory: str | Path, arrays: Mapping[str, np.ndarray], spec: Lo
         spec: the adapter.
         base_model: ``base_model_name_or_path``.
     """
-    from safetensors.numpy import save_file
-
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     save_file(peft_state(arrays), str(d / "adapter_model.safetensors"), metadata={"format": "pt"})

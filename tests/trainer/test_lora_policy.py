@@ -179,3 +179,23 @@ def test_the_settings_make_the_spec_and_targets_that_name_nothing_are_refused(ti
 
     with pytest.raises(ValueError, match="lora_targets"):
         add_lora(AutoModelForCausalLM.from_pretrained(tiny_dir), LoraSpec(2, 4.0, ("nothing_here",)), 0)
+
+
+def test_the_preflight_counts_gradients_and_adamw_on_the_adapter_only():
+    from stoa.config.memory import lora_params
+    from stoa.models.shapes import shape_for
+    from stoa.trainer.peak import Workload, estimate_peak, workload
+
+    shape = shape_for("smollm2-135m")
+    assert shape is not None
+    n = lora_params(shape, 16, DEFAULT_TARGETS)
+    assert n == 30 * 16 * (2 * (576 + 576) + 2 * (576 + 192) + 3 * (576 + 1536))  # PEFT's count for r=16
+    cfg = TrainerConfig(lora_rank=16, n_samples=8, groups_per_step=2).validate()
+    work = workload(cfg, 48, 64, 1, False, False)
+    assert work.lora_rank == 16 and work.lora_targets == DEFAULT_TARGETS
+    full, lora = estimate_peak(shape, work._replace(lora_rank=0)), estimate_peak(shape, work)
+    assert lora.optimizer == pytest.approx(n * 8 / 1e9) and lora.gradients == pytest.approx(n * 4 / 1e9)
+    assert full.optimizer == pytest.approx(shape.params() * 8 / 1e9)
+    assert lora.parameters == pytest.approx(full.parameters + n * 4 / 1e9)  # fp32 base (fp32 compute) + adapter
+    bf16 = estimate_peak(shape, Workload(16, 48, 64, False, False, 1, False, True, 16, DEFAULT_TARGETS))
+    assert bf16.parameters == pytest.approx((shape.params() * 2 + n * 4) / 1e9)  # the base stored in bf16
