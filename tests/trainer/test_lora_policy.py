@@ -16,7 +16,7 @@ from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.bucket import open_bucket
 from stoa.config import ConfigError, TrainerConfig
 from stoa.engines.torch_scoring import pack_tensors
-from stoa.layout import checkpoint_files_prefix
+from stoa.layout import checkpoint_files_prefix, checkpoint_pointer_key
 from stoa.models.lora_torch import DEFAULT_TARGETS, LoraSpec, add_lora, is_adapter
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.lora import Identity, base_fingerprint, lora_spec
@@ -199,3 +199,40 @@ def test_the_preflight_counts_gradients_and_adamw_on_the_adapter_only():
     assert lora.parameters == pytest.approx(full.parameters + n * 4 / 1e9)  # fp32 base (fp32 compute) + adapter
     bf16 = estimate_peak(shape, Workload(16, 48, 64, False, False, 1, False, True, 16, DEFAULT_TARGETS))
     assert bf16.parameters == pytest.approx((shape.params() * 2 + n * 4) / 1e9)  # the base stored in bf16
+
+
+def test_a_lora_trainer_resumes_from_its_checkpoint_and_refuses_merged_weights_alone(tmp_path: Path, stoa_cache):
+    from stoa.trainer.loop import _Trainer
+    from tests.test_trainer_resume import make_cfg
+
+    url = str(tmp_path / "b")
+    cfg = make_cfg(url, lora_rank=4, lora_alpha=8.0)
+    t1 = _Trainer(cfg, echo=lambda *_: None)
+    t1.resume()  # a new run: publishes v1 (the merged weights: the base, B = 0)
+    with torch.no_grad():
+        for k, p in t1.policy.named_parameters().items():
+            if k.endswith("lora_B.weight"):
+                p.fill_(0.01)  # as if trained
+    t1.publish(2)
+    t1.ops.save(2, 1)
+    adapter = t1.policy.adapter_f32()
+    t1.close()
+
+    lines: list[str] = []
+    t2 = _Trainer(make_cfg(url, lora_rank=4, lora_alpha=8.0), echo=lines.append)
+    t2.resume()
+    assert t2.version == 2 and t2.step == 1 and t2.lag0_trusted
+    assert all(np.array_equal(v, adapter[k]) for k, v in t2.policy.adapter_f32().items())
+    t2.publish(3)  # a third version the checkpoint (v2) is behind: the adapter stays the checkpoint's
+    t2.close()
+    t3 = _Trainer(make_cfg(url, lora_rank=4, lora_alpha=8.0), echo=lines.append)
+    t3.resume()
+    assert any("continuing from the checkpoint's adapter (v2)" in line for line in lines)
+    assert all(np.array_equal(v, adapter[k]) for k, v in t3.policy.adapter_f32().items())
+    t3.close()
+
+    open_bucket(url).delete(checkpoint_pointer_key("r"))
+    t4 = _Trainer(make_cfg(url, lora_rank=4, lora_alpha=8.0), echo=lines.append)
+    with pytest.raises(SystemExit, match="checkpoint_every = 1"):
+        t4.resume()
+    t4.close()
