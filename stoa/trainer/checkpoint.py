@@ -14,11 +14,8 @@ are read through ``stoa.trainer.dcp_safe`` (no code runs from them). Any world s
 reshards). The single-file checkpoint of older trainers still loads at
 world size 1. On restart the trainer resumes from it and continues the version sequence after the newest
 published pointer.
-
-A LoRA policy's checkpoint holds its trainable parameters only (the adapter) and their AdamW state; its pointer
-names the base (``base``: the model's fingerprint) and the adapter (``adapter``: rank, alpha, targets), and a
-trainer whose base or adapter differs refuses it. Beside the shards, rank 0 writes the adapter as PEFT loads it
-(``adapter/adapter_model.safetensors`` and ``adapter/adapter_config.json`` under the checkpoint's prefix).
+A LoRA policy's checkpoint holds the adapter and its AdamW state, its pointer names base and adapter, and rank 0
+writes the adapter's PEFT files beside the shards (``stoa.trainer.lora``).
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ from stoa.schemas import BadSchemaObject
 from stoa.schemas.journal import Journal
 from stoa.trainer.dcp_safe import SafeEmptyPlanner, SafeLoadPlanner, metadata_problem
 from stoa.trainer.dist import SINGLE, Dist, full_arrays
-from stoa.trainer.lora import FULL, Identity, identity_problem, put_peft
+from stoa.trainer.lora import FULL, Identity, identity_problem, pointer_text, put_peft
 from stoa.trainer.retry import ride_out
 from stoa.untrusted import (
     MAX_INT,
@@ -142,17 +139,10 @@ class CheckpointRef:
                 raise ValueError("kept is not a list of at most 64 tags")
             return cls(_match(_TAG, d.get("tag"), "tag"), field_int(d, "version", hi=MAX_INT),
                        field_int(d, "step", hi=MAX_INT), field_int(d, "world_size", hi=1 << 20), files,
-                       tuple(_match(_TAG, t, "kept tag") for t in kept), _short(d, "base"), _short(d, "adapter"))
+                       tuple(_match(_TAG, t, "kept tag") for t in kept), pointer_text(d, "base"),
+                       pointer_text(d, "adapter"))
         except ValueError as e:
             raise CheckpointError(key, f"is not a checkpoint pointer ({str(e)[:200]})", DELETE_POINTER) from None
-
-
-def _short(d: dict[str, Any], name: str) -> str:
-    """Optional string field ``name`` of the pointer (at most 4,096 characters; absent: empty)."""
-    value = d.get(name, "")
-    if not isinstance(value, str) or len(value) > 4096:
-        raise ValueError(f"{name} is not a string of at most 4096 characters")
-    return value
 
 
 def _match(pattern: re.Pattern[str], value: object, what: str) -> str:
@@ -311,7 +301,8 @@ def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
         return None
     have = (plan.adapter, plan.base) if isinstance(plan, CheckpointRef) else ("", "")
     if (problem := identity_problem(*have, identity)) is not None:
-        raise CheckpointError(checkpoint_pointer_key(run_id), problem, DELETE_POINTER)
+        raise CheckpointError(checkpoint_pointer_key(run_id), problem, "resume with the run's own model and lora_rank, "
+                              "lora_alpha, lora_targets, or " + DELETE_POINTER)
     if plan == "legacy":
         if dist.sharded:
             raise CheckpointError(checkpoint_key(run_id), "is the single-file checkpoint of an older trainer",

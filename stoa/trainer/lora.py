@@ -1,8 +1,10 @@
 """The trainer's LoRA settings as an adapter spec, the base's identity, and the checkpoint's PEFT files.
 
-A LoRA trainer's checkpoint belongs to one base and one adapter (``Identity``): its pointer names both and a
-trainer with another refuses it (``identity_problem``). Beside the shards, rank 0 writes the adapter as PEFT
-loads it (``put_peft``).
+A LoRA trainer's checkpoint holds its trainable parameters only (the adapter) and their AdamW state. It belongs
+to one base and one adapter (``Identity``): its pointer names both (``base``: the model's fingerprint;
+``adapter``: rank, alpha, targets) and a trainer with another refuses it (``identity_problem``). Beside the
+shards, rank 0 writes the adapter as PEFT loads it (``put_peft``: ``adapter/adapter_model.safetensors`` and
+``adapter/adapter_config.json`` under the checkpoint's prefix).
 """
 
 from __future__ import annotations
@@ -78,6 +80,22 @@ def identity_problem(adapter: str, base: str, mine: Identity) -> str | None:
     if adapter and base != mine.base:
         return f"holds an adapter of base {base[:120]!r}, not of this trainer's model ({mine.base!r})"
     return None
+
+
+def pointer_text(d: dict[str, Any], name: str) -> str:
+    """Optional string field ``name`` of a checkpoint pointer (at most 4,096 characters; absent: empty).
+
+    Args:
+        d: the parsed pointer.
+        name: ``base`` or ``adapter``.
+
+    Raises:
+        ValueError: not such a string.
+    """
+    value = d.get(name, "")
+    if not isinstance(value, str) or len(value) > 4096:
+        raise ValueError(f"{name} is not a string of at most 4096 characters")
+    return value
 
 
 def put_peft(bucket: Bucket, prefix: str, adapter: dict[str, Any], ident: Identity, echo) -> dict[str, int]:

@@ -209,6 +209,9 @@ def test_a_lora_trainer_resumes_from_its_checkpoint_and_refuses_merged_weights_a
     cfg = make_cfg(url, lora_rank=4, lora_alpha=8.0)
     t1 = _Trainer(cfg, echo=lambda *_: None)
     t1.resume()  # a new run: publishes v1 (the merged weights: the base, B = 0)
+    stepped = {id(p) for g in t1.opt.param_groups for p in g["params"]}
+    assert stepped == {id(p) for p in t1.policy.trainable_parameters()}  # AdamW holds the adapter only
+    assert len(t1.policy.trainable_parameters()) == 2 * len(t1.policy.lora_paths)
     with torch.no_grad():
         for k, p in t1.policy.named_parameters().items():
             if k.endswith("lora_B.weight"):
@@ -236,3 +239,19 @@ def test_a_lora_trainer_resumes_from_its_checkpoint_and_refuses_merged_weights_a
     with pytest.raises(SystemExit, match="checkpoint_every = 1"):
         t4.resume()
     t4.close()
+
+
+def test_the_base_is_stored_in_the_compute_dtype_and_checkpointing_gives_the_same_step(tiny_dir: Path):
+    bf16 = Policy(tiny_dir, CPU, lora=SPEC, compute_dtype=torch.bfloat16)
+    dtypes = {k: p.dtype for k, p in bf16.named_parameters().items()}
+    assert all(d == (torch.float32 if is_adapter(k) else torch.bfloat16) for k, d in dtypes.items())
+    assert bf16.autocast and np.isfinite(_logp(bf16).numpy()).all()
+    deltas = []
+    for checkpointing in (False, True):
+        pol = Policy(tiny_dir, CPU, lora=SPEC, gradient_checkpointing=checkpointing)
+        opt = torch.optim.AdamW(pol.trainable_parameters(), lr=1e-2)
+        _step(pol, opt, 0)
+        deltas.append(pol.adapter_f32())
+    assert deltas[0].keys() == deltas[1].keys()
+    for k in deltas[0]:
+        np.testing.assert_allclose(deltas[0][k], deltas[1][k], atol=1e-4, rtol=0)  # AdamW steps are 1e-2
