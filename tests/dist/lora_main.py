@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,7 @@ if __name__ == "__main__":
     try:
         result = scenario(sys.argv[1], sys.argv[3], ranks)
         if ranks.main:
-            np.savez(Path(sys.argv[2]), **result)
+            arrays: dict[str, Any] = dict(result)
+            np.savez(Path(sys.argv[2]), **arrays)
     finally:
         close_dist(ranks)
