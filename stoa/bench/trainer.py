@@ -19,6 +19,7 @@ import numpy as np
 
 from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.config.text import deprecated_flag, dtype_value
+from stoa.config.trainer import LORA_TARGETS
 from stoa.models import resolve_model
 from stoa.models.shapes import shape_from_dir
 from stoa.rollouts.records import RolloutRecord, Sample
@@ -47,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=16, help="packed-mode micro-batch [default: 16]")
     p.add_argument("--device", default="auto", help="torch device [default: auto]")
     p.add_argument("--out", default="", help="append JSONL rows to this file")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train a LoRA adapter of this rank on the frozen base, default targets (0 = full "
+                        "fine-tuning) [default: 0]")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha [default: 32]")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     p.add_argument("--preflight", action="store_true",
                    help="compare the memory preflight's estimate with the measured peak of PREFLIGHT_GRID's "
@@ -131,21 +136,24 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from stoa.engines.torch import resolve_device
+    from stoa.models.lora_torch import LoraSpec
     from stoa.trainer.policy import Policy
     from stoa.trainer.step import train_step
 
     device = resolve_device(args.device)
     model_dir = resolve_model(args.model)
     dtype = policy_kwargs(args.dtype)
-    policy = Policy(model_dir, device, gradient_checkpointing=args.gradient_checkpointing, **dtype)
+    lora = LoraSpec(args.lora_rank, args.lora_alpha) if args.lora_rank > 0 else None
+    policy = Policy(model_dir, device, gradient_checkpointing=args.gradient_checkpointing, lora=lora, **dtype)
     ref = Policy(model_dir, device, trainable=False, **dtype) if args.kl_beta > 0 else None
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-6)
+    opt = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-6)
     algo = get_algorithm(AlgoConfig.from_dict({"name": args.algorithm, "kl_beta": args.kl_beta,
                                                "max_tokens": args.tokens}), "torch")
     tokens_per_step = args.groups * args.n * args.tokens
     print(f"model {args.model} on {device}, {args.groups} groups x {args.n} samples, prompt {args.prompt_tokens} "
           f"+ completion {args.tokens} tokens ({tokens_per_step} trained tokens/step), "
-          f"threads {torch.get_num_threads()}, compute {args.dtype}")
+          f"threads {torch.get_num_threads()}, compute {args.dtype}, "
+          + (f"LoRA r={args.lora_rank} alpha={args.lora_alpha:g}" if lora else "full fine-tuning"))
     rows = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         times = []
@@ -162,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
         row = {"bench": "trainer", "mode": mode, "model": args.model, "dtype": args.dtype, "groups": args.groups,
+               "lora_rank": args.lora_rank,
                "n": args.n,
                "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "step_s_median": med,
                "step_s_min": min(times), "step_s_max": max(times), "tokens_per_s": tokens_per_step / med,
@@ -204,11 +213,13 @@ def preflight(args: argparse.Namespace) -> int:
             cmd = [sys.executable, "-m", "stoa", "bench", "trainer", "--model", args.model, "--groups",
                    str(args.groups), "--n", str(args.n), "--prompt-tokens", str(args.prompt_tokens), "--tokens",
                    str(args.tokens), "--modes", "packed", "--repeats", "1", "--micro-batch", str(micro),
-                   "--kl-beta", str(kl), "--device", args.device, "--dtype", args.dtype, "--out", str(out)]
+                   "--kl-beta", str(kl), "--device", args.device, "--dtype", args.dtype, "--out", str(out),
+                   "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha)]
             subprocess.run(cmd + (["--gradient-checkpointing"] if ckpt else []), check=True, capture_output=True)
             row = json.loads(out.read_text().splitlines()[-1])
         work = Workload(min(micro, rows), args.prompt_tokens, args.tokens, ckpt, kl > 0, 1, cuda,
-                        bf16=args.dtype == "bf16")
+                        bf16=args.dtype == "bfloat16", lora_rank=args.lora_rank,
+                        lora_targets=tuple(LORA_TARGETS.split(",")) if args.lora_rank else ())
         est = estimate_peak(shape, work)
         measured = row["peak_cuda_gb"] or row["peak_rss_gb"]
         print(f"{micro:5d} {ckpt!s:>5} {kl:5.2f} {measured:12.2f} {est.total:13.2f}  {est.describe()}")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from stoa.bucket import check_bucket_url, open_bucket
 from stoa.config import ConfigError, TrainerConfig, add_config_flags, config_to_toml, load_config, overrides_from_args
 from stoa.config.loading import env_layer, flag_layer, toml_layer
+from stoa.config.memory import lora_params
 from stoa.layout import contract_key
 from stoa.models import default_cache_dir, resolve_model
 from stoa.models.registry import SMOLLM2_DIR
@@ -157,6 +158,8 @@ def _checkpoint_lines(cfg: TrainerConfig) -> list[str]:
     """The dry run's checkpoint section, from the model's parameter count when its shape is known here."""
 
     shape = model_shape(cfg.model, offline=True).shape
+    if shape is not None and cfg.lora_rank:  # a LoRA checkpoint holds the adapter and its AdamW moments
+        return cadence_lines(cfg, lora_params(shape, cfg.lora_rank, [t.strip() for t in cfg.lora_targets.split(",")]))
     return cadence_lines(cfg, shape.params() if shape is not None else None)
 
 

@@ -11,7 +11,7 @@ or mlx.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -19,7 +19,7 @@ from stoa.config.base import ConfigError
 from stoa.models.shapes import ModelShape
 
 __all__ = ["ACT_ATTN", "ACT_H", "ACT_I", "GB", "Candidate", "Estimate", "FitReport", "Fix", "MemoryPreflightError",
-           "activation_bytes", "check_fit", "refuse"]
+           "activation_bytes", "check_fit", "lora_params", "refuse"]
 
 GB = 1e9
 ACT_H, ACT_I, ACT_ATTN = 10.0, 5.0, 2.0
@@ -55,6 +55,20 @@ def activation_bytes(shape: ModelShape, rows: int, seq: int, value_bytes: float,
         inputs = shape.layers * rows * seq * shape.hidden * value_bytes
         return inputs + min(checkpoint_blocks, shape.layers) * per_layer
     return shape.layers * per_layer
+
+
+def lora_params(shape: ModelShape, rank: int, targets: Iterable[str]) -> int:
+    """Parameters of a rank-``rank`` LoRA adapter: r x (in + out) for every linear of the decoder blocks whose
+    path ends with one of ``targets`` (PEFT's suffix rule; routed experts are not linears, so never adapted).
+
+    Args:
+        shape: the model's shape.
+        rank: the adapter's rank.
+        targets: module-name suffixes (``q_proj``...).
+    """
+    ts = tuple(targets)
+    return sum(rank * (i + o) for layer in range(shape.layers) for path, (i, o) in shape.layer_linears(layer).items()
+               if any(path == t or path.endswith("." + t) for t in ts))
 
 
 class Estimate(Protocol):

@@ -8,6 +8,29 @@ from typing import ClassVar
 from stoa.config.base import DTYPES, PLANES, ConfigError, FleetConfig, at_least, one_of, setting
 from stoa.config.training import TrainingConfig
 
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+"""``lora_targets``' default: the attention and MLP projections, as PEFT names them."""
+
+
+def check_lora(cfg: TrainerConfig) -> None:
+    """Raise ``ConfigError`` for LoRA settings that cannot train (``lora_rank`` 0 ignores the other two).
+
+    Args:
+        cfg: the trainer config.
+    """
+    at_least(cfg, 0, ("lora_rank",))
+    if cfg.lora_rank == 0:
+        return
+    if not cfg.lora_alpha > 0:
+        raise ConfigError("lora_alpha", f"must be > 0, got {cfg.lora_alpha}; set it to e.g. 2 x lora_rank")
+    names = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    if not names:
+        raise ConfigError("lora_targets", "names no module; give module-name suffixes such as q_proj,v_proj")
+    bad = [t for t in names if not all(c.isalnum() or c in "_." for c in t) or t.startswith(".")]
+    if bad:
+        raise ConfigError("lora_targets", f"{bad[0]!r} is not a module-name suffix; give names such as "
+                                          "q_proj,v_proj (letters, digits, '_' and '.')")
+
 
 @dataclass(frozen=True)
 class TrainerConfig(TrainingConfig, FleetConfig):
@@ -94,6 +117,13 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     dtype: str = setting("auto", "Compute dtype of the trainer's forward and backward: auto (bfloat16 on CUDA and "
                                  "on CPUs with native bf16, else float32), float32 or bfloat16; master weights, "
                                  "AdamW state and the log-softmax stay float32.")
+    lora_rank: int = setting(0, "Train a LoRA adapter of this rank on the frozen base instead of every weight (0 = "
+                                "full fine-tuning): AdamW state and checkpoints hold the adapter only; workers get "
+                                "the merged weights. Fixed when the run is created.")
+    lora_alpha: float = setting(32.0, "LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank.")
+    lora_targets: str = setting(LORA_TARGETS, "Modules the adapter wraps, comma-separated module-name suffixes as "
+                                              "PEFT's target_modules (a TOML list also works): the attention and "
+                                              "MLP projections by default.", join=",")
     skip_uniform_groups: bool = setting(True, "Skip groups whose rewards all agree (no advantage, so no policy "
                                               "gradient) before any forward pass; they do not count toward "
                                               "groups_per_step (rollout/skipped_uniform). False trains on them "
@@ -139,6 +169,7 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         at_least(self, 0, ("eval_k_final",))
         at_least(self, 0, ("staleness_bound", "available_memory_gb", "checkpoint_every", "checkpoint_minutes"))
         one_of(self, "dtype", DTYPES)
+        check_lora(self)
         if self.sign_weights.lower() not in ("auto", "true", "false"):
             raise ConfigError("sign_weights", f"{self.sign_weights!r} is not one of auto, true, false")
         at_least(self, -1, ("keep_rollout_versions",))

@@ -14,6 +14,8 @@ are read through ``stoa.trainer.dcp_safe`` (no code runs from them). Any world s
 reshards). The single-file checkpoint of older trainers still loads at
 world size 1. On restart the trainer resumes from it and continues the version sequence after the newest
 published pointer.
+A LoRA policy's checkpoint holds the adapter and its AdamW state, its pointer names base and adapter, and rank 0
+writes the adapter's PEFT files beside the shards (``stoa.trainer.lora``).
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from safetensors import safe_open
 
 from stoa.bucket import Bucket, BucketError, ObjectNotFound
 from stoa.layout import checkpoint_files_prefix, checkpoint_key, checkpoint_pointer_key, journal_key
+from stoa.models.lora_torch import is_adapter
 from stoa.schemas import BadSchemaObject
 from stoa.schemas.journal import Journal
 from stoa.trainer.dcp_safe import SafeEmptyPlanner, SafeLoadPlanner, metadata_problem
-from stoa.trainer.dist import SINGLE, Dist
+from stoa.trainer.dist import SINGLE, Dist, full_arrays
+from stoa.trainer.lora import FULL, Identity, identity_problem, pointer_text, put_peft
 from stoa.trainer.retry import ride_out
 from stoa.untrusted import (
     MAX_INT,
@@ -97,11 +101,16 @@ class CheckpointRef:
     """File name -> bytes."""
     kept: tuple[str, ...] = ()
     """Tags of the older checkpoints kept beside this one, newest first."""
+    base: str = ""
+    """A LoRA checkpoint's base model (``stoa.trainer.lora.Identity.base``); empty for full fine-tuning."""
+    adapter: str = ""
+    """A LoRA checkpoint's adapter (``LoraSpec.describe``); empty for full fine-tuning."""
 
     def to_json(self) -> bytes:
-        """The pointer's bytes."""
+        """The pointer's bytes (``base`` and ``adapter`` only when set)."""
+        lora = {"base": self.base, "adapter": self.adapter} if self.adapter else {}
         return json.dumps({"format": FORMAT, "tag": self.tag, "version": self.version, "step": self.step,
-                           "world_size": self.world_size, "files": self.files, "kept": list(self.kept)},
+                           "world_size": self.world_size, "files": self.files, "kept": list(self.kept), **lora},
                           sort_keys=True).encode()
 
     @classmethod
@@ -130,7 +139,8 @@ class CheckpointRef:
                 raise ValueError("kept is not a list of at most 64 tags")
             return cls(_match(_TAG, d.get("tag"), "tag"), field_int(d, "version", hi=MAX_INT),
                        field_int(d, "step", hi=MAX_INT), field_int(d, "world_size", hi=1 << 20), files,
-                       tuple(_match(_TAG, t, "kept tag") for t in kept))
+                       tuple(_match(_TAG, t, "kept tag") for t in kept), pointer_text(d, "base"),
+                       pointer_text(d, "adapter"))
         except ValueError as e:
             raise CheckpointError(key, f"is not a checkpoint pointer ({str(e)[:200]})", DELETE_POINTER) from None
 
@@ -151,15 +161,17 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """What a checkpoint holds: the parameters by ``named_parameters`` name and the optimizer's state."""
+    """What a checkpoint holds: the trainable parameters (every one, or a LoRA policy's adapter) by
+    ``named_parameters`` name and the optimizer's state."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return {"model": {k: p.detach() for k, p in model.named_parameters()},
+    return {"model": {k: p.detach() for k, p in model.named_parameters() if p.requires_grad},
             "optim": get_optimizer_state_dict(model, opt)}
 
 
 def save_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    *, version: int, step: int, dist: Dist = SINGLE, echo=print, keep: int = 1) -> int:
+                    *, version: int, step: int, dist: Dist = SINGLE, echo=print, keep: int = 1,
+                    identity: Identity = FULL) -> int:
     """Write this rank's shard (rank 0 also the metadata, then the pointer, then drop checkpoints not kept).
 
     Every rank calls it. Returns the checkpoint's bytes on rank 0 (this rank's elsewhere).
@@ -174,6 +186,7 @@ def save_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
         dist: the ranks.
         echo: where outage notes go.
         keep: checkpoints kept in all, this one included (the newest ones the pointers named).
+        identity: a LoRA policy's base and adapter (the pointer names them; the PEFT files are written).
     """
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -188,14 +201,18 @@ def save_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
             ride_out(lambda p=path, n=name: bucket.put_file(prefix + n, p, create_only=False),
                      f"checkpoint file {name}", echo)
             sizes[name] = os.path.getsize(path)
+    adapter = (full_arrays({k: p for k, p in model.named_parameters() if is_adapter(k)}, dist)
+               if identity.spec is not None else {})
     everyone = dist.gather(sizes)  # also the barrier: every shard is in the bucket before the pointer
     if not dist.main:
         return sum(sizes.values())
     files = {k: v for part in everyone for k, v in part.items()}
-    ref = CheckpointRef(tag, version, step, dist.world_size, files, _kept(bucket, run_id, keep - 1, echo))
+    extra = sum(put_peft(bucket, prefix, adapter, identity, echo).values()) if adapter else 0
+    ref = CheckpointRef(tag, version, step, dist.world_size, files, _kept(bucket, run_id, keep - 1, echo),
+                        identity.base if identity.spec is not None else "", identity.adapter)
     ride_out(lambda: bucket.put(checkpoint_pointer_key(run_id), ref.to_json()), "the checkpoint pointer", echo)
     _drop_unkept(bucket, run_id, {tag, *ref.kept}, echo)
-    return sum(files.values())
+    return sum(files.values()) + extra
 
 
 def _kept(bucket: Bucket, run_id: str, older: int, echo) -> tuple[str, ...]:
@@ -254,7 +271,7 @@ def _download(bucket: Bucket, run_id: str, ref: CheckpointRef, dest: str, echo=p
 
 
 def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    dist: Dist = SINGLE, echo=print) -> Restored | None:
+                    dist: Dist = SINGLE, echo=print, identity: Identity = FULL) -> Restored | None:
     """Restore weights and optimizer state in place, at any world size; None when the run has no checkpoint.
 
     Every rank calls it; rank 0 reads the pointer and every rank fetches the files it names.
@@ -266,9 +283,11 @@ def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
         opt: its fresh optimizer.
         dist: the ranks.
         echo: where outage notes go.
+        identity: this trainer's base and adapter; a checkpoint of another is refused.
 
     Raises:
-        CheckpointError: the checkpoint cannot be read (the message names the fix).
+        CheckpointError: the checkpoint cannot be read, or belongs to another base or adapter (the message
+            names the fix).
     """
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -280,6 +299,10 @@ def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
     plan = dist.broadcast(plan)
     if plan is None:
         return None
+    have = (plan.adapter, plan.base) if isinstance(plan, CheckpointRef) else ("", "")
+    if (problem := identity_problem(*have, identity)) is not None:
+        raise CheckpointError(checkpoint_pointer_key(run_id), problem, "resume with the run's own model and lora_rank, "
+                              "lora_alpha, lora_targets, or " + DELETE_POINTER)
     if plan == "legacy":
         if dist.sharded:
             raise CheckpointError(checkpoint_key(run_id), "is the single-file checkpoint of an older trainer",
@@ -352,6 +375,10 @@ def checkpoint_params(bucket: Bucket, run_id: str) -> tuple[int, dict[str, torch
     ref = read_pointer(bucket, run_id)
     if ref is None:
         return None
+    if ref.adapter:
+        raise CheckpointError(checkpoint_pointer_key(run_id), f"is a LoRA checkpoint ({ref.adapter}): it holds the "
+                              "adapter only", "export --source published for the merged weights; the PEFT adapter "
+                              f"is under {checkpoint_files_prefix(run_id, ref.tag)}adapter/")
     state: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="stoa-ckpt-") as tmp:
         _download(bucket, run_id, ref, tmp)

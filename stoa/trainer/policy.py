@@ -1,5 +1,9 @@
 """The trainer's policy: fp32 master weights, logprobs of the tokens after the prompt, weight export.
 
+With a LoRA spec (``lora_rank`` > 0) the base is frozen (stored in the compute dtype on one rank, fp32 when
+sharded: FSDP2 gathers one dtype per unit) and only the float32 adapters (``stoa.models.lora_torch``) train;
+the export is the merged weights (``W + scale * B @ A``), so the weight planes and workers are unchanged.
+
 Multi-turn rows hold the policy's turns and the environment's observations: the forward scores the positions
 its ``mask`` marks (the trainer passes actions and echo tokens) and can also report, without gradient, whether
 the argmax equals each target (ECHO's accuracy).
@@ -17,6 +21,7 @@ import torch
 
 from stoa.engines.torch import model_tensors
 from stoa.engines.torch_scoring import PackedTensors, Scores, group_score, score
+from stoa.models.lora_torch import LoraSpec, add_lora, is_adapter, merge_arrays
 from stoa.trainer.dist import SINGLE, Dist, full_arrays, load_full, shard
 
 
@@ -84,24 +89,30 @@ class Policy:
             (sharded: the gathered parameters are bf16); master weights, optimizer state and the log-softmax stay
             fp32. An unsharded frozen policy (the reference) is stored in this dtype: it has no master weights to
             keep, so bf16 halves its memory and skips the per-forward casts.
+        lora: train a LoRA adapter on the frozen base (None: full fine-tuning); its base is stored like the
+            reference's (in ``compute_dtype`` on one rank, fp32 when sharded), its adapters in fp32.
+        seed: seed of the adapters' initialisation.
     """
 
     def __init__(self, model_dir: str | Path, device: torch.device, *, temperature: float = 1.0,
                  gradient_checkpointing: bool = False, trainable: bool = True, dist: Dist = SINGLE,
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, lora: LoraSpec | None = None, seed: int = 0):
         from transformers import AutoModelForCausalLM
 
         self.device, self.temperature, self.dist = device, temperature, dist
-        stored = compute_dtype if not trainable and not dist.sharded else torch.float32
+        self.lora = lora if trainable else None
+        frozen_base = not trainable or self.lora is not None
+        stored = compute_dtype if frozen_base and not dist.sharded else torch.float32
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=stored)
+        self.lora_paths = add_lora(model, self.lora, seed) if self.lora is not None else []
         self.model: Any = model.to(device)
         self.model.config.use_cache = False
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train(trainable)
-        for p in self.model.parameters():
-            p.requires_grad_(trainable)
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(trainable and (self.lora is None or is_adapter(name)))
         self.buffer_names = sorted(set(model_tensors(self.model)) - set(dict(self.model.named_parameters())))
         _round_buffers_to_bf16(self.model, self.buffer_names)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -113,8 +124,12 @@ class Policy:
         self.autocast = compute_dtype == torch.bfloat16 and not dist.sharded
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """Trainable parameters by name (tied weights appear once)."""
+        """The model's parameters by name (tied weights appear once; a LoRA policy's adapters included)."""
         return dict(self.model.named_parameters())
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer steps: every parameter, or a LoRA policy's adapters only."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """What the published weights hold: the parameters, then the checkpoint's buffers (``buffer_names``)."""
@@ -174,13 +189,23 @@ class Policy:
         return torch.bfloat16 if self.autocast else None
 
     def export_f32(self) -> dict[str, np.ndarray]:
-        """The master weights as float32 numpy arrays (names as ``named_parameters``), on rank 0 (``{}`` on other
-        ranks, which must call it too: a sharded model's parameters are gathered).
+        """The master weights as float32 numpy arrays (names as ``named_tensors``), on rank 0 (``{}`` on other
+        ranks, which must call it too: a sharded model's parameters are gathered). A LoRA policy's are the merged
+        weights (``W + scale * B @ A``) under the base's names, without adapter tensors.
 
         On CPU the arrays share memory with the live parameters: consume them (e.g. with
         ``state_from_f32``) before the next optimizer step, or copy them.
         """
-        return full_arrays(self.named_tensors(), self.dist)
+        arrays = full_arrays(self.named_tensors(), self.dist)
+        if self.lora is None or not self.dist.main:
+            return arrays
+        return merge_arrays(arrays, self.lora_paths, self.lora.scale)
+
+    def adapter_f32(self) -> dict[str, np.ndarray]:
+        """A LoRA policy's adapter tensors as float32 arrays by parameter name on rank 0 (``{}`` elsewhere, and
+        for full fine-tuning); every rank calls it."""
+        named = {k: p for k, p in self.named_parameters().items() if is_adapter(k)}
+        return {k: v.copy() for k, v in full_arrays(named, self.dist).items()}
 
     def load_f32(self, named: dict[str, np.ndarray] | None) -> None:
         """Overwrite the parameters from float32 arrays (e.g. when resuming); every rank calls it, rank 0 with
@@ -190,6 +215,9 @@ class Policy:
             named: parameter name -> full array (rank 0).
 
         Raises:
-            ValueError: the names are not the model's parameters.
+            ValueError: the names are not the model's parameters, or the policy is a LoRA policy (its published
+                weights are merged: base and adapter cannot be told apart; it resumes from its checkpoint).
         """
+        if self.lora is not None:
+            raise ValueError("a LoRA policy cannot load merged full weights; it resumes from its checkpoint")
         load_full(self.named_tensors(), named, self.dist)

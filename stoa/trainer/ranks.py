@@ -22,6 +22,7 @@ from stoa.config import TrainerConfig
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.coldstart import SftRow, SftStep, sft_steps
 from stoa.trainer.dist import Dist
+from stoa.trainer.lora import FULL, Identity, base_fingerprint, lora_spec
 from stoa.trainer.policy import Policy, compute_dtype
 from stoa.trainer.pool import Entry
 from stoa.trainer.step import StepMetrics, train_step
@@ -52,13 +53,16 @@ class RankOps:
                  echo=print):
 
         self.cfg, self.dist, self.bucket, self.echo = cfg, dist, bucket, echo
-        dtype = compute_dtype(cfg.dtype, device)
+        dtype, spec = compute_dtype(cfg.dtype, device), lora_spec(cfg)
         self.policy = Policy(model_dir, device, temperature=cfg.temperature,
-                             gradient_checkpointing=cfg.gradient_checkpointing, dist=dist, compute_dtype=dtype)
+                             gradient_checkpointing=cfg.gradient_checkpointing, dist=dist, compute_dtype=dtype,
+                             lora=spec, seed=cfg.seed)
+        self.identity = FULL if spec is None else Identity(base_fingerprint(model_dir), spec, cfg.model)
+        self.restored: ckpt.Restored | None = None
         self.algo: Algorithm = get_algorithm(cfg.algo_config(), "torch")
         self.ref = (Policy(model_dir, device, temperature=cfg.temperature, trainable=False, dist=dist,
                            compute_dtype=dtype) if self.algo.cfg.kl_beta > 0 else None)
-        self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def step(self, entries: Sequence[Entry], current_version: int, step: int) -> StepMetrics:
         """One optimizer step on the step's groups (every rank gets all of them and runs its share)."""
@@ -80,21 +84,37 @@ class RankOps:
                          seed=cfg.seed, note=note)
 
     def export(self) -> dict[str, np.ndarray]:
-        """The full fp32 master weights on rank 0 (``{}`` elsewhere)."""
+        """The full fp32 master weights (a LoRA policy's merged) on rank 0 (``{}`` elsewhere)."""
         return self.policy.export_f32()
 
     def save(self, version: int, step: int) -> int:
         """Write the sharded checkpoint (rank 0 writes its pointer last); its bytes."""
         return ckpt.save_checkpoint(self.bucket, self.cfg.run, self.policy.model, self.opt, version=version,
-                                    step=step, dist=self.dist, echo=self.echo, keep=self.cfg.keep_checkpoints)
+                                    step=step, dist=self.dist, echo=self.echo, keep=self.cfg.keep_checkpoints,
+                                    identity=self.identity)
 
     def load(self) -> ckpt.Restored | None:
         """Load the run's checkpoint at this world size; None when it has none."""
-        return ckpt.load_checkpoint(self.bucket, self.cfg.run, self.policy.model, self.opt, self.dist, self.echo)
+        self.restored = ckpt.load_checkpoint(self.bucket, self.cfg.run, self.policy.model, self.opt, self.dist,
+                                             self.echo, identity=self.identity)
+        return self.restored
 
     def load_full(self, arrays: dict[str, np.ndarray] | None = None) -> None:
-        """Overwrite the weights from rank 0's full arrays (the published ones when resuming)."""
-        self.policy.load_f32(arrays)
+        """Overwrite the weights from rank 0's full arrays (the published ones when resuming).
+
+        A LoRA policy cannot split published (merged) weights into base and adapter: it keeps its checkpoint's
+        adapter (one line), and without a checkpoint the trainer stops naming the fix.
+        """
+        if self.policy.lora is None:
+            self.policy.load_f32(arrays)
+        elif self.restored is not None:
+            if self.dist.main:
+                self.echo(f"[trainer] LoRA: continuing from the checkpoint's adapter (v{self.restored.version}); "
+                          "the published weights are merged and cannot be split into base and adapter")
+        else:
+            raise SystemExit(f"stoa: run {self.cfg.run!r} is a LoRA run with published weights but no trainer "
+                             "checkpoint, and its adapter cannot be recovered from merged weights; start a new "
+                             "--run (and set checkpoint_every = 1: an adapter checkpoint is small)")
 
 
 class Driver:

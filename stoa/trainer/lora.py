@@ -1,0 +1,120 @@
+"""The trainer's LoRA settings as an adapter spec, the base's identity, and the checkpoint's PEFT files.
+
+A LoRA trainer's checkpoint holds its trainable parameters only (the adapter) and their AdamW state. It belongs
+to one base and one adapter (``Identity``): its pointer names both (``base``: the model's fingerprint;
+``adapter``: rank, alpha, targets) and a trainer with another refuses it (``identity_problem``). Beside the
+shards, rank 0 writes the adapter as PEFT loads it (``put_peft``: ``adapter/adapter_model.safetensors`` and
+``adapter/adapter_config.json`` under the checkpoint's prefix).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stoa.bucket import Bucket
+from stoa.models import model_fingerprint
+from stoa.models.lora_torch import LoraSpec, write_peft
+from stoa.trainer.retry import ride_out
+
+
+def lora_spec(cfg: Any) -> LoraSpec | None:
+    """The adapter the trainer settings ask for (``lora_rank``, ``lora_alpha``, ``lora_targets``); None for full
+    fine-tuning (``lora_rank`` 0).
+
+    Args:
+        cfg: the ``TrainerConfig``.
+    """
+    if not getattr(cfg, "lora_rank", 0):
+        return None
+    targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
+    return LoraSpec(int(cfg.lora_rank), float(cfg.lora_alpha), targets)
+
+
+def base_fingerprint(model_dir: str | Path) -> str:
+    """The base's identity: ``architecture:config_hash:tokenizer_hash`` (the weights are not hashed).
+
+    Args:
+        model_dir: the base model's directory.
+    """
+    fp = model_fingerprint(Path(model_dir))
+    return f"{fp.architecture}:{fp.config_hash}:{fp.tokenizer_hash}"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a LoRA checkpoint belongs to: the base and the adapter (both empty for full fine-tuning)."""
+
+    base: str = ""
+    """The base model's fingerprint (``base_fingerprint``)."""
+    spec: LoraSpec | None = None
+    """The adapter's rank, alpha and targets."""
+    model: str = ""
+    """The model setting, named in the PEFT config's ``base_model_name_or_path``."""
+
+    @property
+    def adapter(self) -> str:
+        """``spec.describe()``, or empty for full fine-tuning."""
+        return self.spec.describe() if self.spec is not None else ""
+
+
+FULL = Identity()
+"""Full fine-tuning's identity."""
+
+
+def identity_problem(adapter: str, base: str, mine: Identity) -> str | None:
+    """Why a checkpoint of ``adapter`` on ``base`` cannot resume a trainer of identity ``mine`` (None: it can).
+
+    Args:
+        adapter: the checkpoint's adapter (empty: full fine-tuning).
+        base: the checkpoint's base fingerprint.
+        mine: this trainer's identity.
+    """
+    if adapter != mine.adapter:
+        what = f"a LoRA adapter ({adapter[:200]})" if adapter else "a full fine-tune's weights"
+        ours = f"a LoRA adapter ({mine.adapter})" if mine.adapter else "full fine-tuning"
+        return f"holds {what} but this trainer runs {ours}"
+    if adapter and base != mine.base:
+        return f"holds an adapter of base {base[:120]!r}, not of this trainer's model ({mine.base!r})"
+    return None
+
+
+def pointer_text(d: dict[str, Any], name: str) -> str:
+    """Optional string field ``name`` of a checkpoint pointer (at most 4,096 characters; absent: empty).
+
+    Args:
+        d: the parsed pointer.
+        name: ``base`` or ``adapter``.
+
+    Raises:
+        ValueError: not such a string.
+    """
+    value = d.get(name, "")
+    if not isinstance(value, str) or len(value) > 4096:
+        raise ValueError(f"{name} is not a string of at most 4096 characters")
+    return value
+
+
+def put_peft(bucket: Bucket, prefix: str, adapter: dict[str, Any], ident: Identity, echo) -> dict[str, int]:
+    """Write the adapter as PEFT files under ``<prefix>adapter/`` (rank 0); their sizes by file name.
+
+    Args:
+        bucket: the run's bucket.
+        prefix: the checkpoint's prefix.
+        adapter: adapter tensors by parameter name (full, float32).
+        ident: the trainer's identity (its spec and model name).
+        echo: where outage notes go.
+    """
+    assert ident.spec is not None
+    sizes: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="stoa-peft-") as tmp:
+        write_peft(tmp, adapter, ident.spec, ident.model)
+        for name in sorted(os.listdir(tmp)):
+            path = os.path.join(tmp, name)
+            ride_out(lambda p=path, n=name: bucket.put_file(f"{prefix}adapter/{n}", p, create_only=False),
+                     f"adapter file {name}", echo)
+            sizes[name] = os.path.getsize(path)
+    return sizes
