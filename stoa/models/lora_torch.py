@@ -59,10 +59,11 @@ def matches(name: str, targets: Iterable[str]) -> bool:
 
 def _lora_hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     """The base output plus the scaled low-rank update (computed in the adapter's dtype, returned in the base's)."""
-    a, b = module.lora_A, module.lora_B
+    a, b = module.get_submodule("lora_A"), module.get_submodule("lora_B")
+    assert isinstance(a, nn.Linear)
     x = args[0]
     delta = b(a(x.to(a.weight.dtype)))
-    return out + (module.lora_scale * delta).to(out.dtype)
+    return out + (float(module.__dict__["lora_scale"]) * delta).to(out.dtype)
 
 
 def add_lora(model: nn.Module, spec: LoraSpec, seed: int) -> list[str]:
@@ -97,7 +98,7 @@ def add_lora(model: nn.Module, spec: LoraSpec, seed: int) -> list[str]:
         nn.init.zeros_(b.weight)
         lin.add_module("lora_A", a.to(dev))
         lin.add_module("lora_B", b.to(dev))
-        lin.lora_scale = spec.scale
+        lin.__dict__["lora_scale"] = spec.scale  # a plain float, not a parameter or buffer
         lin.register_forward_hook(_lora_hook)
     return paths
 

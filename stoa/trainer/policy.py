@@ -204,7 +204,7 @@ class Policy:
     def adapter_f32(self) -> dict[str, np.ndarray]:
         """A LoRA policy's adapter tensors as float32 arrays by parameter name on rank 0 (``{}`` elsewhere, and
         for full fine-tuning); every rank calls it."""
-        named = {k: p for k, p in self.named_parameters().items() if is_adapter(k)}
+        named: dict[str, torch.Tensor] = {k: p for k, p in self.named_parameters().items() if is_adapter(k)}
         return {k: v.copy() for k, v in full_arrays(named, self.dist).items()}
 
     def load_f32(self, named: dict[str, np.ndarray] | None) -> None:
