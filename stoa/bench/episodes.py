@@ -135,6 +135,7 @@ def _episode_figures(eb: Any) -> dict[str, float]:
            "action_tokens_per_s": action / wall, "all_tokens_per_s": (action + obs) / wall,
            "tool_calls": float(extra.get("tool_calls", 0.0)), "tool_s": tool_s, "tool_share": tool_s / wall,
            "obs_prefill_s": obs_s, "obs_prefill_share": obs_s / wall, "rounds": float(extra.get("rounds", 0.0)),
+           "steps": float(eb.stats.steps), "rows_per_step": eb.stats.new_tokens / max(eb.stats.steps, 1),
            "reward_mean": float(np.mean([r for rs in eb.rewards for r in rs]))}
     out.update({k.removeprefix("rollout/"): v for k, v in episode_metrics(eb.groups).items()})
     return out
@@ -197,7 +198,8 @@ class EngineRun:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return {f"{key}_wall_s": wall, f"{key}_cpu_s": cpu, f"{key}_tokens": float(st.new_tokens),
                 f"{key}_tokens_per_s": st.new_tokens / max(wall, 1e-9),
-                f"{key}_tokens_per_cpu_s": st.new_tokens / max(cpu, 1e-9), f"{key}_prefill_s": st.prefill_s}
+                f"{key}_tokens_per_cpu_s": st.new_tokens / max(cpu, 1e-9), f"{key}_prefill_s": st.prefill_s,
+                f"{key}_steps": float(st.steps), f"{key}_rows_per_step": st.new_tokens / max(st.steps, 1)}
 
     def repeat(self) -> dict[str, float]:
         """One repeat: the episodes, then ``generate`` with EOS honoured, then with EOS ignored (:func:`with_ratio`)."""
@@ -265,7 +267,10 @@ def format_table(row: dict[str, Any], spec: EpisodeBenchSpec) -> str:
         f"{row['action_tokens']:.0f} action tokens in {row['wall_s']:.2f}s)",
         f"  {'all tokens/s':<26}{row['all_tokens_per_s']:>10.1f}   "
         f"(+ {row['obs_tokens']:.0f} observation tokens)",
-        f"  {'turns per episode':<26}{row['turns_mean']:>10.2f}   ({row['rounds']:.0f} decode rounds)",
+        f"  {'turns per episode':<26}{row['turns_mean']:>10.2f}   ({row['rounds']:.0f} tool rounds)",
+        f"  {'rows per decode step':<26}{row['rows_per_step']:>10.2f}   ({row['steps']:.0f} steps; generate "
+        f"{row['generate_rows_per_step']:.2f} in {row['generate_steps']:.0f}, EOS ignored "
+        f"{row['generate_no_eos_rows_per_step']:.2f})",
         f"  {'search rate':<26}{row['search_rate']:>10.2f}",
         f"  {'tool calls':<26}{row['tool_calls']:>10.0f}   ({row['tool_calls_mean']:.2f} per episode)",
         f"  {'tool seconds':<26}{row['tool_s']:>10.4f}   ({100 * row['tool_share']:.2f}% of wall)",

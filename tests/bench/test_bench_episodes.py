@@ -56,6 +56,8 @@ def test_bench_episodes_figures_add_up_on_both_engines_with_real_search_tools(ti
         assert 0 < row["generate_tokens"] <= P * N * T and row["generate_tokens_per_s"] > 0  # EOS honoured
         assert row["generate_no_eos_tokens"] == P * N * T and row["generate_no_eos_tokens_per_s"] > 0  # ceiling
         assert row["episodes_vs_generate"] > 0 and row["episodes_vs_generate_cpu"] > 0
+        assert row["generate_no_eos_steps"] == T and row["generate_no_eos_rows_per_step"] == P * N  # full batch
+        assert 0 < row["rows_per_step"] <= P * N
         first, second = row["runs"]
         for key in ("action_tokens", "obs_tokens", "tool_calls", "turns_mean"):  # seeded: the same episodes
             assert first[key] == second[key] == row[key]
@@ -63,6 +65,7 @@ def test_bench_episodes_figures_add_up_on_both_engines_with_real_search_tools(ti
             assert run["tool_share"] == run["tool_s"] / run["wall_s"]
             assert run["obs_prefill_share"] == run["obs_prefill_s"] / run["wall_s"]
             assert run["action_tokens_per_s"] == run["action_tokens"] / run["wall_s"]
+            assert run["rows_per_step"] * run["steps"] == pytest.approx(run["action_tokens"])  # one token a row a step
             assert run["episodes_vs_generate"] == run["action_tokens_per_s"] / run["generate_tokens_per_s"]
             assert run["episodes_vs_generate_no_eos"] == (run["action_tokens_per_s"]
                                                           / run["generate_no_eos_tokens_per_s"])
@@ -103,7 +106,7 @@ class _CountingEngine:
     def generate(self, prompts, n, *, max_new_tokens, temperature, eos_ids, generator):
         self.calls.append(tuple(eos_ids))
         per_row = min(self.eos_at, max_new_tokens) if eos_ids else max_new_tokens
-        return [], SimpleNamespace(new_tokens=len(prompts) * n * per_row, prefill_s=0.0)
+        return [], SimpleNamespace(new_tokens=len(prompts) * n * per_row, prefill_s=0.0, steps=per_row)
 
 
 def test_the_ratios_denominator_is_generate_with_the_workers_eos_ids_and_the_ceiling_ignores_them():
