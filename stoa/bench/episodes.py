@@ -134,7 +134,8 @@ def _episode_figures(eb: Any) -> dict[str, float]:
     out = {"wall_s": eb.seconds, "action_tokens": action, "obs_tokens": obs,
            "action_tokens_per_s": action / wall, "all_tokens_per_s": (action + obs) / wall,
            "tool_calls": float(extra.get("tool_calls", 0.0)), "tool_s": tool_s, "tool_share": tool_s / wall,
-           "obs_prefill_s": obs_s, "obs_prefill_share": obs_s / wall, "rounds": float(extra.get("rounds", 0.0)),
+           "obs_prefill_s": obs_s, "obs_prefill_share": obs_s / wall,
+           "rounds": float(extra.get("tool_requests", 0.0)),  # Tools.run requests, counted alike on both engines
            "steps": float(eb.stats.steps), "rows_per_step": eb.stats.new_tokens / max(eb.stats.steps, 1),
            "reward_mean": float(np.mean([r for rs in eb.rewards for r in rs]))}
     out.update({k.removeprefix("rollout/"): v for k, v in episode_metrics(eb.groups).items()})
