@@ -4,11 +4,19 @@ the same prompts in the same run.
 
 Each repeat runs, per engine, one seeded batch of P prompts x N episodes (``stoa.episodes.collect.sample_episodes``:
 the engine's ``generate_episodes`` driven by ``EpisodeDriver``, every paused row's call in one tool request),
-then ``generate`` on the same prompt tokens with ``max_new_tokens`` = the per-turn cap (EOS ignored, so every row
-decodes all its tokens). Engines alternate within a repeat, so load changes hit both alike; the table gives
-medians over repeats. The last line printed, ``ratio_episode_vs_single=X``, is the lowest engine's median of the
-per-repeat ratio of multi-turn action tokens/s to ``generate`` tokens/s (observation tokens are prefilled, not
-counted as actions).
+then ``generate`` on the same prompt tokens with ``max_new_tokens`` = the per-turn cap T twice:
+
+- as workers run it (the denominator of the ratio): ``eos_ids`` = the codec's EOS ids, which is what the
+  trainer writes into the contract (``contract.model.eos_token_ids``) and ``stoa.worker.loop`` passes, so a row
+  that samples EOS leaves the batch, exactly as an episode row that ends does;
+- with EOS ignored (a ceiling, never the ratio): every row decodes all T tokens in a full batch, the most
+  tokens/s a batch of these rows can reach on this machine.
+
+Engines alternate within a repeat, so load changes hit both alike; the table gives medians over repeats. The last
+line printed, ``ratio_episode_vs_single=X``, is the lowest engine's median of the per-repeat ratio of multi-turn
+action tokens/s to EOS-honoured ``generate`` tokens/s (observation tokens are prefilled, not counted as actions).
+CPU seconds (``time.process_time``) are recorded beside wall seconds: on a shared machine the CPU-time ratio
+(``episodes_vs_generate_cpu``) moves less with other processes' load than the wall ratio.
 """
 
 from __future__ import annotations
@@ -126,7 +134,9 @@ def _episode_figures(eb: Any) -> dict[str, float]:
     out = {"wall_s": eb.seconds, "action_tokens": action, "obs_tokens": obs,
            "action_tokens_per_s": action / wall, "all_tokens_per_s": (action + obs) / wall,
            "tool_calls": float(extra.get("tool_calls", 0.0)), "tool_s": tool_s, "tool_share": tool_s / wall,
-           "obs_prefill_s": obs_s, "obs_prefill_share": obs_s / wall, "rounds": float(extra.get("rounds", 0.0)),
+           "obs_prefill_s": obs_s, "obs_prefill_share": obs_s / wall,
+           "rounds": float(extra.get("tool_requests", 0.0)),  # Tools.run requests, counted alike on both engines
+           "steps": float(eb.stats.steps), "rows_per_step": eb.stats.new_tokens / max(eb.stats.steps, 1),
            "reward_mean": float(np.mean([r for rs in eb.rewards for r in rs]))}
     out.update({k.removeprefix("rollout/"): v for k, v in episode_metrics(eb.groups).items()})
     return out
@@ -168,36 +178,55 @@ class EngineRun:
 
     def episodes(self) -> dict[str, float]:
         """One seeded batch of P x N episodes (the same episodes every repeat)."""
-
+        c0 = time.process_time()
         eb = sample_episodes(self.engine, self.task, self.codec, self.tools, self.prompts, self.spec.n,
                              max_turn_tokens=self.spec.turn_tokens, temperature=self.spec.temperature,
                              generator=self.engine.make_generator(self.spec.seed))
-        return _episode_figures(eb)
+        return _episode_figures(eb) | {"cpu_s": time.process_time() - c0}
 
-    def generate(self) -> dict[str, float]:
-        """Single-turn ``generate`` on the same prompt tokens: N rows each, T new tokens (EOS ignored)."""
-        t0 = time.perf_counter()
+    def generate(self, eos: bool = True) -> dict[str, float]:
+        """Single-turn ``generate`` on the same prompt tokens: N rows each, at most T new tokens.
+
+        Args:
+            eos: pass the codec's EOS ids as the worker does (keys ``generate_*``); False ignores EOS, every row
+                decodes T tokens (keys ``generate_no_eos_*``, the ceiling column).
+        """
+        key = "generate" if eos else "generate_no_eos"
+        c0, t0 = time.process_time(), time.perf_counter()
         _, st = self.engine.generate(self.prompt_tokens, self.spec.n, max_new_tokens=self.spec.turn_tokens,
-                                     temperature=self.spec.temperature,
+                                     temperature=self.spec.temperature, eos_ids=self.codec.eos_ids if eos else (),
                                      generator=self.engine.make_generator(self.spec.seed))
-        wall = time.perf_counter() - t0
-        return {"generate_wall_s": wall, "generate_tokens": float(st.new_tokens),
-                "generate_tokens_per_s": st.new_tokens / max(wall, 1e-9), "generate_prefill_s": st.prefill_s}
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return {f"{key}_wall_s": wall, f"{key}_cpu_s": cpu, f"{key}_tokens": float(st.new_tokens),
+                f"{key}_tokens_per_s": st.new_tokens / max(wall, 1e-9),
+                f"{key}_tokens_per_cpu_s": st.new_tokens / max(cpu, 1e-9), f"{key}_prefill_s": st.prefill_s,
+                f"{key}_steps": float(st.steps), f"{key}_rows_per_step": st.new_tokens / max(st.steps, 1)}
+
+    def repeat(self) -> dict[str, float]:
+        """One repeat: the episodes, then ``generate`` with EOS honoured, then with EOS ignored (:func:`with_ratio`)."""
+        return with_ratio(self.episodes() | self.generate(eos=True) | self.generate(eos=False))
 
 
 def with_ratio(fig: dict[str, float]) -> dict[str, float]:
-    """One repeat's figures plus ``episodes_vs_generate``: its episodes' action tokens/s over its ``generate``
-    tokens/s, measured back to back so load changes hit both alike.
+    """One repeat's figures plus its side-by-side ratios, measured back to back so load changes hit both alike:
+    ``episodes_vs_generate`` (episodes' action tokens/s over EOS-honoured ``generate`` tokens/s, the ratio),
+    ``episodes_vs_generate_cpu`` (the same per CPU second) and ``episodes_vs_generate_no_eos`` (over the
+    EOS-ignored ceiling).
 
     Args:
         fig: the repeat's episode and generate figures.
     """
-    return fig | {"episodes_vs_generate": fig["action_tokens_per_s"] / max(fig["generate_tokens_per_s"], 1e-9)}
+    action, cpu = fig["action_tokens_per_s"], fig["action_tokens"] / max(fig["cpu_s"], 1e-9)
+    return fig | {"action_tokens_per_cpu_s": cpu,
+                  "episodes_vs_generate": action / max(fig["generate_tokens_per_s"], 1e-9),
+                  "episodes_vs_generate_cpu": cpu / max(fig["generate_tokens_per_cpu_s"], 1e-9),
+                  "episodes_vs_generate_no_eos": action / max(fig["generate_no_eos_tokens_per_s"], 1e-9)}
 
 
 def ratio_line(rows: dict[str, dict[str, Any]]) -> str:
     """The benchmark's last line, ``ratio_episode_vs_single=X``: the lowest engine's median ratio of multi-turn
-    action tokens/s to single-turn ``generate`` tokens/s on the same prompts and model.
+    action tokens/s to single-turn ``generate`` tokens/s (EOS honoured, as workers run it) on the same prompts
+    and model.
 
     Args:
         rows: engine -> :func:`summarise`'s row.
@@ -239,14 +268,22 @@ def format_table(row: dict[str, Any], spec: EpisodeBenchSpec) -> str:
         f"{row['action_tokens']:.0f} action tokens in {row['wall_s']:.2f}s)",
         f"  {'all tokens/s':<26}{row['all_tokens_per_s']:>10.1f}   "
         f"(+ {row['obs_tokens']:.0f} observation tokens)",
-        f"  {'turns per episode':<26}{row['turns_mean']:>10.2f}   ({row['rounds']:.0f} decode rounds)",
+        f"  {'turns per episode':<26}{row['turns_mean']:>10.2f}   ({row['rounds']:.0f} tool rounds)",
+        f"  {'rows per decode step':<26}{row['rows_per_step']:>10.2f}   ({row['steps']:.0f} steps; generate "
+        f"{row['generate_rows_per_step']:.2f} in {row['generate_steps']:.0f}, EOS ignored "
+        f"{row['generate_no_eos_rows_per_step']:.2f})",
         f"  {'search rate':<26}{row['search_rate']:>10.2f}",
         f"  {'tool calls':<26}{row['tool_calls']:>10.0f}   ({row['tool_calls_mean']:.2f} per episode)",
         f"  {'tool seconds':<26}{row['tool_s']:>10.4f}   ({100 * row['tool_share']:.2f}% of wall)",
         f"  {'observation prefill s':<26}{row['obs_prefill_s']:>10.3f}   "
         f"({100 * row['obs_prefill_share']:.1f}% of wall)",
         f"  {'generate tokens/s':<26}{row['generate_tokens_per_s']:>10.1f}   "
-        f"(single turn, {row['generate_tokens']:.0f} tokens; episodes' actions at {row['episodes_vs_generate']:.2f}x)",
+        f"(single turn as workers run it, EOS honoured, {row['generate_tokens']:.0f} tokens; "
+        f"episodes' actions at {row['episodes_vs_generate']:.2f}x, per CPU second "
+        f"{row['episodes_vs_generate_cpu']:.2f}x)",
+        f"  {'  EOS ignored (ceiling)':<26}{row['generate_no_eos_tokens_per_s']:>10.1f}   "
+        f"(every row decodes T, {row['generate_no_eos_tokens']:.0f} tokens; episodes at "
+        f"{row['episodes_vs_generate_no_eos']:.2f}x; not the ratio)",
         f"  {'end reasons':<26}{ends or '-':>10}   mean reward {row['reward_mean']:.3f}",
     ]
     return "\n".join(lines)
@@ -287,11 +324,12 @@ def run_episode_bench(spec: EpisodeBenchSpec, task: Any = None, echo: Callable[[
     load: list[float] = []
     for rep in range(spec.repeats):
         for run, figs in zip(runs, figures, strict=True):
-            figs.append(with_ratio(run.episodes() | run.generate()))
+            figs.append(run.repeat())
             load.append(_load_avg())
             echo(f"[bench] repeat {rep + 1}/{spec.repeats} {run.name}: "
                  f"{figs[-1]['action_tokens_per_s']:.1f} action tokens/s, "
-                 f"generate {figs[-1]['generate_tokens_per_s']:.1f} tokens/s")
+                 f"generate {figs[-1]['generate_tokens_per_s']:.1f} tokens/s "
+                 f"(EOS ignored {figs[-1]['generate_no_eos_tokens_per_s']:.1f})")
     rows = {run.name: summarise(run.info(), figs) for run, figs in zip(runs, figures, strict=True)}
     for row in rows.values():
         echo(format_table(row, spec))
@@ -333,8 +371,10 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         print(f"[bench] wrote {args.json}", file=sys.stderr)
     for name, row in result["engines"].items():
-        print(f"[bench] {name}: episodes' action tokens/s at {row['episodes_vs_generate']:.3f}x generate "
-              f"(median of {row['repeats']} side-by-side repeats)", flush=True)
+        print(f"[bench] {name}: episodes' action tokens/s at {row['episodes_vs_generate']:.3f}x generate with EOS "
+              f"honoured ({row['episodes_vs_generate_cpu']:.3f}x per CPU second; "
+              f"{row['episodes_vs_generate_no_eos']:.3f}x the EOS-ignored ceiling; "
+              f"median of {row['repeats']} side-by-side repeats)", flush=True)
     print(ratio_line(result["engines"]), flush=True)
     return 0
 

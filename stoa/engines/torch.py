@@ -148,8 +148,12 @@ class TorchEngine:
     batch_resumes: bool = True
     """Feed all rows resumed in a round in one forward (``torch_rows.feed_batch``); False: one at a time."""
     refill: bool = True
-    """Resume paused rows once they are as many as the rows still decoding, and decode them with those rows
-    (``torch_episodes``); False: resume only when no row decodes (one tool request per round)."""
+    """Resume paused rows while other rows still decode, and decode them with those rows (``torch_episodes``);
+    False: resume only when no row decodes (one tool request per round)."""
+    refill_share: float = 0.0
+    """With ``refill``, resume once the paused rows number ``refill_share`` x the decoding rows (at least one):
+    0 resumes a row at the step it pauses (a tool request per such step, the batch never waits); 1 waits until
+    as many rows wait as decode (fewer requests, a thinner batch meanwhile)."""
 
     def __init__(self, model_dir: str | Path, device: str = "auto", threads: int = 0, dtype: str = "float32",
                  plane: str = "bf16"):
@@ -348,9 +352,9 @@ class TorchEngine:
         """Run ``n`` multi-turn episodes of each prompt in one batch; the driver holds the limits and tools.
 
         Each prompt is prefilled once and its KV shared by its ``n`` rows. Rows decode until they end or pause;
-        once as many rows wait as decode (``refill``; else once none decodes) the paused rows' tools run in one
-        request (``driver.resume``), the resumed rows are fed their last sampled token and observation in one
-        forward (``batch_resumes``; a hybrid's rows one at a time) and rejoin the decoding rows
+        the rows that paused at a step (``refill``, ``refill_share``; else once none decodes) have their tools
+        run in one request (``driver.resume``), are fed their last sampled token and observation in one forward
+        (``batch_resumes``; a hybrid's rows one at a time) and rejoin the decoding rows before the next step
         (``stoa.engines.torch_episodes``).
 
         Args:
@@ -379,7 +383,7 @@ class TorchEngine:
         batch = self._prefill(prompts, n)
         stats.prefill_s = time.perf_counter() - t0
         draw = partial(sample_step, temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)
-        run_episodes(self, batch, driver, draw, stats, self.refill)
+        run_episodes(self, batch, driver, draw, stats, self.refill, self.refill_share)
         stats.prefill_s += stats.extra["obs_prefill_s"]
         stats.extra.update(driver.stats)
         return driver.episodes(n), stats

@@ -1,11 +1,13 @@
 """Multi-turn decoding on the torch engine: decode the batch, pause rows at tool calls, feed observations, refill.
 
 Rows decode until they end or pause (``EpisodeDriver.record``). A paused row leaves the batch with its cache
-(``torch_rows.take_rows``). When as many rows wait as still decode (``refill``), or when none decodes, the
-paused rows' tools run in one request (``driver.resume``), the resumed rows are fed ``[last token] +
-observation`` in one forward (``torch_rows.resume_rows``) and join the rows still decoding
-(``torch_rows.join_batches``), so the batch stays at least half full instead of draining to one row before
-every round of tools. Every row's positions stay contiguous, so a full forward recomputes its logprobs.
+(``torch_rows.take_rows``). By default (``refill``, ``refill_share`` 0) the rows that paused at a step have their
+tools run in one request (``driver.resume``) before the next step, are fed ``[last token] + observation`` in one
+forward (``torch_rows.resume_rows``) and join the rows still decoding (``torch_rows.join_batches``): no row waits
+for another, so a batch takes as many steps as its longest episode has action tokens (waiting until as many
+rows paused as decode, ``refill_share`` 1, took up to 2x the steps of SmolLM2's search episodes, the
+resumed rows decoding their next turn alone). Every row's positions stay contiguous, so a full forward
+recomputes its logprobs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ Draw = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def run_episodes(engine: Any, batch: DecodeBatch, driver: EpisodeDriver, draw: Draw, stats: GenStats,
-                 refill: bool) -> None:
+                 refill: bool, share: float = 1.0) -> None:
     """Decode and resume rows until every episode has ended.
 
     Args:
@@ -35,7 +37,9 @@ def run_episodes(engine: Any, batch: DecodeBatch, driver: EpisodeDriver, draw: D
         draw: samples one token per row.
         stats: ``decode_s``, ``steps``, ``new_tokens`` and ``extra`` (``rounds``: tool requests,
             ``obs_prefill_s``, ``refills``: requests made while other rows still decoded) grow.
-        refill: resume paused rows once they are as many as the decoding rows; False waits until none decodes.
+        refill: resume paused rows while other rows decode (once ``share`` allows); False waits until none decodes.
+        share: with ``refill``, resume once the paused rows number at least ``share`` x the decoding rows (and at
+            least one): 0 resumes a row at the step it pauses, 1 once as many wait as decode.
 
     Raises:
         ToolUnavailable: the tools could not answer (from ``driver.resume``).
@@ -58,7 +62,7 @@ def run_episodes(engine: Any, batch: DecodeBatch, driver: EpisodeDriver, draw: D
             engine._forward(live, tok)
         else:
             live = None
-        if paused and (live is None or (refill and len(paused) >= len(live.active))):
+        if paused and (live is None or (refill and len(paused) >= share * len(live.active))):
             stats.decode_s += time.perf_counter() - t0
             live = _resume(engine, driver, paused, live, stats)
             paused = {}

@@ -108,8 +108,9 @@ class EpisodeDriver:
         self.eos = frozenset(int(t) for t in eos_ids)
         self._rows = [_Row(Episode(states=[env.initial_state()]), env) for env in envs]
         self._tail = {i: stop_window(env.stop_strings) for i, env in enumerate(envs)}
-        self.stats: dict[str, float] = {"turns": 0.0, "tool_calls": 0.0, "tool_seconds": 0.0,
+        self.stats: dict[str, float] = {"turns": 0.0, "tool_calls": 0.0, "tool_requests": 0.0, "tool_seconds": 0.0,
                                         "obs_tokens": 0.0}
+        """Turns begun, tool calls made, ``Tools.run`` requests that held them, their seconds, observation tokens."""
 
     @property
     def rows(self) -> int:
@@ -230,6 +231,7 @@ class EpisodeDriver:
                 raise ValueError(f"tools.run: returned {len(results)} results for {len(calls)} calls; "
                                  "a Tools must answer every call in order")
             self.stats["tool_calls"] += len(calls)
+            self.stats["tool_requests"] += 1
         for d in decisions:
             if d.end:
                 self._end(self._rows[d.row], d.end)

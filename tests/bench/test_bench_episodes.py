@@ -6,8 +6,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
+from types import SimpleNamespace
 
-from stoa.bench.episodes import EpisodeBenchSpec, run_episode_bench
+import pytest
+
+from stoa.bench.episodes import EngineRun, EpisodeBenchSpec, run_episode_bench
 from stoa.cli.bench import bench_parser
 from stoa.rollouts.episode import ToolCall
 from stoa.tasks.search import SearchEnv, SearchTask
@@ -50,8 +53,11 @@ def test_bench_episodes_figures_add_up_on_both_engines_with_real_search_tools(ti
         assert 0 < row["tool_s"] < row["wall_s"] and 0 < row["tool_share"] < 1
         assert 0 < row["obs_prefill_s"] < row["wall_s"] and 0 < row["obs_prefill_share"] < 1
         assert abs(sum(v for k, v in row.items() if k.startswith("end/")) - 1) < 1e-9
-        assert row["generate_tokens"] == P * N * T and row["generate_tokens_per_s"] > 0  # EOS ignored
-        assert row["episodes_vs_generate"] > 0
+        assert 0 < row["generate_tokens"] <= P * N * T and row["generate_tokens_per_s"] > 0  # EOS honoured
+        assert row["generate_no_eos_tokens"] == P * N * T and row["generate_no_eos_tokens_per_s"] > 0  # ceiling
+        assert row["episodes_vs_generate"] > 0 and row["episodes_vs_generate_cpu"] > 0
+        assert row["generate_no_eos_steps"] == T and row["generate_no_eos_rows_per_step"] == P * N  # full batch
+        assert 0 < row["rows_per_step"] <= P * N
         first, second = row["runs"]
         for key in ("action_tokens", "obs_tokens", "tool_calls", "turns_mean"):  # seeded: the same episodes
             assert first[key] == second[key] == row[key]
@@ -59,6 +65,12 @@ def test_bench_episodes_figures_add_up_on_both_engines_with_real_search_tools(ti
             assert run["tool_share"] == run["tool_s"] / run["wall_s"]
             assert run["obs_prefill_share"] == run["obs_prefill_s"] / run["wall_s"]
             assert run["action_tokens_per_s"] == run["action_tokens"] / run["wall_s"]
+            assert run["rows_per_step"] * run["steps"] == pytest.approx(run["action_tokens"])  # one token a row a step
+            assert run["episodes_vs_generate"] == run["action_tokens_per_s"] / run["generate_tokens_per_s"]
+            assert run["episodes_vs_generate_no_eos"] == (run["action_tokens_per_s"]
+                                                          / run["generate_no_eos_tokens_per_s"])
+            assert run["episodes_vs_generate_cpu"] == pytest.approx(
+                run["action_tokens"] / run["cpu_s"] / run["generate_tokens_per_cpu_s"])
 
 
 def test_stoa_bench_episodes_flags_run_the_builtin_search_task_and_write_json(tiny_dir, tmp_path, capsys):
@@ -76,7 +88,34 @@ def test_stoa_bench_episodes_flags_run_the_builtin_search_task_and_write_json(ti
     row = out["engines"]["torch"]
     assert row["action_tokens"] == 1 * 2 * 4  # the random model never closes a search: every turn runs to T
     assert row["end/length"] == 1.0 and row["tool_calls"] == 0 and row["search_rate"] == 0
-    assert row["generate_tokens"] == 8 and row["threads"] == 1
+    assert row["generate_tokens"] <= 8 and row["generate_no_eos_tokens"] == 8 and row["threads"] == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]  # the ratio a script reads: the last line
     assert last == f"ratio_episode_vs_single={row['episodes_vs_generate']:.3f}"
     assert row["episodes_vs_generate"] == statistics.median(r["episodes_vs_generate"] for r in row["runs"])
+
+
+class _CountingEngine:
+    """A stand-in engine: every row samples EOS at step ``eos_at`` when EOS ids are given, else runs to the cap."""
+
+    def __init__(self, eos_at: int):
+        self.eos_at, self.calls = eos_at, []
+
+    def make_generator(self, seed):
+        return None
+
+    def generate(self, prompts, n, *, max_new_tokens, temperature, eos_ids, generator):
+        self.calls.append(tuple(eos_ids))
+        per_row = min(self.eos_at, max_new_tokens) if eos_ids else max_new_tokens
+        return [], SimpleNamespace(new_tokens=len(prompts) * n * per_row, prefill_s=0.0, steps=per_row)
+
+
+def test_the_ratios_denominator_is_generate_with_the_workers_eos_ids_and_the_ceiling_ignores_them():
+    """The worker passes the codec's EOS ids (``contract.model.eos_token_ids``): the ratio's generate must too,
+    so its rows leave the batch at EOS like episode rows; the ceiling column alone ignores EOS."""
+    run = EngineRun.__new__(EngineRun)
+    run.engine, run.codec = _CountingEngine(eos_at=3), SimpleNamespace(eos_ids=(2, 7))
+    run.spec, run.prompt_tokens = EpisodeBenchSpec(n=2, turn_tokens=10), [[1, 2, 3]]
+    honoured, ignored = run.generate(eos=True), run.generate(eos=False)
+    assert run.engine.calls == [(2, 7), ()]
+    assert honoured["generate_tokens"] == 2 * 3 and ignored["generate_no_eos_tokens"] == 2 * 10
+    assert set(honoured).isdisjoint(ignored)  # two columns, never one overwriting the other

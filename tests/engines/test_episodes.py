@@ -112,7 +112,7 @@ def test_a_tool_call_pauses_the_row_and_its_observation_is_appended_with_roles_a
     assert ep.states == ["e00", "e00|dq1"]
     assert ep.end_reason == "stop"  # the answer turn paused at </a>, parse -> None
     assert tools.batches == [[ToolCall("search", "q1")]]
-    assert driver.stats == {"turns": 2.0, "tool_calls": 1.0, "tool_seconds": pytest.approx(
+    assert driver.stats == {"turns": 2.0, "tool_calls": 1.0, "tool_requests": 1.0, "tool_seconds": pytest.approx(
         driver.stats["tool_seconds"]), "obs_tokens": 5.0}
 
 
@@ -125,6 +125,7 @@ def test_all_paused_rows_calls_go_in_one_request_and_rows_finish_independently()
     assert [len(e.turn_starts) for e in eps] == [2, 1, 3]
     assert [e.end_reason for e in eps] == ["stop", "stop", "stop"]
     assert driver.stats["tool_calls"] == 3 and driver.stats["turns"] == 6
+    assert driver.stats["tool_requests"] == len(tools.batches) == 2
     assert [[len(g) for g in driver.episodes(n)] for n in (1, 3)] == [[1, 1, 1], [3]]
 
 

@@ -198,8 +198,8 @@ def test_observation_tokens_appear_exactly_with_roles_and_zero_logprobs(mlx_engi
             assert ep.states[k + 1] == env.state
             cut += len(toks)
         assert sum(1 for x in ep.roles if x != ROLE_ACTION) == cut
-    # one request per round at most, holding every call that became an observation
-    assert 1 <= len(tools.batches) <= stats.extra["rounds"]
+    # one request per round or refill at most, holding every call that became an observation
+    assert 1 <= len(tools.batches) <= stats.extra["rounds"] + stats.extra["refills"]
     assert sum(len(b) for b in tools.batches) >= sum(len(e.calls) for e in rows)
 
 
@@ -216,7 +216,8 @@ def test_rows_finish_independently_and_equal_their_episode_run_alone(mlx_engine,
     assert stats.new_tokens == actions and stats.extra["turns"] == sum(len(e.turn_starts) for e in eps)
     resumed = sum(len(e.calls) for e in eps)
     assert stats.extra["obs_prefill_tokens"] == stats.extra["obs_tokens"] + resumed
-    assert stats.extra["rounds"] >= 3 and stats.extra["prompt_tokens"] == sum(len(p) for p in PROMPTS)
+    assert stats.extra["rounds"] + stats.extra["refills"] >= 3
+    assert stats.extra["prompt_tokens"] == sum(len(p) for p in PROMPTS)
     assert stats.prefill_s > stats.extra["obs_prefill_s"] > 0 and stats.decode_s > 0
 
 
@@ -284,19 +285,59 @@ def run_ragged(engine, codec, seed: int, greedy: bool) -> tuple[list[Episode], G
     return [e for g in groups for e in g], stats
 
 
-@pytest.mark.parametrize("seed,greedy", [(3, False), (5, True)])
-def test_batched_observation_prefill_equals_feeding_rows_one_at_a_time(mlx_engine, codec, seed, greedy) -> None:
+@pytest.mark.parametrize("seed,greedy,refill", [(3, False, True), (5, True, False)])
+def test_batched_observation_prefill_equals_feeding_rows_one_at_a_time(mlx_engine, codec, seed, greedy,
+                                                                      refill) -> None:
     """All rows resumed in a round are fed in one forward (shorter rows re-feed their cache's last tokens): the
-    same tokens, roles and calls as the batch-1 path, and the same logprobs to the fp32 gate."""
-    batched, stats = run_ragged(mlx_engine, codec, seed, greedy)
-    mlx_engine.batch_resumes = False
+    same tokens, roles and calls as the batch-1 path, and the same logprobs to the fp32 gate (greedy rows pause
+    together only when rounds wait for every row: ``refill`` off)."""
+    mlx_engine.refill = refill
     try:
+        batched, stats = run_ragged(mlx_engine, codec, seed, greedy)
+        mlx_engine.batch_resumes = False
         single, alone = run_ragged(mlx_engine, codec, seed, greedy)
     finally:
-        mlx_engine.batch_resumes = True
+        mlx_engine.batch_resumes, mlx_engine.refill = True, True
     assert stats.extra["obs_prefill_batched"] >= 2 and stats.extra["obs_prefill_refed"] > 0  # ragged rounds
     assert alone.extra["obs_prefill_batched"] == 0
     for a, b in zip(batched, single, strict=True):
         assert (a.tokens, a.roles, a.turn_starts, a.calls, a.end_reason) == (
             b.tokens, b.roles, b.turn_starts, b.calls, b.end_reason)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def _no_refill(engine, codec, **kw) -> tuple[list[list[Episode]], GenStats]:
+    engine.refill = False
+    try:
+        groups, _, stats = run(engine, codec, **kw)
+    finally:
+        engine.refill = True
+    return groups, stats
+
+
+def test_refilled_rows_decode_as_rows_that_wait_for_the_round(mlx_engine, codec) -> None:
+    """Rows that pause while others decode are resumed at once and join the batch (``BatchKVCache.extend``): greedy
+    episodes equal those of rounds that wait until no row decodes (tokens, roles, calls; logprobs to the gate)."""
+    joined, _, stats = run(mlx_engine, codec, n=2, greedy=True, temperature=0.9)
+    waited, still = _no_refill(mlx_engine, codec, n=2, greedy=True, temperature=0.9)
+    assert_multi_turn(joined)
+    assert stats.extra["refills"] >= 2 and still.extra["refills"] == 0
+    for a, b in zip((e for g in joined for e in g), (e for g in waited for e in g), strict=True):
+        assert (a.tokens, a.roles, a.turn_starts, a.calls, a.end_reason) == (
+            b.tokens, b.roles, b.turn_starts, b.calls, b.end_reason)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_with_refill_no_step_waits_on_a_tool(mlx_engine, codec, seed) -> None:
+    """With refill (the default) a batch takes as many steps as its longest episode has action tokens; rounds
+    that wait for every row to stop take more steps with the same rows."""
+    def steps_over_longest(groups, stats) -> tuple[int, int]:
+        return stats.steps, max(sum(r == ROLE_ACTION for r in e.roles) for g in groups for e in g)
+
+    groups, _, stats = run(mlx_engine, codec, generator=seed)
+    assert_multi_turn(groups)
+    steps, longest = steps_over_longest(groups, stats)
+    assert steps == longest
+    waited, longest_waited = steps_over_longest(*_no_refill(mlx_engine, codec, generator=seed))
+    assert waited > longest_waited

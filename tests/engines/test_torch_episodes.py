@@ -132,14 +132,44 @@ def test_one_tool_request_per_round_holds_every_paused_rows_call(torch_engine, c
 
 
 def test_paused_rows_refill_the_batch_while_others_decode(torch_engine, codec):
-    """With refill (the default), paused rows resume once as many wait as decode: tool requests are made while
+    """With refill_share=1, paused rows resume once as many wait as decode: tool requests are made while
     rows still decode, each still holds several rows' calls, and every row's k-th call precedes its (k+1)-th."""
-    groups, tools, extra = run(torch_engine, codec, QUESTIONS, 3, seed=3)
+    torch_engine.refill_share = 1.0
+    try:
+        groups, tools, extra = run(torch_engine, codec, QUESTIONS, 3, seed=3)
+    finally:
+        torch_engine.refill_share = 0.0
     eps = [e for g in groups for e in g]
     assert extra["refills"] >= 1 and max(len(b) for b in tools.batches) >= 2
     calls = [c for b in tools.batches for c in b]
     assert sorted(map(repr, calls)) == sorted(repr(c) for e in eps for c in e.calls)  # every call ran once
     assert extra["tool_calls"] == len(calls)
+
+
+def _steps_and_longest(torch_engine, codec, seed: int) -> tuple[int, int, dict]:
+    tools = RecordingTools()
+    driver = EpisodeDriver([LetterEnv() for _ in range(len(QUESTIONS) * 3)], tools, codec, LIMITS, codec.eos_ids)
+    groups, stats = torch_engine.generate_episodes(prompts_of(codec, QUESTIONS), 3, driver, temperature=0.9,
+                                                   generator=torch_engine.make_generator(seed))
+    longest = max(sum(r == ROLE_ACTION for r in e.roles) for g in groups for e in g)
+    return stats.steps, longest, stats.extra
+
+
+@pytest.mark.parametrize("seed", [3, 10])
+def test_by_default_a_paused_row_resumes_at_once_so_no_step_waits_on_a_tool(torch_engine, codec, seed):
+    """refill_share=0 (the default): a row that pauses is resumed before the next decode step, so the batch takes
+    exactly as many steps as its longest episode has action tokens; waiting for more rows to pause
+    (refill_share=1) takes more steps with the same rows."""
+    assert torch_engine.refill_share == 0.0
+    steps, longest, extra = _steps_and_longest(torch_engine, codec, seed)
+    assert extra["tool_calls"] >= 3 and extra["refills"] >= 2
+    assert steps == longest
+    torch_engine.refill_share = 1.0
+    try:
+        waited, longest_waited, _ = _steps_and_longest(torch_engine, codec, seed)
+    finally:
+        torch_engine.refill_share = 0.0
+    assert waited > longest_waited
 
 
 def test_episodes_are_deterministic(torch_engine, codec):
@@ -171,10 +201,11 @@ def test_the_trainers_replay_accepts_every_honest_episode(torch_engine, codec, s
     assert [r.calls for r in out] == [len(e.calls) for e in eps]
 
 
-@pytest.mark.parametrize("seed,greedy", [(3, False), (5, True)])
-def test_batched_observation_prefill_equals_feeding_rows_one_at_a_time(torch_engine, codec, seed, greedy):
+@pytest.mark.parametrize("seed,greedy,share", [(3, False, 0.0), (5, True, 1.0)])
+def test_batched_observation_prefill_equals_feeding_rows_one_at_a_time(torch_engine, codec, seed, greedy, share):
     """All rows resumed in a round are fed in one forward: same tokens, roles and calls as the batch-1 path, the
-    same logprobs to the fp32 gate, and the round's feed holds several rows of different lengths."""
+    same logprobs to the fp32 gate, and the round's feed holds several rows of different lengths (greedy rows
+    pause together only when rounds wait: ``refill_share=1``)."""
     from stoa.engines import torch_rows
 
     widths: list[int] = []
@@ -184,13 +215,13 @@ def test_batched_observation_prefill_equals_feeding_rows_one_at_a_time(torch_eng
         widths.append(len({len(t) for t in fed.values()}) * 100 + len(fed))
         return real(model, cache_kw, rows, fed)
 
-    torch_rows.feed_batch = spy
+    torch_rows.feed_batch, torch_engine.refill_share = spy, share
     try:
         batched, _, _ = run(torch_engine, codec, QUESTIONS, 3, seed=seed, greedy=greedy)
         torch_engine.batch_resumes = False
         single, _, _ = run(torch_engine, codec, QUESTIONS, 3, seed=seed, greedy=greedy)
     finally:
-        torch_rows.feed_batch, torch_engine.batch_resumes = real, True
+        torch_rows.feed_batch, torch_engine.batch_resumes, torch_engine.refill_share = real, True, 0.0
     assert any(w % 100 >= 2 for w in widths) and any(w // 100 >= 2 for w in widths)  # several rows, ragged
     for a, b in zip((e for g in batched for e in g), (e for g in single for e in g), strict=True):
         assert (a.tokens, a.roles, a.turn_starts, a.calls, a.end_reason) == (

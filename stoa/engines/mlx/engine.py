@@ -71,6 +71,9 @@ class MLXEngine:
 
     batch_resumes: bool = True
     """Feed all rows resumed in a round in one forward (``rounds.feed_together``); False: one at a time."""
+    refill: bool = True
+    """Resume rows that pause while others decode before the next step, joining the batch (``rounds.decode_round``;
+    attention-only models); False: resume only when no row decodes (one tool request per round)."""
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto"):
         from mlx_lm.utils import load_model
@@ -351,7 +354,7 @@ class MLXEngine:
             cache, first = self._start(prompts, n, True, sample, make_key(generator), stats)
             history = (lambda r: [*prompts[r // n], *driver.episode(r).tokens]) if self.batch_resumes else None
             run_rounds(self.model, Batch(cache, list(range(driver.rows)), first), sample, driver,
-                       self.vocab_size, PREFILL_CHUNK, stats, history)
+                       self.vocab_size, PREFILL_CHUNK, stats, history, self.refill)
             stats.extra["peak_memory_mb"] = mx.get_peak_memory() / 1e6
         stats.prefill_s += stats.extra["obs_prefill_s"]
         stats.extra.update(driver.stats)

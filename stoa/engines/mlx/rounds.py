@@ -48,25 +48,45 @@ class Batch(NamedTuple):
     """The next token of each row (sampled, not fed yet)."""
 
 
-def decode_round(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDriver,
-                 stats: GenStats) -> tuple[dict[int, PausedRow], mx.array | None]:
+Refill = Callable[[dict[int, PausedRow], mx.array | None], Batch | None]
+"""Paused rows and the next draw's key -> the resumed rows as a batch (their tools run, observations fed), or None
+when every paused row ended."""
+
+
+def join(cache: list[Any], active: list[int], nxt: Draw, resumed: Batch) -> tuple[list[int], Draw]:
+    """Append resumed rows to a decoding batch: their KV after its rows (``BatchKVCache.extend`` aligns the
+    lengths with left padding), their first draw after its queued draw; the next key is the resumed draw's."""
+    for c, r in zip(cache, resumed.cache, strict=True):
+        c.extend(r)
+    first = resumed.first
+    return active + resumed.active, Draw(mx.concatenate([nxt.tokens, first.tokens]),
+                                         mx.concatenate([nxt.logprobs, first.logprobs]), first.key)
+
+
+def decode_round(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDriver, stats: GenStats,
+                 refill: Refill | None = None) -> tuple[dict[int, PausedRow], mx.array | None]:
     """Decode until no row of the batch decodes; keep the caches of the rows that paused.
 
     Each step queues the next forward and draw before reading its own tokens (as ``MLXEngine._decode``);
     the queued forward has fed the rows that stop at this step too, so a paused row's cache is taken
-    without that last position (it is fed again with the observation).
+    without that last position (it is fed again with the observation). With ``refill``, rows that pause while
+    others decode are resumed at once and join the batch before the next step (attention-only models).
 
     Args:
         model: the mlx-lm model.
         batch: the rows, their cache (filtered in place) and first draw.
         sample: the step's draw.
         driver: records each token and says which rows go on.
-        stats: receives steps and new tokens.
+        stats: receives steps and new tokens (``extra["refills"]``: resumes while rows decoded).
+        refill: resumes paused rows (tools and observation feed); None keeps them until no row decodes.
 
     Returns:
-        row -> its paused cache, for the rows that paused; and the key the next draw uses.
+        row -> its paused cache, for the rows that paused (after the last row stopped); and the key the next
+        draw uses.
     """
     cache, active, cur = batch
+    if refill is not None and has_state(cache):
+        refill = None  # a state layer has no extend: hybrids resume between rounds
     paused: dict[int, PausedRow] = {}
     while True:
         before = snapshot(cache)
@@ -85,6 +105,12 @@ def decode_round(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDrive
             return paused, nxt.key
         if len(keep) < len(active):
             active, nxt = compact(cache, active, keep, nxt)
+        if paused and refill is not None:
+            stats.extra["refills"] = stats.extra.get("refills", 0.0) + 1
+            resumed = refill(paused, nxt.key)
+            paused = {}
+            if resumed is not None:
+                active, nxt = join(cache, active, nxt, resumed)
         cur = nxt
 
 
@@ -181,7 +207,7 @@ def resume_batch(model: Any, paused: dict[int, PausedRow], observations: dict[in
 
 
 def run_rounds(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDriver, vocab_size: int, chunk: int,
-               stats: GenStats, history: History | None = None) -> None:
+               stats: GenStats, history: History | None = None, refill: bool = False) -> None:
     """Decode rounds and resume paused rows until every episode has ended.
 
     Args:
@@ -196,25 +222,34 @@ def run_rounds(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDriver,
             ``obs_prefill_refed``.
         history: row -> prompt + episode tokens, to feed each round's resumed rows in one forward (None: each
             at batch 1).
+        refill: resume rows that pause while others decode before the next step (``decode_round``; ``refills``
+            counts those resumes, ``resume_s`` and ``obs_prefill_s`` their time, which ``decode_s`` leaves out).
 
     Raises:
         ToolUnavailable: the tools could not answer (from ``driver.resume``; the episodes are unfinished).
     """
     stats.extra.update(rounds=0.0, resume_s=0.0, obs_prefill_tokens=0.0, obs_prefill_s=0.0,
-                       obs_prefill_batched=0.0, obs_prefill_refed=0.0)
-    while True:
-        t0 = time.perf_counter()
-        paused, key = decode_round(model, batch, sample, driver, stats)
-        stats.decode_s += time.perf_counter() - t0
-        stats.extra["rounds"] += 1
-        if not paused:
-            return
+                       obs_prefill_batched=0.0, obs_prefill_refed=0.0, refills=0.0)
+
+    def resume(paused: dict[int, PausedRow], key: mx.array | None) -> Batch | None:
         t1 = time.perf_counter()
         observations = driver.resume()
         stats.extra["resume_s"] += time.perf_counter() - t1
         if not observations:
+            return None
+        return resume_batch(model, paused, observations, vocab_size, chunk, sample, key, stats, history)
+
+    while True:
+        t0, aside = time.perf_counter(), stats.extra["resume_s"] + stats.extra["obs_prefill_s"]
+        paused, key = decode_round(model, batch, sample, driver, stats, resume if refill else None)
+        stats.decode_s += time.perf_counter() - t0 - (stats.extra["resume_s"] + stats.extra["obs_prefill_s"] - aside)
+        stats.extra["rounds"] += 1
+        if not paused:
             return
-        batch = resume_batch(model, paused, observations, vocab_size, chunk, sample, key, stats, history)
+        resumed = resume(paused, key)
+        if resumed is None:
+            return
+        batch = resumed
 
 
 def check_driver(driver: EpisodeDriver, prompts: Sequence[Sequence[int]], n: int) -> None:
