@@ -218,7 +218,8 @@ def sampling_engine(policy: Any, sharded: bool, export: Callable[[], dict[str, n
     if not sharded:
         was_training = policy.model.training
         try:
-            yield engine_from_model(policy.model)
+            with policy.sampling():
+                yield engine_from_model(policy.model)
         finally:
             policy.model.train(was_training)
         return

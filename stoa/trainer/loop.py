@@ -436,8 +436,9 @@ class _Trainer:
                           f"'stoa eval --follow --bucket {cfg.bucket} --run {cfg.run}' for held-out figures")
             return
         k = cfg.eval_k_final if label in FINAL_EVALS and cfg.eval_k_final else cfg.eval_k
-        ev = evaluate(self.policy.model, self.codec, self.task, cfg.eval_n, cfg.max_new_tokens,
-                      tools=self.tools.tools, k=k)
+        with self.policy.sampling():  # the forward the steps train (bf16 autocast), not the fp32 master's
+            ev = evaluate(self.policy.model, self.codec, self.task, cfg.eval_n, cfg.max_new_tokens,
+                          tools=self.tools.tools, k=k)
         self.metrics.log({"version": self.version, **{f"eval/{k}": v for k, v in ev.items()}})
         extra = (f", cover-EM {ev['cover_em']:.3f}, EM {ev['em']:.3f}, search rate {ev['search_rate']:.2f}"
                  if {"cover_em", "em", "search_rate"} <= set(ev) else "")

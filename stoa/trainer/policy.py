@@ -11,6 +11,7 @@ the argmax equals each target (ECHO's accuracy).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -187,6 +188,15 @@ class Policy:
     def _autocast_dtype(self) -> torch.dtype | None:
         """bf16 when the forward autocasts (``autocast``), else None."""
         return torch.bfloat16 if self.autocast else None
+
+    def sampling(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the trainer samples from its own model (held-out evals, rft): the forward the steps train, so the
+        figures are the policy's. Without it a bf16-autocast policy would be evaluated in fp32, a different
+        function: after 4 GRPO steps at lr 2e-5 on SmolLM2 its fp32 master answered 0.021 cover-EM where its own
+        bf16 forward (and the published weights every worker samples) answered 0.708."""
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def export_f32(self) -> dict[str, np.ndarray]:
         """The master weights as float32 numpy arrays (names as ``named_tensors``), on rank 0 (``{}`` on other

@@ -60,3 +60,30 @@ def test_demos_on_a_task_that_builds_none_is_one_line_and_no_marker(tmp_path, ti
     finally:
         t.close()
     assert read_marker(open_bucket(str(tmp_path / "b")), "r") is None
+
+
+@pytest.mark.parametrize(("dtype", "autocast"), [("bfloat16", True), ("float32", False)])
+def test_the_trainer_evaluates_the_forward_it_trains(tmp_path, tiny_dir, monkeypatch, dtype, autocast):
+    """A bf16-autocast policy is evaluated under the same autocast (its fp32 master is a different function)."""
+    import torch
+
+    from stoa.trainer import loop
+
+    seen: list[bool] = []
+
+    def fake_evaluate(model: Any, codec: Any, task: Any, n: int, max_new_tokens: int, **kw: Any) -> dict[str, float]:
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        return {"accuracy": 0.5, "n": float(n), "seconds": 0.0}
+
+    monkeypatch.setattr(loop, "evaluate", fake_evaluate)
+    cfg = TrainerConfig(bucket=str(tmp_path / "b"), run="r", model="tiny", task="arithmetic", n_samples=2,
+                        eval_n=2, kl_beta=0.0, groups_per_step=2, poll_seconds=0.01, log_dir="", dtype=dtype,
+                        max_new_tokens=8).validate()
+    t = loop._Trainer(cfg, echo=lambda _line: None)
+    try:
+        t.open_lifecycle()
+        t.resume()
+        t.metrics.close()
+    finally:
+        t.close()
+    assert seen == [autocast]
