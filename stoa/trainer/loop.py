@@ -234,7 +234,9 @@ class _Trainer:
 
             assert self.publisher.published_state is not None
             self.ranks("load_full", main_only=state_to_f32(self.publisher.published_state, cfg.plane))
-            if restored is not None:
+            if restored is not None and cfg.lora_rank:  # kept its checkpoint's adapter: not the published weights
+                self.lag0_trusted = False
+            elif restored is not None:
                 self.echo(f"[trainer] checkpoint v{restored.version} is behind the published v{pointer.version}: "
                           "continuing from the published weights (optimizer state from the checkpoint)")
         elif restored is None:

@@ -231,6 +231,7 @@ def test_a_lora_trainer_resumes_from_its_checkpoint_and_refuses_merged_weights_a
     t3 = _Trainer(make_cfg(url, lora_rank=4, lora_alpha=8.0), echo=lines.append)
     t3.resume()
     assert any("continuing from the checkpoint's adapter (v2)" in line for line in lines)
+    assert not t3.lag0_trusted  # its weights are v2's, not the published v3's: lag-0 records are not judged
     assert all(np.array_equal(v, adapter[k]) for k, v in t3.policy.adapter_f32().items())
     t3.close()
 
