@@ -71,3 +71,9 @@ def test_set_takes_algo_knobs_as_the_trainer_does():
     s = trainer_settings(_args(set=["algo.echo_alpha=0.05", "algo.echo-schedule=linear_taper_to_zero"]), "r")
     cfg = load_config(TrainerConfig, overrides=s, env={})
     assert cfg.algo == {"echo_alpha": 0.05, "echo_schedule": "linear_taper_to_zero"}
+
+
+def test_lora_rank_reaches_the_trainer_and_set_still_wins():
+    assert "lora_rank" not in trainer_settings(_args(), "r")
+    assert trainer_settings(_args(lora_rank=16), "r")["lora_rank"] == 16
+    assert trainer_settings(_args(lora_rank=16, set=["lora_rank=8"]), "r")["lora_rank"] == 8

@@ -76,6 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", default=None, help="deprecated spelling of --bucket")
     p.add_argument("--run", default="", help="run id [default: quickstart-<time>]")
     p.add_argument("--algorithm", default="grpo", help="grpo, dr_grpo, dapo, gspo, rloo, cispo, gigpo [default: grpo]")
+    p.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                   help="train rank-R LoRA adapters on a frozen base instead of every weight (lora_rank; workers "
+                        "sample the merged weights) [default: 0, full fine-tuning]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any trainer setting, e.g. --set lr=1e-5 (repeatable)")
     p.set_defaults(func=run)
@@ -129,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         wall = time.perf_counter() - t0
         _stop_workers(workers, grace)
-    _print_summary(summary, wall, Path(args.bucket), run_id)
+    _print_summary(summary, wall, Path(args.bucket), run_id, lora=cfg.lora_rank > 0)
     return 0
 
 
@@ -145,6 +148,8 @@ def trainer_settings(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
     preset = (SEARCH_PRESETS if task.startswith("search") else PRESETS)[kind]
     overrides = {**preset, "bucket": args.bucket, "run": run_id, "model": args.model, "task": task,
                  "steps": args.steps, "algorithm": args.algorithm, "max_wait_seconds": 900.0}
+    if getattr(args, "lora_rank", 0):
+        overrides["lora_rank"] = args.lora_rank
     if task.startswith("search") and kind != "tiny":
         overrides["eval_every"] = search_eval_every(args.steps)
     for item in args.set:
@@ -236,7 +241,7 @@ def eval_lines(evals: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
+def _print_summary(summary: dict, wall: float, root: Path, run_id: str, lora: bool = False) -> None:
 
     rows = read_metrics(root / metrics_prefix(run_id) / "trainer.jsonl")
     steps = [r for r in rows if "train/loss" in r]
@@ -256,10 +261,12 @@ def _print_summary(summary: dict, wall: float, root: Path, run_id: str) -> None:
     for line in eval_lines(evals):
         print(line)
     where = root.resolve()
+    held = ("the LoRA adapter, its optimizer state and PEFT files" if lora
+            else "fp32 master weights (sharded checkpoint)")
     print(f"  model          v{summary.get('version')} published under {where / weights_prefix(run_id)}; "
-          f"fp32 master weights (sharded checkpoint) in {where / checkpoint_files_prefix(run_id)}")
+          f"{held} in {where / checkpoint_files_prefix(run_id)}")
     print(f"  export         stoa export --bucket {root} --run {run_id} {run_id}-hf  (a Hugging Face "
-          "directory for transformers and mlx-lm; --source checkpoint for the fp32 weights)")
+          "directory for transformers and mlx-lm" + (")" if lora else "; --source checkpoint for the fp32 weights)"))
     print(f"  status         stoa status --bucket {root} --run {run_id}")
     print(f"  plot           stoa plot --bucket {root} --run {run_id} {run_id}.png  (pip install 'stoa[plot]')")
     print(f"  worker logs    {where / logs_prefix(run_id)}/worker<i>.log")
