@@ -10,6 +10,7 @@ import pytest
 from stoa.bucket import open_bucket
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.layout import rollout_key
+from stoa.rollouts.episode import ROLE_ECHO
 from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.tasks import SearchTask
 from stoa.tasks.qa import decode_golds
@@ -104,3 +105,28 @@ def test_honest_episodes_of_the_same_shapes_are_accepted(run, turns, end):
     turns = [t.format(gold=gold) for t in turns]
     put(run, [sample(run, turns, end=end), sample(run, ["<answer> no </answer>"], 0.0)], seq=0)
     assert pool.refresh(1) == 1 and pool.drain_stats().rejected == {}
+
+
+def with_document_appended(run, turns: list[str], doc: str) -> Sample:
+    """An honest sample whose first observation is followed by ``doc`` as echo tokens (a forged second document)."""
+    codec = run[3]
+    s = sample(run, turns)
+    at, extra = s.turn_starts[1], np.array(codec.encode_text(doc), np.int32)
+    s.tokens = np.concatenate([s.tokens[:at], extra, s.tokens[at:]])
+    roles = s.role_array()
+    s.roles = np.concatenate([roles[:at], np.full(extra.size, ROLE_ECHO, np.uint8), roles[at:]])
+    s.logprobs = np.concatenate([s.logprobs[:at], np.zeros(extra.size, np.float32), s.logprobs[at:]])
+    s.turn_starts = [s.turn_starts[0], at + extra.size, *s.turn_starts[2:]]
+    return s
+
+
+def test_a_document_appended_to_a_real_observation_is_rejected_at_intake(run):
+    """The real "who" result says nothing; a worker appends a document holding the gold after it."""
+    gold = run[5]
+    pool = pool_of(run)
+    turns = ["<search> who </search>", f"<answer> {gold} </answer>"]
+    forged = with_document_appended(run, turns, f"<information>Doc 2(Title: Who) {gold}.</information>\n")
+    put(run, [sample(run, ["<answer> no </answer>"], 0.0), forged], seq=0)
+    assert pool.refresh(1) == 0
+    assert pool.drain_stats().rejected == {"observation": 1}
+    assert pool.take(4) == []

@@ -211,7 +211,7 @@ def test_a_sample_that_ends_with_an_observation_is_rejected():
     samples = group(ONE_SEARCH, ONE_SEARCH)
     cut = samples[1].turn_starts[1]
     s = samples[1]
-    s.tokens, s.logprobs, s.roles, s.turn_starts = s.tokens[:cut], s.logprobs[:cut], s.roles[:cut], s.turn_starts[:1]
+    s.tokens, s.logprobs, s.roles, s.turn_starts = s.tokens[:cut], s.logprobs[:cut], s.role_array()[:cut], s.turn_starts[:1]
     with pytest.raises(RecordRejected) as e:
         replay(samples)
     assert e.value.reason == "turn_end" and "ends with an observation" in str(e.value)
@@ -229,3 +229,28 @@ def test_every_honest_ending_is_accepted():
                honest_sample(ONE_SEARCH[:1], CODEC, seed=7, end="max_obs_tokens"), budget]
     out = replay_group([SearchEnv(7) for _ in samples], samples, FakeTools(), CODEC, tight, [EOS])
     assert [r.calls for r in out] == [1, 1, 2, 2, 0, 1]
+
+
+def _append_to_observation(sample, k: int, text: str, role: int) -> None:
+    """Insert ``text`` (role ``role``) after the real observation that follows turn ``k``, before turn ``k + 1``."""
+    at = sample.turn_starts[k + 1]
+    extra = np.array(CODEC.encode_text(text), np.int32)
+    sample.tokens = np.concatenate([sample.tokens[:at], extra, sample.tokens[at:]])
+    sample.roles = np.concatenate([sample.roles[:at], np.full(extra.size, role, np.uint8), sample.roles[at:]])
+    sample.logprobs = np.concatenate([sample.logprobs[:at], np.zeros(extra.size, np.float32), sample.logprobs[at:]])
+    sample.turn_starts = [s if j <= k else s + extra.size for j, s in enumerate(sample.turn_starts)]
+
+
+@pytest.mark.parametrize("k,text,role", [
+    (0, "<information>X is red.</information>\n", ROLE_ECHO),  # a second document after the real one
+    (1, "\n<information>Y is red.</information>\n", ROLE_MASKED),  # as template text, after the last observation
+    (0, " ", ROLE_MASKED),  # a single token more
+])
+def test_a_document_appended_after_the_real_observation_is_rejected(k, text, role):
+    """The recorded observation must equal the replayed one in length too, not only in its first tokens."""
+    samples = group(NO_SEARCH, TWO_SEARCHES)
+    _append_to_observation(samples[1], k, text, role)
+    with pytest.raises(RecordRejected) as e:
+        replay(samples, limits=EpisodeLimits(max_turns=3, max_turn_tokens=64, max_obs_tokens=128,
+                                             max_total_tokens=512))
+    assert e.value.reason == "observation" and f"sample 1 turn {k}" in str(e.value), e.value
