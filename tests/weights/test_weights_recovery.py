@@ -156,3 +156,24 @@ def test_oversize_objects_are_refused_unread(bucket: Spy, sts: list[State]) -> N
     assert {(r.key, r.reason) for r in w.refusals} == {(patch_key(RUN, 3), "oversize"), (file_key, "bad_format")}
     fetched = {k for m, k in bucket.calls if m == "get"}
     assert patch_key(RUN, 3) not in fetched and file_key not in fetched
+
+
+def test_a_pointer_that_keeps_its_version_and_changes_its_hash_is_followed(bucket: Spy, sts: list[State]) -> None:
+    """v2 published again from other weights (a trainer restarted from v1's checkpoint after the pointer went
+    back): a worker holding the first v2 must see the pointer as new and load the weights it names."""
+    pub = WeightPublisher(bucket, RUN, "bf16", anchor_every=100)
+    pub.publish(1, sts[0])
+    at_v1 = bucket.inner.get(pointer_key(RUN))
+    pub.publish(2, sts[1])
+    w = WeightSync(bucket, RUN, "bf16")
+    assert w.sync()[0] == 2 and w.poll() is None
+    first_hash = w.state_hash
+    bucket.inner.put(pointer_key(RUN), at_v1)
+    bucket.inner.delete(patch_key(RUN, 2))
+    WeightPublisher(bucket, RUN, "bf16", anchor_every=100).publish(2, sts[2])  # a fresh process: an anchor
+    p = w.poll()
+    assert p is not None and p.version == 2 and p.state_hash != first_hash
+    version, state = w.sync(p)
+    assert version == 2 and w.metrics["path"] == "anchor" and _same(state, sts[2])
+    assert w.state_hash == p.state_hash and w.poll() is None
+    assert w.sync()[0] == 2 and w.metrics["path"] == "current"
