@@ -89,8 +89,10 @@ def test_resume_over_a_corrupt_newest_patch_returns_the_pointer_and_publishes_an
     info = restarted.publish(4, sts[3])  # no verified previous state: a full anchor, no patch
     assert info.bytes_anchor > 0 and info.bytes_patch == 0
     assert bucket.inner.exists(anchor_prefix(RUN, 4) + "manifest.json")
-    assert stuck.sync()[0] == 4 and stuck.metrics["path"] == "anchor" and _same(stuck.state, sts[3])
-    assert worker.sync()[0] == 4 and _same(worker.state, sts[3])
+    version, state = stuck.sync()
+    assert version == 4 and stuck.metrics["path"] == "anchor" and _same(state, sts[3])
+    version, state = worker.sync()
+    assert version == 4 and _same(state, sts[3])
     # and the run goes on with patches again
     assert restarted.publish(5, sts[4]).bytes_patch > 0
     assert worker.sync()[0] == 5 and worker.metrics["path"] == "patches"
@@ -101,8 +103,10 @@ def test_resume_of_an_intact_run_keeps_the_published_state(bucket: Spy, sts: lis
     pub.publish(1, sts[0])
     pub.publish(2, sts[1])
     restarted = WeightPublisher(bucket, RUN, "bf16", anchor_every=100)
-    assert restarted.resume().version == 2
-    assert restarted.resume_error is None and _same(restarted.published_state, sts[1])
+    pointer = restarted.resume()
+    assert pointer is not None and pointer.version == 2
+    published = restarted.published_state
+    assert restarted.resume_error is None and published is not None and _same(published, sts[1])
     assert restarted.publish(3, sts[2]).bytes_anchor == 0
 
 
