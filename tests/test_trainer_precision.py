@@ -114,3 +114,58 @@ def test_auto_is_bf16_only_on_a_cpu_with_native_bf16(monkeypatch):
     monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: True)
     assert compute_dtype("auto", torch.device("cpu")) == torch.bfloat16
     assert np.dtype("float32")  # numpy untouched
+
+
+def _linear_output_dtypes(pol: Policy) -> tuple[set[torch.dtype], list[torch.Tensor]]:
+    """Hooks every Linear of the policy: the set of their output dtypes, and the head's outputs in call order."""
+    dtypes: set[torch.dtype] = set()
+    head_out: list[torch.Tensor] = []
+    head = pol.model.get_output_embeddings()
+    for m in pol.model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda mod, args, out: dtypes.add(out.dtype))
+    head.register_forward_hook(lambda mod, args, out: head_out.append(out.detach()))
+    return dtypes, head_out
+
+
+@pytest.mark.parametrize(("dtype", "shared_prefix"), [(torch.bfloat16, False), (torch.bfloat16, True),
+                                                      (torch.float32, False), (torch.float32, True)])
+def test_the_policy_computes_in_its_compute_dtype(tiny_dir, dtype, shared_prefix):
+    """A bf16 policy's matmuls (decoder and head) run in bf16 on its fp32 masters; an fp32 one's in fp32."""
+    e, batch = packed_rows()
+    pol = Policy(tiny_dir, torch.device("cpu"), compute_dtype=dtype)
+    dtypes, head_out = _linear_output_dtypes(pol)
+    if shared_prefix:
+        comps = [s.tokens for s in e.record.samples]
+        lp = pol.group_logprobs(e.record.prompt_tokens, comps, 6)
+    else:
+        lp = pol.logprobs(batch)
+    assert dtypes == {dtype} and head_out
+    assert lp.dtype == torch.float32 and {p.dtype for p in pol.model.parameters()} == {torch.float32}
+
+
+def test_the_log_softmax_of_a_bf16_policy_runs_in_fp32(tiny_dir):
+    """The logprobs equal an fp32 log-softmax of the bf16 head's own logits (a bf16 one is off by ~1e-2)."""
+    _, batch = packed_rows()
+    pol = Policy(tiny_dir, torch.device("cpu"), temperature=0.7, compute_dtype=torch.bfloat16)
+    _, head_out = _linear_output_dtypes(pol)
+    with torch.no_grad():
+        lp = pol.logprobs(batch)
+    logits = torch.cat([h.reshape(-1, h.shape[-1]) for h in head_out])
+    assert logits.dtype == torch.bfloat16
+    b, t = batch.targets.shape
+    want = torch.log_softmax(logits.float() / 0.7, dim=-1).gather(-1, batch.targets.reshape(-1, 1)).reshape(b, t)
+    torch.testing.assert_close(lp, want * batch.mask, atol=2e-6, rtol=0)
+
+
+def test_token_logprobs_of_bf16_logits_are_an_fp32_log_softmax():
+    """The loss's own helper upcasts before dividing by the temperature and normalising."""
+    from stoa.algorithms.torch_loss import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 5, 512, generator=g) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, 512, (2, 5), generator=g)
+    got = token_logprobs(logits, targets, 0.7)
+    want = torch.log_softmax(logits.float() / 0.7, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
