@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -24,7 +25,7 @@ def entries(seed: int):
 def trainer(tmp_path, stoa_cache, monkeypatch):
     from stoa.trainer.loop import _Trainer
 
-    t = _Trainer(make_trainer_cfg(str(tmp_path / "b"), n_samples=2), echo=lambda *_: None)
+    t: Any = _Trainer(make_trainer_cfg(str(tmp_path / "b"), n_samples=2), echo=lambda *_: None)  # with .events
     t.open_lifecycle()
     t.last_step_at = 0.0  # set by loop(), which these tests drive by hand
     events: list[tuple[str, int]] = []
@@ -65,9 +66,31 @@ def test_the_intake_runs_while_the_step_computes_and_writes_keep_their_order(tra
         return step(*args)
 
     t.ops.step = step_waiting_for_the_intake
+    steps_done = threading.Condition()
+    done = [0]
+    publish = t.publisher.publish
+
+    def counted_step(*args):
+        out = step_waiting_for_the_intake(*args)
+        with steps_done:
+            done[0] += 1
+            steps_done.notify_all()
+        return out
+
+    def upload_slower_than_the_next_step(version, state):
+        """v2 uploads from the end of step 1 until after step 2 has computed (then 0.2 s more, in publish)."""
+        with steps_done:
+            assert steps_done.wait_for(lambda: done[0] >= version, 20), f"no step after v{version}'s upload began"
+        return publish(version, state)
+
+    t.ops.step = counted_step
+    t.publisher.publish = upload_slower_than_the_next_step
     for k in range(3):
         intake_running.clear()
         t.train(entries(k))
+    with steps_done:
+        done[0] += 1  # no fourth step: let v4's upload finish
+        steps_done.notify_all()
     t.settle_publish()
     assert t.events == [("pointer", 1), ("journal", 2), ("pointer", 2), ("journal", 3), ("pointer", 3),
                         ("journal", 4), ("pointer", 4)]
