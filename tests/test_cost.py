@@ -1,0 +1,116 @@
+"""Cost accounting: the request classifier, the local bucket's S3-equivalent counts, prices, worker reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from stoa.bucket import open_bucket
+from stoa.bucket.meter import CLASS_OF, Counts, RequestMeter, http_request_name
+from stoa.observe.costview import cost_lines, cost_view
+from stoa.telemetry.cost import MAX_REPORT_STEP, CostClock, Prices, WorkerReports, cost_row, report, storage_usd
+
+
+def test_requests_fall_in_r2s_billing_classes():
+    assert {n for n, c in CLASS_OF.items() if c == "b"} == {"GetObject", "HeadObject"}
+    assert {n for n, c in CLASS_OF.items() if c == "a"} == {
+        "PutObject", "CopyObject", "ListObjectsV2", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",
+        "DeleteObjects"}
+    assert CLASS_OF["DeleteObject"] == CLASS_OF["AbortMultipartUpload"] == "free"
+    m = RequestMeter()
+    for name in ("GetObject", "HeadObject", "PutObject", "ListObjectsV2", "DeleteObject"):
+        m.add(name)
+    assert m.counts() == Counts(a=2, b=2, free=1)
+    with pytest.raises(ValueError, match="CLASS_OF"):
+        m.add("SelectObjectContent")
+
+
+def test_http_requests_are_named_as_s3_bills_them():
+    q = {"list-type": ["2"], "prefix": ["runs/"]}
+    assert http_request_name("GET", q) == "ListObjectsV2"
+    assert http_request_name("GET", {}) == "GetObject"
+    assert http_request_name("HEAD", {}) == "HeadObject"
+    assert http_request_name("PUT", {}) == "PutObject"
+    assert http_request_name("PUT", {"partNumber": ["1"], "uploadId": ["u"]}) == "UploadPart"
+    assert http_request_name("POST", {"uploads": [""]}) == "CreateMultipartUpload"
+    assert http_request_name("POST", {"uploadId": ["u"]}) == "CompleteMultipartUpload"
+    assert http_request_name("POST", {"delete": [""]}) == "DeleteObjects"
+    assert http_request_name("DELETE", {}) == "DeleteObject"
+
+
+def test_a_local_bucket_counts_what_the_same_calls_cost_on_s3(tmp_path):
+    b = open_bucket(str(tmp_path / "b"))
+    b.meter = RequestMeter()  # type: ignore[attr-defined]  # the process's METER otherwise
+    b.put_create("a/x", b"hello")
+    b.put_create("a/x", b"hello")  # identical: S3 PUTs, gets 412, HEADs and GETs to compare
+    assert b.get("a/x") == b"hello" and b.get_range("a/x", 0, 2) == b"he"
+    assert not b.exists("a/y")
+    b.cas("a/c", b"1", None)
+    for info in b.list("a/"):  # a delete between a listing's items counts on its own
+        b.delete(info.key)
+    b.put("a/z", b"z")
+    assert b.delete_prefix("a/") == 1
+    assert b.meter.by_request() == {  # type: ignore[attr-defined]
+        "PutObject": 4, "HeadObject": 2, "GetObject": 3, "ListObjectsV2": 2, "DeleteObjects": 3}
+    assert b.meter.counts() == Counts(a=9, b=5, free=0, written=12, read=7)  # type: ignore[attr-defined]
+
+
+def test_prices_are_r2s_and_configurable():
+    p = Prices()
+    assert p.requests_usd(Counts(a=1_000_000, b=1_000_000, free=5)) == pytest.approx(4.86)
+    assert storage_usd(2e9, 730.0, p) == pytest.approx(0.03)  # 2 GB for a month
+    env = Prices.from_env({"STOA_PRICE_CLASS_A": "5", "STOA_PRICE_STORAGE_GB_MONTH": "0.02"})
+    assert (env.class_a_per_million, env.class_b_per_million, env.storage_per_gb_month) == (5.0, 0.36, 0.02)
+    with pytest.raises(ValueError, match="STOA_PRICE_CLASS_B"):
+        Prices.from_env({"STOA_PRICE_CLASS_B": "cheap"})
+    with pytest.raises(ValueError, match=">= 0"):
+        Prices(class_a_per_million=-1)
+
+
+def test_cost_row_prices_the_step_the_token_and_the_hour():
+    row = cost_row(Counts(a=300_000, b=0), Counts(a=100_000, b=1_000_000), Counts(a=200_000, b=500_000),
+                   trained_tokens=1e6, hours=2.0, steps=4, prices=Prices())
+    assert row["cost/usd"] == pytest.approx(0.4 * 4.5 + 0.36)
+    assert row["cost/step_usd"] == pytest.approx(0.2 * 4.5 + 0.5 * 0.36)
+    assert row["cost/usd_per_step"] == pytest.approx(2.16 / 4)
+    assert row["cost/usd_per_token"] == pytest.approx(2.16 / 1e6)
+    assert row["cost/usd_per_hour"] == pytest.approx(2.16 / 2)
+    assert (row["cost/requests_a"], row["cost/workers_b"], row["cost/step_requests_a"]) == (400_000, 1_000_000, 200_000)
+
+
+def test_cost_clock_counts_steps_and_a_last_row_without_one():
+    meter, t = RequestMeter(), [0.0]
+    clock = CostClock(meter, Prices(), clock=lambda: t[0])
+    meter.add("PutObject", 1000)
+    t[0] = 3600.0
+    first = clock.row(WorkerReports(), 50.0)
+    meter.add("PutObject", 1000)
+    last = clock.row(WorkerReports(), 0.0, step=False)
+    assert first["cost/step_requests_a"] == 1000 and last["cost/step_requests_a"] == 1000
+    assert last["cost/steps"] == 1 and last["cost/usd_per_step"] == pytest.approx(2000 * 4.5e-6)
+
+
+def test_worker_reports_are_bounded_and_validated():
+    r = WorkerReports()
+    r.observe("w1", {"generate_s": 1.0})  # an older worker: no report
+    r.observe("w1", report(Counts(a=10, b=20, written=100)))
+    r.observe("w1", report(Counts(a=5, b=30)))  # fewer: w1 restarted; its 10/20 stay banked
+    r.observe("w2", {**report(Counts(a=1)), "bucket/b": -3.0})  # malformed: ignored
+    r.observe("w2", {**report(Counts(a=1)), "bucket/a": 2.5})
+    r.observe("w3", report(Counts(a=10 * MAX_REPORT_STEP)))  # a flood: one step's worth counts
+    assert r.bad == 2 and r.clipped == 9 * MAX_REPORT_STEP
+    assert r.total() == Counts(a=15 + MAX_REPORT_STEP, b=50, written=100)
+
+
+def test_status_cost_takes_the_fresher_worker_figure_and_skips_hostile_values():
+    trainer = [{"cost/trainer_a": 100, "cost/trainer_b": 10, "cost/workers_a": 50, "cost/workers_b": 500,
+                "cost/steps": 10, "cost/trained_tokens": 1000.0, "cost/hours": 0.5}]
+    workers = [[{"bucket/a": 40, "bucket/b": 300}, {"bucket/a": 70, "bucket/b": 400}],
+               [{"bucket/a": float("nan"), "bucket/b": "lots"}], [{"bucket/a": -1000.0}]]
+    c = cost_view(trainer, workers, 2_000_000_000, Prices())
+    assert c is not None and c.requests == Counts(a=170, b=510)
+    assert c.usd == pytest.approx((170 * 4.5 + 510 * 0.36) / 1e6)
+    assert c.per(c.steps) == pytest.approx(c.usd / 10) and c.per(0) is None
+    assert c.storage_usd_per_hour == pytest.approx(2 * 0.015 / 730)
+    text = "\n".join(cost_lines(c, 11))
+    assert "/step" in text and "/trained token" in text and "/hour" in text and "170 class A" in text
+    assert cost_view([{"train/loss": 1.0}], [], 0, Prices()) is None
