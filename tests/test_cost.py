@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from stoa.bucket import open_bucket
@@ -114,3 +116,26 @@ def test_status_cost_takes_the_fresher_worker_figure_and_skips_hostile_values():
     text = "\n".join(cost_lines(c, 11))
     assert "/step" in text and "/trained token" in text and "/hour" in text and "170 class A" in text
     assert cost_view([{"train/loss": 1.0}], [], 0, Prices()) is None
+
+
+def test_the_dry_run_estimate_follows_the_settings_and_the_fleet():
+    from dataclasses import replace
+
+    from stoa.config import TrainerConfig
+    from stoa.telemetry.costplan import estimate_cost, estimate_lines
+
+    cfg = replace(TrainerConfig(), staleness_bound=3, groups_per_step=8, anchor_every=16, checkpoint_minutes=0.0)
+    one, many = estimate_cost(cfg, 1, 135e6), estimate_cost(cfg, 100, 135e6)
+    # trainer: 2 window listings of 4 versions, 5 control writes, weights (an anchor of 19 parts + manifest every
+    # 16 versions, a 1-PUT patch otherwise), a patch and a rollout version deleted, a metrics chunk every 20 steps
+    assert one.trainer_step == Counts(a=math.ceil(8 + 5 + (20 + 15) / 16 + 1 + 3 / 16 + 2 + 1 / 20), b=8)
+    assert one.workers_step == Counts(a=8, b=2) and many.workers_step == Counts(a=8, b=200)
+    assert many.workers_hour.b == 100 * 0.2 * 2 * 7200 and many.workers_hour.a == 6000
+    assert one.checkpoint.a == math.ceil(135e6 * 12 / (16 << 20)) + 2 + 4
+    assert one.checkpoints_per_hour(10.0) == 0.0 and estimate_cost(replace(cfg, checkpoint_every=36), 1, 135e6) \
+        .checkpoints_per_hour(10.0) == 10.0
+    assert estimate_cost(replace(cfg, checkpoint_minutes=30.0), 1, 135e6).checkpoints_per_hour(10.0) == 2.0
+    assert many.usd_per_hour(10.0, Prices()) > one.usd_per_hour(10.0, Prices()) > one.usd_per_hour(60.0, Prices())
+    assert any("per trained token" in line for line in estimate_lines(one, Prices()))
+    with pytest.raises(ValueError, match="--fleet-size"):
+        estimate_cost(cfg, 0, None)
