@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -199,8 +200,6 @@ def _record(self: Any, op: str, args: tuple[Any, ...], kwargs: dict[str, Any], r
 
 
 def _file_size(path: Any) -> int:
-    import os
-
     try:
         return os.stat(path).st_size
     except (OSError, TypeError):

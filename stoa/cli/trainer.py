@@ -35,6 +35,8 @@ from stoa.models.registry import SMOLLM2_DIR
 from stoa.models.shapes import shape_for, shape_from_dir
 from stoa.tasks import get_task, parse_task_spec
 from stoa.tasks.multiturn import is_multiturn
+from stoa.telemetry.cost import Prices
+from stoa.telemetry.costplan import estimate_cost, estimate_lines
 from stoa.trainer import peak
 from stoa.trainer.cadence import cadence_lines
 from stoa.trainer.peak import PromptLength, preflight, prompt_length
@@ -169,9 +171,6 @@ def _checkpoint_lines(cfg: TrainerConfig) -> list[str]:
 
 def _cost_lines(cfg: TrainerConfig, fleet: int) -> list[str]:
     """The dry run's bucket-cost section (``stoa.telemetry.costplan``) for ``fleet`` workers."""
-    from stoa.telemetry.cost import Prices
-    from stoa.telemetry.costplan import estimate_cost, estimate_lines
-
     if fleet < 1:
         raise ConfigError("fleet_size", f"must be >= 1, got {fleet}")
     shape = model_shape(cfg.model, offline=True).shape
