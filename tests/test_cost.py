@@ -139,3 +139,25 @@ def test_the_dry_run_estimate_follows_the_settings_and_the_fleet():
     assert any("per trained token" in line for line in estimate_lines(one, Prices()))
     with pytest.raises(ValueError, match="--fleet-size"):
         estimate_cost(cfg, 0, None)
+
+
+def test_status_prices_the_trainers_row_and_fresher_worker_rows_without_another_get(tmp_path):
+    import time
+
+    from stoa.observe.snapshot import take_snapshot
+    from stoa.observe.status import render
+    from tests.observe.test_status import RUN, _chunks, write_run
+
+    bucket, now = open_bucket(str(tmp_path / "b")), time.time()
+    write_run(bucket, now)
+    _chunks(bucket, "trainer", now - 30, [{"time": now - 4, "cost/trainer_a": 7, "cost/steps": 1},
+                                          {"time": now - 2, "cost/trainer_a": 1000, "cost/trainer_b": 100,
+                                           "cost/workers_a": 10, "cost/workers_b": 20, "cost/steps": 4,
+                                           "cost/trained_tokens": 400.0, "cost/hours": 0.01}], flush_rows=3)
+    _chunks(bucket, "worker-w1", now - 20, [{"time": now - 3, "worker/version": 5, "bucket/a": 50.0,
+                                              "bucket/b": 5.0}], flush_rows=1)
+    snap = take_snapshot(bucket, RUN, now=now, prices=Prices(class_a_per_million=1e6, class_b_per_million=1e6))
+    assert snap.cost is not None and snap.cost.requests == Counts(a=1050, b=120)
+    assert snap.cost.usd == pytest.approx(1170.0) and snap.cost.per(snap.cost.steps) == pytest.approx(292.5)
+    assert snap.requests["get"] == 8  # status, pointer, lease, journal, 3 trainer chunks, w1's newest: no more
+    assert "1050 class A, 120 class B" in render(snap)

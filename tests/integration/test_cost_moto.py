@@ -95,7 +95,11 @@ def test_status_cost_matches_the_servers_count(procs, tmp_path, counting_moto):
                          "--poll-seconds", "0.2", "--wait-seconds", "120", "--log-dir", str(logs))
     assert trainer.wait(timeout=300) == 0, procs.log("trainer")
     assert worker.wait(timeout=120) == 0, procs.log("w0")  # it exits when the run reads finished
-    assert len(train_rows(logs / "trainer.jsonl")) == 6
+    rows = train_rows(logs / "trainer.jsonl")
+    assert len(rows) == 6
+    last = rows[-1]  # the trainer's figures include what the worker's records reported
+    assert last["cost/workers_a"] >= sum(r["rollout/accepted"] for r in rows) - 1 and last["cost/workers_b"] > 0
+    assert last["cost/usd"] > 0 and last["cost/usd_per_token"] > 0 and last["cost/reports_bad"] == 0
     server = moto.by_class()  # before this process's own requests below
     snap = take_snapshot(open_bucket(bucket, env), "cost", prices=Prices())
     assert snap.cost is not None
