@@ -27,7 +27,7 @@ REPORT_KEYS = ("a", "b", "free", "written")
 """The counts a worker reports, as ``bucket/<key>`` in a record header's ``timings``."""
 MAX_REPORTED = 10**12
 """A reported cumulative count above this (or negative, or not a whole number) is ignored."""
-MAX_REPORT_STEP = 1_000_000
+MAX_REPORT_STEP = 100_000
 """Most requests one worker report may add over its previous one; the rest is counted in ``clipped``."""
 MAX_WORKERS = 100_000
 """Workers whose reports are kept; reports of more workers are counted in ``dropped``."""
