@@ -27,6 +27,7 @@ from .base import (
     validate_key,
     validate_prefix,
 )
+from .meter import extra, metered
 from .outage import RetryPolicy, map_os_errors
 
 __all__ = ["LocalBucket"]
@@ -40,6 +41,7 @@ _STALE_TMP_S = 24 * 3600.0
 _PLACE_ATTEMPTS = 8
 
 
+@metered
 @map_os_errors
 class LocalBucket:
     """A bucket rooted at a directory.
@@ -176,6 +178,8 @@ class LocalBucket:
             except FileExistsError:
                 if final.is_dir():
                     raise self._conflict(key) from None
+                extra(self, "HeadObject")  # S3Bucket reads what a create found, to compare
+                extra(self, "GetObject")
                 try:
                     existing = file_digest(final)
                 except FileNotFoundError:
@@ -487,6 +491,7 @@ class LocalBucket:
         tmp = self._tmp_from_file(path)
         try:
             if create_only:
+                extra(self, "HeadObject")  # S3Bucket looks before it uploads a large file
                 self._link_create(key, tmp, lambda: file_digest(tmp))
             else:
                 with self._key_lock(key):

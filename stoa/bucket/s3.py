@@ -30,6 +30,7 @@ from .base import (
     validate_key,
 )
 from .credentials import S3Credentials, redact_url
+from .meter import extra, metered
 from .outage import RetryPolicy
 from .s3_files import DOWNLOAD_CHUNK, MAX_SINGLE_PUT, MIB, S3Files
 from .s3_list import S3Listing, obstore_can_name
@@ -64,6 +65,7 @@ class _StaticCredentials:
         return "_StaticCredentials(***)"
 
 
+@metered
 class S3Bucket(S3Listing, S3Files):
     """A bucket (optionally under a key prefix) on an S3-compatible store.
 
@@ -215,6 +217,7 @@ class S3Bucket(S3Listing, S3Files):
 
     def _stored_digest(self, path: str) -> tuple[int, str]:
         """Size and content digest of the stored object, streamed."""
+        extra(self, "GetObject")
         result = obs.get(self._store(bulk=True), path)
         h = xxhash.xxh3_128()
         size = 0
@@ -225,6 +228,7 @@ class S3Bucket(S3Listing, S3Files):
 
     def _landed(self, path: str, data: bytes) -> str | None:
         """Etag of the stored object if it holds exactly ``data``, else None."""
+        extra(self, "GetObject")
         try:
             got = obs.get(self._store(), path)
         except FileNotFoundError:
@@ -235,6 +239,7 @@ class S3Bucket(S3Listing, S3Files):
         return None
 
     def _same_content(self, path: str, size: int, digest: Callable[[], str]) -> bool:
+        extra(self, "HeadObject")
         meta = obs.head(self._store(), path)
         if meta["size"] != size:
             return False
@@ -467,6 +472,7 @@ class S3Bucket(S3Listing, S3Files):
                 ) from None
             etag = result["e_tag"]
             if etag is None:
+                extra(self, "HeadObject")
                 etag = obs.head(self._store(), path)["e_tag"]
             if etag is None:
                 raise BucketError(f"cas {self.url} key {key!r}: the store returned no ETag")

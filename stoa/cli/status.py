@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 from stoa.bucket import BucketError, open_bucket
 from stoa.observe.snapshot import ChunkCache, dumps, take_snapshot
 from stoa.observe.status import render
+from stoa.telemetry.cost import Prices
 
 CLEAR = "\x1b[H\x1b[2J"
 """Home the cursor and clear the terminal (only written to a terminal)."""
@@ -25,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Read a run's status, pointer, trainer lease, journal and metrics chunks from the bucket "
                     "(any machine with its URL and credentials) and print one screen: state, version and its "
                     "age, trainer, steps/min, reward and eval sparklines, records/s, lag, rejections, the workers "
-                    "of the last minutes, bucket size by prefix. One status costs one LIST per 1,000 objects of "
+                    "of the last minutes, bucket size by prefix, the run's cost at bucket prices (R2's by default; "
+                    "--price-*). One status costs one LIST per 1,000 objects of "
                     "the run plus a few GETs; --watch fetches only new metrics chunks.")
     p.add_argument("--bucket", required=True, help="bucket URL or local directory of the run")
     p.add_argument("--run", required=True, help="run id")
@@ -37,7 +40,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-chunks", type=int, default=50, metavar="K",
                    help="read at most the newest K trainer metrics chunks (curves cover their steps) [default: 50]")
     p.add_argument("--width", type=int, default=60, help="sparkline cells [default: 60]")
+    p.add_argument("--price-class-a", type=float, default=None, metavar="USD",
+                   help="USD per million class-A requests (PUT, LIST) [default: STOA_PRICE_CLASS_A, else R2's 4.50]")
+    p.add_argument("--price-class-b", type=float, default=None, metavar="USD",
+                   help="USD per million class-B requests (GET, HEAD) [default: STOA_PRICE_CLASS_B, else R2's 0.36]")
+    p.add_argument("--price-storage", type=float, default=None, metavar="USD",
+                   help="USD per GB-month stored [default: STOA_PRICE_STORAGE_GB_MONTH, else R2's 0.015]")
     p.set_defaults(func=run)
+
+
+def status_prices(args: argparse.Namespace) -> Prices:
+    """The prices of the cost lines: the ``--price-*`` flags over ``Prices.from_env()`` (R2's by default)."""
+    base = Prices.from_env()
+    given = {name: v for name, flag in (("class_a_per_million", "price_class_a"),
+                                        ("class_b_per_million", "price_class_b"),
+                                        ("storage_per_gb_month", "price_storage"))
+             if (v := getattr(args, flag, None)) is not None}
+    return dataclasses.replace(base, **given)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0 or args.workers_minutes <= 0 or args.max_chunks < 1:
         print("stoa status: --watch and --workers-minutes must be > 0 and --max-chunks >= 1", file=sys.stderr)
         return 2
+    prices = status_prices(args)
     bucket = open_bucket(args.bucket, create=False)
     cache: ChunkCache = {}
     clear = args.watch is not None and not args.json and sys.stdout.isatty()
@@ -60,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         while True:
             try:
                 snap = take_snapshot(bucket, args.run, workers_minutes=args.workers_minutes,
-                                     max_trainer_chunks=args.max_chunks, cache=cache)
+                                     max_trainer_chunks=args.max_chunks, cache=cache, prices=prices)
             except BucketError as e:
                 if args.watch is None:
                     raise

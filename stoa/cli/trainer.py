@@ -8,7 +8,7 @@ stored ones: lr, groups_per_step, steps, ...): restart with just --bucket and --
 the run is an error showing both values, except steps, checkpoint and eval cadence, trackers, polling and
 memory knobs, which change for this trainer (one line lists the changes). --steps counts the run's total
 steps, restarts included. --dry-run prints the resolved settings, the checkpoint size and writes per hour,
-and what a restart would change.
+the bucket cost (requests and storage at R2's prices for --fleet-size workers) and what a restart would change.
 
 Before anything loads, the memory preflight estimates the peak per rank (``stoa.trainer.peak``) and refuses a
 run that would not fit, naming the flag that would (--no-preflight only reports). ``--nproc G`` runs G ranks on
@@ -35,6 +35,8 @@ from stoa.models.registry import SMOLLM2_DIR
 from stoa.models.shapes import shape_for, shape_from_dir
 from stoa.tasks import get_task, parse_task_spec
 from stoa.tasks.multiturn import is_multiturn
+from stoa.telemetry.cost import Prices
+from stoa.telemetry.costplan import estimate_cost, estimate_lines
 from stoa.trainer import peak
 from stoa.trainer.cadence import cadence_lines
 from stoa.trainer.peak import PromptLength, preflight, prompt_length
@@ -66,6 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=int, default=0,
                    help="prompt length for the memory preflight [default: the longest of the task's held-out "
                         "prompts, rendered]")
+    p.add_argument("--fleet-size", type=int, default=1, metavar="N",
+                   help="workers the --dry-run's bucket-cost estimate assumes (R2 prices, or STOA_PRICE_*) "
+                        "[default: 1]")
     add_config_flags(p, TrainerConfig)
     p.set_defaults(func=run)
 
@@ -109,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(f"# {k} = {v!r}" for k, v in sorted(algo.to_dict().items())))
         print("\n" + "\n".join(memory_lines(report)))
         print("\n" + "\n".join(_checkpoint_lines(cfg)))
+        print("\n".join(_cost_lines(cfg, args.fleet_size)))
         print("\n".join(f"# {line}" for line in plan.notes() or [f"[trainer] run {cfg.run!r} is new"]))
     check_memory(cfg, report)
     if args.dry_run:
@@ -161,6 +167,15 @@ def _checkpoint_lines(cfg: TrainerConfig) -> list[str]:
     if shape is not None and cfg.lora_rank:  # a LoRA checkpoint holds the adapter and its AdamW moments
         return cadence_lines(cfg, lora_params(shape, cfg.lora_rank, [t.strip() for t in cfg.lora_targets.split(",")]))
     return cadence_lines(cfg, shape.params() if shape is not None else None)
+
+
+def _cost_lines(cfg: TrainerConfig, fleet: int) -> list[str]:
+    """The dry run's bucket-cost section (``stoa.telemetry.costplan``) for ``fleet`` workers."""
+    if fleet < 1:
+        raise ConfigError("fleet_size", f"must be >= 1, got {fleet}")
+    shape = model_shape(cfg.model, offline=True).shape
+    return estimate_lines(estimate_cost(cfg, fleet, shape.params() if shape is not None else None),
+                          Prices.from_env())
 
 
 def world_size(nproc: int, env: dict[str, str] | os._Environ[str]) -> int:

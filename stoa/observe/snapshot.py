@@ -32,10 +32,12 @@ from stoa.layout import (
     status_key,
 )
 from stoa.lifecycle import read_status
-from stoa.observe.aggregate import WorkerView, eval_points, training_view, worker_views
+from stoa.observe.aggregate import WORKER_SOURCE, WorkerView, eval_points, training_view, worker_views
+from stoa.observe.costview import CostView, cost_view
 from stoa.schemas.control import LeaseRecord, RunStatus
 from stoa.schemas.journal import MAX_JOURNAL_BYTES, Journal
 from stoa.schemas.rows import MetricsRow
+from stoa.telemetry.cost import Prices
 from stoa.weights.errors import SyncError
 from stoa.weights.pointer import Pointer
 
@@ -151,6 +153,7 @@ class Snapshot:
     requests: dict[str, int] = field(default_factory=dict)
     bad_rows: int = 0
     bad_chunks: int = 0
+    cost: CostView | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict of every field."""
@@ -279,7 +282,7 @@ def prefix_sizes(run_id: str, objects: list[ObjectInfo]) -> dict[str, PrefixSize
 
 
 def take_snapshot(bucket: Bucket, run_id: str, *, workers_minutes: float = 10.0, max_trainer_chunks: int = 50,
-                  cache: ChunkCache | None = None, now: float | None = None) -> Snapshot:
+                  cache: ChunkCache | None = None, now: float | None = None, prices: Prices | None = None) -> Snapshot:
     """Read a run's state from its bucket.
 
     Args:
@@ -290,6 +293,7 @@ def take_snapshot(bucket: Bucket, run_id: str, *, workers_minutes: float = 10.0,
         max_trainer_chunks: read at most the newest this many trainer metrics chunks.
         cache: chunks read by earlier snapshots (filled in; pass the same dict to every redraw).
         now: the wall clock [default: time.time()].
+        prices: the bucket's prices for the cost lines [default: ``Prices.from_env()``].
 
     Raises:
         RunNotFound: nothing is stored under the run's prefix.
@@ -322,6 +326,9 @@ def take_snapshot(bucket: Bucket, run_id: str, *, workers_minutes: float = 10.0,
     snap.workers = worker_views(run_id, trainer_rows, records, chunks, reader, quarantine,
                                 cutoff=end - 60 * workers_minutes, now=now)
     snap.bad_rows, snap.bad_chunks = reader.bad_rows, reader.bad_chunks
+    newest = [reader.cache[cs[-1].key].rows for src, cs in chunks.items()  # read for the workers table already
+              if src.startswith(WORKER_SOURCE) and cs[-1].key in reader.cache]
+    snap.cost = cost_view(trainer_rows, newest, sum(o.size for o in objects), prices or Prices.from_env())
     snap.requests = {"list": b.list_requests, "get": b.get_requests, "listed_objects": b.listed,
                      "cached_chunks": len(reader.cache)}
     return snap

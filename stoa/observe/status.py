@@ -6,6 +6,7 @@ import time
 
 from stoa.lifecycle import age
 from stoa.observe.aggregate import WorkerView
+from stoa.observe.costview import cost_lines
 from stoa.observe.snapshot import Snapshot
 from stoa.observe.spark import bar, sparkline
 
@@ -109,7 +110,8 @@ def _footer(s: Snapshot) -> list[str]:
     r = s.requests
     lines = [_line("bucket", f"{size(total)}: {parts}"),
              _line("requests", f"{r.get('list', 0)} LIST, {r.get('get', 0)} GET ({r.get('listed_objects', 0)} "
-                               f"objects listed, {r.get('cached_chunks', 0)} metrics chunks cached)")]
+                               f"objects listed, {r.get('cached_chunks', 0)} metrics chunks cached)"),
+             *cost_lines(s.cost, LABEL)]
     if s.bad_rows or s.bad_chunks:
         lines.append(_line("skipped", f"{s.bad_rows} malformed metrics rows, {s.bad_chunks} oversized chunks"))
     return lines

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from stoa.bucket import BucketError, open_bucket
+from stoa.bucket.meter import METER
 from stoa.config import TrainerConfig
 from stoa.episodes.task_tools import open_task_tools
 from stoa.layout import checkpoint_key
@@ -16,6 +17,7 @@ from stoa.models import resolve_model
 from stoa.stopflag import StopFlag
 from stoa.tasks import get_task, parse_task_spec
 from stoa.tasks.data import localize_options, portable_task_data
+from stoa.telemetry.cost import CostClock, Prices
 from stoa.telemetry.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.telemetry.trackers import open_trackers, sample_completions
 from stoa.tokenize import TextCodec
@@ -276,7 +278,10 @@ class _Trainer:
         self.close_lifecycle("finished")
         if steps_here and (not cfg.eval_every or self.step % cfg.eval_every):
             self.evaluate("after")
+        self.metrics.log(self.cost.row(self.pool.reports, 0.0, step=False))  # the requests after the last step
         self.metrics.close()
+        self.echo("[trainer] bucket requests of this trainer: " + ", ".join(
+            f"{n} {name}" for name, n in sorted(METER.by_request().items())))
         self.summary.update(version=self.version, step=self.step, deleted_objects=self.deleted_objects,
                             status_writes=self.run_status.writes)
         return self.summary
@@ -294,6 +299,7 @@ class _Trainer:
         self.metrics.sink = BucketMetrics(self.bucket, cfg.run, "trainer", flush_rows=cfg.metrics_flush_rows,
                                           flush_seconds=cfg.metrics_flush_seconds, fence=fence)
         self.last_step_s, self.deleted_objects = 0.0, 0
+        self.cost = CostClock(METER, Prices.from_env())
 
     def beat(self) -> None:
         """Write the run's status when the version moved or the heartbeat is due, with the groups still
@@ -415,6 +421,7 @@ class _Trainer:
                        staleness_bound=self.cfg.staleness_bound, deleted=deleted,
                        publish=pub.value if pub else None, publish_s=pub.seconds if pub else 0.0)
         row.update(self.quarantine.metrics())
+        row.update(self.cost.row(self.pool.reports, float(m.get("tokens", 0.0))))
         self.unpublished_rows.append((row, self.step))  # logged by settle_publish: never a version not published
         self.summary["step_times"].append(m["step_time_s"])
         self.echo(step_line(row, self.clock.tick(self.step)))

@@ -28,6 +28,7 @@ from stoa.schemas.journal import PoolUse
 from stoa.tasks.base import Prompt, RewardError, Task
 from stoa.tasks.multiturn import MultiTurnTask, episode_limits, is_multiturn
 from stoa.tasks.scoring import score_group
+from stoa.telemetry.cost import WorkerReports
 from stoa.tokenize import TextCodec
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class RecordPool:
         self.uses: dict[str, _Use] = {}  # every content id taken, pruned to the window, journaled
         self.seen: dict[str, int] = {}  # key -> listed version: read once (accepted or rejected)
         self.stats = PoolStats()
+        self.reports = WorkerReports()  # the bucket requests workers say they made (``cost/*``)
 
     def state(self) -> dict[str, Any]:
         """JSON-able state for the trainer journal: per content id inside the window, its version, use
@@ -247,6 +249,7 @@ class RecordPool:
         except ToolUnavailable:
             del self.seen[info.key]  # not the record's fault: read it again on the next refresh
             raise
+        self.reports.observe(rec.worker_id, rec.timings)
         cid, prior = rec.content_id(), self.uses.get(rec.content_id())
         if prior is not None and prior.key == info.key and prior.count >= self.reuse_cap:
             return 0  # a used-up record read again after a restart: not a rejection

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stoa.bucket import PatientBucket, open_bucket
+from stoa.bucket.meter import METER
 from stoa.config import WorkerConfig
 from stoa.contract import ContractMismatch, RunContract, download_model_files, wait_for_contract
 from stoa.engines import Completion, Engine, GenStats, default_engine
@@ -28,6 +29,7 @@ from stoa.tasks.code import check_task_code, from_contract
 from stoa.tasks.data import contract_refs, localize_contract_options
 from stoa.tasks.multiturn import is_multiturn
 from stoa.tasks.scoring import rewards_or_zeros
+from stoa.telemetry.cost import report
 from stoa.telemetry.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.telemetry.trackers import open_trackers
 from stoa.tokenize import TextCodec
@@ -146,6 +148,7 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
             w.watch.spend(len(batch.groups))  # the next batches sample for the share less these
             _log_batch(w, p, batch)
     finally:
+        w.metrics.log(report(METER.counts()))  # the requests since the last record, for cost/* and stoa status
         w.metrics.close()
     dt = time.perf_counter() - t_start
     return {"worker_id": w.wid, "groups": p.seq, "tokens": p.total_tokens,
@@ -338,7 +341,7 @@ def _upload(w: _Worker, p: _Progress, batch: _Batch) -> None:
                             contract_fingerprint=w.fingerprint, task_id=task.id, prompt_id=prompt.id,
                             prompt_tokens=np.array(ids, np.int32), samples=samples,
                             sampling={"temperature": sp.temperature, "top_p": sp.top_p},
-                            timings={"generate_s": batch.seconds / len(batch.prompts)},
+                            timings={"generate_s": batch.seconds / len(batch.prompts), **report(METER.counts())},
                             created_at=time.time())
         w.bucket.put_create(rollout_key(w.cfg.run, p.version, w.wid, p.seq), rec.encode())
         p.seq += 1
@@ -348,7 +351,7 @@ def _upload(w: _Worker, p: _Progress, batch: _Batch) -> None:
             p.adopted_at = None
         w.metrics.log({"worker/version": p.version,
                        "worker/reward_mean": float(np.mean([s.reward for s in samples])),
-                       "worker/tokens": sum(len(c.tokens) for c in comps)}, step=p.seq)
+                       "worker/tokens": sum(len(c.tokens) for c in comps), **report(METER.counts())}, step=p.seq)
 
 
 def _log_batch(w: _Worker, p: _Progress, batch: _Batch) -> None:
