@@ -211,7 +211,8 @@ def test_a_sample_that_ends_with_an_observation_is_rejected():
     samples = group(ONE_SEARCH, ONE_SEARCH)
     cut = samples[1].turn_starts[1]
     s = samples[1]
-    s.tokens, s.logprobs, s.roles, s.turn_starts = s.tokens[:cut], s.logprobs[:cut], s.role_array()[:cut], s.turn_starts[:1]
+    s.tokens, s.logprobs = s.tokens[:cut], s.logprobs[:cut]
+    s.roles, s.turn_starts = s.role_array()[:cut], s.turn_starts[:1]
     with pytest.raises(RecordRejected) as e:
         replay(samples)
     assert e.value.reason == "turn_end" and "ends with an observation" in str(e.value)
