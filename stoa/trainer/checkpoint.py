@@ -8,7 +8,9 @@ under a fresh ``trainer/checkpoints/<tag>/`` prefix, rank 0 adds the metadata an
 ``trainer/checkpoint.json`` (last), so a half-written checkpoint is never named and never loaded. The pointer
 also names the older checkpoints kept (``keep_checkpoints`` in all); every other checkpoint directory, a
 half-written one included, is deleted only after the new pointer is written, so the pointer never names a
-deleted checkpoint and a kill mid-write leaves the previous one in place.
+deleted checkpoint and a kill mid-write leaves the previous one in place. A save is two halves:
+:func:`stage_checkpoint` fixes the tag and the state (a host copy when the write runs in the background) and
+:func:`write_staged` writes it, on the step's thread or on ``stoa.trainer.ckpt_async``'s writer.
 Every file comes from a bucket others can write: the pointer is parsed by ``stoa.untrusted``, and DCP's pickles
 are read through ``stoa.trainer.dcp_safe`` (no code runs from them). Any world size loads any checkpoint (DCP
 reshards). The single-file checkpoint of older trainers still loads at
