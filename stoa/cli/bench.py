@@ -15,6 +15,7 @@ from stoa.config.text import HelpFormatter
 BENCHES = {
     "rollout": ("stoa.bench.rollout", "new tokens/s of our engines vs mlx-lm and HF generate"),
     "trainer": ("stoa.bench.trainer", "trainer step time and tokens/s"),
+    "checkpoint": ("stoa.bench.checkpoint", "checkpoint time on the trainer step's path, synchronous vs background"),
     "trl": ("trl_compare.py", "our trainer step vs TRL's GRPOTrainer, each in its own venv (checkout only)"),
     "dist": ("stoa.bench.dist", "FSDP2 data-parallel step: time, memory per rank, MFU, planes equal to 1 process"),
     "pulse": ("stoa.bench.pulse", "PULSE patch size, encode/apply speed, bit-exactness"),

@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                     "keys plus a [worker] section); flags override it")
     p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
     p.add_argument("--print-tier", action="store_true",
-                   help="print this machine's memory tier (decode batch, groups in flight, BLAS) and exit")
+                   help="print this machine's memory tier (the memory it is sized from: a CUDA GPU's free "
+                        "memory, else RAM; decode batch, groups in flight, BLAS) and exit")
     add_config_flags(p, WorkerConfig)
     p.set_defaults(func=run)
 
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     check_bucket_url(cfg.bucket)
     if args.print_tier:
 
-        print(describe_tier(n_samples=cfg.n_samples or 8))
+        print(describe_tier(n_samples=cfg.n_samples or 8, engine=cfg.engine, device=cfg.device))
         return 0
     require_run(args.config, overrides)
     if args.dry_run:

@@ -33,6 +33,8 @@ SECTIONS: dict[str, type[BaseConfig]] = {}
 """TOML section name -> the config class that reads it (filled as the classes are defined)."""
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+WORKER_DEVICES = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+"""A worker's torch engine also runs on Apple's GPU (``mps``)."""
 
 
 class ConfigError(ValueError):
@@ -112,12 +114,14 @@ class BaseConfig:
     """Field -> environment variable read between the TOML file and the flags."""
     ALIASES: ClassVar[Mapping[str, str]] = {}
     """Deprecated name -> current field name; accepted in TOML and as flags, with a warning."""
+    DEVICES: ClassVar[re.Pattern[str]] = _DEVICE
+    """The ``device`` values this command accepts."""
 
     model: str = setting("tiny", "Model: 'tiny', 'smollm2-135m', a local HF directory or a hub id.")
     n_samples: int = setting(8, "Group size n: completions per prompt; advantages are relative within a "
                                 "group.")
     seed: int = setting(0, "Random seed.")
-    device: str = setting("auto", "Torch device: auto, cpu, cuda or cuda:N.")
+    device: str = setting("auto", "Torch device: auto, cpu, cuda or cuda:N (a worker also takes mps).")
     retriever: str = setting("", "Search tasks' retriever: the URL of a shared endpoint ('stoa retriever serve'), "
                                  "or a local index directory ('stoa retriever index'); empty: the run's index "
                                  "from the bucket (fleet) or one built from the task's corpus.")
@@ -133,8 +137,9 @@ class BaseConfig:
         """Raise ``ConfigError`` naming the first invalid field; return self (subclasses extend it)."""
         if self.n_samples < 0:
             raise ConfigError("n_samples", f"must be >= 0, got {self.n_samples}")
-        if not _DEVICE.fullmatch(self.device):
-            raise ConfigError("device", f"{self.device!r}: use auto, cpu, cuda or cuda:N")
+        if not self.DEVICES.fullmatch(self.device):
+            mps = " or mps" if self.DEVICES.fullmatch("mps") else ""
+            raise ConfigError("device", f"{self.device!r}: use auto, cpu, cuda, cuda:N{mps}")
         for name in report_to_names(self.report_to):
             if name not in TRACKERS:
                 raise ConfigError("report_to", f"{name!r} is not one of {', '.join(TRACKERS)}")

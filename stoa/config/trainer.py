@@ -50,8 +50,8 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         "bucket", "run", "log_dir", "retriever", "model", "device", "available_memory_gb", "run_key"})
     """Settings never written to the bucket: secrets and what belongs to one machine."""
     MAY_CHANGE: ClassVar[frozenset[str]] = frozenset({
-        "steps", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "eval_every", "eval_n", "eval_k",
-        "report_to", "poll_seconds", "status_seconds", "max_wait_seconds", "lease_ttl_seconds",
+        "steps", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "checkpoint_async", "eval_every",
+        "eval_n", "eval_k", "report_to", "poll_seconds", "status_seconds", "max_wait_seconds", "lease_ttl_seconds",
         "metrics_flush_rows", "metrics_flush_seconds", "preflight", "micro_batch", "gradient_checkpointing",
         "shared_prefix", "dtype", "anchor_every", "keep_versions", "keep_rollout_versions", "backpressure"})
     """Stored settings a restart may change (logged); every other stored one must agree with the run."""
@@ -68,6 +68,11 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                               "always saved when it finishes or stops on SIGINT/SIGTERM.")
     keep_checkpoints: int = setting(1, "Checkpoints kept in the bucket, newest first; older ones are deleted "
                                        "once the new one's pointer is written.")
+    checkpoint_async: bool = setting(True, "Write checkpoints on a background thread from a copy of the state "
+                                           "taken on the step's path (12 bytes per trainable parameter of host "
+                                           "memory while a write runs; at most one in flight; world size 1 "
+                                           "only, sharded trainers write synchronously); false: write on the "
+                                           "step's path.")
 
     staleness_bound: int = setting(3, "Use records with current_version - policy_version <= this.")
     reuse_cap: int = setting(2, "Use each record in at most this many optimizer steps.")

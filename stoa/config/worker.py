@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from stoa.config.base import DTYPES, ENGINES, ConfigError, FleetConfig, at_least, one_of, setting
+from stoa.config.base import DTYPES, ENGINES, WORKER_DEVICES, ConfigError, FleetConfig, at_least, one_of, setting
 
 WORKER_DTYPES = DTYPES
 
@@ -15,6 +16,7 @@ class WorkerConfig(FleetConfig):
     """Rollout worker settings. Sampling and group size come from the run contract."""
 
     SECTION: ClassVar[str] = "worker"
+    DEVICES: ClassVar[re.Pattern[str]] = WORKER_DEVICES
 
     model: str = setting("", "Model: a built-in name (tiny, smollm2-135m), a local model directory or a hub id; "
                              "checked against the contract (default: the run's model files from the bucket).")

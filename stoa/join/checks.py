@@ -108,20 +108,21 @@ def check_blas(engine: str, system: str | None = None) -> Check:
     return _ok("blas", status)
 
 
-def check_tier(n_samples: int) -> Check:
+def check_tier(n_samples: int, engine: str = "auto") -> Check:
     """The memory tier and the decode batch the worker will use for the run's group size.
 
     Args:
         n_samples: the run's n.
+        engine: the worker's engine (a torch worker on CUDA sizes from the GPU's free memory).
     """
 
     try:
-        c = choose_tier(n_samples=n_samples)
+        c = choose_tier(n_samples=n_samples, engine=engine)
     except (ValueError, RuntimeError) as e:
         return _fail("tier", str(e), "set STOA_MEMORY_GB to this machine's memory in GB", EXIT_BAD_SETUP)
     tier = f"{c.tier_gb:g} GB tier" if c.tier_gb else "below the 8 GB tier"
-    return _ok("tier", f"{c.memory_gb:.1f} GB ({c.memory_source}), {tier}: decode batch {c.decode_batch} rows "
-                       f"({c.groups_in_flight} groups x n={c.n_samples})")
+    return _ok("tier", f"{c.memory_gb:.1f} GB {c.memory_kind} ({c.memory_source}), {tier}: decode batch "
+                       f"{c.decode_batch} rows ({c.groups_in_flight} groups x n={c.n_samples})")
 
 
 def cache_dir() -> Path:

@@ -99,7 +99,7 @@ def run_checks(card: JoinCard, env: Mapping[str, str]) -> list[Check]:
         env: variables (environment and env file merged).
     """
     engine = default_engine()
-    checks = [check_engine(engine), check_blas(engine), check_tier(card.n_samples), check_disk()]
+    checks = [check_engine(engine), check_blas(engine), check_tier(card.n_samples, engine), check_disk()]
     probe = check_bucket(card, env)
     checks.append(probe.check)
     if probe.contract is not None:

@@ -8,7 +8,9 @@ under a fresh ``trainer/checkpoints/<tag>/`` prefix, rank 0 adds the metadata an
 ``trainer/checkpoint.json`` (last), so a half-written checkpoint is never named and never loaded. The pointer
 also names the older checkpoints kept (``keep_checkpoints`` in all); every other checkpoint directory, a
 half-written one included, is deleted only after the new pointer is written, so the pointer never names a
-deleted checkpoint and a kill mid-write leaves the previous one in place.
+deleted checkpoint and a kill mid-write leaves the previous one in place. A save is two halves:
+:func:`stage_checkpoint` fixes the tag and the state (a host copy when the write runs in the background) and
+:func:`write_staged` writes it, on the step's thread or on ``stoa.trainer.ckpt_async``'s writer.
 Every file comes from a bucket others can write: the pointer is parsed by ``stoa.untrusted``, and DCP's pickles
 are read through ``stoa.trainer.dcp_safe`` (no code runs from them). Any world size loads any checkpoint (DCP
 reshards). The single-file checkpoint of older trainers still loads at
@@ -21,14 +23,12 @@ writes the adapter's PEFT files beside the shards (``stoa.trainer.lora``).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import re
 import secrets
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,44 +41,23 @@ from stoa.layout import checkpoint_files_prefix, checkpoint_key, checkpoint_poin
 from stoa.models.lora_torch import is_adapter
 from stoa.schemas import BadSchemaObject
 from stoa.schemas.journal import Journal
+from stoa.trainer.ckpt_pointer import (  # noqa: F401 - re-exported: the pointer is part of this module's API
+    DELETE_POINTER,
+    FORMAT,
+    CheckpointError,
+    CheckpointRef,
+    read_pointer,
+)
 from stoa.trainer.dcp_safe import SafeEmptyPlanner, SafeLoadPlanner, metadata_problem
 from stoa.trainer.dist import SINGLE, Dist, full_arrays
-from stoa.trainer.lora import FULL, Identity, identity_problem, pointer_text, put_peft
+from stoa.trainer.lora import FULL, Identity, identity_problem, put_peft
 from stoa.trainer.retry import ride_out
-from stoa.untrusted import (
-    MAX_INT,
-    BadBucketObject,
-    check_int,
-    check_number,
-    field_int,
-    field_object,
-    load_object,
-)
+from stoa.untrusted import check_number, load_object
 
 log = logging.getLogger(__name__)
 
-FORMAT = "dcp-1"
-"""The pointer's format tag."""
-_FILE = re.compile(r"(?:\.metadata|__\d{1,6}_\d{1,6}\.distcp)")
-_TAG = re.compile(r"s\d{10}-[0-9a-f]{8}")
-
-
-MAX_POINTER_BYTES = 1 << 20
-"""Longest checkpoint pointer read (a world of 1,000 ranks names about 40 KB of files)."""
-MAX_FILES = 1 << 16
-"""Most files a checkpoint pointer may name."""
 MAX_META_BYTES = 64 << 20
 """Longest ``opt_steps`` metadata of a single-file checkpoint read."""
-DELETE_POINTER = "delete trainer/checkpoint.json to continue from the published weights (the optimizer state restarts)"
-"""The fix a refused checkpoint names."""
-
-
-class CheckpointError(BadBucketObject):
-    """The named checkpoint cannot be read; the message names it and the fix (exit 13).
-
-    The trainer stops rather than going on without it: the checkpoint holds the optimizer state and the master
-    weights, and dropping them silently would change the run; deleting the pointer is the operator's choice.
-    """
 
 
 @dataclass
@@ -88,68 +67,6 @@ class Restored:
     version: int
     step: int
 
-
-@dataclass(frozen=True)
-class CheckpointRef:
-    """The pointer ``trainer/checkpoint.json``: which files make the current checkpoint, and what it is."""
-
-    tag: str
-    version: int
-    step: int
-    world_size: int
-    files: dict[str, int]
-    """File name -> bytes."""
-    kept: tuple[str, ...] = ()
-    """Tags of the older checkpoints kept beside this one, newest first."""
-    base: str = ""
-    """A LoRA checkpoint's base model (``stoa.trainer.lora.Identity.base``); empty for full fine-tuning."""
-    adapter: str = ""
-    """A LoRA checkpoint's adapter (``LoraSpec.describe``); empty for full fine-tuning."""
-
-    def to_json(self) -> bytes:
-        """The pointer's bytes (``base`` and ``adapter`` only when set)."""
-        lora = {"base": self.base, "adapter": self.adapter} if self.adapter else {}
-        return json.dumps({"format": FORMAT, "tag": self.tag, "version": self.version, "step": self.step,
-                           "world_size": self.world_size, "files": self.files, "kept": list(self.kept), **lora},
-                          sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, key: str = "trainer/checkpoint.json") -> CheckpointRef:
-        """Parse a pointer strictly (``stoa.untrusted``: it sits in a bucket others can write).
-
-        Args:
-            data: the pointer's bytes.
-            key: its key, for the message.
-
-        Raises:
-            CheckpointError: not a pointer this trainer wrote (exit 13, naming the fix).
-        """
-        try:
-            d = load_object(data, "checkpoint pointer", max_bytes=MAX_POINTER_BYTES, max_depth=2)
-            if d.get("format") != FORMAT:
-                raise ValueError(f"format is not {FORMAT!r}")
-            files = field_object(d, "files", max_items=MAX_FILES)
-            if ".metadata" not in files:
-                raise ValueError("files names no .metadata")
-            for name, size in files.items():
-                _match(_FILE, name, "file name")
-                check_int(size, "file size")
-            kept = d.get("kept", [])
-            if not isinstance(kept, list) or len(kept) > 64:
-                raise ValueError("kept is not a list of at most 64 tags")
-            return cls(_match(_TAG, d.get("tag"), "tag"), field_int(d, "version", hi=MAX_INT),
-                       field_int(d, "step", hi=MAX_INT), field_int(d, "world_size", hi=1 << 20), files,
-                       tuple(_match(_TAG, t, "kept tag") for t in kept), pointer_text(d, "base"),
-                       pointer_text(d, "adapter"))
-        except ValueError as e:
-            raise CheckpointError(key, f"is not a checkpoint pointer ({str(e)[:200]})", DELETE_POINTER) from None
-
-
-def _match(pattern: re.Pattern[str], value: object, what: str) -> str:
-    """``value`` if it is a string ``pattern`` matches in full, else ``ValueError``."""
-    if not isinstance(value, str) or not pattern.fullmatch(value):
-        raise ValueError(f"{what} is not {pattern.pattern!r}")
-    return value
 
 
 @contextlib.contextmanager
@@ -169,12 +86,106 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]
             "optim": get_optimizer_state_dict(model, opt)}
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A checkpoint taken on the step's path, not yet written: what :func:`write_staged` writes, on any thread."""
+
+    tag: str
+    version: int
+    step: int
+    state: dict[str, Any]
+    """The DCP state (``model``, ``optim``): the live tensors, or a snapshot of them (:func:`stage_checkpoint`)."""
+    adapter: dict[str, Any]
+    """A LoRA policy's full adapter arrays on rank 0 (empty otherwise)."""
+    identity: Identity
+    keep: int
+    dist: Dist
+
+
+def _copy_tree(obj: Any) -> Any:
+    """``obj`` with every tensor copied to host memory and every container rebuilt (the live state may move on)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _copy_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_copy_tree(v) for v in obj)
+    return obj
+
+
+def stage_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, *, version: int, step: int,
+                     dist: Dist = SINGLE, keep: int = 1, identity: Identity = FULL, snapshot: bool = False) -> Staged:
+    """Fix what a checkpoint holds (every rank calls it): its tag, the state and a LoRA policy's adapter.
+
+    Args:
+        model: the policy model (fp32 master weights, sharded or not).
+        opt: its AdamW optimizer.
+        version: the published version these weights are.
+        step: optimizer steps taken so far.
+        dist: the ranks.
+        keep: checkpoints kept in all, this one included.
+        identity: a LoRA policy's base and adapter.
+        snapshot: copy the state to host memory (12 bytes per trainable parameter), so the next step may change
+            the weights while a background thread writes them; False keeps the live tensors (write at once).
+    """
+    tag = dist.broadcast(f"s{step:010d}-{secrets.token_hex(4)}" if dist.main else None)
+    state = _state(model, opt)
+    adapter = (full_arrays({k: p for k, p in model.named_parameters() if is_adapter(k)}, dist)
+               if identity.spec is not None else {})
+    if snapshot:
+        state, adapter = _copy_tree(state), {k: v.copy() for k, v in adapter.items()}
+    return Staged(tag, version, step, state, adapter, identity, keep, dist)
+
+
+def write_staged(bucket: Bucket, run_id: str, staged: Staged, echo=print,
+                 before_pointer: Callable[[], Any] | None = None) -> int:
+    """Write a staged checkpoint: this rank's shard (rank 0 also the metadata, then the pointer, then drop
+    checkpoints not kept). Every rank calls it; returns the checkpoint's bytes on rank 0 (this rank's elsewhere).
+
+    Args:
+        bucket: the run's bucket (rank 0's is lease-fenced).
+        run_id: the run.
+        staged: from :func:`stage_checkpoint`.
+        echo: where outage notes go.
+        before_pointer: rank 0 calls it once every file is in and before the pointer is written (the trainer
+            waits there for the weights pointer of the version the checkpoint claims); what it raises stops
+            the write, the pointer unwritten.
+    """
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    dist = staged.dist
+    prefix = checkpoint_files_prefix(run_id, staged.tag)
+    sizes: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="stoa-ckpt-") as tmp:
+        with _single_process_quiet():
+            dcp_save(staged.state, checkpoint_id=tmp, no_dist=not dist.sharded)
+        for name in sorted(os.listdir(tmp)):
+            path = os.path.join(tmp, name)
+            ride_out(lambda p=path, n=name: bucket.put_file(prefix + n, p, create_only=False),
+                     f"checkpoint file {name}", echo)
+            sizes[name] = os.path.getsize(path)
+    everyone = dist.gather(sizes)  # also the barrier: every shard is in the bucket before the pointer
+    if not dist.main:
+        return sum(sizes.values())
+    files = {k: v for part in everyone for k, v in part.items()}
+    identity = staged.identity
+    extra = sum(put_peft(bucket, prefix, staged.adapter, identity, echo).values()) if staged.adapter else 0
+    if before_pointer is not None:
+        before_pointer()
+    ref = CheckpointRef(staged.tag, staged.version, staged.step, dist.world_size, files,
+                        _kept(bucket, run_id, staged.keep - 1, echo),
+                        identity.base if identity.spec is not None else "", identity.adapter)
+    ride_out(lambda: bucket.put(checkpoint_pointer_key(run_id), ref.to_json()), "the checkpoint pointer", echo)
+    _drop_unkept(bucket, run_id, {staged.tag, *ref.kept}, echo)
+    return sum(files.values()) + extra
+
+
 def save_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
                     *, version: int, step: int, dist: Dist = SINGLE, echo=print, keep: int = 1,
-                    identity: Identity = FULL) -> int:
-    """Write this rank's shard (rank 0 also the metadata, then the pointer, then drop checkpoints not kept).
+                    identity: Identity = FULL, before_pointer: Callable[[], Any] | None = None) -> int:
+    """Stage and write a checkpoint now (:func:`stage_checkpoint`, then :func:`write_staged`); every rank calls it.
 
-    Every rank calls it. Returns the checkpoint's bytes on rank 0 (this rank's elsewhere).
+    Returns the checkpoint's bytes on rank 0 (this rank's elsewhere).
 
     Args:
         bucket: the run's bucket (rank 0's is lease-fenced).
@@ -187,32 +198,10 @@ def save_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
         echo: where outage notes go.
         keep: checkpoints kept in all, this one included (the newest ones the pointers named).
         identity: a LoRA policy's base and adapter (the pointer names them; the PEFT files are written).
+        before_pointer: see :func:`write_staged`.
     """
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    tag = dist.broadcast(f"s{step:010d}-{secrets.token_hex(4)}" if dist.main else None)
-    prefix = checkpoint_files_prefix(run_id, tag)
-    sizes: dict[str, int] = {}
-    with tempfile.TemporaryDirectory(prefix="stoa-ckpt-") as tmp:
-        with _single_process_quiet():
-            dcp_save(_state(model, opt), checkpoint_id=tmp, no_dist=not dist.sharded)
-        for name in sorted(os.listdir(tmp)):
-            path = os.path.join(tmp, name)
-            ride_out(lambda p=path, n=name: bucket.put_file(prefix + n, p, create_only=False),
-                     f"checkpoint file {name}", echo)
-            sizes[name] = os.path.getsize(path)
-    adapter = (full_arrays({k: p for k, p in model.named_parameters() if is_adapter(k)}, dist)
-               if identity.spec is not None else {})
-    everyone = dist.gather(sizes)  # also the barrier: every shard is in the bucket before the pointer
-    if not dist.main:
-        return sum(sizes.values())
-    files = {k: v for part in everyone for k, v in part.items()}
-    extra = sum(put_peft(bucket, prefix, adapter, identity, echo).values()) if adapter else 0
-    ref = CheckpointRef(tag, version, step, dist.world_size, files, _kept(bucket, run_id, keep - 1, echo),
-                        identity.base if identity.spec is not None else "", identity.adapter)
-    ride_out(lambda: bucket.put(checkpoint_pointer_key(run_id), ref.to_json()), "the checkpoint pointer", echo)
-    _drop_unkept(bucket, run_id, {tag, *ref.kept}, echo)
-    return sum(files.values()) + extra
+    staged = stage_checkpoint(model, opt, version=version, step=step, dist=dist, keep=keep, identity=identity)
+    return write_staged(bucket, run_id, staged, echo, before_pointer)
 
 
 def _kept(bucket: Bucket, run_id: str, older: int, echo) -> tuple[str, ...]:
@@ -235,18 +224,6 @@ def _drop_unkept(bucket: Bucket, run_id: str, keep: set[str], echo) -> None:
                 bucket.delete(info.key)
     except BucketError as e:  # older files only cost storage; the next checkpoint collects them
         echo(f"[trainer] could not delete older checkpoint files ({e}); the next checkpoint retries")
-
-
-def read_pointer(bucket: Bucket, run_id: str) -> CheckpointRef | None:
-    """The current sharded checkpoint's pointer, or None when the run has none.
-
-    Raises:
-        CheckpointError: the pointer is not one this trainer wrote.
-    """
-    try:
-        return CheckpointRef.from_json(bucket.get(checkpoint_pointer_key(run_id)), checkpoint_pointer_key(run_id))
-    except ObjectNotFound:
-        return None
 
 
 def _fetch(bucket: Bucket, key: str, path: str, what: str) -> None:

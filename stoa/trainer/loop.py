@@ -120,7 +120,10 @@ class _Trainer:
             raise
 
     def close(self) -> None:
-        """Release the lease (a lost one stays with its new holder); the next trainer starts at once."""
+        """Wait for a checkpoint write still in flight, then release the lease (a lost one stays with its new
+        holder); the next trainer starts at once."""
+        if hasattr(self, "ops"):
+            self.settle_checkpoint(failing=True)
         self.lease.release()
 
     def _build(self, cfg: TrainerConfig, device: torch.device | None) -> None:
@@ -157,7 +160,7 @@ class _Trainer:
         trackers = open_trackers(cfg.report_to, run_id=cfg.run, source="trainer", bucket=self.bucket,
                                  log_dir=log_dir, config=cfg)
         self.metrics = MetricsWriter(log_dir / "trainer.jsonl", cfg.run, trackers=trackers)
-        self.summary: dict[str, Any] = {"run": cfg.run, "evals": [], "step_times": []}
+        self.summary: dict[str, Any] = {"run": cfg.run, "evals": [], "step_times": [], "checkpoint_path_s": []}
         acfg = self.algo.cfg  # GiGPO's step advantages and ECHO's echo term train on groups of equal rewards
         self.skip_uniform = cfg.skip_uniform_groups and acfg.name != "gigpo" and not acfg.echo_alpha
         self.version = self.step = 0
@@ -271,6 +274,7 @@ class _Trainer:
             self.settle_publish()  # the last version's pointer before the run reads finished
             if self.cadence.final_due(self.step, steps_here):  # finished, or stopped by SIGINT/SIGTERM
                 self.checkpoint()
+            self.settle_checkpoint()  # the last checkpoint's pointer before the run reads finished
             self.ranks.stop()  # raises if a rank died: the run then reads failed, not finished
         except BaseException as e:
             self.close_lifecycle("failed", e)
@@ -330,6 +334,8 @@ class _Trainer:
                 self.settle_publish()
             except Exception as e:  # noqa: BLE001 - the original error is the one to report
                 self.echo(f"[trainer] the last upload failed too ({type(e).__name__}: {e})")
+        if error is not None:
+            self.settle_checkpoint(failing=True)
         if not lost:
             try:
                 self.run_status.write(state, self.version, None, step_s=self.last_step_s,
@@ -409,10 +415,25 @@ class _Trainer:
             self.metrics.log_completions(sample_completions(entries, self.codec.decode), self.step)
 
     def checkpoint(self) -> None:
-        """Save this step's weights and optimizer state (every rank; older checkpoints dropped after)."""
+        """Checkpoint this step's weights and optimizer state (every rank; older checkpoints dropped after): wait
+        for the last write, take the state and write it, in the background at world size 1
+        (``stoa.trainer.ckpt_async``). Its pointer waits for the weights pointer of the version it claims."""
+        t0 = time.perf_counter()
         self.fence()
-        self.ranks("save", self.version, self.step)
+        job = self.publishing  # this version's upload, when it is still running
+        self.ranks("save", self.version, self.step, main_only=(lambda: job.join()) if job is not None else None)
         self.cadence.saved(self.step)
+        self.summary["checkpoint_path_s"].append(time.perf_counter() - t0)
+
+    def settle_checkpoint(self, failing: bool = False) -> None:
+        """Wait for the checkpoint write in flight (rank 0's; a sharded trainer writes synchronously); when the
+        run is ``failing`` (or closing), a failed write is one line instead of an exception."""
+        try:
+            self.ops.settle_save()
+        except Exception as e:
+            if not failing:
+                raise
+            self.echo(f"[trainer] the last checkpoint write failed too ({type(e).__name__}: {e})")
 
     def log_step(self, entries: list[Entry], m: dict[str, float], deleted: int) -> None:
         since, self.last_step_at = time.monotonic() - self.last_step_at, time.monotonic()

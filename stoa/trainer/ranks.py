@@ -9,7 +9,7 @@ The other ranks sit in ``serve`` until rank 0 says ``stop``. At world size 1 the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,6 +20,7 @@ from stoa.algorithms import Algorithm, get_algorithm
 from stoa.bucket import Bucket
 from stoa.config import TrainerConfig
 from stoa.trainer import checkpoint as ckpt
+from stoa.trainer.ckpt_async import CheckpointWriter
 from stoa.trainer.coldstart import SftRow, SftStep, sft_steps
 from stoa.trainer.dist import Dist
 from stoa.trainer.lora import FULL, Identity, base_fingerprint, lora_spec
@@ -63,6 +64,7 @@ class RankOps:
         self.ref = (Policy(model_dir, device, temperature=cfg.temperature, trainable=False, dist=dist,
                            compute_dtype=dtype) if self.algo.cfg.kl_beta > 0 else None)
         self.opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.writer = CheckpointWriter(background=cfg.checkpoint_async and not dist.sharded)
 
     def step(self, entries: Sequence[Entry], current_version: int, step: int) -> StepMetrics:
         """One optimizer step on the step's groups (every rank gets all of them and runs its share)."""
@@ -87,11 +89,26 @@ class RankOps:
         """The full fp32 master weights (a LoRA policy's merged) on rank 0 (``{}`` elsewhere)."""
         return self.policy.export_f32()
 
-    def save(self, version: int, step: int) -> int:
-        """Write the sharded checkpoint (rank 0 writes its pointer last); its bytes."""
-        return ckpt.save_checkpoint(self.bucket, self.cfg.run, self.policy.model, self.opt, version=version,
-                                    step=step, dist=self.dist, echo=self.echo, keep=self.cfg.keep_checkpoints,
-                                    identity=self.identity)
+    def save(self, version: int, step: int, before_pointer: Callable[[], Any] | None = None) -> int:
+        """Checkpoint this step (rank 0 writes its pointer last): wait for the write in flight, take the state
+        (a snapshot when the write runs in the background, ``stoa.trainer.ckpt_async``) and write it; its bytes
+        when written at once, else 0.
+
+        Args:
+            version: the published version these weights are.
+            step: optimizer steps taken so far.
+            before_pointer: rank 0 calls it before writing the pointer (a wait on ``version``'s upload).
+        """
+        self.writer.wait()  # at most one write in flight, and one snapshot held
+        staged = ckpt.stage_checkpoint(self.policy.model, self.opt, version=version, step=step, dist=self.dist,
+                                       keep=self.cfg.keep_checkpoints, identity=self.identity,
+                                       snapshot=self.writer.background)
+        return self.writer.run(lambda: ckpt.write_staged(self.bucket, self.cfg.run, staged, self.echo, before_pointer),
+                               f"stoa-checkpoint-s{step}")
+
+    def settle_save(self) -> None:
+        """Wait for the checkpoint write in flight (raises what it raised); every rank."""
+        self.writer.wait()
 
     def load(self) -> ckpt.Restored | None:
         """Load the run's checkpoint at this world size; None when it has none."""

@@ -121,7 +121,7 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
     seed = None if cfg.seed < 0 else cfg.seed
     p = _Progress(version=version, adopted_at=_published_at(w.sync), rng=np.random.default_rng(seed),
                   generator=w.engine.make_generator(seed),
-                  in_flight=cfg.groups_in_flight or _tier_groups(w.contract.n_samples))
+                  in_flight=cfg.groups_in_flight or _tier_groups(w.contract.n_samples, w.engine_name, cfg.device))
     echo(f"[worker {w.wid}] engine {w.engine_name} ({w.engine.dtype_name}), run {cfg.run}, v{version}, "
          f"n={w.contract.n_samples}, {p.in_flight} groups in flight")
     w.metrics.log({"worker/engine": w.engine_name, "worker/dtype": w.engine.dtype_name, "worker/version": version})
@@ -369,10 +369,11 @@ def _log_batch(w: _Worker, p: _Progress, batch: _Batch) -> None:
                    "worker/version": p.version})
 
 
-def _tier_groups(n_samples: int) -> int:
-    """Groups in flight from the machine's memory tier (env overrides apply)."""
+def _tier_groups(n_samples: int, engine: str, device: str) -> int:
+    """Groups in flight from the memory tier of the engine's device (env overrides apply): on CUDA the GPU's
+    free memory once the engine holds its weights, else the machine's RAM."""
 
-    return choose_tier(n_samples=n_samples).groups_in_flight
+    return choose_tier(n_samples=n_samples, engine=engine, device=device).groups_in_flight
 
 
 def _fetch_model(bucket, cfg: WorkerConfig, contract: RunContract, wid: str, echo) -> Path:
