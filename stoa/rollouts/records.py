@@ -9,7 +9,9 @@ and patches in ``stoa.weights`` (see docs/weights.md).
 Records have their own schema version (``RECORD_SCHEMA_VERSION``; the contract's ``SCHEMA_VERSION`` is
 run.json's). Version 2 adds per-token roles (``stoa.rollouts.episode.ROLE_*``), turn starts, tool calls with their
 results' digests, the episode's end reason and the environment seed; writers always write version 2,
-readers accept 1 (every token an action) and 2.
+readers accept 1 (every token an action) and 2. Version 3 is version 2 signed: the worker's Ed25519 public key
+and its signature over the body (``stoa.identity``) sit between the payload and the digest, so a signed record
+is still one create-only object; ``record_signature`` splits them off for the trainer to verify.
 
 This module imports neither torch nor mlx: both kinds of worker and the trainer use it.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,10 +51,13 @@ __all__ = [
     "RECORD_SCHEMA_VERSION",
     "RECORD_SCHEMA_VERSIONS",
     "REJECT_REASONS",
+    "SIGNED_SCHEMA_VERSION",
     "RecordRejected",
+    "RecordSignature",
     "RolloutRecord",
     "Sample",
     "check_episode",
+    "record_signature",
     "validate_record",
 ]
 
@@ -62,8 +68,12 @@ _DIGEST_LEN = 16
 FINISH_REASONS = ("stop", "length")
 RECORD_SCHEMA_VERSION = 2
 """The record layout writers write (version 2: roles, turns, tool calls, end reason, env seed)."""
-RECORD_SCHEMA_VERSIONS = (1, 2)
+SIGNED_SCHEMA_VERSION = 3
+"""Version 2 with a signature trailer (a key's public half and its signature over the body, before the digest)."""
+RECORD_SCHEMA_VERSIONS = (1, 2, SIGNED_SCHEMA_VERSION)
 """Record layouts readers accept."""
+SIGNATURE_TRAILER = 96
+"""Bytes of a signed record's trailer: a 32-byte Ed25519 public key, then a 64-byte signature."""
 
 
 @dataclass
@@ -116,11 +126,16 @@ class RolloutRecord:
     schema_version: int = RECORD_SCHEMA_VERSION
     """The layout the record was decoded from; ``encode`` always writes ``RECORD_SCHEMA_VERSION``."""
 
-    def encode(self) -> bytes:
-        """Encode to the compact binary form (no pickle): prefix, JSON header, arrays, digest.
+    def encode(self, sign: Callable[[bytes], bytes] | None = None) -> bytes:
+        """Encode to the compact binary form (no pickle): prefix, JSON header, arrays, [signature], digest.
 
         Per sample the payload holds int32 tokens, float32 logprobs and uint8 roles (all actions when
         ``roles`` is None).
+
+        Args:
+            sign: None writes version 2; else version 3, with ``sign(body)`` (``SIGNATURE_TRAILER`` bytes: the
+                worker key's public half and its signature, ``stoa.identity.WorkerKey.sign_record``) after the
+                payload.
         """
         prompt = np.ascontiguousarray(self.prompt_tokens, dtype="<i4")
         header = {
@@ -138,12 +153,18 @@ class RolloutRecord:
             "env_seed": int(self.env_seed),
         }
         hbytes = json.dumps(header, separators=(",", ":")).encode()
-        parts = [_PREFIX.pack(RECORD_MAGIC, RECORD_SCHEMA_VERSION, 0, len(hbytes)), hbytes, prompt.tobytes()]
+        schema = RECORD_SCHEMA_VERSION if sign is None else SIGNED_SCHEMA_VERSION
+        parts = [_PREFIX.pack(RECORD_MAGIC, schema, 0, len(hbytes)), hbytes, prompt.tobytes()]
         for s in self.samples:
             toks = np.ascontiguousarray(s.tokens, dtype="<i4")
             lps = np.ascontiguousarray(s.logprobs, dtype="<f4")
             parts += [toks.tobytes(), lps.tobytes(), s.role_array().tobytes()]
         body = b"".join(parts)
+        if sign is not None:
+            trailer = sign(body)
+            if len(trailer) != SIGNATURE_TRAILER:
+                raise ValueError(f"a record signature trailer is {SIGNATURE_TRAILER} bytes, got {len(trailer)}")
+            body += trailer
         return body + xxhash.xxh3_128_digest(body)
 
     @classmethod
@@ -168,6 +189,10 @@ class RolloutRecord:
             raise RecordRejected("digest", "content digest does not match (truncated or corrupted)")
         if schema not in RECORD_SCHEMA_VERSIONS:
             raise RecordRejected("schema", f"record schema version {schema}, this stoa reads {RECORD_SCHEMA_VERSIONS}")
+        if schema == SIGNED_SCHEMA_VERSION:
+            if len(body) < _PREFIX.size + SIGNATURE_TRAILER:
+                raise RecordRejected("malformed", "a signed record shorter than its signature")
+            body = body[:-SIGNATURE_TRAILER]
         if hlen > len(body) - _PREFIX.size:
             raise RecordRejected("malformed", f"header length {hlen} runs past the end")
         try:
@@ -220,6 +245,50 @@ class RolloutRecord:
         return h.hexdigest()
 
 
+@dataclass(frozen=True)
+class RecordSignature:
+    """A signed record's trailer and the bytes it signs.
+
+    Attributes:
+        body: the signed bytes (prefix, header and payload; no trailer, no digest).
+        public_key: the signing key's public half (32 bytes).
+        signature: the Ed25519 signature (64 bytes).
+    """
+
+    body: bytes
+    public_key: bytes
+    signature: bytes
+
+
+def record_signature(data: bytes) -> RecordSignature | None:
+    """Split a version-3 record's signature trailer off its framing; None for a record of version 1 or 2.
+
+    Checks only what the split needs (magic, length, digest); ``RolloutRecord.decode`` checks the rest.
+
+    Args:
+        data: the object's bytes (untrusted).
+
+    Raises:
+        RecordRejected: ``oversize``, ``malformed`` or ``digest``.
+    """
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordRejected("oversize", f"{len(data)} bytes > {MAX_RECORD_BYTES}")
+    if len(data) < _PREFIX.size + _DIGEST_LEN:
+        raise RecordRejected("malformed", "shorter than the fixed prefix")
+    magic, schema, _, _ = _PREFIX.unpack_from(data)
+    if magic != RECORD_MAGIC:
+        raise RecordRejected("malformed", "bad magic")
+    if schema != SIGNED_SCHEMA_VERSION:
+        return None
+    body, digest = data[:-_DIGEST_LEN], data[-_DIGEST_LEN:]
+    if xxhash.xxh3_128_digest(body) != digest:
+        raise RecordRejected("digest", "content digest does not match (truncated or corrupted)")
+    if len(body) < _PREFIX.size + SIGNATURE_TRAILER:
+        raise RecordRejected("malformed", "a signed record shorter than its signature")
+    trailer = body[-SIGNATURE_TRAILER:]
+    return RecordSignature(body[:-SIGNATURE_TRAILER], trailer[:32], trailer[32:])
+
+
 def _sample_header(s: Sample) -> dict:
     """The JSON header of one sample (version 2)."""
     return {"len": int(np.asarray(s.tokens).size), "reward": float(s.reward), "finish": s.finish_reason,
@@ -267,6 +336,16 @@ REJECT_REASONS = (
     "reward_timeout",
     "reward_not_finite",
     "reward_wrong_length",
+    # stoa.identity: the record's worker key and its identity (never held against the worker id the key names)
+    "unsigned",
+    "signature",
+    "identity_unknown",
+    "identity_worker",
+    "identity_forged",
+    "identity_run",
+    "identity_clock",
+    "identity_malformed",
+    "revoked",
 )
 
 

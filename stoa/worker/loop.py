@@ -15,11 +15,13 @@ import numpy as np
 
 from stoa.bucket import PatientBucket, open_bucket
 from stoa.config import WorkerConfig
+from stoa.config.base import ConfigError
 from stoa.contract import ContractMismatch, RunContract, download_model_files, wait_for_contract
 from stoa.engines import Completion, Engine, GenStats, default_engine
 from stoa.engines import make_engine as build_engine
 from stoa.episodes.collect import episode_sample, sample_episode_batch
 from stoa.episodes.task_tools import open_task_tools
+from stoa.identity import WorkerKey, load_worker_key
 from stoa.layout import rollout_key
 from stoa.models import model_fingerprint
 from stoa.rollouts.records import RolloutRecord, Sample
@@ -174,6 +176,8 @@ class _Worker:
     """The run's status: finished, the trainer's heartbeat, the groups it still wants."""
     tools: Any = None
     """A multi-turn task's tools (``stoa.envs.Tools``); None for single-turn tasks."""
+    key: WorkerKey | None = None
+    """This worker's key (``worker_key``): it signs every record; None: records go unsigned."""
 
 
 @dataclass
@@ -217,7 +221,8 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
 
     bucket = PatientBucket(open_bucket(cfg.bucket, retry_seconds=cfg.bucket_retry_seconds),
                            exit_on_outage=cfg.exit_on_outage, note=echo)
-    wid = worker_id(cfg.name)
+    key = _worker_key(cfg, echo)
+    wid = worker_id(key.worker if key is not None else cfg.name)
     contract = wait_for_contract(bucket, cfg.run, cfg.wait_seconds, echo=echo)
     check_expectations(cfg, contract)
     run_key = trusted_run_key(contract.run_key, bucket.url, cfg.run, cfg.run_key_pub, echo)
@@ -248,7 +253,25 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
         tools = open_task_tools(task, cfg.retriever, role="worker", bucket=bucket, run_id=cfg.run,
                                 spec=contract.retriever, note=echo).tools
     return _Worker(cfg, wid, bucket, contract, contract.fingerprint(), engine_name, engine, codec, task, sync,
-                   follower, metrics, watch, tools)
+                   follower, metrics, watch, tools, key)
+
+
+def _worker_key(cfg: WorkerConfig, echo: Callable[[str], Any]) -> WorkerKey | None:
+    """The worker's key from ``worker_key`` (its name is the worker's label), or None with one logged line.
+
+    Raises:
+        ConfigError: ``name`` set to another name than the key's.
+    """
+    if not cfg.worker_key:
+        echo("[worker] no worker_key: records go unsigned (a run with worker keys refuses them; ask the operator "
+             "for one: stoa worker-key issue NAME)")
+        return None
+    key = load_worker_key(cfg.worker_key, cfg.run)
+    if cfg.name and cfg.name != key.worker:
+        raise ConfigError("name", f"{cfg.name!r} but worker_key {cfg.worker_key} is {key.worker!r}'s; leave "
+                                  "--name out (the key names the worker)")
+    echo(f"[worker] signing records as {key.worker!r} (key {key.public_hex[:16]}...)")
+    return key
 
 
 def _watch(w: _Worker, p: _Progress, echo: Callable[[str], Any]) -> Verdict:
@@ -340,7 +363,8 @@ def _upload(w: _Worker, p: _Progress, batch: _Batch) -> None:
                             sampling={"temperature": sp.temperature, "top_p": sp.top_p},
                             timings={"generate_s": batch.seconds / len(batch.prompts)},
                             created_at=time.time())
-        w.bucket.put_create(rollout_key(w.cfg.run, p.version, w.wid, p.seq), rec.encode())
+        data = rec.encode(sign=w.key.sign_record if w.key is not None else None)
+        w.bucket.put_create(rollout_key(w.cfg.run, p.version, w.wid, p.seq), data)
         p.seq += 1
         if p.adopted_at is not None:  # pointer advance -> first record at the new version
             w.metrics.log({"worker/adoption_latency_s": time.time() - p.adopted_at,
