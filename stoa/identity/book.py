@@ -55,6 +55,8 @@ class IdentityBook:
         """Why an identity object stored for a public key was refused."""
         self.revoked: dict[str, Statement] = {}
         """Valid revocations by public key; kept once seen."""
+        self.names: dict[str, str] = {}
+        """The worker name each identity object was stored under, by public key (for listings)."""
         self._read: set[str] = set()
 
     def refresh(self) -> None:
@@ -81,6 +83,7 @@ class IdentityBook:
         if where is None:
             log.warning("ignored %.200r: not an identity key of run %s", key, self.run_id)
             return
+        self.names.setdefault(where.public_key, where.name)
         try:
             st = Statement.parse(data)
             if (st.kind, st.worker, st.public_key) != ("identity", where.name, where.public_key):
@@ -103,7 +106,7 @@ class IdentityBook:
             log.warning("ignored revocation %.200r: %s", key, e)
             return
         if st.public_key not in self.revoked:
-            log.warning("worker key %s... of %s revoked: its records are refused from now on",
+            log.info("worker key %s... of %s revoked: its records are refused from now on",
                         st.public_key[:16], st.worker)
         self.revoked[st.public_key] = st
 
