@@ -131,7 +131,7 @@ class IdentityBook:
         if identity is None:
             refused = self.refused.get(public)
             if refused is not None:
-                raise RecordRejected(refused.reason, str(refused))
+                raise RecordRejected(refused.reason, refused.detail)
             raise RecordRejected("identity_unknown", f"key {public[:16]}... has no identity in run {self.run_id}")
         if name_of(worker_id) != identity.worker:
             raise RecordRejected("identity_worker", f"{worker_id[:64]!r} is not a process of {identity.worker!r}, "

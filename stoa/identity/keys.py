@@ -40,7 +40,7 @@ class IdentityError(ValueError):
     """
 
     def __init__(self, reason: str, detail: str) -> None:
-        self.reason = reason
+        self.reason, self.detail = reason, detail
         super().__init__(f"{reason}: {detail}")
 
 
