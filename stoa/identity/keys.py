@@ -226,6 +226,8 @@ def load_worker_key(path: str | os.PathLike[str], run_id: str) -> WorkerKey:
             raise ValueError("not a stoa worker key")
         private_key = ed25519_required().Ed25519PrivateKey.from_private_bytes(bytes.fromhex(private))
         key = WorkerKey(run, check_name(worker), private_key)
+        if field_str(obj, "public_key") != key.public_hex:
+            raise ValueError("its public key is not its private key's (a corrupted file)")
     except (OSError, ValueError) as e:
         raise RunKeyError(f"worker_key {path}: {str(e)[:200]}; ask the operator for your key file (stoa "
                           "worker-key issue NAME --out FILE)") from None
