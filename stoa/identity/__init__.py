@@ -20,7 +20,6 @@ from stoa.identity.issue import issue_key, revoke_keys
 from stoa.identity.keys import (
     CLOCK_SKEW_S,
     IDENTITY_REASONS,
-    WORKER_KEY_MODES,
     IdentityError,
     Statement,
     WorkerKey,
@@ -33,6 +32,6 @@ from stoa.identity.keys import (
     write_worker_key,
 )
 
-__all__ = ["CLOCK_SKEW_S", "IDENTITY_REASONS", "WORKER_KEY_MODES", "IdentityBook", "IdentityError", "Statement",
+__all__ = ["CLOCK_SKEW_S", "IDENTITY_REASONS", "IdentityBook", "IdentityError", "Statement",
            "WorkerKey", "check_name", "issue_key", "load_worker_key", "name_of", "new_worker_key", "record_message",
            "revoke_keys", "sign_statement", "worker_keys_wanted", "write_worker_key"]

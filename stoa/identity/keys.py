@@ -22,8 +22,6 @@ MAX_STATEMENT_BYTES = 2048
 """Largest identity or revocation object read (one is about 400 bytes)."""
 CLOCK_SKEW_S = 600.0
 """An identity issued further than this in the trainer's future is refused (``identity_clock``) until then."""
-WORKER_KEY_MODES = ("auto", "required", "off")
-"""The trainer's ``worker_keys`` settings."""
 IDENTITY_REASONS = ("unsigned", "signature", "identity_unknown", "identity_worker", "identity_forged",
                     "identity_run", "identity_clock", "identity_malformed", "revoked")
 """Rejection reasons of :meth:`IdentityBook.check_record` (also in ``REJECT_REASONS``)."""

@@ -226,6 +226,9 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     contract = wait_for_contract(bucket, cfg.run, cfg.wait_seconds, echo=echo)
     check_expectations(cfg, contract)
     run_key = trusted_run_key(contract.run_key, bucket.url, cfg.run, cfg.run_key_pub, echo)
+    if key is None and run_key:
+        echo("[worker] no worker_key: records go unsigned, and a run with worker keys (the default in s3:// and "
+             "r2:// buckets) refuses them; ask the operator for one: stoa worker-key issue NAME")
     check_task_code(from_contract(contract.task_code))  # the run's plugin code, before importing any
     contract_refs(contract.task_id, contract.task_spec)  # task data by content address only, before any download
     if cfg.model:
@@ -257,14 +260,12 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
 
 
 def _worker_key(cfg: WorkerConfig, echo: Callable[[str], Any]) -> WorkerKey | None:
-    """The worker's key from ``worker_key`` (its name is the worker's label), or None with one logged line.
+    """The worker's key from ``worker_key`` (its name is the worker's label), or None.
 
     Raises:
         ConfigError: ``name`` set to another name than the key's.
     """
     if not cfg.worker_key:
-        echo("[worker] no worker_key: records go unsigned (a run with worker keys refuses them; ask the operator "
-             "for one: stoa worker-key issue NAME)")
         return None
     key = load_worker_key(cfg.worker_key, cfg.run)
     if cfg.name and cfg.name != key.worker:
