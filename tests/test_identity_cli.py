@@ -9,15 +9,12 @@ import pytest
 
 from stoa.bucket import open_bucket
 from stoa.cli import main
-from stoa.config import WorkerConfig
-from stoa.config.base import ConfigError
-from stoa.contract import ModelSpec, RunContract, SamplingSpec
-from stoa.identity import IdentityBook, load_worker_key
+from stoa.contract import ModelSpec, RunContract, RunKeyError, SamplingSpec
+from stoa.identity import IdentityBook, load_worker_key, note_worker_key
 from stoa.join.card import read_card
 from stoa.join.launch import JoinOptions, join, worker_argv
 from stoa.layout import contract_key
 from stoa.weights.signing import create_key, key_path
-from stoa.worker.loop import _worker_key
 
 
 def contract(run: str = "r") -> RunContract:
@@ -79,16 +76,21 @@ def test_join_card_issues_a_key_and_join_passes_it_to_the_worker(run, tmp_path):
     assert join(opts, echo=lines.append) == 2 and "--worker-key FILE" in lines[-1]
     argv = worker_argv(card, worker_key=str(tmp_path / "worker-r-alice.key"))
     assert argv[-2:] == ["--worker-key", str(tmp_path / "worker-r-alice.key")]
-    cfg = WorkerConfig(bucket=url, run="r", worker_key=argv[-1])
-    assert _worker_key(cfg, lines.append).worker == "alice"  # type: ignore[union-attr]
+    assert load_worker_key(argv[-1], "r").worker == "alice"
 
 
-def test_the_worker_takes_its_name_from_its_key(run, tmp_path):
-    url, _, _ = run
+def test_the_worker_takes_its_name_from_its_key_and_refuses_a_revoked_one(run, tmp_path):
+    url, bucket, signer = run
     assert main(["worker-key", "issue", "alice", "--bucket", url, "--run", "r"]) == 0
+    path = tmp_path / "worker-r-alice.key"
+    key = load_worker_key(path, "r", "alice")
+    with pytest.raises(RunKeyError, match="the key names the worker"):
+        load_worker_key(path, "r", "bob")
     lines: list[str] = []
-    cfg = WorkerConfig(bucket=url, run="r", worker_key=str(tmp_path / "worker-r-alice.key"))
-    assert _worker_key(cfg, lines.append).worker == "alice"  # type: ignore[union-attr]
-    with pytest.raises(ConfigError, match="the key names the worker"):
-        _worker_key(WorkerConfig(bucket=url, run="r", name="bob", worker_key=cfg.worker_key), lines.append)
-    assert _worker_key(WorkerConfig(bucket=url, run="r"), lines.append) is None
+    note_worker_key(bucket, "r", signer.public_hex, key, lines.append)
+    assert lines[-1].endswith("identity valid)")
+    note_worker_key(bucket, "r", signer.public_hex, None, lines.append)
+    assert "records go unsigned" in lines[-1]
+    assert main(["worker-key", "revoke", "alice", "--bucket", url, "--run", "r"]) == 0
+    with pytest.raises(RunKeyError, match="is revoked in run 'r'"):
+        note_worker_key(bucket, "r", signer.public_hex, key, lines.append)

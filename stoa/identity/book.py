@@ -15,6 +15,7 @@ from stoa.identity.keys import (
     MAX_STATEMENT_BYTES,
     IdentityError,
     Statement,
+    WorkerKey,
     ed25519_required,
     name_of,
     record_message,
@@ -145,6 +146,21 @@ class IdentityBook:
         return public
 
 
+def key_standing(book: IdentityBook, public_hex: str) -> str:
+    """``valid``, ``revoked``, ``missing`` (no identity for the key) or the reason its identity is refused.
+
+    Args:
+        book: the run's identities, refreshed.
+        public_hex: a worker's public key.
+    """
+    if public_hex in book.revoked:
+        return "revoked"
+    if public_hex in book.keys:
+        return "valid"
+    refused = book.refused.get(public_hex)
+    return refused.reason if refused is not None else "missing"
+
+
 def worker_keys_wanted(setting: str, bucket_url: str, run_id: str, run_key: str,
                        echo: Callable[[str], Any] = print) -> bool:
     """Whether the trainer requires signed records: ``required``; ``off`` (a private fleet, logged); ``auto`` =
@@ -172,3 +188,31 @@ def worker_keys_wanted(setting: str, bucket_url: str, run_id: str, run_key: str,
     echo(f"[trainer] run {run_id!r}: worker keys off ({why}): anyone who can write the bucket can submit records "
          "under any worker id")
     return False
+
+
+def note_worker_key(bucket: Bucket, run_id: str, run_key: str, key: WorkerKey | None,
+                    echo: Callable[[str], Any]) -> None:
+    """The worker's line on how its records will be judged; a revoked key refuses to start.
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run.
+        run_key: the run's public key, as the worker pinned it ("" for a run without one).
+        key: the worker's key (None: unsigned records).
+        echo: where the line goes.
+
+    Raises:
+        RunKeyError: the key is revoked in the run.
+    """
+    if key is None:
+        if run_key:
+            echo("[worker] no worker_key: records go unsigned, and a run with worker keys (the default in s3:// "
+                 "and r2:// buckets) refuses them; ask the operator for one: stoa worker-key issue NAME")
+        return
+    book = IdentityBook(bucket, run_id, run_key)
+    book.refresh()
+    standing = key_standing(book, key.public_hex) if run_key else "unchecked (the run has no run key)"
+    if standing == "revoked":
+        raise RunKeyError(f"worker key {key.public_hex[:16]}... of {key.worker!r} is revoked in run {run_id!r}; "
+                          "ask the operator for a new one (stoa worker-key issue NAME)")
+    echo(f"[worker] signing records as {key.worker!r} (key {key.public_hex[:16]}..., identity {standing})")

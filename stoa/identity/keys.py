@@ -211,11 +211,16 @@ def write_worker_key(path: str | os.PathLike[str], key: WorkerKey) -> None:
         f.write(key.to_json())
 
 
-def load_worker_key(path: str | os.PathLike[str], run_id: str) -> WorkerKey:
+def load_worker_key(path: str | os.PathLike[str], run_id: str, name: str = "") -> WorkerKey:
     """Read a worker key file for ``run_id`` (``stoa worker-key issue --out``).
 
+    Args:
+        path: the key file.
+        run_id: the run the worker joins.
+        name: the worker's ``name`` setting ("" for none): the key names the worker, so another is refused.
+
     Raises:
-        RunKeyError: unreadable, not a worker key, or a key of another run; the message names the fix.
+        RunKeyError: unreadable, not a worker key, a key of another run or name; the message names the fix.
     """
     try:
         obj = load_object(Path(path).read_bytes(), "worker key", max_bytes=4096, max_depth=1)
@@ -231,6 +236,9 @@ def load_worker_key(path: str | os.PathLike[str], run_id: str) -> WorkerKey:
                           "worker-key issue NAME --out FILE)") from None
     if run != run_id:
         raise RunKeyError(f"worker_key {path} is for run {run!r}, not {run_id!r}; use this run's key file")
+    if name and name != key.worker:
+        raise RunKeyError(f"--name {name!r}, but worker_key {path} is {key.worker!r}'s; leave --name out (the key "
+                          "names the worker)")
     return key
 
 

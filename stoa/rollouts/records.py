@@ -11,7 +11,8 @@ run.json's). Version 2 adds per-token roles (``stoa.rollouts.episode.ROLE_*``), 
 results' digests, the episode's end reason and the environment seed; writers always write version 2,
 readers accept 1 (every token an action) and 2. Version 3 is version 2 signed: the worker's Ed25519 public key
 and its signature over the body (``stoa.identity``) sit between the payload and the digest, so a signed record
-is still one create-only object; ``record_signature`` splits them off for the trainer to verify.
+is still one create-only object; ``record_signature`` splits them off for the trainer to verify. The framing
+(prefix, digest, trailer) is ``stoa.rollouts.framing``'s.
 
 This module imports neither torch nor mlx: both kinds of worker and the trainer use it.
 """
@@ -29,6 +30,18 @@ import xxhash
 
 from stoa.contract import RunContract
 from stoa.rollouts.episode import END_REASONS, ROLE_ACTION, EpisodeLimits, ToolCall
+from stoa.rollouts.framing import (
+    PREFIX,
+    RECORD_MAGIC,
+    RECORD_SCHEMA_VERSION,
+    RECORD_SCHEMA_VERSIONS,
+    SIGNED_SCHEMA_VERSION,
+    RecordRejected,
+    RecordSignature,
+    frame,
+    record_signature,
+    unframe,
+)
 from stoa.rollouts.header import (
     MAX_ARGUMENT_CHARS,
     MAX_DIGEST_CHARS,
@@ -61,19 +74,7 @@ __all__ = [
     "validate_record",
 ]
 
-RECORD_MAGIC = b"STOAREC\x00"
-_PREFIX = struct.Struct("<8sHHI")  # magic, schema version, reserved, header length
-_DIGEST_LEN = 16
-
 FINISH_REASONS = ("stop", "length")
-RECORD_SCHEMA_VERSION = 2
-"""The record layout writers write (version 2: roles, turns, tool calls, end reason, env seed)."""
-SIGNED_SCHEMA_VERSION = 3
-"""Version 2 with a signature trailer (a key's public half and its signature over the body, before the digest)."""
-RECORD_SCHEMA_VERSIONS = (1, 2, SIGNED_SCHEMA_VERSION)
-"""Record layouts readers accept."""
-SIGNATURE_TRAILER = 96
-"""Bytes of a signed record's trailer: a 32-byte Ed25519 public key, then a 64-byte signature."""
 
 
 @dataclass
@@ -152,20 +153,12 @@ class RolloutRecord:
             "created_at": float(self.created_at),
             "env_seed": int(self.env_seed),
         }
-        hbytes = json.dumps(header, separators=(",", ":")).encode()
-        schema = RECORD_SCHEMA_VERSION if sign is None else SIGNED_SCHEMA_VERSION
-        parts = [_PREFIX.pack(RECORD_MAGIC, schema, 0, len(hbytes)), hbytes, prompt.tobytes()]
+        parts = [prompt.tobytes()]
         for s in self.samples:
             toks = np.ascontiguousarray(s.tokens, dtype="<i4")
             lps = np.ascontiguousarray(s.logprobs, dtype="<f4")
             parts += [toks.tobytes(), lps.tobytes(), s.role_array().tobytes()]
-        body = b"".join(parts)
-        if sign is not None:
-            trailer = sign(body)
-            if len(trailer) != SIGNATURE_TRAILER:
-                raise ValueError(f"a record signature trailer is {SIGNATURE_TRAILER} bytes, got {len(trailer)}")
-            body += trailer
-        return body + xxhash.xxh3_128_digest(body)
+        return frame(json.dumps(header, separators=(",", ":")).encode(), parts, sign)
 
     @classmethod
     def decode(cls, data: bytes) -> RolloutRecord:
@@ -177,29 +170,15 @@ class RolloutRecord:
         Raises:
             RecordRejected: with reason ``oversize``, ``malformed``, ``digest`` or ``schema``.
         """
-        if len(data) > MAX_RECORD_BYTES:
-            raise RecordRejected("oversize", f"{len(data)} bytes > {MAX_RECORD_BYTES}")
-        if len(data) < _PREFIX.size + _DIGEST_LEN:
-            raise RecordRejected("malformed", "shorter than the fixed prefix")
-        magic, schema, _, hlen = _PREFIX.unpack_from(data)
-        if magic != RECORD_MAGIC:
-            raise RecordRejected("malformed", "bad magic")
-        body, digest = data[:-_DIGEST_LEN], data[-_DIGEST_LEN:]
-        if xxhash.xxh3_128_digest(body) != digest:
-            raise RecordRejected("digest", "content digest does not match (truncated or corrupted)")
-        if schema not in RECORD_SCHEMA_VERSIONS:
-            raise RecordRejected("schema", f"record schema version {schema}, this stoa reads {RECORD_SCHEMA_VERSIONS}")
-        if schema == SIGNED_SCHEMA_VERSION:
-            if len(body) < _PREFIX.size + SIGNATURE_TRAILER:
-                raise RecordRejected("malformed", "a signed record shorter than its signature")
-            body = body[:-SIGNATURE_TRAILER]
-        if hlen > len(body) - _PREFIX.size:
+        f = unframe(data)
+        body, schema, hlen = f.body, f.schema, f.header_len
+        if hlen > len(body) - PREFIX.size:
             raise RecordRejected("malformed", f"header length {hlen} runs past the end")
         try:
-            header = parse_header(body[_PREFIX.size : _PREFIX.size + hlen], schema)
+            header = parse_header(body[PREFIX.size : PREFIX.size + hlen], schema)
         except ValueError as e:  # the only error the bounded parser and field readers raise
             raise RecordRejected("malformed", f"bad header: {e}") from None
-        off = _PREFIX.size + hlen
+        off = PREFIX.size + hlen
         plen, lens = header.prompt_len, [m.length for m in header.samples]
         need = plen * 4 + (8 if schema == 1 else 9) * sum(lens)
         if off + need != len(body):
@@ -245,69 +224,12 @@ class RolloutRecord:
         return h.hexdigest()
 
 
-@dataclass(frozen=True)
-class RecordSignature:
-    """A signed record's trailer and the bytes it signs.
-
-    Attributes:
-        body: the signed bytes (prefix, header and payload; no trailer, no digest).
-        public_key: the signing key's public half (32 bytes).
-        signature: the Ed25519 signature (64 bytes).
-    """
-
-    body: bytes
-    public_key: bytes
-    signature: bytes
-
-
-def record_signature(data: bytes) -> RecordSignature | None:
-    """Split a version-3 record's signature trailer off its framing; None for a record of version 1 or 2.
-
-    Checks only what the split needs (magic, length, digest); ``RolloutRecord.decode`` checks the rest.
-
-    Args:
-        data: the object's bytes (untrusted).
-
-    Raises:
-        RecordRejected: ``oversize``, ``malformed`` or ``digest``.
-    """
-    if len(data) > MAX_RECORD_BYTES:
-        raise RecordRejected("oversize", f"{len(data)} bytes > {MAX_RECORD_BYTES}")
-    if len(data) < _PREFIX.size + _DIGEST_LEN:
-        raise RecordRejected("malformed", "shorter than the fixed prefix")
-    magic, schema, _, _ = _PREFIX.unpack_from(data)
-    if magic != RECORD_MAGIC:
-        raise RecordRejected("malformed", "bad magic")
-    if schema != SIGNED_SCHEMA_VERSION:
-        return None
-    body, digest = data[:-_DIGEST_LEN], data[-_DIGEST_LEN:]
-    if xxhash.xxh3_128_digest(body) != digest:
-        raise RecordRejected("digest", "content digest does not match (truncated or corrupted)")
-    if len(body) < _PREFIX.size + SIGNATURE_TRAILER:
-        raise RecordRejected("malformed", "a signed record shorter than its signature")
-    trailer = body[-SIGNATURE_TRAILER:]
-    return RecordSignature(body[:-SIGNATURE_TRAILER], trailer[:32], trailer[32:])
-
-
 def _sample_header(s: Sample) -> dict:
     """The JSON header of one sample (version 2)."""
     return {"len": int(np.asarray(s.tokens).size), "reward": float(s.reward), "finish": s.finish_reason,
             "turns": [int(t) for t in s.turn_starts],
             "calls": [[c.name, c.arguments, d] for c, d in zip(s.calls, s.digests, strict=True)],
             "end": s.end_reason}
-
-
-class RecordRejected(ValueError):
-    """A rollout record failed validation; ``reason`` is the counter it is filed under.
-
-    Args:
-        reason: one of ``REJECT_REASONS``.
-        detail: human-readable detail.
-    """
-
-    def __init__(self, reason: str, detail: str = ""):
-        self.reason = reason
-        super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
 REJECT_REASONS = (

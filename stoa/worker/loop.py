@@ -15,13 +15,12 @@ import numpy as np
 
 from stoa.bucket import PatientBucket, open_bucket
 from stoa.config import WorkerConfig
-from stoa.config.base import ConfigError
 from stoa.contract import ContractMismatch, RunContract, download_model_files, wait_for_contract
 from stoa.engines import Completion, Engine, GenStats, default_engine
 from stoa.engines import make_engine as build_engine
 from stoa.episodes.collect import episode_sample, sample_episode_batch
 from stoa.episodes.task_tools import open_task_tools
-from stoa.identity import WorkerKey, load_worker_key
+from stoa.identity import WorkerKey, load_worker_key, note_worker_key
 from stoa.layout import rollout_key
 from stoa.models import model_fingerprint
 from stoa.rollouts.records import RolloutRecord, Sample
@@ -221,14 +220,12 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
 
     bucket = PatientBucket(open_bucket(cfg.bucket, retry_seconds=cfg.bucket_retry_seconds),
                            exit_on_outage=cfg.exit_on_outage, note=echo)
-    key = _worker_key(cfg, echo)
+    key = load_worker_key(cfg.worker_key, cfg.run, cfg.name) if cfg.worker_key else None
     wid = worker_id(key.worker if key is not None else cfg.name)
     contract = wait_for_contract(bucket, cfg.run, cfg.wait_seconds, echo=echo)
     check_expectations(cfg, contract)
     run_key = trusted_run_key(contract.run_key, bucket.url, cfg.run, cfg.run_key_pub, echo)
-    if key is None and run_key:
-        echo("[worker] no worker_key: records go unsigned, and a run with worker keys (the default in s3:// and "
-             "r2:// buckets) refuses them; ask the operator for one: stoa worker-key issue NAME")
+    note_worker_key(bucket, cfg.run, run_key, key, echo)
     check_task_code(from_contract(contract.task_code))  # the run's plugin code, before importing any
     contract_refs(contract.task_id, contract.task_spec)  # task data by content address only, before any download
     if cfg.model:
@@ -258,21 +255,6 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
     return _Worker(cfg, wid, bucket, contract, contract.fingerprint(), engine_name, engine, codec, task, sync,
                    follower, metrics, watch, tools, key)
 
-
-def _worker_key(cfg: WorkerConfig, echo: Callable[[str], Any]) -> WorkerKey | None:
-    """The worker's key from ``worker_key`` (its name is the worker's label), or None.
-
-    Raises:
-        ConfigError: ``name`` set to another name than the key's.
-    """
-    if not cfg.worker_key:
-        return None
-    key = load_worker_key(cfg.worker_key, cfg.run)
-    if cfg.name and cfg.name != key.worker:
-        raise ConfigError("name", f"{cfg.name!r} but worker_key {cfg.worker_key} is {key.worker!r}'s; leave "
-                                  "--name out (the key names the worker)")
-    echo(f"[worker] signing records as {key.worker!r} (key {key.public_hex[:16]}...)")
-    return key
 
 
 def _watch(w: _Worker, p: _Progress, echo: Callable[[str], Any]) -> Verdict:
