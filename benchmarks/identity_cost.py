@@ -16,9 +16,12 @@ import numpy as np
 
 from stoa.bucket import open_bucket
 from stoa.identity import IdentityBook, issue_key
+from stoa.layout import rollout_key
 from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.weights.signing import create_key
 
+KEY = rollout_key("r", 1, "alice-a1b2c3", 0)
+"""Where the timed record would be stored (signed with it)."""
 SHAPES = ((2, 8), (8, 512), (16, 4096))
 """(samples per group, tokens per sample) of the records timed."""
 
@@ -46,10 +49,11 @@ def main() -> None:
                    for _ in range(n)]
         rec = RolloutRecord("alice-a1b2c3", 0, 1, "f" * 16, "toy", "train:1", np.arange(3, 200, dtype=np.int32),
                             samples)
-        data = rec.encode(sign=alice.sign_record)
+        sign = alice.record_signer(KEY)
+        data = rec.encode(sign=sign)
         plain = per_call_ms(rec.encode, args.repeats)
-        signed = per_call_ms(lambda r=rec: r.encode(sign=alice.sign_record), args.repeats)
-        check = per_call_ms(lambda d=data: book.check_record("alice-a1b2c3", d), args.repeats)
+        signed = per_call_ms(lambda r=rec, f=sign: r.encode(sign=f), args.repeats)
+        check = per_call_ms(lambda d=data: book.check_record(KEY, "alice-a1b2c3", d), args.repeats)
         decode = per_call_ms(lambda d=data: RolloutRecord.decode(d), args.repeats)
         print(f"{n:3d} x {t:5d} tokens: {len(data) / 1024:7.1f} KiB (+{len(data) - len(rec.encode())} B signed) | "
               f"encode {plain:.3f} ms, signed {signed:.3f} ms | check {check:.3f} ms, decode {decode:.3f} ms")

@@ -51,7 +51,7 @@ def signed_put(keyed, key=None, *, worker="alice-a1b2c3", seq=0, mutate=None):
     bucket, contract, task, codec, _, alice = keyed
     rk = put(bucket, contract, task, codec, worker=worker, seq=seq)
     rec = RolloutRecord.decode(bucket.get(rk))
-    data = rec.encode(sign=(key or alice).sign_record)
+    data = rec.encode(sign=(key or alice).record_signer(rk))
     if mutate is not None:
         body = mutate(bytearray(data[:-16]))
         data = bytes(body) + xxhash.xxh3_128_digest(bytes(body))
@@ -72,7 +72,7 @@ def test_a_signed_record_round_trips_and_an_unsigned_one_still_decodes(keyed):
     bucket, contract, task, codec, _, alice = keyed
     rk = put(bucket, contract, task, codec, worker="alice-a1b2c3")
     plain = RolloutRecord.decode(bucket.get(rk))
-    data = plain.encode(sign=alice.sign_record)
+    data = plain.encode(sign=alice.record_signer(rk))
     back = RolloutRecord.decode(data)
     assert back.schema_version == 3 and plain.schema_version == 2 and back.content_id() == plain.content_id()
     assert back.encode() == plain.encode() and record_signature(plain.encode()) is None
@@ -168,6 +168,20 @@ def test_unsigned_and_tampered_records_are_named_rejections(keyed):
     gate = GateSpy()
     pool, stats = intake(keyed, gate)
     assert stats.rejected == {"unsigned": 1, "signature": 1} and not pool.entries and gate.seen == []
+
+
+def test_a_signed_record_moved_to_another_key_is_refused_and_not_held_against_its_worker(keyed):
+    bucket, contract, task, codec, signer, _ = keyed
+    rk = signed_put(keyed, seq=0)
+    data = bucket.get(rk)
+    bucket.put_create(rollout_key("r", 2, "alice-a1b2c3", 0), data)  # another version: "version" if unsigned
+    bucket.put_create(rollout_key("r", 1, "alice-a1b2c3", 7), data)  # another seq: "duplicate" if unsigned
+    bucket.put_create(rollout_key("r", 1, "alice-ffffff", 0), data)  # another process: "key" if unsigned
+    gate = GateSpy()
+    book = IdentityBook(bucket, "r", signer.public_hex, clock=lambda: NOW)
+    pool = RecordPool(bucket, contract, task, codec, staleness_bound=3, reuse_cap=2, gate=gate, identities=book)
+    assert pool.refresh(2) == 1
+    assert pool.drain_stats().rejected == {"signature": 3} and gate.seen == [("alice-a1b2c3", True)]
 
 
 def test_a_revocation_takes_effect_at_the_next_intake_and_drops_waiting_groups(keyed):

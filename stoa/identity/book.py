@@ -111,10 +111,11 @@ class IdentityBook:
                         st.public_key[:16], st.worker)
         self.revoked[st.public_key] = st
 
-    def check_record(self, worker_id: str, data: bytes) -> str:
+    def check_record(self, record_key: str, worker_id: str, data: bytes) -> str:
         """The public key (hex) that signed the record ``data`` stored under ``worker_id``; else raise.
 
         Args:
+            record_key: the record's bucket key (signed with the record).
             worker_id: the worker id of the record's key (the header must name the same, checked later).
             data: the record's bytes (untrusted).
 
@@ -141,8 +142,9 @@ class IdentityBook:
             ahead = identity.at - self.clock()
             raise RecordRejected("identity_clock", f"identity of {identity.worker} issued {ahead:.0f} s in the "
                                                    "future; fix the operator's or the trainer's clock")
-        if not _verify_record(signed.public_key, signed.signature, record_message(self.run_id, signed.body)):
-            raise RecordRejected("signature", f"the signature does not verify against {identity.worker}'s key")
+        if not _verify_record(signed.public_key, signed.signature, record_message(record_key, signed.body)):
+            raise RecordRejected("signature", f"the signature does not verify against {identity.worker}'s key "
+                                              "(changed, or stored under another key than it was signed for)")
         return public
 
 

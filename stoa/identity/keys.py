@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -142,14 +143,18 @@ def _raw_public(private: Any) -> bytes:
     return private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-def record_message(run_id: str, body: bytes) -> bytes:
-    """The bytes a worker signs for a record: the domain, the run id, a newline, then the record's body.
+def record_message(record_key: str, body: bytes) -> bytes:
+    """The bytes a worker signs for a record: the domain, the record's bucket key, a newline, then its body.
+
+    The key (``stoa.layout.rollout_key``: run, version, worker id, seq) is signed too, so a signed record copied
+    under another key, of another version or worker process, no longer verifies: nobody can make a worker's own
+    records count against it by moving them.
 
     Args:
-        run_id: the run.
+        record_key: where the record is stored, ``runs/<run>/rollouts/v<version>/<worker>-<seq>.rec``.
         body: the record's prefix, header and payload.
     """
-    return RECORD_DOMAIN + run_id.encode() + b"\n" + body
+    return RECORD_DOMAIN + record_key.encode() + b"\n" + body
 
 
 @dataclass(frozen=True)
@@ -171,13 +176,15 @@ class WorkerKey:
         """The public half, 64 lowercase hex digits."""
         return _raw_public(self.private).hex()
 
-    def sign_record(self, body: bytes) -> bytes:
-        """The record trailer: this key's public half (32 bytes), then its signature of ``body`` (64 bytes).
+    def record_signer(self, record_key: str) -> Callable[[bytes], bytes]:
+        """The ``sign`` of ``RolloutRecord.encode`` for a record stored at ``record_key``: it makes the trailer,
+        this key's public half (32 bytes), then its signature of :func:`record_message` (64 bytes).
 
         Args:
-            body: the record's prefix, header and payload (``RolloutRecord.encode(sign=...)`` passes it).
+            record_key: the record's bucket key (``stoa.layout.rollout_key``).
         """
-        return _raw_public(self.private) + self.private.sign(record_message(self.run, body))
+        public = _raw_public(self.private)
+        return lambda body: public + self.private.sign(record_message(record_key, body))
 
     def to_json(self) -> str:
         """The key file's text (the private half in hex: keep it 0600)."""

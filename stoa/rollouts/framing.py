@@ -93,7 +93,7 @@ def frame(header: bytes, payload: list[bytes], sign: Callable[[bytes], bytes] | 
     Args:
         header: the JSON header.
         payload: the arrays' bytes, in order.
-        sign: makes the trailer from the body (``stoa.identity.WorkerKey.sign_record``); None: unsigned.
+        sign: makes the trailer from the body (``stoa.identity.WorkerKey.record_signer``); None: unsigned.
     """
     schema = RECORD_SCHEMA_VERSION if sign is None else SIGNED_SCHEMA_VERSION
     body = b"".join([PREFIX.pack(RECORD_MAGIC, schema, 0, len(header)), header, *payload])

@@ -135,7 +135,7 @@ class RolloutRecord:
 
         Args:
             sign: None writes version 2; else version 3, with ``sign(body)`` (``SIGNATURE_TRAILER`` bytes: the
-                worker key's public half and its signature, ``stoa.identity.WorkerKey.sign_record``) after the
+                worker key's public half and its signature, ``stoa.identity.WorkerKey.record_signer``) after the
                 payload.
         """
         prompt = np.ascontiguousarray(self.prompt_tokens, dtype="<i4")

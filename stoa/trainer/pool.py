@@ -257,7 +257,7 @@ class RecordPool:
         signer = ""
         if self.identities is not None:
             try:
-                signer = self.identities.check_record(parsed.worker_id, data)
+                signer = self.identities.check_record(info.key, parsed.worker_id, data)
             except RecordRejected as e:  # not held against the worker: without its key nobody can frame it
                 return self._reject(info.key, None, e.reason, e)
         try:

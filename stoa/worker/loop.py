@@ -346,8 +346,8 @@ def _upload(w: _Worker, p: _Progress, batch: _Batch) -> None:
                             sampling={"temperature": sp.temperature, "top_p": sp.top_p},
                             timings={"generate_s": batch.seconds / len(batch.prompts)},
                             created_at=time.time())
-        data = rec.encode(sign=w.key.sign_record if w.key is not None else None)
-        w.bucket.put_create(rollout_key(w.cfg.run, p.version, w.wid, p.seq), data)
+        key = rollout_key(w.cfg.run, p.version, w.wid, p.seq)
+        w.bucket.put_create(key, rec.encode(sign=w.key.record_signer(key) if w.key is not None else None))
         p.seq += 1
         if p.adopted_at is not None:  # pointer advance -> first record at the new version
             w.metrics.log({"worker/adoption_latency_s": time.time() - p.adopted_at,

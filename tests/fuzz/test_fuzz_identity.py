@@ -28,9 +28,11 @@ from stoa.identity import (
     load_worker_key,
     write_worker_key,
 )
+from stoa.layout import rollout_key
 from stoa.rollouts.records import REJECT_REASONS, RecordRejected, RolloutRecord, Sample, record_signature
 from stoa.weights.signing import create_key
 
+KEY = rollout_key("r", 1, "alice-a1b2c3", 0)
 JUNK = [True, False, None, 0, -1, 2**63, 1.5, 1e300, "", "x" * 300, "\ud800", [], {}, [1, [2]], {"a": {"b": 1}},
         "ab" * 32, "AB" * 32, "00" * 64, "0" * 127]
 
@@ -45,7 +47,7 @@ def world(tmp_path_factory):
     book.refresh()
     rec = RolloutRecord("alice-a1b2c3", 0, 1, "f" * 16, "toy", "train:1", np.arange(3, 9, dtype=np.int32),
                         [Sample(np.arange(5, 12, dtype=np.int32), np.full(7, -1.0, np.float32), 1.0, "stop")])
-    return signer, identity, alice, book, rec.encode(sign=alice.sign_record), tmp
+    return signer, identity, alice, book, rec.encode(sign=alice.record_signer(KEY)), tmp
 
 
 def _mutate_statement(rng: random.Random, good: bytes) -> bytes:
@@ -115,7 +117,7 @@ def test_no_mutated_signed_record_passes_as_anything_but_itself(world):
     for _ in range(3000):
         data = _mutate_record(rng, good)
         try:
-            public = book.check_record("alice-a1b2c3", data)
+            public = book.check_record(KEY, "alice-a1b2c3", data)
         except RecordRejected as e:
             assert e.reason in REJECT_REASONS, e.reason
             outcomes[e.reason] += 1

@@ -22,7 +22,7 @@ def _signed(bucket, t, worker: str, seq: int, key) -> str:
     """A record of ``worker`` at version 1, signed by ``key`` (None: unsigned); distinct content per seq."""
     rk = put(bucket, t.contract, t.task, t.codec, worker=worker, seq=seq)
     if key is not None:
-        data = RolloutRecord.decode(bucket.get(rk)).encode(sign=key.sign_record)
+        data = RolloutRecord.decode(bucket.get(rk)).encode(sign=key.record_signer(rk))
         bucket.delete(rk)
         bucket.put_create(rk, data)
     return rk
