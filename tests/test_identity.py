@@ -30,6 +30,7 @@ from stoa.identity import (
 from stoa.layout import identity_key, parse_identity_key, parse_revocation_key, revocation_key, rollout_key
 from stoa.rollouts.records import REJECT_REASONS, RolloutRecord, record_signature
 from stoa.trainer.pool import RecordPool
+from stoa.trainer.quarantine import Quarantine
 from stoa.weights.signing import create_key
 from tests.test_pool import GateSpy, put, setup  # noqa: F401 - the fixture
 
@@ -182,6 +183,23 @@ def test_a_signed_record_moved_to_another_key_is_refused_and_not_held_against_it
     pool = RecordPool(bucket, contract, task, codec, staleness_bound=3, reuse_cap=2, gate=gate, identities=book)
     assert pool.refresh(2) == 1
     assert pool.drain_stats().rejected == {"signature": 3} and gate.seen == [("alice-a1b2c3", True)]
+
+
+def test_with_worker_keys_quarantine_judges_the_keys_name_so_a_restart_does_not_escape_it(keyed):
+    bucket, contract, task, codec, signer, alice = keyed
+
+    for seq in (0, 1):  # signed records of alice's that fail validation: her own doing
+        rk = put(bucket, contract, task, codec, worker="alice-aaaaaa", seq=seq)
+        rec = RolloutRecord.decode(bucket.get(rk))
+        rec.task_id = "other"
+        bucket.delete(rk)
+        bucket.put_create(rk, rec.encode(sign=alice.record_signer(rk)))
+    signed_put(keyed, worker="alice-bbbbbb", seq=2)  # the same worker restarted: a new process id
+    gate = Quarantine(enabled=True, disagreement=0.15, reject_rate=0.5, min_records=2, by_name=True)
+    book = IdentityBook(bucket, "r", signer.public_hex, clock=lambda: NOW)
+    pool = RecordPool(bucket, contract, task, codec, staleness_bound=3, reuse_cap=2, gate=gate, identities=book)
+    assert pool.refresh(1) == 0 and gate.is_quarantined("alice-cccccc")
+    assert pool.drain_stats().rejected == {"task": 2, "quarantined": 1}
 
 
 def test_a_revocation_takes_effect_at_the_next_intake_and_drops_waiting_groups(keyed):
