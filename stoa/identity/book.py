@@ -107,8 +107,8 @@ class IdentityBook:
             log.warning("ignored revocation %.200r: %s", key, e)
             return
         if st.public_key not in self.revoked:
-            log.info("worker key %s... of %s revoked: its records are refused from now on",
-                        st.public_key[:16], st.worker)
+            log.info("worker key %s... of %s revoked: its records are refused from now on", st.public_key[:16],
+                     st.worker)
         self.revoked[st.public_key] = st
 
     def check_record(self, record_key: str, worker_id: str, data: bytes) -> str:

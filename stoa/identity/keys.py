@@ -18,7 +18,7 @@ from stoa.weights.ed25519 import PUBLIC_HEX, ed25519, is_hex, signature_problem
 DOMAINS = {"identity": b"stoa.worker_identity/1\n", "revocation": b"stoa.worker_revocation/1\n"}
 """Prefix of a statement's signed bytes, per kind (an identity signature never verifies as a revocation's)."""
 RECORD_DOMAIN = b"stoa.record/1\n"
-"""Prefix of a record's signed bytes (then the run id, a newline and the record's body)."""
+"""Prefix of a record's signed bytes (then the record's bucket key, a newline and its body)."""
 MAX_STATEMENT_BYTES = 2048
 """Largest identity or revocation object read (one is about 400 bytes)."""
 CLOCK_SKEW_S = 600.0
@@ -131,6 +131,7 @@ class Statement:
 
 
 def ed25519_required() -> Any:
+    """The ``cryptography`` Ed25519 module; ``RunKeyError`` naming the extra to install when it is missing."""
     ed = ed25519()
     if ed is None:  # pragma: no cover - an install without the trainer or worker extra
         raise RunKeyError("worker keys need the 'cryptography' package: pip install 'stoa[worker]'")
