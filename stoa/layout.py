@@ -17,6 +17,8 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
     runs/<run>/trainer/lease.json                        the holding trainer (trainer, compare-and-swap)
     runs/<run>/status.json                               run status, heartbeat, wanted groups (trainer, overwritten)
     runs/<run>/workers/<worker>-<seq>                    a worker's presence (worker, create-only; trainer deletes)
+    runs/<run>/identities/<name>/<public key>.json       a worker identity signed by the run key (operator, create-only)
+    runs/<run>/revocations/<public key>.json             a revoked worker key, signed by the run key (create-only)
     runs/<run>/metrics/<source>-<start>-<seq>.jsonl      metrics chunks (trainer, worker-<id>, eval; create-only)
     runs/<run>/retriever/<fingerprint>/<file>            search tasks' BM25 index (create-only, stoa-index.json last)
     runs/<run>/trackers/<name>.json                      an experiment tracker's run id, e.g. W&B (trainer, overwritten)
@@ -52,6 +54,8 @@ _ROLLOUT_NAME = re.compile(r"v([0-9]{8})/([A-Za-z0-9][A-Za-z0-9._-]{0,127})-([0-
 _METRICS_CHUNK = re.compile(
     r"(?P<source>[A-Za-z0-9][A-Za-z0-9._-]{0,127})-(?P<start>[0-9]{10})-(?P<seq>[0-9]{8})\.jsonl")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+_IDENTITY_NAME = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,127})/([0-9a-f]{64})\.json")
+_REVOCATION_NAME = re.compile(r"([0-9a-f]{64})\.json")
 _ROLLOUT_TAIL = re.compile(r"/rollouts/v[0-9]{8}/(?P<worker>[^/]+)-[0-9]{8}\.rec\Z")
 
 
@@ -409,6 +413,77 @@ def parse_presence_key(run_id: str, key: str) -> str | None:
     """
     head = presence_prefix(run_id)
     m = _PRESENCE_NAME.fullmatch(key[len(head):]) if key.startswith(head) else None
+    return m.group(1) if m else None
+
+
+def identities_prefix(run_id: str) -> str:
+    """Prefix of the run's worker identities, ``runs/<run>/identities/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/identities/"
+
+
+def identity_key(run_id: str, name: str, public_key: str) -> str:
+    """Key of one worker identity, ``runs/<run>/identities/<name>/<public key>.json`` (create-only).
+
+    Args:
+        run_id: the run id.
+        name: the worker's name (``stoa worker-key issue NAME``).
+        public_key: the worker's Ed25519 public key, 64 lowercase hex digits.
+    """
+    return f"{identities_prefix(run_id)}{name}/{public_key}.json"
+
+
+@dataclass(frozen=True)
+class IdentityKey:
+    """The parts of a well-formed identity key."""
+
+    name: str
+    public_key: str
+
+
+def parse_identity_key(run_id: str, key: str) -> IdentityKey | None:
+    """Parse ``runs/<run>/identities/<name>/<64 hex>.json``; ``None`` for any other key.
+
+    Args:
+        run_id: the run the key must belong to.
+        key: a listed key (untrusted: any string).
+    """
+    head = identities_prefix(run_id)
+    m = _IDENTITY_NAME.fullmatch(key[len(head):]) if key.startswith(head) else None
+    return IdentityKey(m.group(1), m.group(2)) if m else None
+
+
+def revocations_prefix(run_id: str) -> str:
+    """Prefix of the run's revoked worker keys, ``runs/<run>/revocations/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return f"{run_prefix(run_id)}/revocations/"
+
+
+def revocation_key(run_id: str, public_key: str) -> str:
+    """Key of one revoked worker key, ``runs/<run>/revocations/<public key>.json`` (create-only).
+
+    Args:
+        run_id: the run id.
+        public_key: the revoked Ed25519 public key, 64 lowercase hex digits.
+    """
+    return f"{revocations_prefix(run_id)}{public_key}.json"
+
+
+def parse_revocation_key(run_id: str, key: str) -> str | None:
+    """The public key of ``runs/<run>/revocations/<64 hex>.json``; ``None`` for any other key.
+
+    Args:
+        run_id: the run the key must belong to.
+        key: a listed key (untrusted: any string).
+    """
+    head = revocations_prefix(run_id)
+    m = _REVOCATION_NAME.fullmatch(key[len(head):]) if key.startswith(head) else None
     return m.group(1) if m else None
 
 

@@ -20,7 +20,7 @@ STOA = ROOT / "stoa"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"stoa", "layout", "untrusted", "schemas", "machine", "stopflag", "tokenize", "models"}),
     frozenset({"bucket", "weights", "rollouts", "contract", "lifecycle"}),
-    frozenset({"tasks", "envs", "algorithms", "retrieval"}),
+    frozenset({"tasks", "envs", "algorithms", "retrieval", "identity"}),
     frozenset({"config"}),
     frozenset({"engines", "episodes", "telemetry"}),
     frozenset({"worker", "trainer", "local", "evaluator"}),

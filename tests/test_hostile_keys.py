@@ -140,6 +140,13 @@ def test_every_parser_is_total_and_takes_only_ascii_digits():
         assert L.rollout_worker(key) is None or isinstance(L.rollout_worker(key), str)  # lenient: admitted keys
     assert L.parse_patch_key("r", L.patch_key("r", 7)) == 7
     assert L.parse_anchor_key("r", L.anchor_prefix("r", 7) + "manifest.json") == L.AnchorObject(7, "manifest.json")
+    pub = "ab" * 32
+    for key in odd + [L.identities_prefix("r") + n for n in ("a/" + pub.upper() + ".json", "a/" + pub + ".json\n",
+                                                            "\u0661/" + pub + ".json", "a/b/" + pub + ".json",
+                                                            "a/" + pub[:-1] + "\u0661.json", "/" + pub + ".json")]:
+        assert L.parse_identity_key("r", key) is None and L.parse_revocation_key("r", key) is None
+    assert L.parse_identity_key("r", L.identity_key("r", "a.b-c", pub)) == L.IdentityKey("a.b-c", pub)
+    assert L.parse_revocation_key("r", L.revocation_key("r", pub) + "\n") is None
     assert not any(L.is_file_name(n) for n in ["", ".", "..", ".x", "a/b", "a\\b", "a\nb", "config.json\n", "x" * 256])
     assert L.is_file_name("tokenizer_config.json") and L.is_file_name("merges.txt")
 

@@ -246,7 +246,7 @@ def test_payload_sizes_follow_the_version():
 def test_unknown_schema_is_rejected():
     data = multi_record()[1].encode()
     body = bytearray(data[:-16])
-    struct.pack_into("<H", body, 8, 3)
+    struct.pack_into("<H", body, 8, 4)  # 3 is version 2 signed (stoa.identity)
     with pytest.raises(RecordRejected) as e:
         RolloutRecord.decode(bytes(body) + xxhash.xxh3_128_digest(bytes(body)))
     assert e.value.reason == "schema"

@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="0600 env file with the bucket credentials (stoa join-card --with-secrets) [default: the "
                         "environment]")
     p.add_argument("--name", default="", metavar="LABEL", help="worker label in record keys [default: host name]")
+    p.add_argument("--worker-key", default="", metavar="FILE",
+                   help="this worker's key file (0600, from the operator: stoa worker-key issue or stoa join-card "
+                        "--worker-key); the worker signs every record with it [default: unsigned records]")
     p.add_argument("--dry-run", action="store_true",
                    help="run the checks and print the worker command (or, with --install-service, the service "
                         "file); start nothing")
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     opts = JoinOptions(card=args.card, env_file=args.env, name=args.name, dry_run=args.dry_run,
                        install=args.install_service, uninstall=args.uninstall,
-                       install_task_code=args.install_task_code)
+                       install_task_code=args.install_task_code, worker_key=args.worker_key)
     try:
         return join(opts)
     except (CardError, ServiceError) as e:

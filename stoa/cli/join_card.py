@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from stoa.bucket import ObjectNotFound
 from stoa.bucket.credentials import resolve_env
+from stoa.cli.worker_key import IssueRefused, issue_to_file
 from stoa.contract import RunNotFound
 from stoa.join.card import CardError, card_text, card_toml, make_card, write_secrets
 
@@ -37,6 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--with-secrets", default="", metavar="FILE",
                    help="also write the credential values of this machine into FILE (created 0600; refused if it "
                         "exists) [default: no secrets anywhere]")
+    p.add_argument("--worker-key", default="", metavar="NAME",
+                   help="also issue a worker key for NAME (stoa worker-key issue): the card names the worker, the "
+                        "private key goes to a new 0600 file to hand over apart from the card")
+    p.add_argument("--worker-key-out", default="", metavar="FILE",
+                   help="with --worker-key: the key file [default: worker-<run>-<NAME>.key]")
+    p.add_argument("--run-key", default="", metavar="FILE",
+                   help="with --worker-key: the run's private key file [default: the trainer's default path]")
     p.set_defaults(func=run)
 
 
@@ -53,7 +62,12 @@ def run(args: argparse.Namespace) -> int:
         card = make_card(args.bucket, args.run, args.retriever, env)
         if args.with_secrets:
             write_secrets(args.with_secrets, card.credentials, env)
-    except CardError as e:
+        if args.worker_key:
+            _, key_file = issue_to_file(args.bucket, args.run, args.worker_key, args.run_key, args.worker_key_out)
+            card = replace(card, worker=args.worker_key)
+            print(f"[join-card] issued a worker key for {args.worker_key!r}: wrote {key_file} (mode 0600); hand it "
+                  "over out of band, never beside the card")
+    except (CardError, IssueRefused) as e:
         print(f"stoa join-card: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except ObjectNotFound as e:  # make_card reads only the contract: no such run (exit 12)

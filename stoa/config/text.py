@@ -46,7 +46,7 @@ FLAG_GROUPS: tuple[FlagGroup, ...] = (
         "bucket", "run", "name", "plane", "staleness_bound", "reuse_cap", "anchor_every", "keep_versions",
         "keep_rollout_versions", "backpressure", "poll_seconds", "wait_seconds", "max_wait_seconds",
         "status_seconds", "trainer_stale_seconds", "lease_ttl_seconds", "bucket_retry_seconds",
-        "exit_on_outage", "sign_weights", "run_key", "run_key_pub")),
+        "exit_on_outage", "sign_weights", "run_key", "run_key_pub", "worker_keys", "worker_key")),
     FlagGroup("quarantine", "quarantine of disagreeing workers", ("quarantine",), ("quarantine_",)),
     FlagGroup("checkpoints", "checkpoints, outputs and logs", ("checkpoint_every", "keep_checkpoints", "output_dir",
                                                               "resume", "report_to", "log_dir"),

@@ -53,7 +53,8 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         "steps", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "checkpoint_async", "eval_every",
         "eval_n", "eval_k", "report_to", "poll_seconds", "status_seconds", "max_wait_seconds", "lease_ttl_seconds",
         "metrics_flush_rows", "metrics_flush_seconds", "preflight", "micro_batch", "gradient_checkpointing",
-        "shared_prefix", "dtype", "anchor_every", "keep_versions", "keep_rollout_versions", "backpressure"})
+        "shared_prefix", "dtype", "anchor_every", "keep_versions", "keep_rollout_versions", "backpressure",
+        "worker_keys"})
     """Stored settings a restart may change (logged); every other stored one must agree with the run."""
 
     model: str = setting("tiny", "Model, required for a new run (a restart takes the run's): 'tiny', 'smollm2-135m', "
@@ -146,6 +147,11 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     run_key: str = setting("", "The run's private key file (default: $STOA_KEY_DIR or ~/.config/stoa/keys/"
                                "<bucket digest>-<run>.ed25519; created 0600 with a signed run, never written to "
                                "the bucket); a restarted trainer needs the same file.")
+    worker_keys: str = setting("auto", "Require every record to be signed by a worker key the run key vouches for "
+                                       "(stoa worker-key issue/list/revoke; docs/fleet.md): auto (required for "
+                                       "s3:// and r2:// runs with a run key, off for a local directory), required, "
+                                       "or off (a private fleet whose every bucket writer is trusted; logged). "
+                                       "Unsigned, forged, revoked or wrong-run records are refused by name.")
 
     cold_start: str = setting("", "Begin a new run with supervised fine-tuning before v1 is published (loss on the "
                                   "policy's own turns only): '' (none), 'demos' (demonstrations the task builds; "
@@ -177,6 +183,7 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         check_lora(self)
         if self.sign_weights.lower() not in ("auto", "true", "false"):
             raise ConfigError("sign_weights", f"{self.sign_weights!r} is not one of auto, true, false")
+        one_of(self, "worker_keys", ("auto", "required", "off"))
         at_least(self, -1, ("keep_rollout_versions",))
         at_least(self, 1, ("metrics_flush_rows",))
         if not (self.status_seconds > 0 and self.metrics_flush_seconds > 0):

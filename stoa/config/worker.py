@@ -50,6 +50,9 @@ class WorkerConfig(FleetConfig):
     run_key_pub: str = setting("", "The run's public key (64 hex digits, from its join card or trainer log) that "
                                    "run.json must carry; empty: trust the key first seen for this bucket and "
                                    "run, and refuse a later change.")
+    worker_key: str = setting("", "This worker's key file for the run (stoa worker-key issue NAME --out FILE): "
+                                  "every record is signed with it and the key's name is the worker's label. "
+                                  "Empty: unsigned records, which a run with worker keys refuses.")
     exit_on_outage: bool = setting(False, "Exit (code 4) when a bucket request exhausts its retry budget; by "
                                           "default the worker waits and retries until the bucket answers "
                                           "again.")

@@ -58,6 +58,8 @@ class JoinCard:
         credentials: names of the variables a joiner must set (never their values).
         run_key: the run's public key (64 hex digits; empty for an unsigned run): the worker refuses a
             contract that carries another (``--run-key-pub``).
+        worker: the worker name a key was issued for with this card (``stoa join-card --worker-key NAME``); its
+            private key travels apart, in a 0600 file the joiner passes to ``stoa join --worker-key``. Empty: none.
         requires: the task plugin code the run's workers need (``stoa.tasks.code``): ``dist==version`` for an
             installed distribution (``stoa join --install-task-code`` installs it), ``module.py sha256:<hex>``
             for a loose module to copy.
@@ -75,6 +77,7 @@ class JoinCard:
     credentials: tuple[str, ...] = field(default_factory=tuple)
     run_key: str = ""
     requires: tuple[str, ...] = field(default_factory=tuple)
+    worker: str = ""
     card_version: int = CARD_VERSION
 
 
@@ -186,9 +189,11 @@ def card_toml(card: JoinCard) -> str:
     """
     join = (f"stoa join --card FILE --env ENVFILE  (ENVFILE sets {', '.join(card.credentials)})" if card.credentials
             else "stoa join --card FILE")
+    if card.worker:
+        join += f"  --worker-key KEYFILE  (the 0600 key of {card.worker!r}, handed over apart)"
     lines = [f"# stoa join card for run {card.run!r}: no secrets here.", f"# Join with: {join}"]
     lines += [f"{name} = {_toml_value(value)}" for name, value in asdict(card).items()
-              if name not in ("run_key", "requires") or value]  # a card without them reads as before
+              if name not in ("run_key", "requires", "worker") or value]  # a card without them reads as before
     return "\n".join(lines) + "\n"
 
 
@@ -250,12 +255,17 @@ def _card_from(data: Mapping[str, Any], path: str | os.PathLike[str]) -> JoinCar
                                                  for r in requires) or len(requires) > 16:
         raise CardError(f"card {path}: 'requires' must list at most 16 requirements; make a new card with "
                         "stoa join-card --out FILE")
+    worker = data.get("worker", "")
+    if not isinstance(worker, str) or len(worker) > 40 or not all(c.isascii() and (c.isalnum() or c in "._-")
+                                                                   for c in worker):
+        raise CardError(f"card {path}: 'worker' is not a worker name; make a new card with stoa join-card --out FILE")
     names = tuple(data["credentials"])
     if not all(isinstance(n, str) for n in names):
         raise CardError(f"card {path}: 'credentials' must list variable names")
     return JoinCard(bucket=data["bucket"], run=data["run"], n_samples=data["n_samples"], plane=data["plane"],
                     task=data["task"], contract=data["contract"], search=data["search"],
-                    retriever=data["retriever"], credentials=names, run_key=run_key, requires=tuple(requires))
+                    retriever=data["retriever"], credentials=names, run_key=run_key, requires=tuple(requires),
+                    worker=worker)
 
 
 def card_text(card: JoinCard, card_file: str, env_file: str = "") -> str:
@@ -274,10 +284,13 @@ def card_text(card: JoinCard, card_file: str, env_file: str = "") -> str:
         retriever = "the worker downloads the run's index from the bucket (no endpoint needed)"
     creds = ", ".join(card.credentials) if card.credentials else "none (a local bucket)"
     env_arg = f" --env {env_file or 'ENVFILE'}" if card.credentials else ""
+    env_arg += " --worker-key KEYFILE" if card.worker else ""
     rows = [("bucket", card.bucket), ("run", card.run), ("group size n", str(card.n_samples)),
             ("plane", card.plane), ("task", card.task), ("retriever", retriever), ("contract", card.contract),
             ("run key", card.run_key or "none (the run's weights are unsigned)"),
             ("task code", ", ".join(card.requires) or "built in (nothing to install)"),
+            ("worker key", f"issued for {card.worker!r} (its key file travels apart, mode 0600)" if card.worker
+             else "none (stoa join-card --worker-key NAME issues one)"),
             ("set these", creds + (" (values handed over apart from this card)" if card.credentials else "")),
             ("join with", f"stoa join --card {card_file}{env_arg}")]
     return "\n".join([f"stoa join card for run {card.run!r}"] + [f"  {k + ':':<14}{v}" for k, v in rows])

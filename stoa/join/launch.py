@@ -46,6 +46,8 @@ class JoinOptions:
         uninstall: stop and remove that service.
         install_task_code: when the task code check fails, ``pip install`` the card's ``requires`` (the
             distributions the trainer ran) into this Python, then check again.
+        worker_key: the worker's key file (``stoa worker-key issue``, ``stoa join-card --worker-key``); required
+            when the card names a worker.
     """
 
     card: str
@@ -55,6 +57,7 @@ class JoinOptions:
     install: bool = False
     uninstall: bool = False
     install_task_code: bool = False
+    worker_key: str = ""
 
 
 def exec_worker(argv: Sequence[str], env: Mapping[str, str]) -> None:
@@ -69,7 +72,8 @@ def exec_worker(argv: Sequence[str], env: Mapping[str, str]) -> None:
     os.execve(argv[0], list(argv), dict(env))
 
 
-def worker_argv(card: JoinCard, name: str = "", log_dir: str = "", python: str = "") -> list[str]:
+def worker_argv(card: JoinCard, name: str = "", log_dir: str = "", python: str = "",
+                worker_key: str = "") -> list[str]:
     """The worker's command line for a card (no secrets: credentials travel in ``STOA_ENV_FILE``).
 
     Args:
@@ -77,6 +81,7 @@ def worker_argv(card: JoinCard, name: str = "", log_dir: str = "", python: str =
         name: the worker's label (empty: the host name).
         log_dir: the worker's metrics directory (empty: its default).
         python: the interpreter (default: this one).
+        worker_key: the worker's key file, absolute (empty: unsigned records).
     """
     argv = [python or sys.executable, "-m", "stoa", "worker", "--bucket", card.bucket, "--run", card.run,
             "--n-samples", str(card.n_samples), "--plane", card.plane]
@@ -88,6 +93,8 @@ def worker_argv(card: JoinCard, name: str = "", log_dir: str = "", python: str =
         argv += ["--run-key-pub", card.run_key]
     if log_dir:
         argv += ["--log-dir", log_dir]
+    if worker_key:  # a path, not the key: the worker reads the 0600 file
+        argv += ["--worker-key", worker_key]
     return argv
 
 
@@ -106,6 +113,10 @@ def run_checks(card: JoinCard, env: Mapping[str, str]) -> list[Check]:
         checks += [check_contract(card, probe.contract, probe.state), check_plugins(probe.contract),
                    check_retriever(card, probe.contract)]
     return checks
+
+
+def _abs_key(opts: JoinOptions) -> str:
+    return str(Path(opts.worker_key).expanduser().resolve()) if opts.worker_key else ""
 
 
 def _abs_env_file(opts: JoinOptions) -> str:
@@ -136,6 +147,11 @@ def join(opts: JoinOptions, *, echo: Callable[[str], object] = print, platform: 
         echo(f"[join] removed {result.path}" if result.commands else f"[join] no service at {result.path}")
         return 0
     env_file = _abs_env_file(opts)
+    worker_key = _abs_key(opts)
+    if card.worker and not worker_key:
+        echo(f"[join] refused: the card was issued with a worker key for {card.worker!r}; pass --worker-key FILE (the "
+             "0600 key file the operator handed over)")
+        return EXIT_BAD_SETUP
     if opts.install and card.credentials and not env_file:
         echo("[join] refused: --install-service: the service reads the credentials from a file; pass --env FILE")
         return EXIT_BAD_SETUP
@@ -160,7 +176,7 @@ def join(opts: JoinOptions, *, echo: Callable[[str], object] = print, platform: 
         return failed.code
     if opts.install:
         return _install(card, opts, env_file, echo=echo, platform=platform, home=home, runner=runner)
-    argv = worker_argv(card, opts.name)
+    argv = worker_argv(card, opts.name, worker_key=worker_key)
     if opts.dry_run:
         echo("[join] dry run; would run: " + " ".join(argv) + (f"  ({ENV_FILE_VAR}={env_file})" if env_file else ""))
         return 0
@@ -187,7 +203,8 @@ def _install(card: JoinCard, opts: JoinOptions, env_file: str, *, echo: Callable
     """Write and load the service (print its text only, on a dry run)."""
     kind = service.service_kind(platform)
     log_dir = str(service.default_log_dir(kind, card.run, home))
-    spec = service.ServiceSpec(run=card.run, argv=tuple(worker_argv(card, opts.name, log_dir)), env_file=env_file,
+    argv = tuple(worker_argv(card, opts.name, log_dir, worker_key=_abs_key(opts)))
+    spec = service.ServiceSpec(run=card.run, argv=argv, env_file=env_file,
                                log_dir=log_dir)
     path = service.service_path(kind, card.run, home)
     if opts.dry_run:

@@ -62,7 +62,7 @@ def parse_header(raw: bytes, schema: int) -> Header:
 
     Args:
         raw: the header's bytes.
-        schema: the record's schema version (1 or 2).
+        schema: the record's schema version (1, 2, or 3: version 2 signed).
     """
     h = loads_bounded(raw, max_bytes=MAX_HEADER_BYTES, max_depth=3 if schema == 1 else 5)
     if not isinstance(h, dict):

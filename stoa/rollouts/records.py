@@ -9,7 +9,10 @@ and patches in ``stoa.weights`` (see docs/weights.md).
 Records have their own schema version (``RECORD_SCHEMA_VERSION``; the contract's ``SCHEMA_VERSION`` is
 run.json's). Version 2 adds per-token roles (``stoa.rollouts.episode.ROLE_*``), turn starts, tool calls with their
 results' digests, the episode's end reason and the environment seed; writers always write version 2,
-readers accept 1 (every token an action) and 2.
+readers accept 1 (every token an action) and 2. Version 3 is version 2 signed: the worker's Ed25519 public key
+and its signature over the body (``stoa.identity``) sit between the payload and the digest, so a signed record
+is still one create-only object; ``record_signature`` splits them off for the trainer to verify. The framing
+(prefix, digest, trailer) is ``stoa.rollouts.framing``'s.
 
 This module imports neither torch nor mlx: both kinds of worker and the trainer use it.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +30,18 @@ import xxhash
 
 from stoa.contract import RunContract
 from stoa.rollouts.episode import END_REASONS, ROLE_ACTION, EpisodeLimits, ToolCall
+from stoa.rollouts.framing import (
+    PREFIX,
+    RECORD_MAGIC,
+    RECORD_SCHEMA_VERSION,
+    RECORD_SCHEMA_VERSIONS,
+    SIGNED_SCHEMA_VERSION,
+    RecordRejected,
+    RecordSignature,
+    frame,
+    record_signature,
+    unframe,
+)
 from stoa.rollouts.header import (
     MAX_ARGUMENT_CHARS,
     MAX_DIGEST_CHARS,
@@ -48,22 +64,17 @@ __all__ = [
     "RECORD_SCHEMA_VERSION",
     "RECORD_SCHEMA_VERSIONS",
     "REJECT_REASONS",
+    "SIGNED_SCHEMA_VERSION",
     "RecordRejected",
+    "RecordSignature",
     "RolloutRecord",
     "Sample",
     "check_episode",
+    "record_signature",
     "validate_record",
 ]
 
-RECORD_MAGIC = b"STOAREC\x00"
-_PREFIX = struct.Struct("<8sHHI")  # magic, schema version, reserved, header length
-_DIGEST_LEN = 16
-
 FINISH_REASONS = ("stop", "length")
-RECORD_SCHEMA_VERSION = 2
-"""The record layout writers write (version 2: roles, turns, tool calls, end reason, env seed)."""
-RECORD_SCHEMA_VERSIONS = (1, 2)
-"""Record layouts readers accept."""
 
 
 @dataclass
@@ -116,11 +127,16 @@ class RolloutRecord:
     schema_version: int = RECORD_SCHEMA_VERSION
     """The layout the record was decoded from; ``encode`` always writes ``RECORD_SCHEMA_VERSION``."""
 
-    def encode(self) -> bytes:
-        """Encode to the compact binary form (no pickle): prefix, JSON header, arrays, digest.
+    def encode(self, sign: Callable[[bytes], bytes] | None = None) -> bytes:
+        """Encode to the compact binary form (no pickle): prefix, JSON header, arrays, [signature], digest.
 
         Per sample the payload holds int32 tokens, float32 logprobs and uint8 roles (all actions when
         ``roles`` is None).
+
+        Args:
+            sign: None writes version 2; else version 3, with ``sign(body)`` (``SIGNATURE_TRAILER`` bytes: the
+                worker key's public half and its signature, ``stoa.identity.WorkerKey.record_signer``) after the
+                payload.
         """
         prompt = np.ascontiguousarray(self.prompt_tokens, dtype="<i4")
         header = {
@@ -137,14 +153,12 @@ class RolloutRecord:
             "created_at": float(self.created_at),
             "env_seed": int(self.env_seed),
         }
-        hbytes = json.dumps(header, separators=(",", ":")).encode()
-        parts = [_PREFIX.pack(RECORD_MAGIC, RECORD_SCHEMA_VERSION, 0, len(hbytes)), hbytes, prompt.tobytes()]
+        parts = [prompt.tobytes()]
         for s in self.samples:
             toks = np.ascontiguousarray(s.tokens, dtype="<i4")
             lps = np.ascontiguousarray(s.logprobs, dtype="<f4")
             parts += [toks.tobytes(), lps.tobytes(), s.role_array().tobytes()]
-        body = b"".join(parts)
-        return body + xxhash.xxh3_128_digest(body)
+        return frame(json.dumps(header, separators=(",", ":")).encode(), parts, sign)
 
     @classmethod
     def decode(cls, data: bytes) -> RolloutRecord:
@@ -156,25 +170,15 @@ class RolloutRecord:
         Raises:
             RecordRejected: with reason ``oversize``, ``malformed``, ``digest`` or ``schema``.
         """
-        if len(data) > MAX_RECORD_BYTES:
-            raise RecordRejected("oversize", f"{len(data)} bytes > {MAX_RECORD_BYTES}")
-        if len(data) < _PREFIX.size + _DIGEST_LEN:
-            raise RecordRejected("malformed", "shorter than the fixed prefix")
-        magic, schema, _, hlen = _PREFIX.unpack_from(data)
-        if magic != RECORD_MAGIC:
-            raise RecordRejected("malformed", "bad magic")
-        body, digest = data[:-_DIGEST_LEN], data[-_DIGEST_LEN:]
-        if xxhash.xxh3_128_digest(body) != digest:
-            raise RecordRejected("digest", "content digest does not match (truncated or corrupted)")
-        if schema not in RECORD_SCHEMA_VERSIONS:
-            raise RecordRejected("schema", f"record schema version {schema}, this stoa reads {RECORD_SCHEMA_VERSIONS}")
-        if hlen > len(body) - _PREFIX.size:
+        f = unframe(data)
+        body, schema, hlen = f.body, f.schema, f.header_len
+        if hlen > len(body) - PREFIX.size:
             raise RecordRejected("malformed", f"header length {hlen} runs past the end")
         try:
-            header = parse_header(body[_PREFIX.size : _PREFIX.size + hlen], schema)
+            header = parse_header(body[PREFIX.size : PREFIX.size + hlen], schema)
         except ValueError as e:  # the only error the bounded parser and field readers raise
             raise RecordRejected("malformed", f"bad header: {e}") from None
-        off = _PREFIX.size + hlen
+        off = PREFIX.size + hlen
         plen, lens = header.prompt_len, [m.length for m in header.samples]
         need = plen * 4 + (8 if schema == 1 else 9) * sum(lens)
         if off + need != len(body):
@@ -228,19 +232,6 @@ def _sample_header(s: Sample) -> dict:
             "end": s.end_reason}
 
 
-class RecordRejected(ValueError):
-    """A rollout record failed validation; ``reason`` is the counter it is filed under.
-
-    Args:
-        reason: one of ``REJECT_REASONS``.
-        detail: human-readable detail.
-    """
-
-    def __init__(self, reason: str, detail: str = ""):
-        self.reason = reason
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-
-
 REJECT_REASONS = (
     "oversize",
     "malformed",
@@ -267,6 +258,16 @@ REJECT_REASONS = (
     "reward_timeout",
     "reward_not_finite",
     "reward_wrong_length",
+    # stoa.identity: the record's worker key and its identity (never held against the worker id the key names)
+    "unsigned",
+    "signature",
+    "identity_unknown",
+    "identity_worker",
+    "identity_forged",
+    "identity_run",
+    "identity_clock",
+    "identity_malformed",
+    "revoked",
 )
 
 

@@ -11,6 +11,7 @@ from stoa.bucket import BucketError, open_bucket
 from stoa.bucket.meter import METER
 from stoa.config import TrainerConfig
 from stoa.episodes.task_tools import open_task_tools
+from stoa.identity import IdentityBook, worker_keys_wanted
 from stoa.layout import checkpoint_key
 from stoa.lifecycle import evaluator_present
 from stoa.models import resolve_model
@@ -130,6 +131,8 @@ class _Trainer:
         from stoa.engines.torch import resolve_device
 
         signer = trainer_signer(self.bucket, self.bucket.url, cfg.run, cfg.sign_weights, cfg.run_key, self.echo)
+        run_key = signer.public_hex if signer is not None else ""
+        keys_on = worker_keys_wanted(cfg.worker_keys, self.bucket.url, cfg.run, run_key, self.echo)
         torch.manual_seed(cfg.seed)
         name, opts = parse_task_spec(cfg.task)
         self.task = get_task(name, **localize_options(self.bucket, cfg.run, name, opts))  # a resumed run's data
@@ -152,10 +155,11 @@ class _Trainer:
                                          signer=signer)
         self.quarantine = Quarantine(enabled=cfg.quarantine, disagreement=cfg.quarantine_disagreement,
                                      reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
-                                     temperature=cfg.temperature, top_p=cfg.top_p)
+                                     temperature=cfg.temperature, top_p=cfg.top_p, by_name=keys_on)
+        identities = IdentityBook(self.bucket, cfg.run, run_key) if keys_on else None
         self.pool = RecordPool(self.bucket, self.contract, self.task, self.codec, staleness_bound=cfg.staleness_bound,
                                reuse_cap=cfg.reuse_cap, gate=self.quarantine, tools=self.tools.tools,
-                               replay=cfg.replay)
+                               replay=cfg.replay, identities=identities)
         log_dir = default_log_dir(cfg.bucket, cfg.run, cfg.log_dir)
         trackers = open_trackers(cfg.report_to, run_id=cfg.run, source="trainer", bucket=self.bucket,
                                  log_dir=log_dir, config=cfg)

@@ -21,6 +21,7 @@ from stoa.bucket import Bucket, BucketError, ObjectInfo
 from stoa.contract import RunContract
 from stoa.envs.base import Environment, ToolResult, Tools, ToolUnavailable
 from stoa.episodes.replay import Replayed, replay_group, unreplayed
+from stoa.identity import IdentityBook
 from stoa.layout import parse_rollout_key, rollout_version_prefix
 from stoa.rollouts.episode import EpisodeLimits, ToolCall
 from stoa.rollouts.records import MAX_RECORD_BYTES, RecordRejected, RolloutRecord, validate_record
@@ -51,6 +52,8 @@ class Entry:
     replayed: list[Replayed] | None = None
     """Multi-turn tasks: one ``Replayed`` per sample (episode text, turn of each token, anchor states); None
     for single-turn tasks."""
+    signer: str = ""
+    """The worker key that signed the record (hex; empty in a run without worker keys)."""
 
 
 @dataclass
@@ -99,6 +102,9 @@ class RecordPool:
         tools: the trainer's own tools (``task.make_tools(searcher)``); required for a multi-turn task, whose
             records are replayed with them.
         replay: False takes a multi-turn record's observations as recorded, without tools (``replay = false``).
+        identities: the run's worker keys (``worker_keys``): every record must be signed by a valid, unrevoked
+            identity of the worker it names, checked before anything else is read; a key revoked since drops
+            its waiting groups at the next refresh. None: a run without worker keys.
 
     Raises:
         ValueError: a multi-turn task without ``tools``.
@@ -106,8 +112,9 @@ class RecordPool:
 
     def __init__(self, bucket: Bucket, contract: RunContract, task: Task, codec: TextCodec, *,
                  staleness_bound: int, reuse_cap: int, gate: WorkerGate | None = None, tools: Tools | None = None,
-                 replay: bool = True):
+                 replay: bool = True, identities: IdentityBook | None = None):
         self.bucket, self.contract, self.task, self.codec = bucket, contract, task, codec
+        self.identities = identities
         self.staleness_bound, self.reuse_cap, self.gate = staleness_bound, reuse_cap, gate
         self.limits: EpisodeLimits | None = None
         self.tools: _CountingTools | None = None
@@ -153,6 +160,8 @@ class RecordPool:
             current_version: the trainer's current policy version.
         """
         low = max(1, current_version - self.staleness_bound)
+        if self.identities is not None:
+            self._apply_revocations()
         for cid in [c for c, e in self.entries.items() if e.record.policy_version < low]:
             del self.entries[cid]
             self.stats.dropped_stale += 1
@@ -177,6 +186,13 @@ class RecordPool:
                 log.warning("the trainer's tools cannot replay records, retrying on the next poll: %s", e)
             self.tools_down = True
         return accepted
+
+    def _apply_revocations(self) -> None:
+        """Read new identities and revocations; drop waiting groups whose signing key is now revoked."""
+        assert self.identities is not None
+        self.identities.refresh()
+        for cid in [c for c, e in self.entries.items() if e.signer in self.identities.revoked]:
+            self._reject(self.entries.pop(cid).key, None, "revoked", "its worker key was revoked while it waited")
 
     def _list_window(self, low: int, high: int) -> list[tuple[int, list[ObjectInfo]]]:
         """List the record prefixes of versions ``low..high`` concurrently; a listing that fails (bucket
@@ -231,7 +247,8 @@ class RecordPool:
         if parsed is None or parsed.version != version:
             return self._reject(info.key, None, "key", "not a record key of this run")
         if info.size > MAX_RECORD_BYTES:
-            return self._reject(info.key, parsed.worker_id, "oversize", f"{info.size} bytes listed")
+            owner = parsed.worker_id if self.identities is None else None  # unsigned yet: nobody's doing
+            return self._reject(info.key, owner, "oversize", f"{info.size} bytes listed")
         if self.gate is not None and self.gate.is_quarantined(parsed.worker_id):
             return self._reject(info.key, parsed.worker_id, "quarantined", parsed.worker_id)
         data = self._get(info.key) if fetched is None else fetched  # None: not prefetched
@@ -239,6 +256,12 @@ class RecordPool:
             log.warning("could not read %r: %s", info.key, data)
             del self.seen[info.key]  # retry on the next refresh
             return 0
+        signer = ""
+        if self.identities is not None:
+            try:
+                signer = self.identities.check_record(info.key, parsed.worker_id, data)
+            except RecordRejected as e:  # not held against the worker: without its key nobody can frame it
+                return self._reject(info.key, None, e.reason, e)
         try:
             checked = self._check(data, version, current_version)
             rec, rewards = checked.record, checked.rewards
@@ -260,7 +283,7 @@ class RecordPool:
         claimed = np.array([s.reward for s in rec.samples], dtype=np.float32)
         if not np.allclose(rewards, claimed, atol=1e-6):
             self.stats.reward_mismatch += 1
-        self.entries[cid] = Entry(info.key, rec, rewards, prior.count if prior else 0, cid, checked.replayed)
+        self.entries[cid] = Entry(info.key, rec, rewards, prior.count if prior else 0, cid, checked.replayed, signer)
         self.stats.accepted += 1
         self.stats.tokens += sum(int(s.tokens.size) for s in rec.samples)
         return 1

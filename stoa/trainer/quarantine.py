@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from stoa.identity import name_of
 from stoa.schemas.journal import QuarantineRow
 
 log = logging.getLogger(__name__)
@@ -113,14 +114,16 @@ class Quarantine:
         top_p: the run's nucleus mass (widens the threshold below 1).
         max_workers: worker ids tracked at most; the least recently seen are forgotten first,
             quarantined ones last.
+        by_name: judge a worker by the name its key proves (a run with worker keys: ``<name>-<6 hex>`` counts as
+            ``<name>``, ``stoa.identity.name_of``), so a process that restarts under a new id keeps its record.
     """
 
     RECORD_WINDOW = 256
     TOKEN_WINDOW = 16384
 
     def __init__(self, *, enabled: bool, disagreement: float, reject_rate: float, min_records: int,
-                 temperature: float = 1.0, top_p: float = 1.0, max_workers: int = 1024):
-        self.enabled = enabled
+                 temperature: float = 1.0, top_p: float = 1.0, max_workers: int = 1024, by_name: bool = False):
+        self.enabled, self.by_name = enabled, by_name
         self.threshold = effective_threshold(disagreement, temperature, top_p)
         self.reject_rate = reject_rate
         self.min_records = max(1, int(min_records))
@@ -128,7 +131,16 @@ class Quarantine:
         self.workers: collections.OrderedDict[str, _Worker] = collections.OrderedDict()
         self._since = _Since()
 
+    def judged(self, worker_id: str) -> str:
+        """Whom a record of ``worker_id`` counts for: its key's name (``by_name``), else the id itself.
+
+        Args:
+            worker_id: a record key's worker id.
+        """
+        return (name_of(worker_id) or worker_id) if self.by_name else worker_id
+
     def _touch(self, worker_id: str) -> _Worker:
+        worker_id = self.judged(worker_id)
         w = self.workers.get(worker_id)
         if w is None:
             w = self.workers[worker_id] = _Worker()
@@ -151,7 +163,7 @@ class Quarantine:
         if w.records >= self.RECORD_WINDOW:
             w.records, w.rejected = w.records / 2, w.rejected / 2
         if w.records >= self.min_records and w.rejected > self.reject_rate * w.records:
-            self._quarantine(worker_id, w, "reject_rate",
+            self._quarantine(self.judged(worker_id), w, "reject_rate",
                              f"{w.rejected / w.records:.2f} of its records rejected (> {self.reject_rate})")
 
     def observe_disagreement(self, worker_id: str, stats: Disagreement) -> None:
@@ -171,6 +183,7 @@ class Quarantine:
         w.lag0_records += int(stats.records)
         while w.tokens > self.TOKEN_WINDOW:
             w.tokens, w.over = w.tokens / 2, w.over / 2
+        worker_id = self.judged(worker_id)
         self._since.medians[worker_id] = float(np.median(values))
         if w.lag0_records >= self.min_records and w.over > w.tokens / 2:
             self._quarantine(worker_id, w, "disagreement",
@@ -193,7 +206,7 @@ class Quarantine:
         Args:
             worker_id: the key's worker id.
         """
-        w = self.workers.get(worker_id)
+        w = self.workers.get(self.judged(worker_id))
         return bool(self.enabled and w is not None and w.reason)
 
     def state(self) -> dict[str, Any]:

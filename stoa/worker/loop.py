@@ -21,6 +21,7 @@ from stoa.engines import Completion, Engine, GenStats, default_engine
 from stoa.engines import make_engine as build_engine
 from stoa.episodes.collect import episode_sample, sample_episode_batch
 from stoa.episodes.task_tools import open_task_tools
+from stoa.identity import WorkerKey, load_worker_key, note_worker_key
 from stoa.layout import rollout_key
 from stoa.models import model_fingerprint
 from stoa.rollouts.records import RolloutRecord, Sample
@@ -177,6 +178,8 @@ class _Worker:
     """The run's status: finished, the trainer's heartbeat, the groups it still wants."""
     tools: Any = None
     """A multi-turn task's tools (``stoa.envs.Tools``); None for single-turn tasks."""
+    key: WorkerKey | None = None
+    """This worker's key (``worker_key``): it signs every record; None: records go unsigned."""
 
 
 @dataclass
@@ -220,10 +223,12 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
 
     bucket = PatientBucket(open_bucket(cfg.bucket, retry_seconds=cfg.bucket_retry_seconds),
                            exit_on_outage=cfg.exit_on_outage, note=echo)
-    wid = worker_id(cfg.name)
+    key = load_worker_key(cfg.worker_key, cfg.run, cfg.name) if cfg.worker_key else None
+    wid = worker_id(key.worker if key is not None else cfg.name)
     contract = wait_for_contract(bucket, cfg.run, cfg.wait_seconds, echo=echo)
     check_expectations(cfg, contract)
     run_key = trusted_run_key(contract.run_key, bucket.url, cfg.run, cfg.run_key_pub, echo)
+    note_worker_key(bucket, cfg.run, run_key, key, echo)
     check_task_code(from_contract(contract.task_code))  # the run's plugin code, before importing any
     contract_refs(contract.task_id, contract.task_spec)  # task data by content address only, before any download
     if cfg.model:
@@ -251,7 +256,8 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
         tools = open_task_tools(task, cfg.retriever, role="worker", bucket=bucket, run_id=cfg.run,
                                 spec=contract.retriever, note=echo).tools
     return _Worker(cfg, wid, bucket, contract, contract.fingerprint(), engine_name, engine, codec, task, sync,
-                   follower, metrics, watch, tools)
+                   follower, metrics, watch, tools, key)
+
 
 
 def _watch(w: _Worker, p: _Progress, echo: Callable[[str], Any]) -> Verdict:
@@ -343,7 +349,8 @@ def _upload(w: _Worker, p: _Progress, batch: _Batch) -> None:
                             sampling={"temperature": sp.temperature, "top_p": sp.top_p},
                             timings={"generate_s": batch.seconds / len(batch.prompts), **report(METER.counts())},
                             created_at=time.time())
-        w.bucket.put_create(rollout_key(w.cfg.run, p.version, w.wid, p.seq), rec.encode())
+        key = rollout_key(w.cfg.run, p.version, w.wid, p.seq)
+        w.bucket.put_create(key, rec.encode(sign=w.key.record_signer(key) if w.key is not None else None))
         p.seq += 1
         if p.adopted_at is not None:  # pointer advance -> first record at the new version
             w.metrics.log({"worker/adoption_latency_s": time.time() - p.adopted_at,
