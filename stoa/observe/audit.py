@@ -70,7 +70,7 @@ def read_audit(bucket: Bucket, run_id: str, step: int | None = None) -> Audit:
         if step is not None and at != step:
             continue
         try:
-            data = bucket.get(info.key)
+            data = bucket.get_range(info.key, 0, MAX_PROVENANCE_BYTES + 1)  # never more held, whatever is there
         except ObjectNotFound:  # deleted between the listing and the read
             bad_objects += 1
             continue
