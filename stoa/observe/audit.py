@@ -20,7 +20,7 @@ from stoa.observe.runs import check_run_id, printable
 from stoa.schemas.provenance import ProvenanceRow, parse_row
 
 MAX_PROVENANCE_BYTES = 4 << 20
-"""Largest provenance object read (a step of 10,000 groups is about 2.5 MB)."""
+"""Largest provenance object read (a step of 10,000 groups is about 2 MB)."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 from stoa.untrusted import field_float, field_int, field_str, loads_bounded
 
 MAX_LINE_BYTES = 4096
-"""Longest provenance line read (a honest one is about 250 bytes)."""
+"""Longest provenance line read (an honest one is about 200 bytes)."""
 REPLAY_VERDICTS = ("ok", "unreplayed", "-")
 """``replay``: replayed and matched (multi-turn), taken as recorded (``replay = false``), or nothing to replay."""
 RECOMPUTE_VERDICTS = ("ok", "rejected", "lagged")
@@ -59,10 +59,10 @@ class ProvenanceRow:
     signature: str = UNSIGNED
 
     def line(self) -> str:
-        """The row as one JSON line (no newline); a non-finite residual is written as None."""
+        """The row as one JSON line (no newline); the residual to 6 decimals, a non-finite one as None."""
         d = asdict(self)
-        if d["residual"] is not None and not math.isfinite(d["residual"]):
-            d["residual"] = None
+        if d["residual"] is not None:
+            d["residual"] = round(d["residual"], 6) if math.isfinite(d["residual"]) else None
         return json.dumps(d, separators=(",", ":"))
 
 
