@@ -15,6 +15,7 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
     runs/<run>/trainer/checkpoints/<tag>/<file>          a sharded checkpoint (every rank a shard, rank 0 metadata)
     runs/<run>/trainer/checkpoint.safetensors            the single-file checkpoint of older trainers (read only)
     runs/<run>/trainer/lease.json                        the holding trainer (trainer, compare-and-swap)
+    runs/<run>/trainer/provenance/s<step>.jsonl          trained groups' workers, verdicts (trainer, create-only)
     runs/<run>/status.json                               run status, heartbeat, wanted groups (trainer, overwritten)
     runs/<run>/workers/<worker>-<seq>                    a worker's presence (worker, create-only; trainer deletes)
     runs/<run>/identities/<name>/<public key>.json       a worker identity signed by the run key (operator, create-only)
@@ -56,6 +57,7 @@ _METRICS_CHUNK = re.compile(
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 _IDENTITY_NAME = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,127})/([0-9a-f]{64})\.json")
 _REVOCATION_NAME = re.compile(r"([0-9a-f]{64})\.json")
+_PROVENANCE_NAME = re.compile(r"s([0-9]{8})\.jsonl")
 _ROLLOUT_TAIL = re.compile(r"/rollouts/v[0-9]{8}/(?P<worker>[^/]+)-[0-9]{8}\.rec\Z")
 
 
@@ -351,6 +353,38 @@ def lease_key(run_id: str) -> str:
         run_id: the run id.
     """
     return trainer_prefix(run_id) + LEASE_NAME
+
+
+def provenance_prefix(run_id: str) -> str:
+    """Prefix of the trainer's per-step provenance objects, ``runs/<run>/trainer/provenance/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return trainer_prefix(run_id) + "provenance/"
+
+
+def provenance_key(run_id: str, step: int) -> str:
+    """Key of one step's provenance, ``runs/<run>/trainer/provenance/s<step>.jsonl`` (create-only: a line per
+    trained group with its record, worker, version, lag and verdicts; ``stoa audit`` reads them).
+
+    Args:
+        run_id: the run id.
+        step: the run's step that trained the groups (1 for the first).
+    """
+    return provenance_prefix(run_id) + f"s{step:08d}.jsonl"
+
+
+def parse_provenance_key(run_id: str, key: str) -> int | None:
+    """The step of a provenance key of ``run_id``; ``None`` for any other key.
+
+    Args:
+        run_id: the run the key must belong to.
+        key: a listed key (untrusted: any string).
+    """
+    head = provenance_prefix(run_id)
+    m = _PROVENANCE_NAME.fullmatch(key[len(head):]) if key.startswith(head) else None
+    return int(m.group(1)) if m else None
 
 
 def metrics_prefix(run_id: str) -> str:

@@ -332,6 +332,7 @@ MISTAKES = [  # (exit code, argv with {b} for the bucket and {t} for tmp_path, e
     (12, ["status", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: no run 'nope' in bucket "),
     (12, ["plot", "{t}/x.png", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: no run 'nope'"),
     (12, ["eval", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: no run 'nope' in bucket "),
+    (12, ["audit", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: no run 'nope' in bucket "),
     (12, ["export", "{t}/out", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract,
      "stoa: no run 'nope' in bucket "),
     (12, ["join-card", "--bucket", "{b}", "--run", "nope"], {}, _run_with_contract, "stoa: run 'nope' has no "),

@@ -33,6 +33,7 @@ def test_every_key_of_a_run_as_documented():
         layout.logs_prefix(r),
         layout.status_key(r),
         layout.metrics_chunk_key(r, "trainer", 1764552000, 3),
+        layout.provenance_key(r, 12),
     ] == [
         "runs/r1",
         "runs/r1/run.json",
@@ -56,6 +57,7 @@ def test_every_key_of_a_run_as_documented():
         "runs/r1/logs/",
         "runs/r1/status.json",
         "runs/r1/metrics/trainer-1764552000-00000003.jsonl",
+        "runs/r1/trainer/provenance/s00000012.jsonl",
     ]
 
 
@@ -121,3 +123,11 @@ def test_metrics_chunk_keys_parse_back_and_other_keys_do_not():
                 layout.metrics_chunk_key("other", "trainer", 1, 1), key + ".tmp",
                 "runs/r/metrics/-0000000001-00000001.jsonl"):
         assert layout.parse_metrics_chunk_key("r", bad) is None, bad
+
+
+def test_parse_provenance_key_inverts_and_refuses_other_keys():
+    assert layout.parse_provenance_key("r", layout.provenance_key("r", 12)) == 12
+    for key in ("runs/r2/trainer/provenance/s00000001.jsonl", "runs/r/trainer/provenance/s1.jsonl",
+                "runs/r/trainer/provenance/s00000001.jsonl.tmp", "runs/r/trainer/provenance/x/s00000001.jsonl",
+                "runs/r/trainer/journal.json"):
+        assert layout.parse_provenance_key("r", key) is None

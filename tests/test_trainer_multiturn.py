@@ -259,3 +259,16 @@ def test_episode_figures_of_a_step(entries):
     assert fig["rollout/tool_calls_mean"] == pytest.approx(7 / 9) and fig["rollout/end/stop"] == 1.0
     single = Entry("k", entries[0].record, entries[0].rewards)  # not replayed: a single-turn task's entry
     assert episode_figures([single], ps, 3.0) == {}
+
+
+def test_provenance_names_each_groups_replay_and_its_tool_calls(entries):
+    from stoa.trainer.provenance import step_provenance
+    from stoa.trainer.step import GroupCheck, entry_worker
+
+    checks = {0: GroupCheck(0.01, False), 1: GroupCheck(5.0, True)}  # group 2: lagged, not judged
+    rows = step_provenance(entries, checks, step=4, version=1, replay=True, worker_of=entry_worker)
+    assert [(r.step, r.worker, r.version, r.lag) for r in rows] == [(4, "w", 1, 0)] * 3
+    assert [(r.replay, r.tool_calls) for r in rows] == [("ok", 2), ("ok", 2), ("ok", 3)]  # one per <search>
+    assert [(r.recompute, r.residual) for r in rows] == [("ok", 0.01), ("rejected", 5.0), ("lagged", None)]
+    off = step_provenance(entries, {}, step=4, version=1, replay=False, worker_of=entry_worker)
+    assert {r.replay for r in off} == {"unreplayed"}

@@ -25,7 +25,7 @@ from stoa.config.names import foreign_hint
 from stoa.config.text import HelpFormatter, RawHelpFormatter
 
 COMMANDS = ("trainer", "worker", "quickstart", "model", "bench", "local-e2e", "local", "export", "retriever",
-            "join-card", "join", "status", "plot", "eval", "runs", "task", "worker-key")
+            "join-card", "join", "status", "plot", "audit", "eval", "runs", "task", "worker-key")
 
 EXIT_CODES: dict[int, str] = {
     0: "done",

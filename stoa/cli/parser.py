@@ -37,7 +37,7 @@ class CommandGroup(NamedTuple):
 COMMAND_GROUPS: tuple[CommandGroup, ...] = (
     CommandGroup("start a run", ("quickstart", "trainer", "worker")),
     CommandGroup("fleet: more machines, run management", ("join-card", "join", "runs", "worker-key")),
-    CommandGroup("watch a run", ("status", "plot", "eval")),
+    CommandGroup("watch a run", ("status", "plot", "audit", "eval")),
     CommandGroup("local mode (one machine, LoRA)", ("local", "local-e2e")),
     CommandGroup("tools", ("task", "model", "export", "retriever", "bench")),
 )

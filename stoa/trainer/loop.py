@@ -30,10 +30,12 @@ from stoa.trainer.dist import SINGLE, Dist
 from stoa.trainer.lease import FencedBucket, Lease, LeaseLost
 from stoa.trainer.overlap import Background, Done
 from stoa.trainer.pool import Entry, RecordPool
+from stoa.trainer.provenance import ProvenanceWriter, step_provenance
 from stoa.trainer.quarantine import Quarantine
 from stoa.trainer.ranks import Driver, RankOps, serve
 from stoa.trainer.retry import RETRY_MAX_SLEEP_S, ride_out  # noqa: F401 - re-exported
 from stoa.trainer.setup import build_contract, check_replay, ensure_contract, evaluate
+from stoa.trainer.step import entry_worker
 from stoa.trainer.steplog import StepClock, step_line, step_row
 from stoa.weights.errors import SyncError
 from stoa.weights.planes import state_from_f32, state_to_f32
@@ -164,6 +166,7 @@ class _Trainer:
         trackers = open_trackers(cfg.report_to, run_id=cfg.run, source="trainer", bucket=self.bucket,
                                  log_dir=log_dir, config=cfg)
         self.metrics = MetricsWriter(log_dir / "trainer.jsonl", cfg.run, trackers=trackers)
+        self.provenance = ProvenanceWriter(self.bucket, cfg.run, self.echo)
         self.summary: dict[str, Any] = {"run": cfg.run, "evals": [], "step_times": [], "checkpoint_path_s": []}
         acfg = self.algo.cfg  # GiGPO's step advantages and ECHO's echo term train on groups of equal rewards
         self.skip_uniform = cfg.skip_uniform_groups and acfg.name != "gigpo" and not acfg.echo_alpha
@@ -202,6 +205,7 @@ class _Trainer:
         for row, step in self.unpublished_rows:  # a step's row goes out once its version's pointer is in
             self.metrics.log(row, step=step)
         self.unpublished_rows = []
+        self.provenance.flush()  # after the pointer too; a failure is counted, never raised
         return self.last_publish.value if self.last_publish is not None else None
 
     def fence(self) -> None:
@@ -447,6 +451,10 @@ class _Trainer:
                        publish=pub.value if pub else None, publish_s=pub.seconds if pub else 0.0)
         row.update(self.quarantine.metrics())
         row.update(self.cost.row(self.pool.reports, float(m.get("tokens", 0.0))))
+        self.provenance.add(self.step, step_provenance(entries, getattr(m, "groups", {}), step=self.step,
+                                                       version=self.version - 1, replay=self.pool.replay,
+                                                       worker_of=entry_worker))
+        row["train/provenance_unwritten"] = self.provenance.failed
         self.unpublished_rows.append((row, self.step))  # logged by settle_publish: never a version not published
         self.summary["step_times"].append(m["step_time_s"])
         self.echo(step_line(row, self.clock.tick(self.step)))

@@ -68,6 +68,8 @@ class RecomputeCheck:
         """Groups (``group_ids`` values) with a sample over the limit."""
         self.worst = 0.0
         """The largest lag-0 sample median judged."""
+        self.residual: dict[int, float] = {}
+        """Per group (``group_ids`` value) with a lag-0 sample: its largest sample median (provenance)."""
 
     def judge(self, rows: np.ndarray, recorded: np.ndarray, recomputed: np.ndarray, mask: np.ndarray) -> None:
         """Judge some rows of the batch; their groups join ``rejected`` when a lag-0 sample is over the limit.
@@ -83,6 +85,8 @@ class RecomputeCheck:
             return
         med = sample_medians(recorded[lag0], recomputed[lag0], mask[lag0])
         self.worst = max(self.worst, float(med.max()))
+        for g, v in zip(self.group_ids[rows[lag0]], med, strict=True):
+            self.residual[int(g)] = max(self.residual.get(int(g), 0.0), float(v))
         self.rejected.update(int(g) for g in self.group_ids[rows[lag0]][med > self.limit])
 
     def keep(self, rows: np.ndarray) -> np.ndarray:

@@ -31,17 +31,28 @@ from stoa.trainer.quarantine import Disagreement, disagreement_values
 from stoa.trainer.recompute_check import RecomputeCheck
 
 
+class GroupCheck(NamedTuple):
+    """A lag-0 group's recompute verdict in one step (groups with lag > 0 are not judged)."""
+
+    residual: float
+    """Its largest sample median ``exp|recorded - recomputed| - 1`` over action tokens."""
+    rejected: bool
+    """Whether the recompute check dropped it (over the limit)."""
+
+
 class StepMetrics(dict):
     """``train_step``'s flat float metrics (a plain ``dict[str, float]`` to its callers), plus
     ``disagreement``: per worker id, its lag-0 tokens' ``exp|recorded - recomputed| - 1``
     (see ``stoa.trainer.quarantine``), measured on the logprobs the step computes anyway; and ``rejected``:
-    per reason (``recompute``), the groups the step did not train on (``rollout/rejected/<reason>``)."""
+    per reason (``recompute``), the groups the step did not train on (``rollout/rejected/<reason>``); and
+    ``groups``: per entry index, its recompute verdict (``stoa.trainer.provenance``)."""
 
     def __init__(self, metrics: dict[str, float], disagreement: dict[str, Disagreement],
-                 rejected: dict[str, int] | None = None):
+                 rejected: dict[str, int] | None = None, groups: dict[int, GroupCheck] | None = None):
         super().__init__(metrics)
         self.disagreement = disagreement
         self.rejected = rejected or {}
+        self.groups = groups or {}
 
 
 def entry_worker(e: Entry) -> str:
@@ -198,7 +209,8 @@ def train_step(
         fw, _ref = _forward(policy, ref, batch, group_indices(batch)[0][:1], shared_prefix, echo)
         (fw.logp.sum() * 0.0).backward()
     grad_norm = _apply_update(policy, opt, grad_clip)
-    shares = dist.gather((parts, loss_total, lag0, len(check.rejected), check.worst))
+    shares = dist.gather((parts, loss_total, lag0, len(check.rejected), check.worst, check.residual,
+                          check.rejected))
     if not dist.main:
         return StepMetrics({}, {})
     parts = [d for share in shares for d in share[0]]
@@ -212,7 +224,8 @@ def train_step(
     if echo.alpha is not None:
         out["echo_alpha"] = echo.alpha
     out["recompute_median_max"] = max(share[4] for share in shares)
-    return StepMetrics(out, _disagreement(batch, lag0), {"recompute": rejected} if rejected else {})
+    groups = {g: GroupCheck(v, g in share[6]) for share in shares for g, v in share[5].items()}
+    return StepMetrics(out, _disagreement(batch, lag0), {"recompute": rejected} if rejected else {}, groups)
 
 
 def rank_micro_batches(batch: Batch, dist: Dist, micro_batch: int, shared_prefix: bool

@@ -82,6 +82,9 @@ def scenario(model_dir: str, mode: str, dist=None) -> dict[str, np.ndarray]:
         out["loss"] = np.array([m["loss"] for m in ms])
         out["grad_norm"] = np.array([m["grad_norm"] for m in ms])
         out["rejected"] = np.array([m.rejected.get("recompute", 0) for m in ms])
+        out["judged"] = np.array([sorted(m.groups) for m in ms])  # provenance: every rank's groups on rank 0
+        out["residual"] = np.array([[m.groups[g].residual for g in sorted(m.groups)] for m in ms])
+        out["dropped"] = np.array([[m.groups[g].rejected for g in sorted(m.groups)] for m in ms])
     return out if dist.main else {}
 
 

@@ -37,6 +37,9 @@ def test_two_ranks_step_equals_one_process_and_publishes_the_same_bits(tiny_dir,
     np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(two["grad_norm"], one["grad_norm"], rtol=1e-5)
     assert two["rejected"].tolist() == one["rejected"].tolist() == ([3, 0] if mode == "checked" else [0, 0])
+    assert two["judged"].tolist() == one["judged"].tolist() and two["dropped"].tolist() == one["dropped"].tolist()
+    assert one["dropped"].sum(axis=1).tolist() == one["rejected"].tolist()
+    np.testing.assert_allclose(two["residual"], one["residual"], rtol=1e-4, atol=1e-5)
     step_keys = [k for k in one if k.startswith("step/")]
     worst = max(float(np.abs(one[k] - two[k]).max()) for k in step_keys)
     print(f"max |w(2 ranks) - w(1 process)| after two steps: {worst:.2e}")

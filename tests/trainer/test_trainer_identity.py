@@ -11,6 +11,7 @@ from stoa.contract import RunKeyError
 from stoa.identity import issue_key, new_worker_key, revoke_keys, sign_statement
 from stoa.identity.book import IdentityBook
 from stoa.layout import identity_key
+from stoa.observe.audit import read_audit
 from stoa.rollouts.records import RolloutRecord
 from stoa.trainer.loop import _Trainer
 from stoa.weights.signing import create_key, load_key
@@ -58,6 +59,9 @@ def test_forged_revoked_and_unsigned_records_train_nothing_while_a_valid_one_tra
         t.open_lifecycle()
         assert t.loop() == 1 and t.version == 2
         assert {u.key for u in t.pool.uses.values()} == {good}  # the only group any step took
+        t.settle_publish()  # the step's provenance goes out after its pointer
+        rows = read_audit(bucket, "r").rows  # stoa audit names the key that signed the trained group
+        assert [r.signature for r in rows] == [f"signed {alice.public_hex[:16]}"]
     finally:
         t.close()
 
