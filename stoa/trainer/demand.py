@@ -20,6 +20,7 @@ from stoa.layout import rollout_version_prefix, status_key
 from stoa.lifecycle import read_status
 from stoa.schemas.control import RunStatus
 from stoa.trainer.liveness import LiveWorkers
+from stoa.trainer.rates import FleetRates
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ class UniformSkips:
 
 class StatusPublisher:
     """Writes ``status.json``: on a new version, on a heartbeat every ``heartbeat_s``, and at exit; with a want it
-    also counts the live workers (:class:`~stoa.trainer.liveness.LiveWorkers`) among whom the workers share it.
+    also counts the live workers (:class:`~stoa.trainer.liveness.LiveWorkers`) among whom the workers share it,
+    and sums their reported speeds (:class:`~stoa.trainer.rates.FleetRates`) so they share it by speed.
 
     Args:
         bucket: the run's bucket.
@@ -140,6 +142,9 @@ class StatusPublisher:
         self._workers: int | None = None
         self.live = LiveWorkers(bucket, run_id, heartbeat_s, clock=mono)
         """The live workers the status shares the want among."""
+        self.rates = FleetRates(clock=mono)
+        """Their speeds, bounded (``rejected``, ``capped`` and ``excess`` count the reports not trusted)."""
+        self._fleet_rate: float | None = None
         self.writes = 0
         """Status objects written by this process."""
         try:
@@ -163,7 +168,10 @@ class StatusPublisher:
             step: the run's steps so far.
             seen: the pool's entries now (their workers are live); None: no worker count.
         """
+        seen = None if seen is None else list(seen)
         workers = None if wanted is None or seen is None else self.live.update(seen)
+        if workers is not None and seen is not None:
+            self._fleet_rate = self.rates.update(seen, workers)
         due = self._written_at is None or self._mono() - self._written_at >= self.heartbeat_s
         since = None if self._written_at is None else self._mono() - self._written_at
         moved = wanted != self._wanted and (wanted == 0 or (wanted or 0) > (self._wanted or 0)
@@ -188,8 +196,9 @@ class StatusPublisher:
             workers: the live workers sharing the want (None: not counted).
         """
         now = self._clock()
+        fleet = None if workers is None or self._fleet_rate is None else round(self._fleet_rate, 3)
         status = RunStatus(state, version, now, now, wanted, round(step_s, 3), kept_from, step, self.target_steps,
-                           workers)
+                           workers, fleet)
         if self.fence is not None:
             self.fence()
         try:

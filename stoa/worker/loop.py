@@ -245,7 +245,8 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
                              log_dir=log_dir, config=cfg)
     metrics = MetricsWriter(log_dir / f"worker-{wid}.jsonl", wid, sink, trackers=trackers)
     watch = RunWatch(bucket, cfg.run, stale_s=cfg.trainer_stale_seconds, min_interval_s=cfg.status_seconds,
-                     backpressure=cfg.backpressure, worker_id=wid)
+                     backpressure=cfg.backpressure, worker_id=wid, pacing=cfg.pacing,
+                     staleness_bound=contract.staleness_bound)
     tools = None
     if is_multiturn(task):
         tools = open_task_tools(task, cfg.retriever, role="worker", bucket=bucket, run_id=cfg.run,
