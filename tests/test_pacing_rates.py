@@ -15,7 +15,7 @@ from stoa.schemas.control import RunStatus
 from stoa.trainer.demand import StatusPublisher
 from stoa.trainer.rates import FleetRates
 from stoa.worker.pacing import RunWatch
-from stoa.worker.rate import MIN_FRACTION, RateMeter, batch_for_rate, rate_share
+from stoa.worker.rate import MIN_DUTY, MIN_FRACTION, RateMeter, batch_for_rate, duty, rate_share
 
 
 class Clock:
@@ -59,11 +59,12 @@ def test_a_forged_huge_fleet_rate_slows_a_worker_but_never_stops_it():
 
 
 def test_a_batch_lands_inside_the_window():
-    assert batch_for_rate(16, None, 30.0, 3) == 16 and batch_for_rate(16, 2.0, 0.0, 3) == 16
-    # 2 groups/min, 30 s steps, bound 3: the window lasts 120 s, half of it holds 2 groups
-    assert batch_for_rate(16, 2.0, 30.0, 3) == 2
+    assert batch_for_rate(16, None, 30.0, 3) == 4 and batch_for_rate(2, None, 30.0, 3) == 1  # a probe first
+    assert batch_for_rate(16, 2.0, 0.0, 3) == 16  # no step time known
+    # 4 groups/min, 30 s steps, bound 3: the window lasts 120 s, a quarter of it holds 2 groups
+    assert batch_for_rate(16, 4.0, 30.0, 3) == 2
     assert batch_for_rate(16, 0.1, 30.0, 3) == 1  # at least one
-    assert batch_for_rate(16, 600.0, 30.0, 3) == 16
+    assert batch_for_rate(16, 600.0, 30.0, 3) == 16 and batch_for_rate(16, 20.0, 30.0, 3) == 10
 
 
 def test_the_fleet_rate_sums_reported_speeds_and_counts_unrated_workers_at_the_median():
@@ -106,16 +107,17 @@ def test_a_flooding_worker_is_counted_as_excess():
 
 def test_the_status_publishes_the_fleet_rate_and_omits_it_when_unknown(tmp_path):
     bucket, clock = open_bucket(str(tmp_path)), Clock()
-    pub = StatusPublisher(bucket, "r", 10.0, clock=lambda: 100.0 + clock.t, mono=clock)
-    pub.beat(1, 8, step_s=1.0, kept_from=1, seen=[])
-    assert "fleet_rate" not in json.loads(bucket.get(status_key("r")))
-    pub.beat(2, 8, step_s=1.0, kept_from=1, seen=[entry("a", "w1", 30.0), entry("b", "w2", 60.0)])
-    assert RunStatus.parse(bucket.get(status_key("r"))).fleet_rate == pytest.approx(3.0)
+    pub = StatusPublisher(bucket, "r", 10.0, clock=lambda: 100.0 + clock.t, mono=clock, groups_per_step=8)
+    pub.beat(1, 8, step_s=0.0, kept_from=1, seen=[])
+    assert not {"fleet_rate", "use_rate"} & set(json.loads(bucket.get(status_key("r"))))
+    pub.beat(2, 8, step_s=4.0, kept_from=1, seen=[entry("a", "w1", 30.0), entry("b", "w2", 60.0)])
+    got = RunStatus.parse(bucket.get(status_key("r")))
+    assert got.fleet_rate == pytest.approx(3.0) and got.use_rate == pytest.approx(8 * 60 / 4.0)
 
 
 def counted_watch(bucket, clock, **kw) -> RunWatch:
     bucket.put(status_key("r"), RunStatus("running", 1, 99.0, 99.0, 8, 0.0, 1, 0, None, 0).to_json())
-    w = RunWatch(bucket, "r", stale_s=600, min_interval_s=0, clock=clock, worker_id="a", **kw)
+    w = RunWatch(bucket, "r", stale_s=600, min_interval_s=0, clock=clock, worker_id="a", **{"pacing": True, **kw})
     w.check()
     bucket.delete(presence_key("r", "a", 0))
     return w
@@ -131,20 +133,20 @@ def test_the_worker_sizes_its_batch_and_share_from_its_rate(tmp_path):
     w = counted_watch(bucket, clock, staleness_bound=3)
     put_status(bucket, 40, 4, 8.0)
     assert w.check().action == "sample"
-    assert w.batch(16) == 10  # no rate yet: the count's share (40 / 4)
-    clock.t += 120.0
-    w.spend(4)  # 4 groups in 2 minutes: 2 groups/min
-    assert w.meter.rate == pytest.approx(2.0)
+    assert w.wanted() == 10 and w.batch(16) == 4  # no rate yet: the count's share (40 / 4), a probe of 16 / 4
+    clock.t += 60.0
+    w.spend(4)  # 4 groups in a minute
+    assert w.meter.rate == pytest.approx(4.0)
     clock.t += 200.0
     put_status(bucket, 40, 8, 8.0, beat=101.0, version=3)
     w.check()
-    assert w.wanted() == 10  # 40 x 2 / 8 (by the count: 40 / 8 = 5)
-    assert w.batch(16) == 2  # 2 groups/min x half of a 4 x 30 s window
+    assert w.wanted() == 20  # 40 x 4 / 8 (by the count: 40 / 8 = 5)
+    assert w.batch(16) == 2  # 4 groups/min x a quarter of a 4 x 30 s window
     off = counted_watch(open_bucket(str(tmp_path / "off")), clock, pacing=False)
     off.meter.add(4, 120.0)
     put_status(off.bucket, 40, 4, 8.0)
     off.check()
-    assert off.batch(16) == 10
+    assert off.batch(16) == 10 and off.batch(8) == 8
 
 
 def test_a_hostile_status_is_skipped_and_counted(tmp_path):
@@ -159,3 +161,25 @@ def test_a_hostile_status_is_skipped_and_counted(tmp_path):
     put_status(bucket, 40, 4, -5.0, beat=102.0)
     w.check()
     assert w.bad_rates == 1 and w.wanted() == 10  # shared by the count instead
+
+
+def test_the_duty_paces_a_faster_fleet_to_the_trainer_and_is_bounded():
+    assert duty(200.0, 100.0) == pytest.approx(0.5) and duty(50.0, 100.0) == 1.0
+    assert duty(None, 100.0) == duty(200.0, None) == duty(-1.0, 100.0) == duty(200.0, 0.0) == 1.0
+    assert duty(1e9, 1e-3) == MIN_DUTY  # a forged tiny use_rate slows a worker, never stops it
+
+
+def test_a_worker_waits_between_batches_when_the_fleet_is_faster_than_the_trainer(tmp_path):
+    bucket, clock = open_bucket(str(tmp_path)), Clock()
+    w = counted_watch(bucket, clock)
+    bucket.put(status_key("r"), RunStatus("running", 2, 100.0, 100.0, 40, 30.0, 1, 0, None, 4, 40.0,
+                                          10.0).to_json())  # the fleet samples 4x what the trainer trains
+    assert w.check().action == "sample"
+    w.batch(8)
+    clock.t += 30.0
+    w.spend(2)  # 2 groups in 30 s, at a quarter duty: wait 90 s more
+    assert w.check().kind == "pacing"
+    clock.t += 89.0
+    assert w.check().kind == "pacing"
+    clock.t += 2.0
+    assert w.check().action == "sample"

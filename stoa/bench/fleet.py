@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default="toy", help="single-turn task of the records [default: toy]")
     p.add_argument("--seed", type=int, default=0, help="random seed [default: 0]")
     p.add_argument("--out", default="", help="append one JSONL row per scenario to this file")
+    from stoa.bench import fleetmix  # it builds on this module's records
+
+    fleetmix.add_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,7 @@ class RecordMaker:
         self.prompts: dict[str, tuple[Any, np.ndarray]] = {}
         self.tokens = [np.array(codec.tok.encode(t, add_special_tokens=False), np.int32) for t in self.TEXTS]
 
-    def put(self, bucket: Bucket, worker: int, seq: int, version: int, uid: int) -> None:
+    def put(self, bucket: Bucket, worker: int, seq: int, version: int, uid: int, generate_s: float = 0.0) -> None:
         """Upload worker ``worker``'s record ``seq`` sampled at ``version``.
 
         Args:
@@ -235,6 +238,7 @@ class RecordMaker:
             seq: its sequence number.
             version: the policy version it was sampled with.
             uid: a number no other record of the run has (below 2**24): it sets the logprobs.
+            generate_s: the seconds the worker reports it spent on the group (0: none reported).
         """
 
         prompt_id = f"train:{(worker * 7919 + seq) % 997}"
@@ -249,7 +253,7 @@ class RecordMaker:
             samples.append(Sample(self.tokens[j], np.full(self.tokens[j].size, lp, np.float32),
                                   float(self.task.reward(prompt, self.TEXTS[j])), "length"))
         rec = RolloutRecord(f"w{worker:05d}", seq, version, self.fingerprint, self.task.id, prompt_id,
-                            prompt_tokens, samples)
+                            prompt_tokens, samples, timings={"generate_s": generate_s} if generate_s else {})
         bucket.put_create(rollout_key(self.contract.run_id, version, rec.worker_id, seq), rec.encode())
 
 
@@ -399,6 +403,10 @@ def main(args: argparse.Namespace) -> int:
     Args:
         args: parsed flags (see ``add_arguments``).
     """
+    if args.mix:
+        from stoa.bench import fleetmix
+
+        return fleetmix.main(args)
     backends = list(dict.fromkeys([b.strip() for b in args.backend.split(",") if b.strip()] + ["s3"] * args.s3))
     if not set(backends) <= {"local", "s3"}:
         raise SystemExit(f"--backend {args.backend!r}: give a comma list of local,s3")

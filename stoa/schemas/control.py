@@ -36,7 +36,7 @@ MAX_COUNT = 2**31 - 1
 MAX_SECONDS = 1e12
 """Largest time or step time (seconds) a status may carry."""
 MAX_FLEET_RATE = 1e9
-"""Largest ``fleet_rate`` (groups per minute) a status may carry."""
+"""Largest ``fleet_rate`` or ``use_rate`` (groups per minute) a status may carry."""
 MAX_LEASE_BYTES = 64 << 10
 """Longest ``lease.json`` read (the trainer writes about 200 bytes)."""
 MAX_HEARTBEAT_BYTES = 4096
@@ -74,6 +74,8 @@ class RunStatus:
             not said, a trainer older than this field: every worker may sample the whole want).
         fleet_rate: the live workers' summed speed in groups per minute (``stoa.trainer.rates``); a worker's
             share of the want is the want x its own speed / this (None: not said, shares by the count).
+        use_rate: groups per minute the trainer can train (``groups_per_step x 60 / step_s``); workers pace to
+            their share of it when the fleet is faster (None: not said, no pacing gap).
         schema: the schema version (absent in older objects: 1).
     """
 
@@ -88,15 +90,17 @@ class RunStatus:
     target_steps: int | None = None
     workers: int | None = None
     fleet_rate: float | None = None
+    use_rate: float | None = None
     schema: int = 1
 
     SCHEMA = 1
 
     def to_json(self) -> bytes:
-        """Serialize for the bucket (no ``fleet_rate`` key when None: written as before that field)."""
+        """Serialize for the bucket (no ``fleet_rate`` or ``use_rate`` key when None: written as before them)."""
         d = asdict(self)
-        if d["fleet_rate"] is None:
-            del d["fleet_rate"]
+        for k in ("fleet_rate", "use_rate"):
+            if d[k] is None:
+                del d[k]
         return json.dumps(versioned(d), sort_keys=True).encode()
 
     @classmethod
@@ -122,12 +126,14 @@ class RunStatus:
         def count(name: str, absent: int | None) -> int | None:  # absent in a status of an older trainer
             return absent if d.get(name) is None else field_int(d, name, hi=MAX_COUNT)
 
+        def rate(name: str) -> float | None:  # absent in a status of an older trainer
+            return None if d.get(name) is None else field_float(d, name, bound=MAX_FLEET_RATE)
+
         return cls(state, field_int(d, "version", hi=MAX_COUNT), field_float(d, "updated_at", bound=MAX_SECONDS),
                    field_float(d, "heartbeat_at", bound=MAX_SECONDS), count("wanted_groups", None),
                    field_float(d, "step_s", bound=MAX_SECONDS), field_int(d, "rollouts_kept_from", hi=MAX_COUNT),
                    count("step", 0) or 0, count("target_steps", None), count("workers", None),
-                   None if d.get("fleet_rate") is None else field_float(d, "fleet_rate", bound=MAX_FLEET_RATE),
-                   schema)
+                   rate("fleet_rate"), rate("use_rate"), schema)
 
     @classmethod
     def from_json(cls, data: bytes) -> RunStatus | None:

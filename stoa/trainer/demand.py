@@ -127,12 +127,14 @@ class StatusPublisher:
         clock: wall clock for the stored times.
         mono: monotonic clock for the heartbeat interval and the worker count.
         target_steps: the run's total steps (0: unbounded), written into every status.
+        groups_per_step: groups a step takes (0: no ``use_rate`` in the status).
     """
 
     def __init__(self, bucket: Bucket, run_id: str, heartbeat_s: float, *, fence: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic,
-                 target_steps: int = 0) -> None:
+                 target_steps: int = 0, groups_per_step: int = 0) -> None:
         self.bucket, self.run_id, self.heartbeat_s = bucket, run_id, heartbeat_s
+        self.groups_per_step = groups_per_step
         self.target_steps = target_steps
         self.fence = fence
         self._clock, self._mono = clock, mono
@@ -197,8 +199,9 @@ class StatusPublisher:
         """
         now = self._clock()
         fleet = None if workers is None or self._fleet_rate is None else round(self._fleet_rate, 3)
+        use = round(self.groups_per_step * 60 / step_s, 3) if self.groups_per_step and step_s > 0 else None
         status = RunStatus(state, version, now, now, wanted, round(step_s, 3), kept_from, step, self.target_steps,
-                           workers, fleet)
+                           workers, fleet, use)
         if self.fence is not None:
             self.fence()
         try:

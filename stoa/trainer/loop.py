@@ -291,7 +291,8 @@ class _Trainer:
         metrics chunks in the bucket, each fenced by the lease."""
         cfg = self.cfg
         fence = getattr(self, "fence", None)
-        self.run_status = StatusPublisher(self.bucket, cfg.run, cfg.status_seconds, fence=fence, target_steps=cfg.steps)
+        self.run_status = StatusPublisher(self.bucket, cfg.run, cfg.status_seconds, fence=fence, target_steps=cfg.steps,
+                                          groups_per_step=cfg.groups_per_step)
         self.skips = UniformSkips(cfg.groups_per_step * (cfg.staleness_bound + 1))
         prior = self.run_status.prior
         self.retention = RolloutRetention(self.bucket, cfg.run, cfg.staleness_bound, cfg.keep_rollout_versions,

@@ -269,7 +269,8 @@ def _watch(w: _Worker, p: _Progress, echo: Callable[[str], Any]) -> Verdict:
     if v.action == "exit":
         echo(f"[worker {w.wid}] {v.reason}; exiting")
     elif v.action == "pause" and p.paused != v.kind:
-        echo(f"[worker {w.wid}] paused: {v.reason}")
+        if v.kind != "pacing":  # a gap between batches, every batch: metrics only
+            echo(f"[worker {w.wid}] paused: {v.reason}")
         w.metrics.log({"worker/paused": 1, "worker/pause_reason": v.kind, "worker/version": p.version})
         p.paused_since = p.paused_since if p.paused else now
         p.paused = v.kind

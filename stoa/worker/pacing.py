@@ -55,7 +55,7 @@ from stoa.bucket import Bucket, BucketError, ObjectNotFound
 from stoa.layout import presence_key, status_key
 from stoa.lifecycle import PRESENCE_S
 from stoa.schemas.control import RunStatus
-from stoa.worker.rate import RateMeter, batch_for_rate, rate_share
+from stoa.worker.rate import RateMeter, batch_for_rate, duty, rate_share
 
 REGRANT_BATCHES = 2.0
 """A status at the granting one's version, with no larger want, grants anew only after this many of the worker's
@@ -73,7 +73,7 @@ class Verdict:
     Args:
         action: ``sample``, ``pause`` or ``exit``.
         reason: one line for the log (empty for ``sample``).
-        kind: short label for metrics: ``""``, ``finished``, ``stale``, ``failed`` or ``backpressure``.
+        kind: short label for metrics: ``""``, ``finished``, ``stale``, ``failed``, ``backpressure`` or ``pacing``.
     """
 
     action: str
@@ -121,13 +121,14 @@ class RunWatch:
         backpressure: honour ``wanted_groups`` (False: sample regardless).
         clock: monotonic clock (tests pass a fake one).
         worker_id: this worker's id: it names its presence objects and seeds its draws (empty: no presence).
-        pacing: share the want by speed and size batches to land inside the window (``stoa.worker.rate``).
+        pacing: share the want by speed, size batches to land inside the window and space them by ``duty``
+            (``stoa.worker.rate``; the worker setting ``pacing``, on by default).
         staleness_bound: the run's staleness bound (batch sizing).
     """
 
     def __init__(self, bucket: Bucket, run_id: str, *, stale_s: float, min_interval_s: float,
                  backpressure: bool = True, clock: Callable[[], float] = time.monotonic, worker_id: str = "",
-                 pacing: bool = True, staleness_bound: int = 3) -> None:
+                 pacing: bool = False, staleness_bound: int = 3) -> None:
         self.bucket, self.run_id, self.worker_id = bucket, run_id, worker_id
         self.pacing, self.staleness_bound = pacing, staleness_bound
         self.meter = RateMeter()
@@ -136,6 +137,8 @@ class RunWatch:
         """Status objects read and refused (malformed: read as absent)."""
         self.bad_rates = 0
         """Statuses whose ``fleet_rate`` is not positive (shared by the count instead)."""
+        self.paced_until = 0.0
+        """When pacing: the next batch waits until then (the last batch's seconds / ``duty``)."""
         self.stale_s, self.min_interval_s, self.backpressure = stale_s, min_interval_s, backpressure
         self._clock = clock
         self.status: RunStatus | None = None
@@ -306,6 +309,9 @@ class RunWatch:
         if self._batch_at is not None:
             self._batch_s, self._batch_at = self._active_at - self._batch_at, None
             self.meter.add(groups, self._batch_s)
+            s = self.status
+            if self.pacing and s is not None:
+                self.paced_until = self._active_at + self._batch_s * (1 / duty(s.fleet_rate, s.use_rate) - 1)
 
     def check(self) -> Verdict:
         """Read the status if due, announce this worker if due, and say whether to sample, pause or exit."""
@@ -325,6 +331,10 @@ class RunWatch:
             return Verdict("pause", f"the trainer failed at v{s.version}; waiting for a restart", "failed")
         if self.wanted() == 0:
             return Verdict("pause", f"the trainer {self._why(s)} at v{s.version} (backpressure)", "backpressure")
+        if self.pacing and self._clock() < self.paced_until:
+            return Verdict("pause", f"pacing to {100 * duty(s.fleet_rate, s.use_rate):.0f}% of this worker's speed "
+                                    f"(the fleet samples {s.fleet_rate} groups/min, the trainer trains {s.use_rate})",
+                           "pacing")
         return SAMPLE
 
     def _why(self, s: RunStatus) -> str:
