@@ -6,6 +6,7 @@ the trainer loop's wait between polls: ``poll_delay``), and every active worker 
 a minute on its own schedule, each at the trainer's version minus a lag (most at lag 0, fewer at each older
 version of the window). Per step it counts LIST pages (1,000 keys each, R2 Class A) and GETs (Class B) and
 times listing, reading and checking (decode, validation, prompt re-rendering, rewards) separately.
+``--mix`` runs the mixed-fleet pacing benchmark instead (``stoa.bench.fleetmix``).
 """
 
 from __future__ import annotations
