@@ -86,7 +86,7 @@ def test_an_absurd_reported_speed_is_rejected_and_never_used(generate_s):
     assert got == pytest.approx(3.0)  # the liar counts at the median: 1 group/min
 
 
-def test_a_fast_liar_is_capped_at_max_ratio_times_the_median_of_the_others():
+def test_a_fast_liar_is_capped_at_max_ratio_times_the_median():
     r = FleetRates(max_ratio=10.0, clock=Clock())
     honest = [entry(f"c{i}", f"w{i}", 60.0) for i in range(4)]
     got = r.update(honest + [entry("x", "liar", 60.0 / 1e4)], 5)  # 1e4 groups/min: believable, but 1e4 medians
@@ -99,9 +99,9 @@ def test_a_flooding_worker_is_counted_as_excess():
     r.update([entry(f"h{i}", f"w{i}", 60.0) for i in range(4)], 5)
     flood = [entry(f"f{i}", "flood", 60.0) for i in range(40)]  # the same speed, ten times the groups
     r.update(flood, 5)
-    assert r.excess >= 25, r.excess
+    assert r.excess >= 20, r.excess  # 40 delivered, 2 x 44 / 5 + 2 allowed
     honest = FleetRates(clock=clock)
-    honest.update([entry(f"h{i}-{j}", f"w{i}", 60.0) for i in range(5) for j in range(8)], 5)
+    honest.update([entry(f"h{i}-{j}", f"w{i}", 60.0) for i in range(5) for j in range(10 if i == 0 else 8)], 5)
     assert honest.excess == 0
 
 
