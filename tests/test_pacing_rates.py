@@ -183,3 +183,38 @@ def test_a_worker_waits_between_batches_when_the_fleet_is_faster_than_the_traine
     assert w.check().kind == "pacing"
     clock.t += 2.0
     assert w.check().action == "sample"
+
+
+class StatusSpy:
+    """The trainer's bucket, keeping every status it writes."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.statuses = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put(self, key, data, *a, **kw):
+        if key == status_key("r"):
+            self.statuses.append(RunStatus.parse(data))
+        return self.inner.put(key, data, *a, **kw)
+
+
+def test_the_trainer_publishes_the_fleet_speed_and_counts_what_it_did_not_trust(tmp_path, stoa_cache):
+    """A real trainer (intake and step faked): its status carries the fleet's speed from the pool's records and the
+    rate it trains; a record reporting 1e9 groups/min is counted in the run's summary, not trusted."""
+    from stoa.trainer.loop import _Trainer
+    from tests.test_lifecycle import fake_steps, make_trainer_cfg
+
+    url = str(tmp_path / "b")
+    t = _Trainer(make_trainer_cfg(url, steps=2), echo=lambda *_: None)
+    fake_steps(t)
+    t.pool.entries = {"a": entry("a", "w1", 30.0), "b": entry("b", "w2", 60.0), "x": entry("x", "liar", 6e-8)}
+    t.bucket = spy = StatusSpy(t.bucket)
+    try:
+        summary = t.run()
+    finally:
+        t.close()
+    assert summary["rates_rejected"] == 1 and summary["excess_groups"] == 0
+    running = [s for s in spy.statuses if s.fleet_rate is not None]
+    assert running and running[-1].fleet_rate == pytest.approx(2 + 1 + 1.5)  # the liar at the median

@@ -282,8 +282,10 @@ class _Trainer:
         self.metrics.close()
         self.echo("[trainer] bucket requests of this trainer: " + ", ".join(
             f"{n} {name}" for name, n in sorted(METER.by_request().items())))
+        rates = self.run_status.rates  # workers' reported speeds not trusted (docs/fleet.md, "Pacing")
         self.summary.update(version=self.version, step=self.step, deleted_objects=self.deleted_objects,
-                            status_writes=self.run_status.writes)
+                            status_writes=self.run_status.writes, rates_rejected=rates.rejected,
+                            rates_capped=rates.capped, excess_groups=rates.excess)
         return self.summary
 
     def open_lifecycle(self) -> None:
