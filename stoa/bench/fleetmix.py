@@ -34,7 +34,9 @@ from stoa.trainer.pool import RecordPool
 from stoa.worker.pacing import RunWatch
 
 DEFAULT_CLASSES = "fast:1:30:16,medium:50:2:8,slow:20:1.5:8:120:1500"
-"""name:count:groups per minute:groups in flight[:start s[:stop s]] per class."""
+"""name:count:groups per minute:groups in flight[:start s[:stop s[:reported groups per minute[:greedy]]]] per
+class (a reported speed other than 0 is a lie written on every record; greedy 1: the class ignores its share)."""
+SPEC = "name:count:groups_per_min:in_flight[:start_s[:stop_s[:reported_per_min[:greedy]]]]"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,8 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """
     p.add_argument("--mix", action="store_true", help="run the mixed-fleet pacing benchmark instead (see --classes)")
     p.add_argument("--classes", default=DEFAULT_CLASSES,
-                   help="--mix: comma list of name:count:groups_per_min:in_flight[:start_s[:stop_s]] "
-                        f"[default: {DEFAULT_CLASSES}]")
+                   help=f"--mix: comma list of {SPEC} (reported: the speed its records claim, 0: the true one; "
+                        f"greedy 1: samples regardless of its share) [default: {DEFAULT_CLASSES}]")
     p.add_argument("--mix-steps", type=int, default=80, help="--mix: trainer steps [default: 80]")
     p.add_argument("--mix-groups-per-step", type=int, default=48, help="--mix: groups a step takes [default: 48]")
     p.add_argument("--mix-step-seconds", type=float, default=20.0, help="--mix: seconds of a step [default: 20]")
@@ -67,6 +69,10 @@ class WorkerClass:
     start_s: float = 0.0
     stop_s: float = 0.0
     """0: never stops."""
+    reported: float = 0.0
+    """The speed its records claim, groups a minute (0: the true one)."""
+    greedy: bool = False
+    """Samples regardless of its share and pace (``backpressure = false``, ``pacing = false``): a flood."""
 
 
 @dataclass(frozen=True)
@@ -110,16 +116,16 @@ def parse_classes(text: str) -> tuple[WorkerClass, ...]:
     """Parse ``--classes``.
 
     Args:
-        text: comma list of ``name:count:groups_per_min:in_flight[:start_s[:stop_s]]``.
+        text: comma list of ``SPEC``.
     """
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         f = part.split(":")
         try:
-            c = WorkerClass(f[0], int(f[1]), float(f[2]), int(f[3]), *(float(x) for x in f[4:6]))
+            opt = [float(x) if x else 0.0 for x in f[4:7]] + [0.0] * (7 - len(f[:7]))
+            c = WorkerClass(f[0], int(f[1]), float(f[2]), int(f[3]), opt[0], opt[1], opt[2], f[7:8] == ["1"])
         except (IndexError, ValueError, TypeError):
-            raise SystemExit(f"--classes {part!r}: give name:count:groups_per_min:in_flight[:start_s[:stop_s]], "
-                             "e.g. slow:20:0.5:8:120:1500") from None
+            raise SystemExit(f"--classes {part!r}: give {SPEC}, e.g. slow:20:0.5:8:120:1500") from None
         if c.count < 1 or not c.speed > 0 or c.in_flight < 1:
             raise SystemExit(f"--classes {part!r}: count, speed and in_flight must be > 0")
         out.append(c)
@@ -160,7 +166,8 @@ class _Sim:
         self.step_lags: list[float] = []
         self.workers = [_Worker(i, c, RunWatch(self.bucket, self.run_id, stale_s=600.0,
                                                min_interval_s=s.worker_status_seconds, clock=self.clock,
-                                               worker_id=f"w{i:05d}", pacing=s.pacing,
+                                               worker_id=f"w{i:05d}", pacing=s.pacing and not c.greedy,
+                                               backpressure=not c.greedy,
                                                staleness_bound=s.staleness_bound), last_t=c.start_s)
                         for i, c in enumerate(c for c in s.classes for _ in range(c.count))]
 
@@ -196,7 +203,8 @@ class _Sim:
         if w.batch is not None:
             groups, at, seconds = w.batch
             for _ in range(groups):
-                self.maker.put(self.bucket, w.index, w.seq, at, self.uid, generate_s=seconds / groups)
+                claimed = 60.0 / w.cls.reported if w.cls.reported else seconds / groups
+                self.maker.put(self.bucket, w.index, w.seq, at, self.uid, generate_s=claimed)
                 self.records[(f"w{w.index:05d}", w.seq)] = (w.cls.name, at)
                 if at < self.version - self.s.staleness_bound:
                     f.late += 1
@@ -287,6 +295,8 @@ def print_table(title: str, sim: _Sim, window: int) -> None:
         hist = "/".join(f"{100 * r['lag_share'].get(str(k), 0.0):.0f}" for k in range(window + 1))
         print(f"{r['class']:8} {r['sampled']:7d} {r['trained']:7d} {r['late']:5d} {r['stale']:5d} {r['pending']:7d} "
               f"{100 * r['trained_share']:7.1f}% {100 * r['idle_share']:5.1f}%  {hist}")
+    r = sim.status.rates
+    print(f"reported speeds rejected {r.rejected}, workers counted at the cap {r.capped}, excess groups {r.excess}")
     m = sim.step_lags
     mean = sum(m) / len(m) if m else 0.0
     spread = (sum((x - mean) ** 2 for x in m) / len(m)) ** 0.5 if m else 0.0
