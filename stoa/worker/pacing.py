@@ -38,6 +38,12 @@ presence object is gone: a HEAD per status read until then), within one status h
 leaves it out would overshoot when many join at once. A status without ``workers`` (an older trainer) gives
 every worker the whole want at every status, as before.
 
+Pacing by speed (``pacing``, the worker default; docs/fleet.md "Pacing", :mod:`stoa.worker.rate`): once a worker
+measured a batch and the status carries ``fleet_rate``, its share is the want times its speed over the fleet's
+instead of over the count; its batches hold what it samples in a quarter of the window's time (a probe before
+its first measure); and when the status's ``use_rate`` is below the fleet's speed it waits after each batch
+(``Verdict`` kind ``pacing``) so that the fleet samples about what the trainer trains.
+
 When in doubt it samples: a missing, unreadable or malformed status means "sample". Staleness is measured
 on the worker's own monotonic clock (time since the heartbeat value last changed), so clock skew between
 machines does not matter. Anyone who can write the bucket can write this object: it only steers pausing,
