@@ -26,8 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stoa.bench.fleet import RecordMaker, make_run
-from stoa.bench.flood import Clock
+from stoa.bench.records import Clock, RecordMaker, make_run
 from stoa.bucket import open_bucket
 from stoa.trainer.demand import RolloutRetention, StatusPublisher, poll_delay, wanted_groups
 from stoa.trainer.pool import RecordPool
