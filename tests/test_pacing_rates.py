@@ -147,6 +147,9 @@ def test_the_worker_sizes_its_batch_and_share_from_its_rate(tmp_path):
     put_status(off.bucket, 40, 4, 8.0)
     off.check()
     assert off.batch(16) == 10 and off.batch(8) == 8
+    regardless = RunWatch(bucket, "r", stale_s=600, min_interval_s=0, clock=clock, pacing=True, backpressure=False)
+    regardless.check()
+    assert regardless.batch(16) == 16  # backpressure = false samples regardless: no probe, no pace
 
 
 def test_a_hostile_status_is_skipped_and_counted(tmp_path):

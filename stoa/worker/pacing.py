@@ -128,7 +128,7 @@ class RunWatch:
         clock: monotonic clock (tests pass a fake one).
         worker_id: this worker's id: it names its presence objects and seeds its draws (empty: no presence).
         pacing: share the want by speed, size batches to land inside the window and space them by ``duty``
-            (``stoa.worker.rate``; the worker setting ``pacing``, on by default).
+            (``stoa.worker.rate``; the worker setting ``pacing``, on by default; off without ``backpressure``).
         staleness_bound: the run's staleness bound (batch sizing).
     """
 
@@ -136,7 +136,7 @@ class RunWatch:
                  backpressure: bool = True, clock: Callable[[], float] = time.monotonic, worker_id: str = "",
                  pacing: bool = False, staleness_bound: int = 3) -> None:
         self.bucket, self.run_id, self.worker_id = bucket, run_id, worker_id
-        self.pacing, self.staleness_bound = pacing, staleness_bound
+        self.pacing, self.staleness_bound = pacing and backpressure, staleness_bound  # no backpressure: no pace
         self.meter = RateMeter()
         """This worker's speed (groups per minute over its batches)."""
         self.bad_status = 0
