@@ -212,8 +212,8 @@ def test_the_trainer_publishes_the_fleet_speed_and_counts_what_it_did_not_trust(
     url = str(tmp_path / "b")
     t = _Trainer(make_trainer_cfg(url, steps=2), echo=lambda *_: None)
     fake_steps(t)
-    t.pool.entries = {"a": entry("a", "w1", 30.0), "b": entry("b", "w2", 60.0), "x": entry("x", "liar", 6e-8)}
-    t.bucket = spy = StatusSpy(t.bucket)
+    t.pool.entries = {"a": entry("a", "w1", 30.0), "b": entry("b", "w2", 60.0), "x": entry("x", "liar", 6e-8)}  # type: ignore[assignment]
+    t.bucket = spy = StatusSpy(t.bucket)  # type: ignore[assignment]
     try:
         summary = t.run()
     finally:
