@@ -231,7 +231,9 @@ def test_a_worker_paused_by_backpressure_uploads_nothing_until_the_trainer_wants
             next_status.append(put_status(bucket, wanted=2, beat=102.0))  # until the trainer's next status
     monkeypatch.setattr(wloop.time, "sleep", sleep)
     lines: list[str] = []
-    s = wloop.run_worker(worker_cfg(tmp_path, tiny_dir, max_groups=3, groups_in_flight=4), echo=lines.append)
+    # pacing = false: batches of the share, not a probe first (pacing's batches: tests/test_pacing_rates.py)
+    s = wloop.run_worker(worker_cfg(tmp_path, tiny_dir, max_groups=3, groups_in_flight=4, pacing=False),
+                         echo=lines.append)
     assert records_at_each_pause[:3] == [0, 0, 0] and set(records_at_each_pause) == {0, 2} and s["groups"] == 3
     assert len(list(bucket.list(rollouts_prefix("r")))) == 3
     batches = [r for r in read_metrics(next((tmp_path / "logs").glob("worker-*.jsonl"))) if "worker/decode_s" in r]

@@ -6,6 +6,7 @@ the trainer loop's wait between polls: ``poll_delay``), and every active worker 
 a minute on its own schedule, each at the trainer's version minus a lag (most at lag 0, fewer at each older
 version of the window). Per step it counts LIST pages (1,000 keys each, R2 Class A) and GETs (Class B) and
 times listing, reading and checking (decode, validation, prompt re-rendering, rewards) separately.
+``--mix`` runs the mixed-fleet pacing benchmark instead (``stoa.bench.fleetmix``).
 """
 
 from __future__ import annotations
@@ -23,26 +24,18 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 
+from stoa.bench import fleetmix
+from stoa.bench.records import RecordMaker, Run, make_run
 from stoa.bucket import Bucket, ObjectInfo, open_bucket
-from stoa.contract import ModelSpec, RunContract, SamplingSpec
-from stoa.layout import rollout_key
-from stoa.models import resolve_model
 from stoa.observe.snapshot import LIST_PAGE
-from stoa.rollouts.records import RolloutRecord, Sample
-from stoa.tasks import get_task
-from stoa.tasks.multiturn import is_multiturn
-from stoa.tokenize import TextCodec
 from stoa.trainer.demand import poll_delay
 from stoa.trainer.pool import RecordPool
 
-if TYPE_CHECKING:
-    from stoa.contract import RunContract
-    from stoa.tasks.base import Task
-    from stoa.tokenize import TextCodec
+__all__ = ["RecordMaker", "Run", "make_run"]  # re-exported: they lived here
 
 S3_BUCKET = "stoa-bench"
 _MOTO_ENV = {"AWS_ACCESS_KEY_ID": "moto-key", "AWS_SECRET_ACCESS_KEY": "moto-fake-secret-bench",
@@ -75,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default="toy", help="single-turn task of the records [default: toy]")
     p.add_argument("--seed", type=int, default=0, help="random seed [default: 0]")
     p.add_argument("--out", default="", help="append one JSONL row per scenario to this file")
+    fleetmix.add_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -209,78 +203,6 @@ class Fleet:
         return len(jobs)
 
 
-class RecordMaker:
-    """Builds valid records of the run: prompt tokens rendered from the task, distinct content per record.
-
-    Args:
-        contract: the run contract.
-        task: the run's task.
-        codec: the model's codec.
-    """
-
-    TEXTS = ("aeiou", "xyz ab", "hello there", "oui", "aaa eee", "qq")
-
-    def __init__(self, contract: RunContract, task: Task, codec: TextCodec) -> None:
-        self.contract, self.task, self.codec = contract, task, codec
-        self.fingerprint = contract.fingerprint()
-        self.prompts: dict[str, tuple[Any, np.ndarray]] = {}
-        self.tokens = [np.array(codec.tok.encode(t, add_special_tokens=False), np.int32) for t in self.TEXTS]
-
-    def put(self, bucket: Bucket, worker: int, seq: int, version: int, uid: int) -> None:
-        """Upload worker ``worker``'s record ``seq`` sampled at ``version``.
-
-        Args:
-            bucket: where it lands.
-            worker: the worker's index (id ``w<5 digits>``).
-            seq: its sequence number.
-            version: the policy version it was sampled with.
-            uid: a number no other record of the run has (below 2**24): it sets the logprobs.
-        """
-
-        prompt_id = f"train:{(worker * 7919 + seq) % 997}"
-        if prompt_id not in self.prompts:
-            prompt = self.task.get(prompt_id)
-            self.prompts[prompt_id] = (prompt, np.array(self.codec.encode_prompt(prompt.messages), np.int32))
-        prompt, prompt_tokens = self.prompts[prompt_id]
-        samples = []
-        for i in range(self.contract.n_samples):
-            j = (uid + i) % len(self.TEXTS)
-            lp = -1.0 - ((uid >> (12 * i)) % 4096) / 4096  # a 1/4096 grid is exact in float32
-            samples.append(Sample(self.tokens[j], np.full(self.tokens[j].size, lp, np.float32),
-                                  float(self.task.reward(prompt, self.TEXTS[j])), "length"))
-        rec = RolloutRecord(f"w{worker:05d}", seq, version, self.fingerprint, self.task.id, prompt_id,
-                            prompt_tokens, samples)
-        bucket.put_create(rollout_key(self.contract.run_id, version, rec.worker_id, seq), rec.encode())
-
-
-@dataclass(frozen=True)
-class Run:
-    """What every scenario shares: the run contract, its task and the model's codec."""
-
-    contract: RunContract
-    task: Task
-    codec: TextCodec
-
-
-def make_run(task_id: str, n_samples: int = 2, max_new_tokens: int = 16) -> Run:
-    """The contract of a run on the tiny model with a single-turn task.
-
-    Args:
-        task_id: the task (``toy`` or ``arithmetic``).
-        n_samples: samples per group.
-        max_new_tokens: the completion cap.
-    """
-
-    codec, task = TextCodec(resolve_model("tiny")), get_task(task_id)
-    if is_multiturn(task):
-        raise ValueError(f"--task {task_id}: pick a single-turn task (toy, arithmetic)")
-    contract = RunContract(
-        run_id="fleet", model=ModelSpec("llama", "c", "t", vocab_size=len(codec.tok), eos_token_ids=codec.eos_ids),
-        n_samples=n_samples, plane="bf16", task_id=task.id, task_spec=task.spec(),
-        reward_version=task.reward_version, sampling=SamplingSpec(1.0, 1.0, max_new_tokens))
-    return Run(contract, task, codec)
-
-
 def run_scenario(sc: Scenario, bucket: Bucket, run: Run, args: argparse.Namespace) -> list[StepFigures]:
     """Drive the trainer's intake through ``window + 1`` warm-up steps (the window fills) and ``args.steps``
     measured ones; return the measured steps.
@@ -399,6 +321,8 @@ def main(args: argparse.Namespace) -> int:
     Args:
         args: parsed flags (see ``add_arguments``).
     """
+    if args.mix:
+        return fleetmix.main(args)
     backends = list(dict.fromkeys([b.strip() for b in args.backend.split(",") if b.strip()] + ["s3"] * args.s3))
     if not set(backends) <= {"local", "s3"}:
         raise SystemExit(f"--backend {args.backend!r}: give a comma list of local,s3")

@@ -22,15 +22,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from stoa.bench.fleet import RecordMaker, _ints, make_run
+from stoa.bench.fleet import _ints
+from stoa.bench.records import Clock, RecordMaker, make_run
 from stoa.bucket import Bucket, open_bucket
 from stoa.layout import presence_prefix, rollouts_prefix
 from stoa.trainer.demand import RolloutRetention, StatusPublisher, poll_delay, wanted_groups
 from stoa.trainer.pool import RecordPool
 from stoa.worker.pacing import RunWatch
-
-EPOCH = 1.7e9
-"""Wall time of the simulation's second 0 (the status stores wall times)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -138,20 +136,6 @@ class Tally:
         if prefix.startswith(self.rollouts):
             self.alive -= n
         return n
-
-
-class Clock:
-    """The simulation's clock: monotonic seconds; ``wall`` adds ``EPOCH``."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def wall(self) -> float:
-        """Simulated wall time."""
-        return EPOCH + self.t
 
 
 class SimWorker:

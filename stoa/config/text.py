@@ -44,7 +44,7 @@ FLAG_GROUPS: tuple[FlagGroup, ...] = (
                                                        "shared_prefix", "cold_start"), ("cold_start",)),
     FlagGroup("fleet", "fleet: bucket, run, weights and pacing", (
         "bucket", "run", "name", "plane", "staleness_bound", "reuse_cap", "anchor_every", "keep_versions",
-        "keep_rollout_versions", "backpressure", "poll_seconds", "wait_seconds", "max_wait_seconds",
+        "keep_rollout_versions", "backpressure", "pacing", "poll_seconds", "wait_seconds", "max_wait_seconds",
         "status_seconds", "trainer_stale_seconds", "lease_ttl_seconds", "bucket_retry_seconds",
         "exit_on_outage", "sign_weights", "run_key", "run_key_pub", "worker_keys", "worker_key")),
     FlagGroup("quarantine", "quarantine of disagreeing workers", ("quarantine",), ("quarantine_",)),

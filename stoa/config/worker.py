@@ -40,6 +40,10 @@ class WorkerConfig(FleetConfig):
                                          "this often, next to the pointer poll.")
     backpressure: bool = setting(True, "Pause while the trainer says it wants no more groups (false: "
                                        "sample regardless).")
+    pacing: bool = setting(True, "Share the trainer's want by speed (this worker's groups per minute against the "
+                                 "fleet's, from the run status) and size batches to land inside the staleness "
+                                 "window (false: equal shares, batches of groups_in_flight; off without "
+                                 "backpressure).")
     threads: int = setting(0, "Torch CPU threads (0 = library default).")
     dtype: str = setting("auto", "Compute dtype: auto (torch: bf16 on CUDA and on CPUs with native bf16 when "
                                  "the plane is bf16, else fp32; mlx: bf16 on Metal, else fp32), float32, "

@@ -35,6 +35,8 @@ MAX_COUNT = 2**31 - 1
 """Largest version, step, want or worker count a status may carry."""
 MAX_SECONDS = 1e12
 """Largest time or step time (seconds) a status may carry."""
+MAX_FLEET_RATE = 1e9
+"""Largest ``fleet_rate`` or ``use_rate`` (groups per minute) a status may carry."""
 MAX_LEASE_BYTES = 64 << 10
 """Longest ``lease.json`` read (the trainer writes about 200 bytes)."""
 MAX_HEARTBEAT_BYTES = 4096
@@ -70,6 +72,10 @@ class RunStatus:
             ``stoa status`` shows it with an ETA.
         workers: the workers the trainer counts live, among whom the want is shared (0: none counted yet; None:
             not said, a trainer older than this field: every worker may sample the whole want).
+        fleet_rate: the live workers' summed speed in groups per minute (``stoa.trainer.rates``); a worker's
+            share of the want is the want x its own speed / this (None: not said, shares by the count).
+        use_rate: groups per minute the trainer can train (``groups_per_step x 60 / step_s``); workers pace to
+            their share of it when the fleet is faster (None: not said, no pacing gap).
         schema: the schema version (absent in older objects: 1).
     """
 
@@ -83,13 +89,19 @@ class RunStatus:
     step: int = 0
     target_steps: int | None = None
     workers: int | None = None
+    fleet_rate: float | None = None
+    use_rate: float | None = None
     schema: int = 1
 
     SCHEMA = 1
 
     def to_json(self) -> bytes:
-        """Serialize for the bucket."""
-        return _dumps(self)
+        """Serialize for the bucket (no ``fleet_rate`` or ``use_rate`` key when None: written as before them)."""
+        d = asdict(self)
+        for k in ("fleet_rate", "use_rate"):
+            if d[k] is None:
+                del d[k]
+        return json.dumps(versioned(d), sort_keys=True).encode()
 
     @classmethod
     def parse(cls, data: bytes, key: str = "status.json") -> RunStatus:
@@ -114,10 +126,14 @@ class RunStatus:
         def count(name: str, absent: int | None) -> int | None:  # absent in a status of an older trainer
             return absent if d.get(name) is None else field_int(d, name, hi=MAX_COUNT)
 
+        def rate(name: str) -> float | None:  # absent in a status of an older trainer
+            return None if d.get(name) is None else field_float(d, name, bound=MAX_FLEET_RATE)
+
         return cls(state, field_int(d, "version", hi=MAX_COUNT), field_float(d, "updated_at", bound=MAX_SECONDS),
                    field_float(d, "heartbeat_at", bound=MAX_SECONDS), count("wanted_groups", None),
                    field_float(d, "step_s", bound=MAX_SECONDS), field_int(d, "rollouts_kept_from", hi=MAX_COUNT),
-                   count("step", 0) or 0, count("target_steps", None), count("workers", None), schema)
+                   count("step", 0) or 0, count("target_steps", None), count("workers", None),
+                   rate("fleet_rate"), rate("use_rate"), schema)
 
     @classmethod
     def from_json(cls, data: bytes) -> RunStatus | None:

@@ -20,6 +20,7 @@ from stoa.layout import rollout_version_prefix, status_key
 from stoa.lifecycle import read_status
 from stoa.schemas.control import RunStatus
 from stoa.trainer.liveness import LiveWorkers
+from stoa.trainer.rates import FleetRates
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ class UniformSkips:
 
 class StatusPublisher:
     """Writes ``status.json``: on a new version, on a heartbeat every ``heartbeat_s``, and at exit; with a want it
-    also counts the live workers (:class:`~stoa.trainer.liveness.LiveWorkers`) among whom the workers share it.
+    also counts the live workers (:class:`~stoa.trainer.liveness.LiveWorkers`) among whom the workers share it,
+    and sums their reported speeds (:class:`~stoa.trainer.rates.FleetRates`) so they share it by speed.
 
     Args:
         bucket: the run's bucket.
@@ -125,12 +127,14 @@ class StatusPublisher:
         clock: wall clock for the stored times.
         mono: monotonic clock for the heartbeat interval and the worker count.
         target_steps: the run's total steps (0: unbounded), written into every status.
+        groups_per_step: groups a step takes (0: no ``use_rate`` in the status).
     """
 
     def __init__(self, bucket: Bucket, run_id: str, heartbeat_s: float, *, fence: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic,
-                 target_steps: int = 0) -> None:
+                 target_steps: int = 0, groups_per_step: int = 0) -> None:
         self.bucket, self.run_id, self.heartbeat_s = bucket, run_id, heartbeat_s
+        self.groups_per_step = groups_per_step
         self.target_steps = target_steps
         self.fence = fence
         self._clock, self._mono = clock, mono
@@ -140,6 +144,9 @@ class StatusPublisher:
         self._workers: int | None = None
         self.live = LiveWorkers(bucket, run_id, heartbeat_s, clock=mono)
         """The live workers the status shares the want among."""
+        self.rates = FleetRates(clock=mono)
+        """Their speeds, bounded (``rejected``, ``capped`` and ``excess`` count the reports not trusted)."""
+        self._fleet_rate: float | None = None
         self.writes = 0
         """Status objects written by this process."""
         try:
@@ -163,7 +170,10 @@ class StatusPublisher:
             step: the run's steps so far.
             seen: the pool's entries now (their workers are live); None: no worker count.
         """
+        seen = None if seen is None else list(seen)
         workers = None if wanted is None or seen is None else self.live.update(seen)
+        if workers is not None and seen is not None:
+            self._fleet_rate = self.rates.update(seen, workers)
         due = self._written_at is None or self._mono() - self._written_at >= self.heartbeat_s
         since = None if self._written_at is None else self._mono() - self._written_at
         moved = wanted != self._wanted and (wanted == 0 or (wanted or 0) > (self._wanted or 0)
@@ -188,8 +198,10 @@ class StatusPublisher:
             workers: the live workers sharing the want (None: not counted).
         """
         now = self._clock()
+        fleet = None if workers is None or self._fleet_rate is None else round(self._fleet_rate, 3)
+        use = round(self.groups_per_step * 60 / step_s, 3) if self.groups_per_step and step_s > 0 else None
         status = RunStatus(state, version, now, now, wanted, round(step_s, 3), kept_from, step, self.target_steps,
-                           workers)
+                           workers, fleet, use)
         if self.fence is not None:
             self.fence()
         try:

@@ -294,8 +294,10 @@ class _Trainer:
         self.metrics.close()
         self.echo("[trainer] bucket requests of this trainer: " + ", ".join(
             f"{n} {name}" for name, n in sorted(METER.by_request().items())))
+        rates = self.run_status.rates  # workers' reported speeds not trusted (docs/fleet.md, "Pacing")
         self.summary.update(version=self.version, step=self.step, deleted_objects=self.deleted_objects,
-                            status_writes=self.run_status.writes)
+                            status_writes=self.run_status.writes, rates_rejected=rates.rejected,
+                            rates_capped=rates.capped, excess_groups=rates.excess)
         return self.summary
 
     def open_lifecycle(self) -> None:
@@ -303,7 +305,8 @@ class _Trainer:
         metrics chunks in the bucket, each fenced by the lease."""
         cfg = self.cfg
         fence = getattr(self, "fence", None)
-        self.run_status = StatusPublisher(self.bucket, cfg.run, cfg.status_seconds, fence=fence, target_steps=cfg.steps)
+        self.run_status = StatusPublisher(self.bucket, cfg.run, cfg.status_seconds, fence=fence, target_steps=cfg.steps,
+                                          groups_per_step=cfg.groups_per_step)
         self.skips = UniformSkips(cfg.groups_per_step * (cfg.staleness_bound + 1))
         prior = self.run_status.prior
         self.retention = RolloutRetention(self.bucket, cfg.run, cfg.staleness_bound, cfg.keep_rollout_versions,

@@ -250,7 +250,8 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
                              log_dir=log_dir, config=cfg)
     metrics = MetricsWriter(log_dir / f"worker-{wid}.jsonl", wid, sink, trackers=trackers)
     watch = RunWatch(bucket, cfg.run, stale_s=cfg.trainer_stale_seconds, min_interval_s=cfg.status_seconds,
-                     backpressure=cfg.backpressure, worker_id=wid)
+                     backpressure=cfg.backpressure, worker_id=wid, pacing=cfg.pacing,
+                     staleness_bound=contract.staleness_bound)
     tools = None
     if is_multiturn(task):
         tools = open_task_tools(task, cfg.retriever, role="worker", bucket=bucket, run_id=cfg.run,
@@ -274,7 +275,8 @@ def _watch(w: _Worker, p: _Progress, echo: Callable[[str], Any]) -> Verdict:
     if v.action == "exit":
         echo(f"[worker {w.wid}] {v.reason}; exiting")
     elif v.action == "pause" and p.paused != v.kind:
-        echo(f"[worker {w.wid}] paused: {v.reason}")
+        if v.kind != "pacing":  # a gap between batches, every batch: metrics only
+            echo(f"[worker {w.wid}] paused: {v.reason}")
         w.metrics.log({"worker/paused": 1, "worker/pause_reason": v.kind, "worker/version": p.version})
         p.paused_since = p.paused_since if p.paused else now
         p.paused = v.kind

@@ -38,6 +38,12 @@ presence object is gone: a HEAD per status read until then), within one status h
 leaves it out would overshoot when many join at once. A status without ``workers`` (an older trainer) gives
 every worker the whole want at every status, as before.
 
+Pacing by speed (``pacing``, the worker default; docs/fleet.md "Pacing", :mod:`stoa.worker.rate`): once a worker
+measured a batch and the status carries ``fleet_rate``, its share is the want times its speed over the fleet's
+instead of over the count; its batches hold what it samples in a quarter of the window's time (a probe before
+its first measure); and when the status's ``use_rate`` is below the fleet's speed it waits after each batch
+(``Verdict`` kind ``pacing``) so that the fleet samples about what the trainer trains.
+
 When in doubt it samples: a missing, unreadable or malformed status means "sample". Staleness is measured
 on the worker's own monotonic clock (time since the heartbeat value last changed), so clock skew between
 machines does not matter. Anyone who can write the bucket can write this object: it only steers pausing,
@@ -55,6 +61,7 @@ from stoa.bucket import Bucket, BucketError, ObjectNotFound
 from stoa.layout import presence_key, status_key
 from stoa.lifecycle import PRESENCE_S
 from stoa.schemas.control import RunStatus
+from stoa.worker.rate import RateMeter, batch_for_rate, duty, rate_share
 
 REGRANT_BATCHES = 2.0
 """A status at the granting one's version, with no larger want, grants anew only after this many of the worker's
@@ -72,7 +79,7 @@ class Verdict:
     Args:
         action: ``sample``, ``pause`` or ``exit``.
         reason: one line for the log (empty for ``sample``).
-        kind: short label for metrics: ``""``, ``finished``, ``stale``, ``failed`` or ``backpressure``.
+        kind: short label for metrics: ``""``, ``finished``, ``stale``, ``failed``, ``backpressure`` or ``pacing``.
     """
 
     action: str
@@ -120,11 +127,24 @@ class RunWatch:
         backpressure: honour ``wanted_groups`` (False: sample regardless).
         clock: monotonic clock (tests pass a fake one).
         worker_id: this worker's id: it names its presence objects and seeds its draws (empty: no presence).
+        pacing: share the want by speed, size batches to land inside the window and space them by ``duty``
+            (``stoa.worker.rate``; the worker setting ``pacing``, on by default; off without ``backpressure``).
+        staleness_bound: the run's staleness bound (batch sizing).
     """
 
     def __init__(self, bucket: Bucket, run_id: str, *, stale_s: float, min_interval_s: float,
-                 backpressure: bool = True, clock: Callable[[], float] = time.monotonic, worker_id: str = "") -> None:
+                 backpressure: bool = True, clock: Callable[[], float] = time.monotonic, worker_id: str = "",
+                 pacing: bool = False, staleness_bound: int = 3) -> None:
         self.bucket, self.run_id, self.worker_id = bucket, run_id, worker_id
+        self.pacing, self.staleness_bound = pacing and backpressure, staleness_bound  # no backpressure: no pace
+        self.meter = RateMeter()
+        """This worker's speed (groups per minute over its batches)."""
+        self.bad_status = 0
+        """Status objects read and refused (malformed: read as absent)."""
+        self.bad_rates = 0
+        """Statuses whose ``fleet_rate`` is not positive (shared by the count instead)."""
+        self.paced_until = 0.0
+        """When pacing: the next batch waits until then (the last batch's seconds / ``duty``)."""
         self.stale_s, self.min_interval_s, self.backpressure = stale_s, min_interval_s, backpressure
         self._clock = clock
         self.status: RunStatus | None = None
@@ -166,6 +186,10 @@ class RunWatch:
             return
         data, self._etag = got
         self.status = RunStatus.from_json(data)
+        if self.status is None:
+            self.bad_status += 1
+        elif self.status.fleet_rate is not None and not self.status.fleet_rate > 0:
+            self.bad_rates += 1
         self._check_counted()
         self._regrant(now)
         if self.status is not None and self.status.heartbeat_at != self._beat:
@@ -209,7 +233,16 @@ class RunWatch:
             return s.wanted_groups
         if not self._grant_joined:
             return 0  # not counted yet: a share of a count without this worker would overshoot
-        return share(s.wanted_groups, max(1, s.workers), draw(self.worker_id, s, self.grants))
+        return self._portion(s)
+
+    def _portion(self, s: RunStatus) -> int:
+        """This worker's draw of a counted status's want: by its speed when pacing, the status has a positive
+        ``fleet_rate`` and this worker measured a batch (``stoa.worker.rate.rate_share``), else by the count."""
+        wanted, workers, u = s.wanted_groups or 0, max(1, s.workers or 0), draw(self.worker_id, s, self.grants)
+        rate = self.meter.rate
+        if self.pacing and rate is not None and s.fleet_rate is not None and s.fleet_rate > 0:
+            return rate_share(wanted, workers, rate, s.fleet_rate, u)
+        return share(wanted, workers, u)
 
     def _joined(self) -> bool:
         """Whether this worker may draw: the trainer counted it, or it waited ``JOIN_WAIT_S`` for that."""
@@ -254,16 +287,20 @@ class RunWatch:
         if s is None or s.wanted_groups is None or s.workers is None or not self._grant_joined:
             now = self._share if s is None or s.wanted_groups is None else s.wanted_groups
         else:  # what this worker's draw gives of the want and count now (the fleet may have grown since)
-            now = share(s.wanted_groups, max(1, s.workers), draw(self.worker_id, s, self.grants))
+            now = self._portion(s)
         return max(0, min(self._share - self._spent, now))
 
     def batch(self, k: int) -> int:
-        """Groups to sample now: ``k``, or fewer when this worker's share of the want is smaller.
+        """Groups to sample now: ``k``, or fewer when this worker's share of the want is smaller or, when
+        pacing, when ``k`` groups at its speed would not land inside the window (``batch_for_rate``).
 
         Args:
             k: the groups the worker would sample (its groups in flight).
         """
         self._batch_at = self._clock()
+        s = self.status
+        if self.pacing and s is not None:
+            k = batch_for_rate(k, self.meter.rate, s.step_s, self.staleness_bound)
         left = self.wanted()
         return min(k, left) if left is not None and left > 0 else k
 
@@ -277,6 +314,10 @@ class RunWatch:
         self._active_at = self._clock()
         if self._batch_at is not None:
             self._batch_s, self._batch_at = self._active_at - self._batch_at, None
+            self.meter.add(groups, self._batch_s)
+            s = self.status
+            if self.pacing and s is not None:
+                self.paced_until = self._active_at + self._batch_s * (1 / duty(s.fleet_rate, s.use_rate) - 1)
 
     def check(self) -> Verdict:
         """Read the status if due, announce this worker if due, and say whether to sample, pause or exit."""
@@ -296,6 +337,10 @@ class RunWatch:
             return Verdict("pause", f"the trainer failed at v{s.version}; waiting for a restart", "failed")
         if self.wanted() == 0:
             return Verdict("pause", f"the trainer {self._why(s)} at v{s.version} (backpressure)", "backpressure")
+        if self.pacing and self._clock() < self.paced_until:
+            return Verdict("pause", f"pacing to {100 * duty(s.fleet_rate, s.use_rate):.0f}% of this worker's speed "
+                                    f"(the fleet samples {s.fleet_rate} groups/min, the trainer trains {s.use_rate})",
+                           "pacing")
         return SAMPLE
 
     def _why(self, s: RunStatus) -> str:
