@@ -77,3 +77,11 @@ def test_lora_rank_reaches_the_trainer_and_set_still_wins():
     assert "lora_rank" not in trainer_settings(_args(), "r")
     assert trainer_settings(_args(lora_rank=16), "r")["lora_rank"] == 16
     assert trainer_settings(_args(lora_rank=16, set=["lora_rank=8"]), "r")["lora_rank"] == 8
+
+
+def test_lora_rank_takes_the_measured_lora_lr_unless_set():
+    from stoa.cli.quickstart import LORA_LR, PRESETS
+
+    assert trainer_settings(_args(task="arithmetic"), "r")["lr"] == PRESETS["smollm2-135m"]["lr"]
+    assert trainer_settings(_args(task="arithmetic", lora_rank=16), "r")["lr"] == LORA_LR
+    assert trainer_settings(_args(lora_rank=16, set=["lr=3e-5"]), "r")["lr"] == 3e-5

@@ -46,6 +46,10 @@ SEARCH_PRESETS = {
     "tiny": {"n_samples": 4, "groups_per_step": 2, "max_new_tokens": 8, "lr": 1e-3, "eval_n": 4,
              "micro_batch": 8, "skip_uniform_groups": False, "eval_every": 1},
 }
+LORA_LR = 1e-4
+"""The lr of a SmolLM2 quickstart with ``--lora-rank`` (an adapter needs a larger step than full fine-tuning's
+3e-6). Measured with rank 16 on arithmetic (docs/memory.md): lr 3e-5 reached 0.42 held-out in 30 steps, 1e-4
+reached 0.65, as full fine-tuning does. The search task's LoRA lr is this one too, unmeasured."""
 SEARCH_EVALS = 2
 """Held-out evals of a SmolLM2 search quickstart after the ones before RL (``search_eval_every``): with the evals
 before and after the cold start, a curve of four points (before, cold start, mid-run, final). Measured on this
@@ -78,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--algorithm", default="grpo", help="grpo, dr_grpo, dapo, gspo, rloo, cispo, gigpo [default: grpo]")
     p.add_argument("--lora-rank", type=int, default=0, metavar="R",
                    help="train rank-R LoRA adapters on a frozen base instead of every weight (lora_rank; workers "
-                        "sample the merged weights) [default: 0, full fine-tuning]")
+                        "sample the merged weights; lr becomes LORA_LR, 1e-4, on SmolLM2) [default: 0, full fine-tuning]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any trainer setting, e.g. --set lr=1e-5 (repeatable)")
     p.set_defaults(func=run)
@@ -150,6 +154,8 @@ def trainer_settings(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
                  "steps": args.steps, "algorithm": args.algorithm, "max_wait_seconds": 900.0}
     if getattr(args, "lora_rank", 0):
         overrides["lora_rank"] = args.lora_rank
+        if kind != "tiny":
+            overrides["lr"] = LORA_LR
     if task.startswith("search") and kind != "tiny":
         overrides["eval_every"] = search_eval_every(args.steps)
     for item in args.set:
