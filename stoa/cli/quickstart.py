@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--algorithm", default="grpo", help="grpo, dr_grpo, dapo, gspo, rloo, cispo, gigpo [default: grpo]")
     p.add_argument("--lora-rank", type=int, default=0, metavar="R",
                    help="train rank-R LoRA adapters on a frozen base instead of every weight (lora_rank; workers "
-                        "sample the merged weights; lr becomes LORA_LR, 1e-4, on SmolLM2) [default: 0, full fine-tuning]")
+                        "sample the merged weights; lr 1e-4 on SmolLM2) [default: 0, full fine-tuning]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any trainer setting, e.g. --set lr=1e-5 (repeatable)")
     p.set_defaults(func=run)
