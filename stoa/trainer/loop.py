@@ -23,18 +23,18 @@ from stoa.telemetry.metrics import BucketMetrics, MetricsWriter, default_log_dir
 from stoa.telemetry.trackers import open_trackers, sample_completions
 from stoa.tokenize import TextCodec
 from stoa.trainer import checkpoint as ckpt
-from stoa.trainer import coldstart
+from stoa.trainer import closing, coldstart
 from stoa.trainer.cadence import CheckpointCadence
 from stoa.trainer.demand import RolloutRetention, StatusPublisher, UniformSkips, poll_delay, wanted_groups
 from stoa.trainer.dist import SINGLE, Dist
-from stoa.trainer.lease import FencedBucket, Lease, LeaseLost
+from stoa.trainer.lease import FencedBucket, Lease
 from stoa.trainer.overlap import Background, Done
 from stoa.trainer.pool import Entry, RecordPool
 from stoa.trainer.provenance import ProvenanceWriter, step_provenance
 from stoa.trainer.quarantine import Quarantine
 from stoa.trainer.ranks import Driver, RankOps, serve
 from stoa.trainer.retry import RETRY_MAX_SLEEP_S, ride_out  # noqa: F401 - re-exported
-from stoa.trainer.setup import build_contract, check_replay, ensure_contract, evaluate
+from stoa.trainer.setup import build_contract, check_replay, ensure_contract
 from stoa.trainer.step import entry_worker
 from stoa.trainer.steplog import StepClock, step_line, step_row
 from stoa.weights.errors import SyncError
@@ -43,8 +43,6 @@ from stoa.weights.publish import WeightPublisher
 from stoa.weights.signing import trainer_signer
 from stoa.weights.sync import WeightSync
 
-FINAL_EVALS = ("cold start", "after")
-"""The evals a run is judged by: they sample ``eval_k_final`` episodes per prompt for pass@k."""
 EVALUATOR_MAX_AGE_S = 90.0  # an evaluator beating this recently (every 30 s; clocks may differ) does the evals
 
 
@@ -328,38 +326,8 @@ class _Trainer:
                              step=self.step, seen=self.pool.entries.values())
 
     def close_lifecycle(self, state: str, error: BaseException | None = None) -> None:
-        """Write the final status; on a failure also close the metrics. A trainer that lost its lease
-        writes nothing (its metrics stay in the local file).
-
-        Args:
-            state: ``finished`` or ``failed``.
-            error: the exception that ends the run, if any.
-        """
-
-        lost = isinstance(error, LeaseLost)
-        if lost and self.unpublished_rows:  # the metrics file of a local bucket lies inside the bucket
-            self.echo(f"[trainer] {len(self.unpublished_rows)} step row(s) not written: the run has another trainer")
-            self.unpublished_rows = []
-        if error is not None and self.publishing is not None:
-            try:  # no upload may outlive the status that ends the run
-                self.settle_publish()
-            except Exception as e:  # noqa: BLE001 - the original error is the one to report
-                self.echo(f"[trainer] the last upload failed too ({type(e).__name__}: {e})")
-        if error is not None:
-            self.settle_checkpoint(failing=True)
-        if not lost:
-            try:
-                self.run_status.write(state, self.version, None, step_s=self.last_step_s,
-                                      kept_from=self.retention.kept_from, step=self.step)
-            except Exception as e:  # the fence: never hide the original error behind this one
-                if error is None:
-                    raise
-                self.echo(f"[trainer] could not write the run status ({type(e).__name__}: {e})")
-        if error is not None:
-            try:
-                self.metrics.close(upload=not lost)
-            except Exception as e:
-                self.echo(f"[trainer] could not flush the metrics ({type(e).__name__}: {e})")
+        """Write the final status (``stoa.trainer.closing.close_lifecycle``)."""
+        closing.close_lifecycle(self, state, error)
 
     def loop(self) -> int:
         """Refresh the pool, beat, wait or step, until the run's total steps or a stop; return steps taken."""
@@ -472,24 +440,5 @@ class _Trainer:
             return False
 
     def evaluate(self, label: str) -> None:
-        cfg = self.cfg
-        if cfg.eval_n == 0:
-            return
-        if self.dist.sharded:  # generation on a sharded model would need every rank in step; a follower does it
-            if label == "before":
-                self.echo(f"[trainer] {self.dist.world_size} ranks: the trainer does not evaluate; run "
-                          f"'stoa eval --follow --bucket {cfg.bucket} --run {cfg.run}' for held-out figures")
-            return
-        k = cfg.eval_k_final if label in FINAL_EVALS and cfg.eval_k_final else cfg.eval_k
-        with self.policy.sampling():  # the forward the steps train (bf16 autocast), not the fp32 master's
-            ev = evaluate(self.policy.model, self.codec, self.task, cfg.eval_n, cfg.max_new_tokens,
-                          tools=self.tools.tools, k=k)
-        self.metrics.log({"version": self.version, **{f"eval/{k}": v for k, v in ev.items()}})
-        extra = (f", cover-EM {ev['cover_em']:.3f}, EM {ev['em']:.3f}, search rate {ev['search_rate']:.2f}"
-                 if {"cover_em", "em", "search_rate"} <= set(ev) else "")
-        if f"pass@{k}" in ev:
-            extra += f", pass@{k} {ev[f'pass@{k}']:.3f} (sampled {ev['sampled_accuracy']:.3f})"
-        self.echo(f"[trainer] eval ({label}, v{self.version}): held-out accuracy {ev['accuracy']:.3f}{extra} on "
-                  f"{int(ev['n'])} prompts ({ev['seconds']:.1f}s)")
-        self.summary["evals"].append({"version": self.version, "label": label, **ev})
-
+        """One held-out eval (``stoa.trainer.closing.run_eval``)."""
+        closing.run_eval(self, label)

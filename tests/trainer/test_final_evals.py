@@ -12,7 +12,7 @@ from stoa.config.base import ConfigError
 
 
 def test_cold_start_and_last_evals_use_eval_k_final_and_the_curve_keeps_eval_k(tmp_path, tiny_dir, monkeypatch):
-    from stoa.trainer import loop
+    from stoa.trainer import closing, loop
 
     seen: list[int] = []
 
@@ -20,7 +20,7 @@ def test_cold_start_and_last_evals_use_eval_k_final_and_the_curve_keeps_eval_k(t
         seen.append(kw["k"])
         return {"accuracy": 0.5, "n": float(n), "seconds": 0.0}
 
-    monkeypatch.setattr(loop, "evaluate", fake_evaluate)
+    monkeypatch.setattr(closing, "evaluate", fake_evaluate)
     cfg = TrainerConfig(bucket=str(tmp_path / "b"), run="r", model="tiny", task="arithmetic", n_samples=2,
                         eval_n=2, eval_k=2, eval_k_final=5, kl_beta=0.0, groups_per_step=2, poll_seconds=0.01,
                         log_dir="", cold_start="demos", cold_start_steps=1, cold_start_examples=4,
@@ -67,7 +67,7 @@ def test_the_trainer_evaluates_the_forward_it_trains(tmp_path, tiny_dir, monkeyp
     """A bf16-autocast policy is evaluated under the same autocast (its fp32 master is a different function)."""
     import torch
 
-    from stoa.trainer import loop
+    from stoa.trainer import closing, loop
 
     seen: list[bool] = []
 
@@ -75,7 +75,7 @@ def test_the_trainer_evaluates_the_forward_it_trains(tmp_path, tiny_dir, monkeyp
         seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
         return {"accuracy": 0.5, "n": float(n), "seconds": 0.0}
 
-    monkeypatch.setattr(loop, "evaluate", fake_evaluate)
+    monkeypatch.setattr(closing, "evaluate", fake_evaluate)
     cfg = TrainerConfig(bucket=str(tmp_path / "b"), run="r", model="tiny", task="arithmetic", n_samples=2,
                         eval_n=2, kl_beta=0.0, groups_per_step=2, poll_seconds=0.01, log_dir="", dtype=dtype,
                         max_new_tokens=8).validate()
