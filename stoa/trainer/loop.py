@@ -147,7 +147,9 @@ class _Trainer:
                                          signer=signer)
         self.quarantine = Quarantine(enabled=cfg.quarantine, disagreement=cfg.quarantine_disagreement,
                                      reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
-                                     temperature=cfg.temperature, top_p=cfg.top_p)
+                                     temperature=cfg.temperature, top_p=cfg.top_p,
+                                     drift=cfg.quarantine_drift if cfg.quarantine_sequential else None,
+                                     evidence=cfg.quarantine_evidence)
         self.pool = RecordPool(self.bucket, self.contract, self.task, self.codec, staleness_bound=cfg.staleness_bound,
                                reuse_cap=cfg.reuse_cap, gate=self.quarantine, tools=self.tools.tools,
                                replay=cfg.replay)
