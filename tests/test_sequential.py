@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from stoa.bench.verify.stats import upper_bound
+from stoa.bench.verify.stats import attack_row, honest_row, upper_bound
 from stoa.config import ConfigError, TrainerConfig
 from stoa.schemas.journal import Journal, QuarantineRow
 from stoa.trainer.quarantine import Disagreement, Quarantine, sequential_params
@@ -157,3 +157,16 @@ def test_upper_bound_rule_of_three_and_clopper_pearson():
     assert upper_bound(0, 10) == pytest.approx(1 - 0.05 ** 0.1, abs=1e-12)  # 0.2589, not 3 / 10
     assert upper_bound(1, 100) == pytest.approx(0.0466, abs=2e-4)  # exact one-sided 95% bound
     assert upper_bound(5, 5) == 1.0 and upper_bound(0, 0) == 1.0
+
+
+def test_bench_rows_deal_honest_records_into_fresh_streams_and_time_attacks():
+    p = CusumParams(drift=0.065, limit=1.0, cap=0.15)
+    # 2,500 records in streams of 1,000: three workers; the last one's 500 records lie (0.095: +0.03 a record)
+    scores = np.concatenate([np.full(2000, 0.004), np.full(500, 0.095)])
+    row = honest_row("pair", scores, 4, 1000, p)
+    assert (row.workers, row.sequences, row.quarantined) == (3, 10_000, 1)
+    assert row.score_max == 0.095 and row.peak == pytest.approx(500 * 0.03)
+    assert honest_row("pair", scores[:2000], 4, 1000, p).quarantined == 0
+    a = attack_row("mild", np.full(100, 0.095), 7, p, seed=0)
+    assert (a.detected, a.streams, a.median_records, a.max_records) == (7, 7, 34, 34)  # 34 x 0.03 > 1.0
+    assert attack_row("weak", np.full(100, 0.07), 3, p, seed=0).detected == 0  # 100 x 0.005 < 1.0
