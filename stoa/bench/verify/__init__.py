@@ -62,8 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="", help="append JSONL rows to this file")
     p.add_argument("--save-scores", default="", help="write every record score to this .npz")
     p.add_argument("--load-scores", default="",
-                   help="judge the record scores of --save-scores files (comma list) instead of sampling (with "
-                        "another --drift, --limit, --stream)")
+                   help="judge the record scores of --save-scores files (comma list; a pair's scores from "
+                        "several, e.g. other --seed, are joined) instead of sampling (with another --drift, --limit, "
+                        "--stream)")
 
 
 def honest(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
@@ -132,11 +133,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"CUSUM drift {params.drift:.4g}, limit {params.limit:.4g}, cap {params.cap:.4g} (>= "
           f"{params.min_records} records to quarantine); honest streams of {args.stream} records")
     if args.load_scores:
-        hs, ks = {}, {}
-        for path in _split(args.load_scores):
-            with np.load(path) as z:
-                hs.update({k[7:]: z[k] for k in z.files if k.startswith("honest:")})
-                ks.update({k[7:]: z[k] for k in z.files if k.startswith("attack:")})
+        hs, ks = _load(args.load_scores)
     else:
         rig = Rig(args)
         print(f"model {rig.model_dir.name}: {args.groups} groups x {args.n_samples} samples a batch, <= "
@@ -160,6 +157,19 @@ def main(args: argparse.Namespace) -> int:
                 f.write(json.dumps({"bench": "verify", "model": args.model, "kind": type(r).__name__,
                                     "drift": params.drift, "limit": params.limit, **r.__dict__}) + "\n")
     return 0
+
+
+def _load(paths: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Honest and attack scores of ``--save-scores`` files (comma list); a label in several files (runs with
+    other seeds) gets their scores one after the other."""
+    found: dict[str, list[np.ndarray]] = {}
+    for path in _split(paths):
+        with np.load(path) as z:
+            for k in z.files:
+                found.setdefault(k, []).append(z[k])
+    joined = {k: np.concatenate(v) for k, v in found.items()}
+    return ({k[7:]: v for k, v in joined.items() if k.startswith("honest:")},
+            {k[7:]: v for k, v in joined.items() if k.startswith("attack:")})
 
 
 def _split(s: str) -> list[str]:
