@@ -6,7 +6,7 @@ an off-grid float32 master (as after training), sampling ``--sequences`` complet
 ``Policy`` recomputes them in float32 and under bf16 autocast (``--trainers``). Each record (a group of
 ``--n-samples``) gets the trainer's score (``stoa.trainer.sequential.record_score``), and the records are dealt in
 order to simulated workers of ``--stream`` records each, every one running a fresh CUSUM with the trainer's
-settings: a false quarantine is a stream whose CUSUM alarms. Attacks run on ``--liar-engine`` with the bf16 plane
+settings: a false quarantine is a stream whose CUSUM alarms. Attacks run on ``--liar-engine`` with ``--liar-plane``
 against the fp32 recompute; each samples ``--attack-records`` records, and ``--attack-streams`` random orders of
 them are fed to fresh CUSUMs: detected within the pool, and the median records it took.
 """
@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attack-streams", type=int, default=200, help="random orders run per attack [default: 200]")
     p.add_argument("--attacks", default="", help="comma list of attack numbers 1-6 to run ('' = all, 'none')")
     p.add_argument("--liar-engine", default="torch:bfloat16", help="engine:dtype the attacks run on")
+    p.add_argument("--liar-plane", default="bf16", help="weight plane the attacks run on [default: bf16]")
     p.add_argument("--drift", type=float, default=d.quarantine_drift,
                    help=f"CUSUM reference per record [default: quarantine_drift = {d.quarantine_drift}]")
     p.add_argument("--limit", type=float, default=d.quarantine_evidence,
@@ -88,7 +89,7 @@ def honest(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
 
 
 def attacks(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
-    """Every attack's record scores (``--liar-engine``, bf16 plane, fp32 recompute), by label."""
+    """Every attack's record scores (``--liar-engine``, ``--liar-plane``, fp32 recompute), by label."""
     from stoa.weights.planes import state_from_f32
 
     a, out = rig.args, {}
@@ -107,7 +108,7 @@ def attacks(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
             master = {k: (v.mean() + rng.normal(0, float(v.std()), v.shape)).astype(np.float32)
                       for k, v in rig.master.items()}
         temp = a.temperature * how.get("temperature", 1.0)
-        groups, secs = rig.sample(engine, dtype, state_from_f32(master, "bf16"), "bf16", batches, temp)
+        groups, secs = rig.sample(engine, dtype, state_from_f32(master, a.liar_plane), a.liar_plane, batches, temp)
         out[label] = rig.scores(groups[:a.attack_records], False, params.cap, how.get("lie"), seed=a.seed + i)
         echo(f"  attack {label}: score mean {out[label].mean():.4f} ({secs:.0f}s)")
     return out
