@@ -191,6 +191,8 @@ def test_train_step_returns_lag0_disagreement_per_worker(tiny_dir, shared_prefix
     assert set(d) == {"hon-est", "li-ar"}  # the key's worker; the lag-1 worker is left out
     assert d["hon-est"].records == 2 and d["hon-est"].values.size == 16
     assert d["li-ar"].records == 1 and d["li-ar"].values.size == 8  # its lag-1 group is left out
+    assert [r.size for r in d["hon-est"].per_record] == [8, 8]  # split by record for the sequential test
+    assert [r.size for r in d["li-ar"].per_record] == [8]
     assert float(d["hon-est"].values.max()) < 1e-4
     np.testing.assert_allclose(d["li-ar"].values, math.exp(0.5) - 1, rtol=1e-4)
 

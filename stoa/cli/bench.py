@@ -23,6 +23,8 @@ BENCHES = {
     "logprobs": ("logprob_gap.py", "MLX vs torch logprob gap (bf16/int8 report; checkout only)"),
     "quarantine": ("quarantine_calibration.py",
                    "lag-0 logprob disagreement of honest and lying workers vs threshold (checkout only)"),
+    "verify": ("stoa.bench.verify", "per-worker sequential test: false quarantines per engine pair (95% bound), "
+               "records to detect per attack"),
     "retriever": ("stoa.bench.retriever", "BM25 queries/s (batched, single, HTTP) and index memory"),
     "episodes": ("stoa.bench.episodes", "multi-turn episode tokens/s (torch, MLX) on a real task vs generate"),
     "fleet": ("stoa.bench.fleet", "trainer intake (LIST/GET per step, seconds) vs simulated workers and window"),

@@ -107,6 +107,19 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                                    "this (set for temperature 1 and top_p 1, scaled to the "
                                                    "run's; honest bf16/fp32 torch and MLX workers measured "
                                                    "<= 0.054: `stoa bench quarantine`).")
+    quarantine_sequential: bool = setting(True, "Also quarantine a worker whose lag-0 records disagree mildly but "
+                                                "persistently: a CUSUM over its records' scores (each record's "
+                                                "median exp|recorded - recomputed logprob| - 1, capped at "
+                                                "quarantine_disagreement) minus quarantine_drift passes "
+                                                "quarantine_evidence (stoa.trainer.sequential; docs/verification.md).")
+    quarantine_drift: float = setting(0.065, "CUSUM reference per lag-0 record (temperature 1, top_p 1, scaled to the "
+                                             "run's like quarantine_disagreement): above the noisiest honest engine "
+                                             "pair's mean record score (SmolLM2 bf16 plane: <= 0.054; tiny: "
+                                             "<= 0.004), below a mild liar's (`stoa bench verify` prints both).")
+    quarantine_evidence: float = setting(1.0, "CUSUM limit: quarantine once a worker's sum of (record score - "
+                                              "quarantine_drift), floored at 0, passes this; a record adds at most "
+                                              "quarantine_disagreement - quarantine_drift, so no single record "
+                                              "can reach it.")
     quarantine_reject_rate: float = setting(0.5, "Quarantine a worker once more than this fraction of its "
                                                  "records is rejected.")
     eval_k: int = setting(1, "Multi-turn tasks: sampled episodes per held-out prompt for eval/pass@k (1 = greedy "
@@ -194,6 +207,15 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         if self.quarantine_disagreement <= 0:
             raise ConfigError("quarantine_disagreement", "must be > 0 (turn quarantine off with quarantine = "
                                                          "false)")
+        if not 0 < self.quarantine_drift < self.quarantine_disagreement:
+            raise ConfigError("quarantine_drift", f"must be in (0, quarantine_disagreement = "
+                                                  f"{self.quarantine_disagreement}), got {self.quarantine_drift} "
+                                                  "(turn the test off with quarantine_sequential = false)")
+        room = self.quarantine_disagreement - self.quarantine_drift
+        if not room <= self.quarantine_evidence < 1e6:
+            raise ConfigError("quarantine_evidence", f"must be in [quarantine_disagreement - quarantine_drift = "
+                                                     f"{room:.4g}, 1e6) so no single record quarantines, got "
+                                                     f"{self.quarantine_evidence}")
         if not 0 < self.quarantine_reject_rate <= 1:
             raise ConfigError("quarantine_reject_rate", f"must be in (0, 1], got "
                                                         f"{self.quarantine_reject_rate}")

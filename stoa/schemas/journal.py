@@ -26,7 +26,7 @@ MAX_JOURNAL_BYTES = 64 << 20
 """Largest journal read (a pool of a million uses fits)."""
 MAX_JOURNAL_DEPTH = 6
 """Deepest nesting a journal may have (its rows sit four levels down)."""
-QUARANTINE_REASONS = ("", "reject_rate", "disagreement")
+QUARANTINE_REASONS = ("", "reject_rate", "disagreement", "sequential")
 """Why a worker is quarantined (empty: it is not)."""
 QUARANTINE_STATE = 1
 """Version of the quarantine's state inside the journal (its ``v``)."""
@@ -71,7 +71,7 @@ class PoolUse:
 @dataclass(frozen=True)
 class QuarantineRow:
     """One worker's counts in the quarantine (stored as ``[records, rejected, tokens, over, lag0_records,
-    reason]``).
+    reason, cusum]``; a row of six, written before the sequential test, reads with ``cusum`` 0).
 
     Args:
         records: records of it read (halved as they pass a window).
@@ -79,7 +79,8 @@ class QuarantineRow:
         tokens: lag-0 tokens compared.
         over: of those, over the disagreement threshold.
         lag0_records: lag-0 records compared.
-        reason: why it is quarantined (``reject_rate``, ``disagreement``; empty: it is not).
+        reason: why it is quarantined (``reject_rate``, ``disagreement``, ``sequential``; empty: it is not).
+        cusum: the sequential test's sum (``stoa.trainer.sequential``).
     """
 
     records: float
@@ -88,20 +89,23 @@ class QuarantineRow:
     over: float
     lag0_records: float
     reason: str
+    cusum: float = 0.0
 
     def to_json(self) -> list[Any]:
         """The stored row."""
-        return [self.records, self.rejected, self.tokens, self.over, self.lag0_records, self.reason]
+        row = [self.records, self.rejected, self.tokens, self.over, self.lag0_records, self.reason]
+        return [*row, self.cusum] if self.cusum else row  # six when 0, as before: an older trainer reads it
 
     @classmethod
     def parse(cls, row: Any) -> QuarantineRow | None:
-        """The row as counts; None unless it holds five finite non-negative numbers and a known reason.
+        """The row as counts; None unless it holds five finite non-negative numbers, a known reason and (optional)
+        a finite non-negative sum.
 
         Args:
             row: the parsed JSON value.
         """
-        if not (isinstance(row, list) and len(row) == 6 and row[5] in QUARANTINE_REASONS
-                and all(_count(x) for x in row[:5])):
+        if not (isinstance(row, list) and len(row) in (6, 7) and row[5] in QUARANTINE_REASONS
+                and all(_count(x) for x in row[:5] + row[6:])):
             return None
         return cls(*row)  # the numbers as stored (an integer count stays one), so a rewrite keeps the bytes
 
@@ -116,6 +120,7 @@ class Journal:
         uses: the pool's record uses by content id.
         quarantine: the quarantine's rows by worker id.
         threshold: the disagreement threshold the quarantine's token counts were made against (None: unknown).
+        sequential: the sequential test's ``[drift, limit, cap]`` its sums were made against (None: unknown).
         dropped: rows refused on reading (not written).
         schema: the schema version (absent in older journals: 1).
     """
@@ -127,6 +132,7 @@ class Journal:
     threshold: float | None = None
     dropped: int = 0
     schema: int = 1
+    sequential: tuple[float, float, float] | None = None
 
     SCHEMA = 1
 
@@ -156,6 +162,8 @@ class Journal:
         out: dict[str, Any] = {"v": QUARANTINE_STATE, "workers": {k: r.to_json() for k, r in self.quarantine.items()}}
         if self.threshold is not None:
             out["threshold"] = self.threshold
+        if self.sequential is not None:
+            out["sequential"] = list(self.sequential)
         return out
 
     @classmethod
@@ -195,7 +203,10 @@ class Journal:
         threshold = quarantine.get("threshold")
         threshold = None if isinstance(threshold, bool) or not isinstance(threshold, int | float) else float(threshold)
         dropped = len(_items(records)) - len(uses) + len(_items(workers)) - len(rows)
-        return cls(version, step, uses, rows, threshold, dropped, schema)
+        seq = quarantine.get("sequential")
+        sequential = (tuple(float(x) for x in seq) if isinstance(seq, list) and len(seq) == 3
+                      and all(_count(x) for x in seq) else None)
+        return cls(version, step, uses, rows, threshold, dropped, schema, sequential)  # type: ignore[arg-type]
 
 
 def _items(value: Any) -> list[tuple[str, Any]]:

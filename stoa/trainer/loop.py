@@ -155,7 +155,9 @@ class _Trainer:
                                          signer=signer)
         self.quarantine = Quarantine(enabled=cfg.quarantine, disagreement=cfg.quarantine_disagreement,
                                      reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
-                                     temperature=cfg.temperature, top_p=cfg.top_p, by_name=keys_on)
+                                     temperature=cfg.temperature, top_p=cfg.top_p, by_name=keys_on,
+                                     drift=cfg.quarantine_drift if cfg.quarantine_sequential else None,
+                                     evidence=cfg.quarantine_evidence)
         identities = IdentityBook(self.bucket, cfg.run, run_key) if keys_on else None
         self.pool = RecordPool(self.bucket, self.contract, self.task, self.codec, staleness_bound=cfg.staleness_bound,
                                reuse_cap=cfg.reuse_cap, gate=self.quarantine, tools=self.tools.tools,

@@ -10,7 +10,10 @@ Two signals per worker id (the ``<worker>`` of ``runs/<run>/rollouts/v<version>/
   rounding for an honest worker. The worker is quarantined when the median over its lag-0 tokens
   exceeds the threshold, judged once ``min_records`` lag-0 records were seen.
 
-Both are kept over a bounded recent window (counts halve when the window fills), so memory and the
+- **sequential test** (``stoa.trainer.sequential``): a CUSUM over its lag-0 records' scores, which catches a
+  worker whose every record sits under the threshold but above what honest engines give, after enough records.
+
+The first two are kept over a bounded recent window (counts halve when the window fills), so memory and the
 journal entry per worker are a handful of numbers. "Median above the threshold" is decided exactly
 from two counts: more than half of the tokens are above it. Quarantine is sticky for the worker id.
 
@@ -35,6 +38,7 @@ import numpy as np
 
 from stoa.identity import name_of
 from stoa.schemas.journal import QuarantineRow
+from stoa.trainer.sequential import Cusum, CusumParams, record_score
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +74,12 @@ class Disagreement:
     Args:
         values: ``exp|recorded - recomputed| - 1`` per lag-0 completion token.
         records: lag-0 records (groups) the tokens came from.
+        per_record: the same tokens split by record (one array per lag-0 record; empty: no sequential evidence).
     """
 
     values: np.ndarray
     records: int
+    per_record: tuple[np.ndarray, ...] = ()
 
     @property
     def median(self) -> float:
@@ -88,10 +94,12 @@ class _Worker:
     tokens: float = 0.0
     over: float = 0.0  # tokens above the threshold
     lag0_records: int = 0
-    reason: str = ""  # "" (not quarantined), "reject_rate" or "disagreement"
+    reason: str = ""  # "" (not quarantined), "reject_rate", "disagreement" or "sequential"
+    cusum: float = 0.0
 
     def row(self) -> QuarantineRow:
-        return QuarantineRow(self.records, self.rejected, self.tokens, self.over, self.lag0_records, self.reason)
+        return QuarantineRow(self.records, self.rejected, self.tokens, self.over, self.lag0_records, self.reason,
+                             self.cusum)
 
 
 @dataclass
@@ -100,6 +108,7 @@ class _Since:
 
     new: int = 0
     medians: dict[str, float] = field(default_factory=dict)
+    cusums: dict[str, float] = field(default_factory=dict)
 
 
 class Quarantine:
@@ -116,18 +125,23 @@ class Quarantine:
             quarantined ones last.
         by_name: judge a worker by the name its key proves (a run with worker keys: ``<name>-<6 hex>`` counts as
             ``<name>``, ``stoa.identity.name_of``), so a process that restarts under a new id keeps its record.
+        drift: the sequential test's reference per record at temperature 1, top_p 1 (None: no sequential test).
+        evidence: the sequential test's limit (``sequential_params``).
     """
 
     RECORD_WINDOW = 256
     TOKEN_WINDOW = 16384
 
     def __init__(self, *, enabled: bool, disagreement: float, reject_rate: float, min_records: int,
-                 temperature: float = 1.0, top_p: float = 1.0, max_workers: int = 1024, by_name: bool = False):
+                 temperature: float = 1.0, top_p: float = 1.0, max_workers: int = 1024, by_name: bool = False,
+                 drift: float | None = None, evidence: float = 1.0):
         self.enabled, self.by_name = enabled, by_name
         self.threshold = effective_threshold(disagreement, temperature, top_p)
         self.reject_rate = reject_rate
         self.min_records = max(1, int(min_records))
         self.max_workers = max_workers
+        self.sequential = (sequential_params(drift, evidence, disagreement, temperature, top_p)
+                           if drift is not None else None)
         self.workers: collections.OrderedDict[str, _Worker] = collections.OrderedDict()
         self._since = _Since()
 
@@ -185,12 +199,28 @@ class Quarantine:
             w.tokens, w.over = w.tokens / 2, w.over / 2
         worker_id = self.judged(worker_id)
         self._since.medians[worker_id] = float(np.median(values))
+        self._observe_records(worker_id, w, stats.per_record)
         if w.lag0_records >= self.min_records and w.over > w.tokens / 2:
             self._quarantine(worker_id, w, "disagreement",
                              "median exp|recorded - recomputed logprob| - 1 over its lag-0 tokens > "
                              f"{self.threshold:.4g} "
                              f"({w.over / w.tokens:.2f} of {w.tokens:.0f} tokens above; this step's median "
                              f"{self._since.medians[worker_id]:.4g})")
+
+    def _observe_records(self, worker_id: str, w: _Worker, per_record: tuple[np.ndarray, ...]) -> None:
+        """Feed each lag-0 record's score to the worker's CUSUM; quarantine it when the sum passes the limit."""
+        p = self.sequential
+        if p is None or not per_record:
+            return
+        c = Cusum(w.cusum)
+        for values in per_record:
+            c = c.update(record_score(values, p.cap), p)
+        w.cusum = c.value
+        self._since.cusums[worker_id] = c.value
+        if c.alarm(p):
+            self._quarantine(worker_id, w, "sequential",
+                             f"CUSUM of its lag-0 records' median exp|recorded - recomputed logprob| - 1 minus "
+                             f"{p.drift:.4g} reached {c.value:.4g} (> {p.limit:.4g}) after {w.lag0_records} records")
 
     def _quarantine(self, worker_id: str, w: _Worker, reason: str, detail: str) -> None:
         if not self.enabled or w.reason:
@@ -211,18 +241,25 @@ class Quarantine:
 
     def state(self) -> dict[str, Any]:
         """JSON-able state for the trainer journal (per worker: a few counts and the quarantine reason)."""
-        return {"v": STATE_VERSION, "threshold": self.threshold,
-                "workers": {k: w.row().to_json() for k, w in self.workers.items()}}
+        seq = self.sequential
+        out = {"v": STATE_VERSION, "threshold": self.threshold,
+               "workers": {k: w.row().to_json() for k, w in self.workers.items()}}
+        if seq is not None:
+            out["sequential"] = [seq.drift, seq.limit, seq.cap]
+        return out
 
     def restore(self, state: dict[str, Any]) -> None:
         """Restore what ``state()`` returned; malformed entries are dropped, token counts kept only
-        when the threshold they were counted against is the same.
+        when the threshold they were counted against is the same, CUSUM sums only when the test is.
 
         Args:
             state: a journal entry (``{}`` starts empty).
         """
         self.workers.clear()
         same = _num(state.get("threshold")) == self.threshold if isinstance(state, dict) else False
+        seq = self.sequential
+        same_seq = (seq is not None and isinstance(state, dict)
+                    and state.get("sequential") == [seq.drift, seq.limit, seq.cap])
         rows = state.get("workers", {}) if isinstance(state, dict) else {}
         for wid, row in (rows.items() if isinstance(rows, dict) else ()):
             q = QuarantineRow.parse(row) if isinstance(wid, str) else None
@@ -230,23 +267,44 @@ class Quarantine:
                 continue
             tokens, over = (q.tokens, q.over) if same else (0.0, 0.0)  # else counted against another threshold
             self.workers[wid] = _Worker(q.records, min(q.rejected, q.records), tokens, min(over, tokens),
-                                        int(q.lag0_records), q.reason)
+                                        int(q.lag0_records), q.reason, float(q.cusum) if same_seq else 0.0)
         while len(self.workers) > self.max_workers:
             self.workers.popitem(last=False)
 
     def metrics(self) -> dict[str, float]:
         """Gauges and counts since the last call: ``quarantine/workers`` (quarantined ids),
         ``quarantine/new``, ``quarantine/tracked``, ``quarantine/disagreement/<worker>`` (median of the
-        worker's lag-0 values in its latest step, per worker seen since the last call) and
-        ``quarantine/disagreement_max``. Skipped records are the pool's to count
-        (``rollout/rejected/quarantined``)."""
+        worker's lag-0 values in its latest step, per worker seen since the last call),
+        ``quarantine/disagreement_max``, ``quarantine/cusum/<worker>`` (its sequential test's sum, per worker seen
+        since the last call) and ``quarantine/cusum_max`` (their largest; the limit is ``sequential.limit``).
+        Skipped records are the pool's to count (``rollout/rejected/quarantined``)."""
         s, self._since = self._since, _Since()
         quarantined = sum(1 for w in self.workers.values() if w.reason) if self.enabled else 0
         out = {"quarantine/workers": float(quarantined),
                "quarantine/tracked": float(len(self.workers)), "quarantine/new": float(s.new),
                "quarantine/disagreement_max": max(s.medians.values(), default=0.0)}
         out.update({f"quarantine/disagreement/{k}": v for k, v in s.medians.items()})
+        if self.sequential is not None:
+            out["quarantine/cusum_max"] = max(s.cusums.values(), default=0.0)
+            out.update({f"quarantine/cusum/{k}": v for k, v in s.cusums.items()})
         return out
+
+
+def sequential_params(drift: float, evidence: float, disagreement: float, temperature: float = 1.0,
+                      top_p: float = 1.0) -> CusumParams:
+    """The run's CUSUM: ``drift`` and the cap (``disagreement``) scaled to the run's sampling like the threshold
+    (``effective_threshold``), the limit ``evidence`` scaled by the temperature's factor on the cap.
+
+    Args:
+        drift: reference per record at temperature 1, top_p 1 (``quarantine_drift``).
+        evidence: the limit at temperature 1 (``quarantine_evidence``).
+        disagreement: the per-step threshold, each record's largest score (``quarantine_disagreement``).
+        temperature: the run's sampling temperature.
+        top_p: the run's nucleus mass.
+    """
+    scale = effective_threshold(disagreement, temperature) / disagreement
+    return CusumParams(drift=effective_threshold(drift, temperature, top_p), limit=evidence * scale,
+                       cap=effective_threshold(disagreement, temperature, top_p))
 
 
 def _num(x: Any) -> float | None:

@@ -186,7 +186,7 @@ def train_step(
     check = RecomputeCheck(batch.group_ids, batch.version_lag, temperature=policy.temperature, top_p=top_p,
                            limit=recompute_limit)
     parts: list[dict[str, float]] = []
-    lag0: dict[str, list[np.ndarray]] = {}
+    lag0: dict[str, list[tuple[int, np.ndarray]]] = {}
     loss_total = 0.0
     trained: list[np.ndarray] = []
     for idx in micro:
@@ -321,10 +321,10 @@ def _step_figures(batch: Batch, loss: float, grad_norm: float, seconds: float) -
             "groups": float(len(batch.rewards)), "adv_abs_mean": float(np.abs(batch.advantages).mean())}
 
 
-def _collect_lag0(batch: Batch, idx: np.ndarray, logp: torch.Tensor, out: dict[str, list[np.ndarray]],
-                  check: RecomputeCheck) -> None:
-    """Append ``exp|recorded - recomputed| - 1`` of each lag-0 row's tokens to ``out[its worker]``, and judge
-    the rows (``check``)."""
+def _collect_lag0(batch: Batch, idx: np.ndarray, logp: torch.Tensor,
+                  out: dict[str, list[tuple[int, np.ndarray]]], check: RecomputeCheck) -> None:
+    """Append (its group, ``exp|recorded - recomputed| - 1`` of its tokens) of each lag-0 row to
+    ``out[its worker]``, and judge the rows (``check``)."""
     sel = [j for j, i in enumerate(idx) if batch.version_lag[i] == 0]
     if not sel:
         return
@@ -333,7 +333,7 @@ def _collect_lag0(batch: Batch, idx: np.ndarray, logp: torch.Tensor, out: dict[s
     rows = idx[sel]
     check.judge(rows, batch.rollout_logp[rows], recomputed, batch.mask[rows])
     for i, vals in zip(rows, disagreement_values(batch.rollout_logp[rows], recomputed), strict=True):
-        out.setdefault(batch.sources[i], []).append(vals[batch.mask[i] > 0])
+        out.setdefault(batch.sources[i], []).append((int(batch.group_ids[i]), vals[batch.mask[i] > 0]))
 
 
 def _undo_batches(batch: Batch, check: RecomputeCheck, trained: Sequence[np.ndarray], micro_batch: int, dist: Dist
@@ -359,14 +359,22 @@ def _undo_batches(batch: Batch, check: RecomputeCheck, trained: Sequence[np.ndar
     return mine, most - len(mine)
 
 
-def _disagreement(batch: Batch, lag0: dict[str, list[np.ndarray]]) -> dict[str, Disagreement]:
-    """Per worker: its lag-0 values of this step and how many lag-0 records (groups) they came from."""
+def _disagreement(batch: Batch, lag0: dict[str, list[tuple[int, np.ndarray]]]) -> dict[str, Disagreement]:
+    """Per worker: its lag-0 values of this step, how many lag-0 records (groups) they came from, and the values
+    split by record (in group order, for the sequential test)."""
     records: dict[str, int] = {}
     for idx in group_indices(batch):
         first = int(idx[0])
         if batch.version_lag[first] == 0:
             records[batch.sources[first]] = records.get(batch.sources[first], 0) + 1
-    return {w: Disagreement(np.concatenate(v), records.get(w, 0)) for w, v in lag0.items()}
+    out = {}
+    for w, rows in lag0.items():
+        by_group: dict[int, list[np.ndarray]] = {}
+        for g, v in sorted(rows, key=lambda r: r[0]):
+            by_group.setdefault(g, []).append(v)
+        per_record = tuple(np.concatenate(vs) for vs in by_group.values())
+        out[w] = Disagreement(np.concatenate([v for _, v in rows]), records.get(w, 0), per_record)
+    return out
 
 
 def episode_figures(entries: list[Entry], ps: PoolStats, step_s: float) -> dict[str, float]:

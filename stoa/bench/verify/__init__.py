@@ -1,0 +1,177 @@
+"""`stoa bench verify`: the per-worker sequential test's false-quarantine rate per engine pair and its
+records-to-detect per attack.
+
+Honest workers: every worker engine and dtype (``--engines``) holding each weight plane (``--planes``) built from
+an off-grid float32 master (as after training), sampling ``--sequences`` completions each; the trainer's
+``Policy`` recomputes them in float32 and under bf16 autocast (``--trainers``). Each record (a group of
+``--n-samples``) gets the trainer's score (``stoa.trainer.sequential.record_score``), and the records are dealt in
+order to simulated workers of ``--stream`` records each, every one running a fresh CUSUM with the trainer's
+settings: a false quarantine is a stream whose CUSUM alarms. Attacks run on ``--liar-engine`` with ``--liar-plane``
+against the fp32 recompute; each samples ``--attack-records`` records, and ``--attack-streams`` random orders of
+them are fed to fresh CUSUMs: detected within the pool, and the median records it took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stoa.bench.verify.sampling import Rig, attack_plan, noisy
+from stoa.bench.verify.stats import AttackRow, HonestRow, attack_row, honest_row, table
+from stoa.trainer.quarantine import sequential_params
+from stoa.trainer.sequential import CusumParams
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``stoa bench verify``.
+
+    Args:
+        p: the subcommand's parser.
+    """
+    from stoa.config import TrainerConfig
+
+    d = TrainerConfig()
+    p.add_argument("--model", default="tiny", help="model name or path [default: tiny]")
+    p.add_argument("--engines", default="torch:float32,torch:bfloat16,mlx:float32,mlx:bfloat16",
+                   help="comma list of engine:dtype honest workers [default: torch and mlx, fp32 and bf16]")
+    p.add_argument("--planes", default="bf16,int8g64", help="comma list of weight planes [default: bf16,int8g64]")
+    p.add_argument("--trainers", default="fp32,bf16", help="trainer recomputes: fp32, bf16 (autocast) [default: both]")
+    p.add_argument("--sequences", type=int, default=100_000,
+                   help="honest completions per engine and plane [default: 100000]")
+    p.add_argument("--groups", type=int, default=64, help="groups (records) per sampling batch [default: 64]")
+    p.add_argument("--n-samples", type=int, default=4, help="completions per group [default: 4]")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="max new tokens [default: 32]")
+    p.add_argument("--temperature", type=float, default=1.0, help="the run's temperature [default: 1.0]")
+    p.add_argument("--stream", type=int, default=1000, help="honest records per simulated worker [default: 1000]")
+    p.add_argument("--attack-records", type=int, default=1024, help="records sampled per attack [default: 1024]")
+    p.add_argument("--attack-streams", type=int, default=200, help="random orders run per attack [default: 200]")
+    p.add_argument("--attacks", default="", help="comma list of attack numbers 1-6 to run ('' = all, 'none')")
+    p.add_argument("--liar-engine", default="torch:bfloat16", help="engine:dtype the attacks run on")
+    p.add_argument("--liar-plane", default="bf16", help="weight plane the attacks run on [default: bf16]")
+    p.add_argument("--drift", type=float, default=d.quarantine_drift,
+                   help=f"CUSUM reference per record [default: quarantine_drift = {d.quarantine_drift}]")
+    p.add_argument("--limit", type=float, default=d.quarantine_evidence,
+                   help=f"CUSUM limit [default: quarantine_evidence = {d.quarantine_evidence}]")
+    p.add_argument("--cap", type=float, default=d.quarantine_disagreement,
+                   help=f"largest record score [default: quarantine_disagreement = {d.quarantine_disagreement}]")
+    p.add_argument("--seed", type=int, default=0, help="master jitter, prompt and sampling seed [default: 0]")
+    p.add_argument("--out", default="", help="append JSONL rows to this file")
+    p.add_argument("--save-scores", default="", help="write every record score to this .npz")
+    p.add_argument("--load-scores", default="",
+                   help="judge the record scores of --save-scores files (comma list; a pair's scores from "
+                        "several, e.g. other --seed, are joined) instead of sampling (with another --drift, --limit, "
+                        "--stream)")
+
+
+def honest(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
+    """Every engine pair's honest record scores, by pair label."""
+    from stoa.weights.planes import state_from_f32
+
+    a, out = rig.args, {}
+    batches = -(-a.sequences // (a.groups * a.n_samples))
+    for plane in _split(a.planes):
+        state = state_from_f32(rig.master, plane)
+        for spec in _split(a.engines):
+            engine, _, dtype = spec.partition(":")
+            groups, secs = rig.sample(engine, dtype, state, plane, batches, a.temperature)
+            for trainer in _split(a.trainers):
+                t0 = time.perf_counter()
+                pair = f"{engine} {dtype} / {plane} / {trainer}"
+                out[pair] = rig.scores(groups, trainer == "bf16", params.cap)
+                echo(f"  {pair}: {len(groups) * a.n_samples} sequences sampled in {secs:.0f}s, scored in "
+                     f"{time.perf_counter() - t0:.0f}s")
+    return out
+
+
+def attacks(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
+    """Every attack's record scores (``--liar-engine``, ``--liar-plane``, fp32 recompute), by label."""
+    from stoa.weights.planes import state_from_f32
+
+    a, out = rig.args, {}
+    engine, _, dtype = a.liar_engine.partition(":")
+    batches = -(-a.attack_records // a.groups)
+    wanted = {int(x) for x in _split(a.attacks)} if a.attacks not in ("", "none") else None
+    plan = [] if a.attacks == "none" else attack_plan(a)
+    for i, (label, how) in enumerate(plan, 1):
+        if wanted is not None and i not in wanted:
+            continue
+        rng = np.random.default_rng(a.seed + 100 + i)
+        master = rig.master
+        if "weights" in how:
+            master = noisy(rig.master, how["weights"], rng)
+        elif how.get("swap"):
+            master = {k: (v.mean() + rng.normal(0, float(v.std()), v.shape)).astype(np.float32)
+                      for k, v in rig.master.items()}
+        temp = a.temperature * how.get("temperature", 1.0)
+        groups, secs = rig.sample(engine, dtype, state_from_f32(master, a.liar_plane), a.liar_plane, batches, temp)
+        out[label] = rig.scores(groups[:a.attack_records], False, params.cap, how.get("lie"), seed=a.seed + i)
+        echo(f"  attack {label}: score mean {out[label].mean():.4f} ({secs:.0f}s)")
+    return out
+
+
+def judge(honest_scores: dict[str, np.ndarray], attack_scores: dict[str, np.ndarray], params: CusumParams,
+          args: argparse.Namespace) -> tuple[list[HonestRow], list[AttackRow]]:
+    """The rows of the tables: honest streams of ``--stream`` records, ``--attack-streams`` orders per attack."""
+    h = [honest_row(k, v, args.n_samples, args.stream, params) for k, v in honest_scores.items()]
+    k = [attack_row(label, v, args.attack_streams, params, args.seed + i)
+         for i, (label, v) in enumerate(attack_scores.items(), 1)]
+    return h, k
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark (or load its scores); print the tables; append JSONL rows to ``--out``.
+
+    Args:
+        args: parsed flags (see ``add_arguments``).
+    """
+    t0 = time.perf_counter()
+    params = sequential_params(args.drift, args.limit, args.cap, args.temperature)
+    print(f"CUSUM drift {params.drift:.4g}, limit {params.limit:.4g}, cap {params.cap:.4g} (>= "
+          f"{params.min_records} records to quarantine); honest streams of {args.stream} records")
+    if args.load_scores:
+        hs, ks = _load(args.load_scores)
+    else:
+        rig = Rig(args)
+        print(f"model {rig.model_dir.name}: {args.groups} groups x {args.n_samples} samples a batch, <= "
+              f"{args.max_new_tokens} tokens, T={args.temperature}")
+        hs, ks = honest(rig, params), attacks(rig, params)
+    if args.save_scores:
+        arrays: dict[str, Any] = {**{f"honest:{k}": v for k, v in hs.items()},
+                                  **{f"attack:{k}": v for k, v in ks.items()}}
+        np.savez(args.save_scores, allow_pickle=False, **arrays)
+    h, k = judge(hs, ks, params, args)
+    print()
+    for line in table(h, k):
+        print(line)
+    worst = max((r.score_mean for r in h), default=0.0)
+    print(f"\nhonest: {sum(r.quarantined for r in h)} false quarantines in {sum(r.sequences for r in h):,} "
+          f"sequences; the noisiest pair's mean record score {worst:.4f} (drift {params.drift:.4g}); "
+          f"({time.perf_counter() - t0:.0f}s)")
+    if args.out:
+        with Path(args.out).open("a") as f:
+            for r in [*h, *k]:
+                f.write(json.dumps({"bench": "verify", "model": args.model, "kind": type(r).__name__,
+                                    "drift": params.drift, "limit": params.limit, **r.__dict__}) + "\n")
+    return 0
+
+
+def _load(paths: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Honest and attack scores of ``--save-scores`` files (comma list); a label in several files (runs with
+    other seeds) gets their scores one after the other."""
+    found: dict[str, list[np.ndarray]] = {}
+    for path in _split(paths):
+        with np.load(path) as z:
+            for k in z.files:
+                found.setdefault(k, []).append(z[k])
+    joined = {k: np.concatenate(v) for k, v in found.items()}
+    return ({k[7:]: v for k, v in joined.items() if k.startswith("honest:")},
+            {k[7:]: v for k, v in joined.items() if k.startswith("attack:")})
+
+
+def _split(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]

@@ -1,0 +1,67 @@
+"""The trainer's sequential test end to end: a worker whose lag-0 logprobs are off by a little on every token
+(each step's median under quarantine's threshold) is quarantined once its records add up, an honest worker beside
+it is not (in-process trainer, tiny model, the default settings)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from stoa.config import TrainerConfig
+from stoa.layout import rollout_key
+from stoa.rollouts.records import RolloutRecord, Sample
+from stoa.trainer.pool import Entry
+from tests.test_lifecycle import make_trainer_cfg
+
+OFF = 0.12
+"""The mild liar's logprob error in nats a token: exp(0.12) - 1 = 0.1275, under quarantine's 0.15 (no step
+quarantines it) and over the default drift 0.065 by 0.0625: 17 records pass the default limit 1.0."""
+
+
+@pytest.fixture
+def trainer(tmp_path, stoa_cache):
+    from stoa.trainer.loop import _Trainer
+
+    t = _Trainer(make_trainer_cfg(str(tmp_path / "b"), quarantine_min_records=2), echo=lambda *_: None)
+    t.open_lifecycle()
+    t.last_step_at = 0.0  # set by loop(), which these tests drive by hand
+    yield t
+    t.close()
+
+
+def lag0_entries(t, worker: str, off: float, groups: int, seed: int) -> list[Entry]:
+    """``groups`` records of ``worker`` at the trainer's version, with the trainer's own logprobs plus ``off``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(3, 500, size=6).astype(np.int32)
+        toks = [rng.integers(3, 500, size=n).astype(np.int32) for n in (5, 4)]
+        with torch.no_grad():
+            lp = t.policy.group_logprobs(prompt, toks, 5).float().numpy()
+        samples = [Sample(x, (lp[i, : x.size] + off).astype(np.float32), float(i), "length")
+                   for i, x in enumerate(toks)]
+        seq = seed * 100 + g
+        rec = RolloutRecord(worker, seq, t.version, "f", "toy", f"train:{seq}", prompt, samples)
+        out.append(Entry(rollout_key("r", t.version, worker, seq), rec, np.array([0.0, 1.0], np.float32)))
+    return out
+
+
+def test_a_mildly_lying_worker_is_quarantined_after_enough_records_an_honest_one_never(trainer):
+    t = trainer
+    d = TrainerConfig()
+    assert t.cfg.quarantine_sequential and t.quarantine.sequential is not None  # on by default
+    per_record = math.expm1(OFF) - d.quarantine_drift
+    assert math.expm1(OFF) < d.quarantine_disagreement and 16 * per_record < 1.0 < 17 * per_record
+    t.resume()  # publishes v1: lag-0 records are sampled from the weights the trainer holds
+    for step in range(3):  # 6 records of each worker a step: 6, 12 (sum 0.75), 18 (over 1.0 at the 17th)
+        assert not t.quarantine.is_quarantined("liar"), step
+        t.train(lag0_entries(t, "honest", 0.0, 6, seed=2 * step + 1) + lag0_entries(t, "liar", -OFF, 6,
+                                                                                   seed=2 * step + 2))
+        t.settle_publish()
+    rows = {w: t.quarantine.workers[w] for w in ("honest", "liar")}
+    assert rows["liar"].reason == "sequential" and rows["liar"].lag0_records == 18
+    assert not rows["honest"].reason and rows["honest"].cusum == 0.0
+    assert t.quarantine.state()["workers"]["liar"][6] > 1.0  # the sum goes into the journal
