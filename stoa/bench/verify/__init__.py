@@ -23,8 +23,10 @@ import numpy as np
 
 from stoa.bench.verify.sampling import Rig, attack_plan, noisy
 from stoa.bench.verify.stats import AttackRow, HonestRow, attack_row, honest_row, table
+from stoa.config import TrainerConfig
 from stoa.trainer.quarantine import sequential_params
 from stoa.trainer.sequential import CusumParams
+from stoa.weights.planes import state_from_f32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     Args:
         p: the subcommand's parser.
     """
-    from stoa.config import TrainerConfig
 
     d = TrainerConfig()
     p.add_argument("--model", default="tiny", help="model name or path [default: tiny]")
@@ -70,7 +71,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def honest(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
     """Every engine pair's honest record scores, by pair label."""
-    from stoa.weights.planes import state_from_f32
 
     a, out = rig.args, {}
     batches = -(-a.sequences // (a.groups * a.n_samples))
@@ -90,7 +90,6 @@ def honest(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
 
 def attacks(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
     """Every attack's record scores (``--liar-engine``, ``--liar-plane``, fp32 recompute), by label."""
-    from stoa.weights.planes import state_from_f32
 
     a, out = rig.args, {}
     engine, _, dtype = a.liar_engine.partition(":")

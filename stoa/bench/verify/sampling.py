@@ -13,8 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from stoa.engines import make_engine
+from stoa.models import resolve_model
+from stoa.tasks import get_task
+from stoa.tokenize import TextCodec
 from stoa.trainer.quarantine import disagreement_values
 from stoa.trainer.sequential import record_score
+from stoa.weights.planes import bf16_bits_to_f32, f32_to_bf16_bits
 
 Lie = Callable[[list[np.ndarray], np.random.Generator], list[np.ndarray]]
 """Replaces a group's recorded logprobs (a liar that edits what it reports)."""
@@ -37,7 +42,6 @@ def offgrid(named: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str,
         named: float32 weights.
         rng: jitter source.
     """
-    from stoa.weights.planes import bf16_bits_to_f32, f32_to_bf16_bits
 
     out = {}
     for k, w in named.items():
@@ -70,9 +74,6 @@ class Rig:
     def __init__(self, args: argparse.Namespace):
         import torch
 
-        from stoa.models import resolve_model
-        from stoa.tasks import get_task
-        from stoa.tokenize import TextCodec
         from stoa.trainer.policy import Policy
 
         self.args = args
@@ -100,7 +101,6 @@ class Rig:
             batches: how many batches of ``--groups`` groups.
             temperature: sampling temperature.
         """
-        from stoa.engines import make_engine
 
         t0 = time.perf_counter()
         eng = make_engine(engine, self.model_dir, dtype=dtype, device="cpu", plane=plane)
