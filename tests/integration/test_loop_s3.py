@@ -43,8 +43,9 @@ def test_loop_over_moto(procs, tmp_path, moto_s3):
     # A tiny-model worker writes >100 records/s, and the in-process moto server slows down as objects pile
     # up, so workers stop after a fixed number of groups and the trainer may use older records.
     trainer = procs.start("trainer", "trainer", "--bucket", bucket, "--run", "s3run", "--steps", "8",
-                          "--log-dir", str(logs), *TRAIN_ARGS, "--staleness-bound", "20", "--keep-versions", "21")
-    for i in range(2):  # an s3:// run requires worker keys by default: the operator issues one per worker
+                          "--log-dir", str(logs), *TRAIN_ARGS, "--staleness-bound", "20", "--keep-versions", "21",
+                          "--worker-keys", "auto")
+    for i in range(2):  # worker_keys = auto: an s3:// run requires keys; the operator issues one per worker
         key = str(tmp_path / f"w{i}.key")
         issue = ["worker-key", "issue", f"w{i}", "--bucket", bucket, "--run", "s3run", "--out", key]
         wait_for(lambda: subprocess.run([sys.executable, "-m", "stoa", *issue], env=procs.env,  # noqa: B023
