@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from stoa.bench.verify.sampling import offgrid
 from stoa.config.text import deprecated_flag
 
 LIARS = ("temperature", "perturbed", "noise", "random")
@@ -98,25 +99,6 @@ class Batch:
     prompts: list[list[int]]
     tokens: list[list[np.ndarray]]
     logprobs: list[list[np.ndarray]]
-
-
-def offgrid(named: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Move every weight a uniform fraction of a bf16 ulp off its bf16 rounding, as a trained master is.
-
-    Args:
-        named: float32 weights.
-        rng: jitter source.
-    """
-    from stoa.weights.planes import bf16_bits_to_f32, f32_to_bf16_bits
-
-    out = {}
-    for k, w in named.items():
-        on = bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(w, np.float32)))
-        _, exp = np.frexp(on)
-        ulp = np.ldexp(np.ones_like(on), exp - 8)
-        jitter = rng.uniform(-0.49, 0.49, size=on.shape).astype(np.float32) * ulp
-        out[k] = np.where(on == 0, on, on + jitter).astype(np.float32)
-    return out
 
 
 def build_worker(engine: str, dtype: str, model_dir: Path, state: dict[str, np.ndarray], plane: str) -> Any:
