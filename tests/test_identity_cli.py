@@ -1,9 +1,10 @@
-"""``stoa worker-key issue|list|revoke``, ``stoa join-card --worker-key`` and ``stoa join --worker-key``."""
+"""``stoa worker-key issue|list|revoke`` and ``stoa join --worker-key`` (a key file handed over apart)."""
 
 from __future__ import annotations
 
 import json
 import stat
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,7 @@ from stoa.bucket import open_bucket
 from stoa.cli import main
 from stoa.contract import ModelSpec, RunContract, RunKeyError, SamplingSpec
 from stoa.identity import IdentityBook, load_worker_key, note_worker_key
-from stoa.join.card import read_card
+from stoa.join.card import card_toml, read_card
 from stoa.join.launch import JoinOptions, join, worker_argv
 from stoa.layout import contract_key
 from stoa.weights.signing import create_key, key_path
@@ -66,17 +67,19 @@ def test_issue_is_refused_by_name_without_the_runs_key(run, tmp_path, capsys):
     assert not list(tmp_path.glob("worker-*.key"))
 
 
-def test_join_card_issues_a_key_and_join_passes_it_to_the_worker(run, tmp_path):
+def test_a_key_file_handed_over_apart_reaches_the_worker(run, tmp_path):
     url, _, _ = run
-    assert main(["join-card", "--bucket", url, "--run", "r", "--out", "card.toml", "--worker-key", "alice"]) == 0
+    assert main(["worker-key", "issue", "alice", "--bucket", url, "--run", "r"]) == 0
+    assert main(["join-card", "--bucket", url, "--run", "r", "--out", "card.toml", "--no-worker-key"]) == 0
     card = read_card(tmp_path / "card.toml")
-    assert card.worker == "alice" and "private" not in (tmp_path / "card.toml").read_text()
-    lines: list[str] = []
-    opts = JoinOptions(card=str(tmp_path / "card.toml"), dry_run=True)
-    assert join(opts, echo=lines.append) == 2 and "--worker-key FILE" in lines[-1]
+    assert card.worker == card.worker_key == "" and "private" not in (tmp_path / "card.toml").read_text()
     argv = worker_argv(card, worker_key=str(tmp_path / "worker-r-alice.key"))
     assert argv[-2:] == ["--worker-key", str(tmp_path / "worker-r-alice.key")]
     assert load_worker_key(argv[-1], "r").worker == "alice"
+    lines: list[str] = []  # a card of an older stoa: it names the worker, whose key file travels apart
+    named = tmp_path / "named.toml"
+    named.write_text(card_toml(replace(card, worker="alice")))
+    assert join(JoinOptions(card=str(named), dry_run=True), echo=lines.append) == 2 and "--worker-key FILE" in lines[-1]
 
 
 def test_the_worker_takes_its_name_from_its_key_and_refuses_a_revoked_one(run, tmp_path):

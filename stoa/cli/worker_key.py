@@ -11,7 +11,7 @@ from pathlib import Path
 
 from stoa.bucket import Bucket, ObjectNotFound, open_bucket
 from stoa.contract import RunContract, RunKeyError, RunNotFound
-from stoa.identity import IdentityBook, check_name, issue_key, revoke_keys, write_worker_key
+from stoa.identity import IdentityBook, WorkerKey, check_name, issue_key, revoke_keys, write_worker_key
 from stoa.layout import contract_key
 from stoa.weights.signing import RunSigner, key_path, load_key
 
@@ -120,6 +120,24 @@ def issue_to_file(bucket_url: str, run_id: str, name: str, run_key: str = "", ou
     key, _ = issue_key(run.bucket, run_id, name, _signer(args, run))
     write_worker_key(path, key)
     return key.public_hex, path
+
+
+def issue_keys(bucket_url: str, run_id: str, names: list[str], run_key: str = "") -> list[WorkerKey]:
+    """Issue a key for each of ``names`` (their identities in the bucket); the keys, private halves included.
+
+    Args:
+        bucket_url: the run's bucket.
+        run_id: the run.
+        names: the workers' names (checked).
+        run_key: the run's private key file ("" for the trainer's default path).
+
+    Raises:
+        RunKeyError: the run has no run key, or this machine has not the run's private key.
+    """
+    args = argparse.Namespace(bucket=bucket_url, run=run_id, run_key=run_key)
+    run = _open(args)
+    signer = _signer(args, run)
+    return [issue_key(run.bucket, run_id, name, signer)[0] for name in names]
 
 
 def run_issue(args: argparse.Namespace) -> int:

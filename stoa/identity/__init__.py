@@ -29,10 +29,11 @@ from stoa.identity.keys import (
     new_worker_key,
     record_message,
     sign_statement,
+    worker_key_from_hex,
     write_worker_key,
 )
 
 __all__ = ["CLOCK_SKEW_S", "IDENTITY_REASONS", "IdentityBook", "IdentityError", "Statement",
            "key_standing", "note_worker_key",
            "WorkerKey", "check_name", "issue_key", "load_worker_key", "name_of", "new_worker_key", "record_message",
-           "revoke_keys", "sign_statement", "worker_keys_wanted", "write_worker_key"]
+           "revoke_keys", "sign_statement", "worker_key_from_hex", "worker_keys_wanted", "write_worker_key"]

@@ -187,14 +187,18 @@ class WorkerKey:
         public = _raw_public(self.private)
         return lambda body: public + self.private.sign(record_message(record_key, body))
 
-    def to_json(self) -> str:
-        """The key file's text (the private half in hex: keep it 0600)."""
+    @property
+    def private_hex(self) -> str:
+        """The private half, 64 lowercase hex digits (a secret: a key file or a join card, both 0600)."""
         from cryptography.hazmat.primitives import serialization
 
-        raw = self.private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-                                         serialization.NoEncryption())
+        return self.private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                          serialization.NoEncryption()).hex()
+
+    def to_json(self) -> str:
+        """The key file's text (the private half in hex: keep it 0600)."""
         return json.dumps({"kind": "stoa.worker_key", "run": self.run, "worker": self.worker,
-                           "public_key": self.public_hex, "private_key": raw.hex()}, indent=1) + "\n"
+                           "public_key": self.public_hex, "private_key": self.private_hex}, indent=1) + "\n"
 
 
 def new_worker_key(run_id: str, worker: str) -> WorkerKey:
@@ -205,6 +209,18 @@ def new_worker_key(run_id: str, worker: str) -> WorkerKey:
         worker: the worker's name (checked by :func:`check_name`).
     """
     return WorkerKey(run_id, check_name(worker), ed25519_required().Ed25519PrivateKey.generate())
+
+
+def worker_key_from_hex(run_id: str, worker: str, private_hex: str) -> WorkerKey:
+    """The key of ``worker`` whose private half is ``private_hex`` (a key file's or a join card's; untrusted).
+
+    Raises:
+        ValueError: not 64 lowercase hex digits, or a bad worker name.
+    """
+    if not is_hex(private_hex, 64):
+        raise ValueError("not a worker's private key (64 lowercase hex digits)")
+    return WorkerKey(run_id, check_name(worker),
+                     ed25519_required().Ed25519PrivateKey.from_private_bytes(bytes.fromhex(private_hex)))
 
 
 def write_worker_key(path: str | os.PathLike[str], key: WorkerKey) -> None:
@@ -235,8 +251,7 @@ def load_worker_key(path: str | os.PathLike[str], run_id: str, name: str = "") -
         run, worker, private = (field_str(obj, "run"), field_str(obj, "worker"), field_str(obj, "private_key"))
         if obj.get("kind") != "stoa.worker_key" or not is_hex(private, 64):
             raise ValueError("not a stoa worker key")
-        private_key = ed25519_required().Ed25519PrivateKey.from_private_bytes(bytes.fromhex(private))
-        key = WorkerKey(run, check_name(worker), private_key)
+        key = worker_key_from_hex(run, worker, private)
         if field_str(obj, "public_key") != key.public_hex:
             raise ValueError("its public key is not its private key's (a corrupted file)")
     except (OSError, ValueError) as e:

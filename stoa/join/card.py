@@ -1,4 +1,5 @@
-"""The join card: what a new worker needs to join a run (bucket, run, n, plane, task, retriever), never secrets.
+"""The join card: what a new worker needs to join a run (bucket, run, n, plane, task, retriever), and in a signed
+run its own worker key (a secret then: ``stoa.join.cardkey`` writes such a card 0600); never bucket credentials.
 
 ``make_card`` reads the run's contract from the bucket; ``card_toml``/``read_card`` write and read the small
 TOML file ``stoa join`` takes; ``card_text`` is the screen ``stoa join-card`` prints. ``credential_names`` says
@@ -58,8 +59,10 @@ class JoinCard:
         credentials: names of the variables a joiner must set (never their values).
         run_key: the run's public key (64 hex digits; empty for an unsigned run): the worker refuses a
             contract that carries another (``--run-key-pub``).
-        worker: the worker name a key was issued for with this card (``stoa join-card --worker-key NAME``); its
-            private key travels apart, in a 0600 file the joiner passes to ``stoa join --worker-key``. Empty: none.
+        worker: the worker name a key was issued for with this card (``stoa join-card --name NAME``). Empty: none.
+        worker_key: that key's private half (64 hex digits), which makes the card a secret: ``stoa join``
+            installs it and the worker signs every record with it. Empty: the key travels apart, in a 0600 file
+            the joiner passes to ``stoa join --worker-key`` (or the card has no worker key).
         requires: the task plugin code the run's workers need (``stoa.tasks.code``): ``dist==version`` for an
             installed distribution (``stoa join --install-task-code`` installs it), ``module.py sha256:<hex>``
             for a loose module to copy.
@@ -78,6 +81,7 @@ class JoinCard:
     run_key: str = ""
     requires: tuple[str, ...] = field(default_factory=tuple)
     worker: str = ""
+    worker_key: str = field(default="", repr=False)
     card_version: int = CARD_VERSION
 
 
@@ -189,11 +193,14 @@ def card_toml(card: JoinCard) -> str:
     """
     join = (f"stoa join --card FILE --env ENVFILE  (ENVFILE sets {', '.join(card.credentials)})" if card.credentials
             else "stoa join --card FILE")
-    if card.worker:
+    if card.worker and not card.worker_key:
         join += f"  --worker-key KEYFILE  (the 0600 key of {card.worker!r}, handed over apart)"
-    lines = [f"# stoa join card for run {card.run!r}: no secrets here.", f"# Join with: {join}"]
+    head = (f"# stoa join card for run {card.run!r}: a SECRET, it holds the private worker key of {card.worker!r}: "
+            "keep it 0600, hand it over out of band to one machine, never mail or commit it."
+            if card.worker_key else f"# stoa join card for run {card.run!r}: no secrets here.")
+    lines = [head, f"# Join with: {join}"]
     lines += [f"{name} = {_toml_value(value)}" for name, value in asdict(card).items()
-              if name not in ("run_key", "requires", "worker") or value]  # a card without them reads as before
+              if name not in ("run_key", "requires", "worker", "worker_key") or value]  # older cards read as before
     return "\n".join(lines) + "\n"
 
 
@@ -259,13 +266,18 @@ def _card_from(data: Mapping[str, Any], path: str | os.PathLike[str]) -> JoinCar
     if not isinstance(worker, str) or len(worker) > 40 or not all(c.isascii() and (c.isalnum() or c in "._-")
                                                                    for c in worker):
         raise CardError(f"card {path}: 'worker' is not a worker name; make a new card with stoa join-card --out FILE")
+    worker_key = data.get("worker_key", "")
+    if not isinstance(worker_key, str) or (worker_key and not (worker and len(worker_key) == 64 and all(
+            c in "0123456789abcdef" for c in worker_key))):
+        raise CardError(f"card {path}: 'worker_key' is not a named worker's private key (64 lowercase hex digits); "
+                        "make a new card with stoa join-card --out FILE")
     names = tuple(data["credentials"])
     if not all(isinstance(n, str) for n in names):
         raise CardError(f"card {path}: 'credentials' must list variable names")
     return JoinCard(bucket=data["bucket"], run=data["run"], n_samples=data["n_samples"], plane=data["plane"],
                     task=data["task"], contract=data["contract"], search=data["search"],
                     retriever=data["retriever"], credentials=names, run_key=run_key, requires=tuple(requires),
-                    worker=worker)
+                    worker=worker, worker_key=worker_key)
 
 
 def card_text(card: JoinCard, card_file: str, env_file: str = "") -> str:
@@ -284,13 +296,19 @@ def card_text(card: JoinCard, card_file: str, env_file: str = "") -> str:
         retriever = "the worker downloads the run's index from the bucket (no endpoint needed)"
     creds = ", ".join(card.credentials) if card.credentials else "none (a local bucket)"
     env_arg = f" --env {env_file or 'ENVFILE'}" if card.credentials else ""
-    env_arg += " --worker-key KEYFILE" if card.worker else ""
+    env_arg += " --worker-key KEYFILE" if card.worker and not card.worker_key else ""
+    if card.worker_key:
+        worker_key = f"{card.worker!r}, in this card: the card is a SECRET now (0600; one machine, out of band)"
+    elif card.worker:
+        worker_key = f"issued for {card.worker!r} (its key file travels apart, mode 0600)"
+    else:
+        worker_key = "none: the worker's records go unsigned" + (
+            " (a run requiring worker keys refuses them)" if card.run_key else "")
     rows = [("bucket", card.bucket), ("run", card.run), ("group size n", str(card.n_samples)),
             ("plane", card.plane), ("task", card.task), ("retriever", retriever), ("contract", card.contract),
             ("run key", card.run_key or "none (the run's weights are unsigned)"),
             ("task code", ", ".join(card.requires) or "built in (nothing to install)"),
-            ("worker key", f"issued for {card.worker!r} (its key file travels apart, mode 0600)" if card.worker
-             else "none (stoa join-card --worker-key NAME issues one)"),
+            ("worker key", worker_key),
             ("set these", creds + (" (values handed over apart from this card)" if card.credentials else "")),
             ("join with", f"stoa join --card {card_file}{env_arg}")]
     return "\n".join([f"stoa join card for run {card.run!r}"] + [f"  {k + ':':<14}{v}" for k, v in rows])

@@ -18,6 +18,7 @@ from stoa.bucket.credentials import ENV_FILE_VAR, CredentialsError, resolve_env
 from stoa.engines.factory import default_engine
 from stoa.join import service
 from stoa.join.card import JoinCard, read_card
+from stoa.join.cardkey import install_card_key
 from stoa.join.checks import (
     EXIT_BAD_SETUP,
     EXIT_CREDENTIALS,
@@ -46,8 +47,8 @@ class JoinOptions:
         uninstall: stop and remove that service.
         install_task_code: when the task code check fails, ``pip install`` the card's ``requires`` (the
             distributions the trainer ran) into this Python, then check again.
-        worker_key: the worker's key file (``stoa worker-key issue``, ``stoa join-card --worker-key``); required
-            when the card names a worker.
+        worker_key: the worker's key file (``stoa worker-key issue``); required when the card names a worker
+            whose key travels apart, refused when the card carries the key (``stoa join`` installs that one).
     """
 
     card: str
@@ -115,6 +116,19 @@ def run_checks(card: JoinCard, env: Mapping[str, str]) -> list[Check]:
     return checks
 
 
+def _key_refusal(card: JoinCard, opts: JoinOptions) -> str:
+    """Why the card's worker key and the options disagree ("" when they do not)."""
+    if card.worker_key and opts.worker_key:
+        return f"the card carries the worker key of {card.worker!r}; leave --worker-key out"
+    if card.worker_key and opts.name and opts.name != card.worker:
+        return (f"--name {opts.name!r}, but the card's worker key is {card.worker!r}'s; leave --name out (the key "
+                "names the worker)")
+    if card.worker and not card.worker_key and not opts.worker_key:
+        return (f"the card was issued with a worker key for {card.worker!r}; pass --worker-key FILE (the 0600 key "
+                "file the operator handed over)")
+    return ""
+
+
 def _abs_key(opts: JoinOptions) -> str:
     return str(Path(opts.worker_key).expanduser().resolve()) if opts.worker_key else ""
 
@@ -147,10 +161,9 @@ def join(opts: JoinOptions, *, echo: Callable[[str], object] = print, platform: 
         echo(f"[join] removed {result.path}" if result.commands else f"[join] no service at {result.path}")
         return 0
     env_file = _abs_env_file(opts)
-    worker_key = _abs_key(opts)
-    if card.worker and not worker_key:
-        echo(f"[join] refused: the card was issued with a worker key for {card.worker!r}; pass --worker-key FILE (the "
-             "0600 key file the operator handed over)")
+    refused = _key_refusal(card, opts)
+    if refused:
+        echo(f"[join] refused: {refused}")
         return EXIT_BAD_SETUP
     if opts.install and card.credentials and not env_file:
         echo("[join] refused: --install-service: the service reads the credentials from a file; pass --env FILE")
@@ -174,8 +187,12 @@ def join(opts: JoinOptions, *, echo: Callable[[str], object] = print, platform: 
     if failed is not None:
         echo(f"[join] refused: {failed.name}: {failed.fix}")
         return failed.code
+    worker_key = install_card_key(card, opts.dry_run) if card.worker_key else _abs_key(opts)
+    if card.worker_key:
+        echo(f"[join] {'would install' if opts.dry_run else 'installed'} the card's worker key of {card.worker!r} "
+             f"at {worker_key} (0600): the worker signs every record with it")
     if opts.install:
-        return _install(card, opts, env_file, echo=echo, platform=platform, home=home, runner=runner)
+        return _install(card, opts, env_file, worker_key, echo=echo, platform=platform, home=home, runner=runner)
     argv = worker_argv(card, opts.name, worker_key=worker_key)
     if opts.dry_run:
         echo("[join] dry run; would run: " + " ".join(argv) + (f"  ({ENV_FILE_VAR}={env_file})" if env_file else ""))
@@ -198,12 +215,12 @@ def _install_task_code(card: JoinCard, echo: Callable[[str], object], runner: Ca
     return runner(argv)
 
 
-def _install(card: JoinCard, opts: JoinOptions, env_file: str, *, echo: Callable[[str], object],
+def _install(card: JoinCard, opts: JoinOptions, env_file: str, worker_key: str, *, echo: Callable[[str], object],
              platform: str | None, home: Path, runner: Callable[[Sequence[str]], int] | None) -> int:
     """Write and load the service (print its text only, on a dry run)."""
     kind = service.service_kind(platform)
     log_dir = str(service.default_log_dir(kind, card.run, home))
-    argv = tuple(worker_argv(card, opts.name, log_dir, worker_key=_abs_key(opts)))
+    argv = tuple(worker_argv(card, opts.name, log_dir, worker_key=worker_key))
     spec = service.ServiceSpec(run=card.run, argv=argv, env_file=env_file,
                                log_dir=log_dir)
     path = service.service_path(kind, card.run, home)

@@ -16,12 +16,14 @@ from stoa.schemas.control import RunStatus
 
 def write_run(bucket: Bucket, run: str = "r1", *, task: str = "gsm8k", n_samples: int = 8, plane: str = "bf16",
               retriever: Mapping[str, Any] | None = None, state: str | None = None,
-              task_code: tuple[Mapping[str, str], ...] = ()) -> RunContract:
-    """Write a run's contract create-only (as the trainer does), and a status when ``state`` is given."""
+              task_code: tuple[Mapping[str, str], ...] = (), signer: Any = None) -> RunContract:
+    """Write a run's contract create-only (as the trainer does, signed by ``signer``'s run key when given), and a
+    status when ``state`` is given."""
     contract = RunContract(run_id=run, model=ModelSpec("llama", "c" * 32, "t" * 32, 512), n_samples=n_samples,
                            plane=plane, task_id=task, task_spec={}, reward_version="1",
                            sampling=SamplingSpec(max_new_tokens=16), retriever=dict(retriever or {}),
                            task_code=task_code, created_at=time.time())
+    contract = signer.sign_contract(contract) if signer is not None else contract
     bucket.put_create(contract_key(run), contract.to_json())
     if state is not None:
         now = time.time()

@@ -23,7 +23,7 @@ def test_a_signed_runs_card_carries_its_key_to_the_worker(local_bucket, tmp_path
                            created_at=time.time())
     open_bucket(local_bucket).put_create(contract_key("r1"), signer.sign_contract(contract).to_json())
     out = tmp_path / "card.toml"
-    assert main(["join-card", "--bucket", local_bucket, "--run", "r1", "--out", str(out)]) == 0
+    assert main(["join-card", "--bucket", local_bucket, "--run", "r1", "--out", str(out), "--no-worker-key"]) == 0
     card = read_card(out)
     assert card.run_key == signer.public_hex and card == make_card(local_bucket, "r1", env={})
     argv = worker_argv(card)
