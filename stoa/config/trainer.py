@@ -160,12 +160,13 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     run_key: str = setting("", "The run's private key file (default: $STOA_KEY_DIR or ~/.config/stoa/keys/"
                                "<bucket digest>-<run>.ed25519; created 0600 with a signed run, never written to "
                                "the bucket); a restarted trainer needs the same file.")
-    worker_keys: str = setting("off", "Require every record to be signed by a worker key the run key vouches for "
-                                      "(stoa worker-key issue/list/revoke; docs/fleet.md): off (the default "
-                                      "until join cards carry a key per worker; logged), auto (required for "
-                                      "s3:// and r2:// runs with a run key, off for a local directory), or "
-                                      "required. Unsigned, forged, revoked or wrong-run records are refused by "
-                                      "name.")
+    worker_keys: str = setting("auto", "Require every record to be signed by a worker key the run key vouches for "
+                                       "(stoa join-card puts one in each card; stoa worker-key issue/list/revoke; "
+                                       "docs/fleet.md): auto (required in a run with a run key that is in an s3:// "
+                                       "or r2:// bucket, or holds a worker identity, or required them before: "
+                                       "latched beside the run key; off for the local quickstart), required, or "
+                                       "off (a private fleet whose every bucket writer is trusted). Logged at "
+                                       "start. Unsigned, forged, revoked or wrong-run records are refused by name.")
 
     cold_start: str = setting("", "Begin a new run with supervised fine-tuning before v1 is published (loss on the "
                                   "policy's own turns only): '' (none), 'demos' (demonstrations the task builds; "

@@ -15,7 +15,7 @@ revocation once seen stays in force for the trainer's life even if the object is
 the ``cryptography`` package's Ed25519.
 """
 
-from stoa.identity.book import IdentityBook, key_standing, note_worker_key, worker_keys_wanted
+from stoa.identity.book import IdentityBook, key_standing, note_worker_key, worker_keys_latch, worker_keys_wanted
 from stoa.identity.issue import issue_key, revoke_keys
 from stoa.identity.keys import (
     CLOCK_SKEW_S,
@@ -36,4 +36,5 @@ from stoa.identity.keys import (
 __all__ = ["CLOCK_SKEW_S", "IDENTITY_REASONS", "IdentityBook", "IdentityError", "Statement",
            "key_standing", "note_worker_key",
            "WorkerKey", "check_name", "issue_key", "load_worker_key", "name_of", "new_worker_key", "record_message",
-           "revoke_keys", "sign_statement", "worker_key_from_hex", "worker_keys_wanted", "write_worker_key"]
+           "revoke_keys", "sign_statement", "worker_key_from_hex", "worker_keys_latch", "worker_keys_wanted",
+           "write_worker_key"]

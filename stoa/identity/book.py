@@ -4,8 +4,10 @@ judges each record's signature; :func:`worker_keys_wanted` decides whether a run
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from stoa.bucket import Bucket, BucketError
@@ -164,9 +166,15 @@ def key_standing(book: IdentityBook, public_hex: str) -> str:
 
 
 def worker_keys_wanted(setting: str, bucket_url: str, run_id: str, run_key: str,
-                       echo: Callable[[str], Any] = print) -> bool:
-    """Whether the trainer requires signed records: ``required``; ``off`` (a private fleet, logged); ``auto`` =
-    required for an object store (``s3://``, ``r2://``) whose run has a key, off for a local directory.
+                       echo: Callable[[str], Any] = print, *, bucket: Bucket | None = None,
+                       latch: Path | None = None) -> bool:
+    """Whether the trainer requires signed records, said in one line naming the setting and how to change it.
+
+    ``required``: yes (a run without a run key refuses). ``off``: no (a private fleet). ``auto`` (the default):
+    yes in a run with a run key that is in an object store (``s3://``, ``r2://``), or that holds a worker
+    identity or revocation its run key signed, or whose trainer required them before (``latch``); else no (the
+    local quickstart). Once ``auto`` requires them it writes ``latch``, a file beside the run's private key and
+    never in the bucket, so deleting the bucket's identities cannot turn them off at a restart.
 
     Args:
         setting: the trainer's ``worker_keys``.
@@ -174,22 +182,65 @@ def worker_keys_wanted(setting: str, bucket_url: str, run_id: str, run_key: str,
         run_id: the run.
         run_key: the run's public key ("" for a run without one: identities need it).
         echo: where the one-line note goes.
+        bucket: the run's bucket, to look for identities (None: do not look).
+        latch: the latch file (None: none).
 
     Raises:
         RunKeyError: ``required`` in a run without a run key.
     """
-    store = "://" in bucket_url and not bucket_url.startswith("file://")
-    if setting == "required" or (setting == "auto" and store and run_key):
+    if setting == "required" or (setting == "auto" and run_key):
         if not run_key:
             raise RunKeyError(f"worker_keys = required: run {run_id!r} has no run key to vouch for workers; create "
                               "the run with sign_weights = true, or set worker_keys = off")
-        echo(f"[trainer] run {run_id!r}: records must be signed by a worker key (stoa worker-key issue NAME)")
-        return True
-    why = ("worker_keys = off" if setting == "off" else "a run without a run key" if store
-           else "a local directory bucket (worker_keys = required turns them on)")
+        why = "worker_keys = required" if setting == "required" else _auto_reason(bucket_url, run_id, run_key,
+                                                                                 bucket, latch)
+        if why:
+            if setting == "auto" and latch is not None:
+                _write_latch(latch, run_id)
+            echo(f"[trainer] run {run_id!r}: records must be signed by a worker key ({why}; stoa join-card issues "
+                 "one per card, stoa worker-key issue NAME one by hand; worker_keys = off turns this off for a "
+                 "private fleet)")
+            return True
+    why = ("worker_keys = off" if setting == "off" else "worker_keys = auto, a run without a run key"
+           if not run_key else "worker_keys = auto, a local directory whose run holds no worker identity")
     echo(f"[trainer] run {run_id!r}: worker keys off ({why}): anyone who can write the bucket can submit records "
-         "under any worker id")
+         "under any worker id; worker_keys = required turns them on")
     return False
+
+
+def _auto_reason(bucket_url: str, run_id: str, run_key: str, bucket: Bucket | None, latch: Path | None) -> str:
+    """Why ``auto`` requires worker keys in a run with a run key ("" when it does not)."""
+    if "://" in bucket_url and not bucket_url.startswith("file://"):
+        return "worker_keys = auto, an object store run with a run key"
+    if latch is not None and latch.is_file():
+        return f"worker_keys = auto, latched on by an earlier start ({latch})"
+    if bucket is not None:
+        book = IdentityBook(bucket, run_id, run_key)
+        book.refresh()
+        if book.keys or book.revoked:
+            return "worker_keys = auto, the run holds worker identities"
+    return ""
+
+
+def _write_latch(latch: Path, run_id: str) -> None:
+    """Write the latch file (0600) unless it exists; a failure is logged, not fatal."""
+    if latch.is_file():
+        return
+    try:
+        latch.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(latch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"run {run_id!r} requires worker keys since {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}"
+                    " (worker_keys = auto); deleting this file lets auto decide afresh\n")
+    except FileExistsError:
+        return
+    except OSError as e:
+        log.warning("could not write the worker-key latch %s: %s", latch, e)
+
+
+def worker_keys_latch(run_key_path: Path) -> Path:
+    """The latch file of a run whose private key is ``run_key_path``: beside it, never in the bucket."""
+    return run_key_path.with_name(run_key_path.name + ".worker-keys")
 
 
 def note_worker_key(bucket: Bucket, run_id: str, run_key: str, key: WorkerKey | None,
@@ -209,7 +260,8 @@ def note_worker_key(bucket: Bucket, run_id: str, run_key: str, key: WorkerKey | 
     if key is None:
         if run_key:
             echo("[worker] no worker_key: records go unsigned, and a run with worker keys (the default in s3:// "
-                 "and r2:// buckets) refuses them; ask the operator for one: stoa worker-key issue NAME")
+                 "and r2:// buckets) refuses them; ask the operator for a join card (it carries one) or a key file "
+                 "(stoa worker-key issue NAME)")
         return
     book = IdentityBook(bucket, run_id, run_key)
     book.refresh()

@@ -11,7 +11,7 @@ from stoa.bucket import BucketError, open_bucket
 from stoa.bucket.meter import METER
 from stoa.config import TrainerConfig
 from stoa.episodes.task_tools import open_task_tools
-from stoa.identity import IdentityBook, worker_keys_wanted
+from stoa.identity import IdentityBook, worker_keys_latch, worker_keys_wanted
 from stoa.layout import checkpoint_key
 from stoa.lifecycle import evaluator_present
 from stoa.models import resolve_model
@@ -132,7 +132,8 @@ class _Trainer:
 
         signer = trainer_signer(self.bucket, self.bucket.url, cfg.run, cfg.sign_weights, cfg.run_key, self.echo)
         run_key = signer.public_hex if signer is not None else ""
-        keys_on = worker_keys_wanted(cfg.worker_keys, self.bucket.url, cfg.run, run_key, self.echo)
+        keys_on = worker_keys_wanted(cfg.worker_keys, self.bucket.url, cfg.run, run_key, self.echo, bucket=self.bucket,
+                                     latch=worker_keys_latch(signer.path) if signer is not None else None)
         torch.manual_seed(cfg.seed)
         name, opts = parse_task_spec(cfg.task)
         self.task = get_task(name, **localize_options(self.bucket, cfg.run, name, opts))  # a resumed run's data
