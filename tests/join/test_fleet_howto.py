@@ -14,9 +14,12 @@ Substitutions the test applies to the doc's text (``SUBSTITUTIONS``), so that it
 - ``--model smollm2-135m`` -> ``--model tiny``, ``--device cuda`` -> ``--device cpu --eval-n 4`` (the
   trainer's evals before and after on 4 held-out prompts, not 64), ``--steps 500`` -> ``--steps 2``,
   ``--groups-per-step 16`` -> ``--groups-per-step 2`` (``--n-samples 8`` stays, as on the card);
-  the trainer's block runs in the background (as under tmux), and the test starts the worker the doc names
-  next to it (``stoa worker --bucket "$BUCKET" --run "$RUN" --name gpu-box``) once the Mac has joined, so the
-  trainer steps, finishes, and the blocks after it see a ``finished`` run;
+  the trainer's block runs in the background (as under tmux), and once the Mac has joined the test starts two
+  workers, so that the trainer steps, finishes, and the blocks after it see a ``finished`` run: the Mac's
+  ``stoa join`` without ``--install-service`` (the worker in the terminal, as the doc says), which installs the
+  card's worker key, and the GPU box's worker the doc names next to the trainer, with its own key; the run is
+  on R2 with a run key, so ``worker_keys = auto`` (the default) requires every record to be signed, and every
+  group the trainer used was signed by one of the two keys;
 - ``stoa status ... --watch`` -> ``stoa status ... --json`` (one screen, parsed);
 - ``--install-service`` -> ``--install-service --dry-run`` (no test loads a real service).
 """
@@ -42,6 +45,7 @@ from stoa.bucket import open_bucket
 from stoa.bucket.credentials import load_env_file
 from stoa.layout import run_prefix
 from stoa.lifecycle import read_status
+from stoa.observe.audit import read_audit
 from tests.bucket.conftest import MOTO_SECRET, TEST_BUCKET, moto_endpoint  # noqa: F401 - fixture
 
 pytest.importorskip("moto", reason="the how-to runs against a moto S3 server (pip install 'moto[server]')")
@@ -63,7 +67,9 @@ SUBSTITUTIONS = [
     (r"(stoa status .*) --watch$", r"\1 --json"),
     (r"(--install-service)$", r"\1 --dry-run"),
 ]
-WORKER = 'stoa worker --bucket "$BUCKET" --run "$RUN" --name gpu-box'  # the doc's step 3, next to the trainer
+WORKER = ('stoa worker-key issue gpu-box --bucket "$BUCKET" --run "$RUN" && stoa worker --bucket "$BUCKET" --run '
+          '"$RUN" --worker-key worker-$RUN-gpu-box.key')  # the doc's step 3, next to the trainer
+MAC_WORKER = f"stoa join --card join-{RUN}.toml --env ~/.config/stoa/stoa-{RUN}.env --name mac-1"  # step 5, no service
 
 
 class Machine(NamedTuple):
@@ -168,6 +174,8 @@ def join_mac(mac_block: str, fleet: dict) -> None:
     assert statuses[:8] == [["ok", n] for n in ("engine", "blas", "tier", "disk", "bucket", "contract", "task-code",
                                                 "retriever")]
     assert f"STOA_ENV_FILE={env_file}" in done.stdout and MOTO_SECRET not in done.stdout
+    key_file = mac.home / ".config" / "stoa" / "keys" / f"worker-{RUN}-mac-1.key"
+    assert f"--worker-key {key_file}" in done.stdout and not key_file.exists()  # dry runs only name it
     assert not (mac.home / ".config" / "systemd").exists()  # the install ran as a dry run
 
 
@@ -177,13 +185,14 @@ def test_the_r2_howto_runs_as_written(fleet, tmp_path):
         rm_block = marked_blocks(fleet["bucket"])
     gpu, mac = fleet["gpu"], fleet["mac"]
 
+    assert WORKER in DOC.read_text()
     exported = source_exports(env_block, gpu)  # step 2: the env file and the shell's variables
     r2_env = gpu.home / ".config" / "stoa" / "r2.env"
     assert stat.S_IMODE(os.stat(r2_env).st_mode) == 0o600
     assert (exported["STOA_ENV_FILE"], exported["BUCKET"], exported["RUN"]) == (str(r2_env), fleet["bucket"], RUN)
     gpu = gpu._replace(env={**gpu.env, **{k: exported[k] for k in ("STOA_ENV_FILE", "BUCKET", "RUN")}})
 
-    logs = [tmp_path / "trainer.log", tmp_path / "worker.log"]
+    logs = [tmp_path / "trainer.log", tmp_path / "worker.log", tmp_path / "mac.log"]
     trainer = background(trainer_block, gpu, logs[0])  # step 3
     procs = [trainer]
     try:
@@ -194,12 +203,14 @@ def test_the_r2_howto_runs_as_written(fleet, tmp_path):
         assert (card["bucket"], card["run"], card["n_samples"], card["task"]) == (fleet["bucket"], RUN, 8,
                                                                                   "arithmetic")
         assert card["credentials"] == ["R2_ACCOUNT_ID", "R2_ACCESS_KEY_ID", "R2_SECRET_ACCESS_KEY", "R2_ENDPOINT_URL"]
-        assert MOTO_SECRET not in (gpu.work / f"join-{RUN}.toml").read_text()
+        assert MOTO_SECRET not in (gpu.work / f"join-{RUN}.toml").read_text() and card["worker"] == "mac-1"
+        assert stat.S_IMODE(os.stat(gpu.work / f"join-{RUN}.toml").st_mode) == 0o600  # it holds a worker key
         join_mac(mac_block, fleet)  # step 5, while the run is still running
 
         procs.append(background(WORKER, gpu, logs[1]))
+        procs.append(background(MAC_WORKER, mac, logs[2]))
         wait_for_state(fleet["bucket"], fleet["r2"], "finished", procs, logs, timeout_s=180)
-        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+        assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -210,6 +221,10 @@ def test_the_r2_howto_runs_as_written(fleet, tmp_path):
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
     assert (status["state"], status["step"]) == ("finished", 2) and [w["name"] for w in status["workers"]]
+    assert "records must be signed by a worker key (worker_keys = auto" in logs[0].read_text()
+    rows = read_audit(open_bucket(fleet["bucket"], fleet["r2"]), RUN).rows  # every group trained was signed
+    assert rows and all(r.signature.startswith("signed ") for r in rows)
+    assert {r.worker.rsplit("-", 1)[0] for r in rows} <= {"mac-1", "gpu-box"}
 
     done = shell(uninstall_block, mac)  # step 7
     assert done.returncode == 0, done.stderr
@@ -226,3 +241,4 @@ def test_the_r2_howto_runs_as_written(fleet, tmp_path):
     done = shell(rm_block, mac)
     assert done.returncode == 0, done.stderr
     assert not (mac.home / ".config" / "stoa" / f"stoa-{RUN}.env").exists()
+    assert not list((mac.home / ".config" / "stoa" / "keys").glob("worker-*.key"))
