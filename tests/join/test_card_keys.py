@@ -3,6 +3,7 @@ the card 0600 (a secret), ``stoa join`` installs the key and starts the worker w
 
 from __future__ import annotations
 
+import json
 import stat
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from stoa.bucket import open_bucket
 from stoa.cli import main
 from stoa.identity import IdentityBook, load_worker_key
-from stoa.join.card import read_card
+from stoa.join.card import CardError, read_card
 from stoa.join.cardkey import installed_key_path
 from stoa.join.launch import JoinOptions
 from stoa.weights.signing import create_key, key_path
@@ -78,3 +79,13 @@ def test_opting_out_and_a_machine_without_the_run_key(signed, tmp_path, capsys):
     assert main(["join-card", "--bucket", url, "--run", "r1", "--out", "c.toml", "--run-key", "nope"]) == 3
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--no-worker-key" in err and not (tmp_path / "c.toml").exists()
+
+
+@pytest.mark.parametrize(("worker", "key"), [("mac-1", "ab" * 31), ("mac-1", "AB" * 32), ("mac-1", 7),
+                                             ("mac-1", "g" * 64), ("", "ab" * 32)])
+def test_a_card_with_a_malformed_worker_key_is_refused_by_name(tmp_path, worker, key):
+    data = {"card_version": 1, "bucket": "b", "run": "r", "n_samples": 2, "plane": "bf16", "task": "toy",
+            "contract": "c", "search": False, "retriever": "", "credentials": [], "worker": worker, "worker_key": key}
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    with pytest.raises(CardError, match="'worker_key'"):
+        read_card(tmp_path / "c.json")
