@@ -1,4 +1,5 @@
-"""The identity decoders are total and accept nothing forged: statements, signed record trailers, worker key files.
+"""The identity decoders are total and accept nothing forged: statements, signed record trailers, worker key files,
+join cards that carry a worker key.
 
 Every mutation of a stored identity either fails with ``IdentityError`` of a named reason or still reads as the
 very statement that was signed; every mutation of a signed record (resealed with a fresh digest, so it reaches
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import struct
+import tomllib
 from collections import Counter
 
 import numpy as np
@@ -28,6 +30,8 @@ from stoa.identity import (
     load_worker_key,
     write_worker_key,
 )
+from stoa.join.card import CardError, JoinCard, card_toml, read_card
+from stoa.join.cardkey import install_card_key, with_key
 from stoa.layout import rollout_key
 from stoa.rollouts.records import REJECT_REASONS, RecordRejected, RolloutRecord, Sample, record_signature
 from stoa.weights.signing import create_key
@@ -143,3 +147,37 @@ def test_a_mutated_worker_key_file_is_a_run_key_error(world):
         except RunKeyError:
             continue
         assert key.public_hex == alice.public_hex  # a flip the format shrugs off, or in the (unsigned) name
+
+
+def test_a_mutated_keyed_join_card_is_a_card_error_or_a_card_whose_key_installs(world, monkeypatch):
+    _, _, alice, _, _, tmp = world
+    monkeypatch.setenv("STOA_KEY_DIR", str(tmp / "installed"))
+    card = with_key(JoinCard(bucket="b", run="r", n_samples=2, plane="bf16", task="toy", contract="c"), alice)
+    good = card_toml(card).encode()
+    rng = random.Random(4)
+    outcomes: Counter[str] = Counter()
+    for i in range(500):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        path = tmp / f"c{i % 8}.toml"
+        path.write_bytes(bytes(data))
+        try:
+            got = read_card(path)
+            if got.worker_key:
+                install_card_key(got, dry_run=True)
+        except CardError:
+            outcomes["refused"] += 1
+            continue
+        outcomes["read"] += 1
+    assert outcomes["refused"] > 100 and outcomes["read"] > 0
+    fields = tomllib.loads(good.decode())
+    for junk in JUNK:  # every field a card's key rides on, set to each hostile value
+        for name in ("worker", "worker_key"):
+            path.write_text(json.dumps({**fields, name: junk}))
+            try:
+                got = read_card(path)
+                if got.worker_key:
+                    install_card_key(got, dry_run=True)
+            except CardError:
+                continue

@@ -55,6 +55,10 @@ def test_a_card_carries_a_fresh_key_and_join_installs_it_for_the_worker(signed, 
     argv = execute.calls[0][0]
     assert argv[argv.index("--worker-key") + 1] == str(path)
     assert load_worker_key(path, "r1", "mac-1").public_hex in _book(url, signer).keys  # an identity the run vouches
+    home = tmp_path / "home"  # the service runs the worker with the installed key, and holds no key itself
+    assert run_join(JoinOptions(card="card.toml", install=True), home=home, runner=lambda _: 0)[0] == 0
+    unit = (home / ".config/systemd/user/stoa-worker-r1.service").read_text()
+    assert f"--worker-key {path}" in unit and card.worker_key not in unit
 
 
 def test_count_writes_one_card_per_machine_each_with_its_own_key(signed, tmp_path):
