@@ -290,12 +290,15 @@ def test_names_keys_and_process_ids():
 
 
 @pytest.mark.parametrize(("setting", "url", "run_key", "want"), [
-    ("auto", "s3://b", "ab" * 32, True), ("auto", "s3://b", "", False), ("auto", "/tmp/b", "ab" * 32, False),
+    ("auto", "s3://b", "ab" * 32, True), ("auto", "r2://b/p", "ab" * 32, True), ("auto", "s3://b", "", False),
+    ("auto", "/tmp/b", "ab" * 32, False),
     ("required", "/tmp/b", "ab" * 32, True), ("off", "s3://b", "ab" * 32, False)])
 def test_worker_keys_are_on_by_default_for_object_stores_and_off_is_logged(setting, url, run_key, want):
     lines: list[str] = []
     assert worker_keys_wanted(setting, url, "r", run_key, lines.append) is want
     assert len(lines) == 1 and (want or "anyone who can write the bucket" in lines[0])
+    change = "worker_keys = off turns" if want else "worker_keys = required turns"
+    assert f"worker_keys = {setting}" in lines[0] and change in lines[0]  # the setting, and how to change it
 
 
 def test_required_worker_keys_without_a_run_key_is_refused_naming_the_fix():

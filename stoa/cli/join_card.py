@@ -84,9 +84,9 @@ def run(args: argparse.Namespace) -> int:
         if args.count != 1 and not keyed:
             raise CardError("--count: cards differ only by their worker keys; give --out FILE in a run with a run "
                             "key, or leave --count out")
-        if args.with_secrets:
-            write_secrets(args.with_secrets, card.credentials, env)
         cards = _keyed_cards(card, args) if keyed else [(Path(args.out or f"join-{card.run}.toml"), card)]
+        if args.with_secrets:  # after the keys: a refused key leaves no credentials file behind
+            write_secrets(args.with_secrets, card.credentials, env)
         for path, one in cards:
             if args.out:
                 write_card(path, card_toml(one), secret=bool(one.worker_key))
