@@ -19,6 +19,8 @@ from stoa.bucket import Bucket
 from stoa.models import model_fingerprint
 from stoa.models.lora_torch import LoraSpec, write_peft
 from stoa.trainer.retry import ride_out
+from stoa.weights.adapter import AdapterSpec, base_id, publish_base
+from stoa.weights.planes import state_from_f32
 
 
 def lora_spec(cfg: Any) -> LoraSpec | None:
@@ -41,7 +43,7 @@ def base_fingerprint(model_dir: str | Path) -> str:
         model_dir: the base model's directory.
     """
     fp = model_fingerprint(Path(model_dir))
-    return f"{fp.architecture}:{fp.config_hash}:{fp.tokenizer_hash}"
+    return base_id(fp.architecture, fp.config_hash, fp.tokenizer_hash)
 
 
 @dataclass(frozen=True)
@@ -118,3 +120,20 @@ def put_peft(bucket: Bucket, prefix: str, adapter: dict[str, Any], ident: Identi
                      f"adapter file {name}", echo)
             sizes[name] = os.path.getsize(path)
     return sizes
+
+
+def publish_adapter_base(bucket: Bucket, cfg: Any, ident: Identity, base: dict[str, Any], echo) -> AdapterSpec:
+    """Publish a LoRA run's base once (``stoa.weights.adapter.publish_base``, the contract's plane) and return the
+    contract's adapter plane: the base's identity and hash, the adapter's rank, alpha and targets.
+
+    Args:
+        bucket: the run's bucket.
+        cfg: the ``TrainerConfig`` (its run and plane).
+        ident: the trainer's identity (its base fingerprint and spec).
+        base: the base's float32 tensors (``RankOps.export_base``; rank 0's).
+        echo: where outage notes go.
+    """
+    assert ident.spec is not None
+    state = state_from_f32(base, cfg.plane)
+    base_hash = ride_out(lambda: publish_base(bucket, cfg.run, state, cfg.plane), "the base weights", echo)
+    return AdapterSpec(ident.base, base_hash, ident.spec.rank, ident.spec.alpha, ident.spec.targets)
