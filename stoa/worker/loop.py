@@ -19,6 +19,7 @@ from stoa.config import WorkerConfig
 from stoa.contract import ContractMismatch, RunContract, download_model_files, wait_for_contract
 from stoa.engines import Completion, Engine, GenStats, default_engine
 from stoa.engines import make_engine as build_engine
+from stoa.engines.adapter import prepare_adapter
 from stoa.episodes.collect import episode_sample, sample_episode_batch
 from stoa.episodes.task_tools import open_task_tools
 from stoa.identity import WorkerKey, load_worker_key, note_worker_key
@@ -37,7 +38,6 @@ from stoa.tokenize import TextCodec
 from stoa.weights.follow import WeightFollower
 from stoa.weights.signing import trusted_run_key
 from stoa.weights.sync import WeightSync
-from stoa.worker.adapter import prepare_adapter
 from stoa.worker.pacing import RunWatch, Verdict
 from stoa.worker.syncing import published_at as _published_at
 from stoa.worker.syncing import sync_weights as _sync

@@ -18,13 +18,13 @@ import stoa.worker.loop as wloop
 from stoa.bucket import open_bucket
 from stoa.config import WorkerConfig, load_config
 from stoa.contract import ContractMismatch, RunContract, download_model_files
+from stoa.engines.adapter import prepare_adapter
 from stoa.engines.torch import TorchEngine
 from stoa.layout import ANCHOR_FILE, base_prefix, contract_key, patch_key
 from stoa.weights.adapter import adapter_state, is_adapter_name
-from stoa.weights.planes import bf16_bits_to_f32, f32_to_bf16_bits
+from stoa.weights.planes import bf16_bits_to_f32, f32_to_bf16_bits, state_from_f32
 from stoa.weights.pulse import read_patch_header
 from stoa.weights.sync import WeightSync
-from stoa.worker.adapter import prepare_adapter
 from tests.test_trainer_resume import make_cfg
 
 
@@ -121,3 +121,28 @@ def test_a_worker_on_another_base_or_a_damaged_base_or_without_adapters_is_refus
             prepare_adapter(engine, "torch", bucket, contract, wdir)
     finally:
         bucket.put(key, good)
+
+
+def test_the_evaluator_follows_a_lora_run_on_base_plus_adapter(run: dict[str, Any], tmp_path: Path):
+    from stoa.evaluator import EvalConfig, run_evaluator
+
+    cfg = EvalConfig(bucket=run["url"], run="r", engine="torch", n=2, threads=1, log_dir=str(tmp_path / "logs"))
+    lines: list[str] = []
+    assert run_evaluator(cfg, echo=lines.append).evaluated == [2]
+    assert any("LoRA run: base verified" in line for line in lines)
+
+
+def test_the_published_export_of_a_lora_run_is_the_merged_model(run: dict[str, Any], tmp_path: Path):
+    from stoa.export import export_run
+
+    res = export_run(open_bucket(run["url"]), "r", tmp_path / "out", echo=lambda *_: None)
+    assert res.version == 2 and res.dtype == "bfloat16"
+    got = {k: v.view(np.uint16) if v.dtype.itemsize == 2 else v for k, v in _load_bf16(tmp_path / "out").items()}
+    want = state_from_f32(run["t"].policy.export_f32(), "bf16")  # the trainer's merge, rounded to bf16
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def _load_bf16(d: Path) -> dict[str, np.ndarray]:
+    from safetensors.torch import load_file as load_torch
+
+    return {k: v.view(torch.int16).numpy() for k, v in load_torch(str(d / "model.safetensors")).items()}

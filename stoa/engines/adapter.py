@@ -1,4 +1,5 @@
-"""A worker on a LoRA run's adapter plane: the verified base once, LoRA layers, then adapter versions only.
+"""An engine on a LoRA run's adapter plane (a worker's, the evaluator's): the verified base once, LoRA layers, then
+adapter versions only.
 
 The contract's ``adapter`` (``stoa.weights.adapter.AdapterSpec``) names the base and the adapter's shape. Before
 the first sync the worker checks that its model is that base, loads the base the trainer published (verified
