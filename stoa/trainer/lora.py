@@ -4,7 +4,8 @@ A LoRA trainer's checkpoint holds its trainable parameters only (the adapter) an
 to one base and one adapter (``Identity``): its pointer names both (``base``: the model's fingerprint;
 ``adapter``: rank, alpha, targets) and a trainer with another refuses it (``identity_problem``). Beside the
 shards, rank 0 writes the adapter as PEFT loads it (``put_peft``: ``adapter/adapter_model.safetensors`` and
-``adapter/adapter_config.json`` under the checkpoint's prefix).
+``adapter/adapter_config.json`` under the checkpoint's prefix). Before the contract, ``publish_adapter_base``
+publishes the base once and names it in the contract's adapter plane (``stoa.weights.adapter``).
 """
 
 from __future__ import annotations
