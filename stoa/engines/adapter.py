@@ -3,7 +3,8 @@ adapter versions only.
 
 The contract's ``adapter`` (``stoa.weights.adapter.AdapterSpec``) names the base and the adapter's shape. Before
 the first sync the worker checks that its model is that base, loads the base the trainer published (verified
-against the contract's hash) and adds the adapters (``TorchEngine.use_adapter``: the trainer's LoRA forward).
+against the contract's hash) and adds the adapters (``use_adapter`` of the torch or MLX engine: the trainer's LoRA
+forward).
 Each adapter version is then checked against the contract's rank and the model's linears before it is adopted
 (``WeightSync``'s ``check``): a wrong one is refused like a damaged object and the last good version stays.
 """
@@ -42,9 +43,9 @@ def prepare_adapter(engine: Any, engine_name: str, bucket: Bucket, contract: Run
     spec = contract.adapter_spec
     if spec is None:
         return None
-    if engine_name != "torch" or not hasattr(engine, "use_adapter"):
+    if not hasattr(engine, "use_adapter"):
         raise ContractMismatch(["adapter"], f"run {contract.run_id!r} publishes LoRA adapters, which the "
-                                            f"{engine_name} engine cannot apply yet; use --engine torch")
+                                            f"{engine_name} engine cannot apply")
     fp = model_fingerprint(model_dir)
     problem = base_problem(spec, base_id(fp.architecture, fp.config_hash, fp.tokenizer_hash))
     if problem is not None:

@@ -14,7 +14,7 @@ numpy only: the torch side (adding adapters to a model) is ``stoa.models.lora_to
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +89,17 @@ class AdapterSpec:
         return cls(base=field_text(d, "base", max_len=512), base_hash=field_text(d, "base_hash", max_len=128),
                    rank=field_int(d, "rank", lo=1, hi=MAX_RANK), alpha=check_number(d["alpha"], "alpha", lo=1e-30),
                    targets=tuple(check_text(t, "adapter target", max_len=128) for t in targets))
+
+
+def target_matches(path: str, targets: Sequence[str]) -> bool:
+    """Whether module path ``path`` ends with one of ``targets`` at a name boundary (PEFT's suffix rule, as
+    ``stoa.models.lora_torch.matches``).
+
+    Args:
+        path: a module path (``model.layers.0.self_attn.q_proj``).
+        targets: module-name suffixes.
+    """
+    return any(path == t or path.endswith("." + t) for t in targets)
 
 
 def is_adapter_name(name: str) -> bool:

@@ -57,11 +57,29 @@ def run(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     t.close()
 
 
-def _worker(run: dict[str, Any], name: str) -> tuple[Any, RunContract, TorchEngine, Path]:
+def _worker(run: dict[str, Any], name: str, engine: str = "torch") -> tuple[Any, RunContract, Any, Path]:
     bucket = open_bucket(run["url"])
     contract = RunContract.from_json(bucket.get(contract_key("r")))
     wdir = download_model_files(bucket, "r", run["tmp"] / name)  # config and tokenizer only: no weights
+    if engine == "mlx":
+        from stoa.engines.mlx.engine import MLXEngine
+
+        return bucket, contract, MLXEngine(wdir, dtype="float32"), wdir
     return bucket, contract, TorchEngine(wdir, device="cpu", dtype="float32"), wdir
+
+
+def _worst_gap(engine: Any, t: Any) -> float:
+    """The largest gap between the logprobs the engine sampled with and the trainer's sampling forward."""
+    prompts = [[5, 17, 42, 9], [7, 7, 100, 3, 250]]
+    groups, _ = engine.generate(prompts, 2, max_new_tokens=6, generator=engine.make_generator(0))
+    worst = 0.0
+    with torch.no_grad(), t.policy.sampling():
+        for prompt, group in zip(prompts, groups, strict=True):
+            comps = [np.array(c.tokens) for c in group]
+            logp = t.policy.group_logprobs(np.array(prompt), comps, max(len(c) for c in comps)).numpy()
+            for row, c in zip(logp, group, strict=True):
+                worst = max(worst, float(np.abs(row[: len(c.tokens)] - np.array(c.logprobs)).max()))
+    return worst
 
 
 def test_a_worker_rebuilds_the_adapter_bit_exact_and_scores_as_the_trainer(run: dict[str, Any]):
@@ -80,18 +98,20 @@ def test_a_worker_rebuilds_the_adapter_bit_exact_and_scores_as_the_trainer(run: 
     assert version == 2 and state.keys() == want.keys()
     assert all(np.array_equal(state[k], want[k]) for k in want)  # bit-exact
     engine.load_state(state, contract.weight_plane)
-
-    prompts = [[5, 17, 42, 9], [7, 7, 100, 3, 250]]
-    groups, _ = engine.generate(prompts, 2, max_new_tokens=6, generator=engine.make_generator(0))
-    worst = 0.0
-    with torch.no_grad(), t.policy.sampling():
-        for prompt, group in zip(prompts, groups, strict=True):
-            comps = [np.array(c.tokens) for c in group]
-            t_max = max(len(c) for c in comps)
-            logp = t.policy.group_logprobs(np.array(prompt), comps, t_max).numpy()
-            for row, c in zip(logp, group, strict=True):
-                worst = max(worst, float(np.abs(row[: len(c.tokens)] - np.array(c.logprobs)).max()))
+    worst = _worst_gap(engine, t)
     assert worst < 1e-4, worst  # the worker's LoRA forward is the trainer's
+
+
+def test_an_mlx_worker_rebuilds_the_adapter_and_scores_as_the_trainer(run: dict[str, Any]):
+    pytest.importorskip("mlx.core", reason="needs mlx (mlx[cpu] on Linux)")
+    bucket, contract, engine, wdir = _worker(run, "m1", engine="mlx")
+    check = prepare_adapter(engine, "mlx", bucket, contract, wdir, echo=lambda *_: None)
+    sync = WeightSync(bucket, "r", contract.weight_plane, run_key=contract.run_key, check=check)
+    version, state = sync.sync()
+    assert version == 2
+    engine.load_state(state, contract.weight_plane)
+    worst = _worst_gap(engine, run["t"])
+    assert worst < 1e-4, worst
 
 
 def test_run_worker_samples_a_lora_run_from_the_bucket_alone(run: dict[str, Any], tmp_path: Path):
@@ -106,8 +126,8 @@ def test_run_worker_samples_a_lora_run_from_the_bucket_alone(run: dict[str, Any]
 
 def test_a_worker_on_another_base_or_a_damaged_base_or_without_adapters_is_refused(run: dict[str, Any]):
     bucket, contract, engine, wdir = _worker(run, "w2")
-    with pytest.raises(ContractMismatch, match="cannot apply yet"):
-        prepare_adapter(engine, "mlx", bucket, contract, wdir)
+    with pytest.raises(ContractMismatch, match="cannot apply"):
+        prepare_adapter(object(), "other", bucket, contract, wdir)
     cfg = json.loads((wdir / "config.json").read_text())
     (wdir / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-3}))  # another base
     with pytest.raises(ContractMismatch, match="wrong_base"):
