@@ -166,3 +166,14 @@ def _load_bf16(d: Path) -> dict[str, np.ndarray]:
     from safetensors.torch import load_file as load_torch
 
     return {k: v.view(torch.int16).numpy() for k, v in load_torch(str(d / "model.safetensors")).items()}
+
+
+def test_a_trainer_restarted_without_model_rebuilds_the_base_it_published(run: dict[str, Any], tmp_path: Path):
+    from stoa.trainer.setup import model_from_bucket
+
+    bucket = open_bucket(run["url"])
+    contract = RunContract.from_json(bucket.get(contract_key("r")))
+    dest = model_from_bucket(bucket, "r", contract.plane, tmp_path / "m", adapter=contract.adapter_spec)
+    got = load_file(str(dest / "model.safetensors"))
+    want = load_file(str(run["model"] / "model.safetensors"))  # bf16-exact values: the plane keeps them
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
