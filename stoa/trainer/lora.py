@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from stoa.bucket import Bucket
+from stoa.contract import ContractMismatch
 from stoa.models import model_fingerprint
 from stoa.models.lora_torch import LoraSpec, write_peft
 from stoa.trainer.retry import ride_out
 from stoa.weights.adapter import AdapterSpec, base_id, publish_base
+from stoa.weights.errors import AdapterError
 from stoa.weights.planes import state_from_f32
 
 
@@ -133,8 +135,14 @@ def publish_adapter_base(bucket: Bucket, cfg: Any, ident: Identity, base: dict[s
         ident: the trainer's identity (its base fingerprint and spec).
         base: the base's float32 tensors (``RankOps.export_base``; rank 0's).
         echo: where outage notes go.
+
+    Raises:
+        ContractMismatch: the run already published another base (``adapter.base_hash``).
     """
     assert ident.spec is not None
     state = state_from_f32(base, cfg.plane)
-    base_hash = ride_out(lambda: publish_base(bucket, cfg.run, state, cfg.plane), "the base weights", echo)
+    try:
+        base_hash = ride_out(lambda: publish_base(bucket, cfg.run, state, cfg.plane), "the base weights", echo)
+    except AdapterError as e:  # the run published another base (same config and tokenizer, other weights)
+        raise ContractMismatch(["adapter.base_hash"], e.detail) from None
     return AdapterSpec(ident.base, base_hash, ident.spec.rank, ident.spec.alpha, ident.spec.targets)

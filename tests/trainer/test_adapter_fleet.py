@@ -177,3 +177,19 @@ def test_a_trainer_restarted_without_model_rebuilds_the_base_it_published(run: d
     got = load_file(str(dest / "model.safetensors"))
     want = load_file(str(run["model"] / "model.safetensors"))  # bf16-exact values: the plane keeps them
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_a_trainer_whose_base_weights_differ_from_the_published_base_is_refused(tmp_path: Path):
+    from types import SimpleNamespace
+
+    from stoa.models.lora_torch import LoraSpec
+    from stoa.trainer.lora import Identity, publish_adapter_base
+
+    bucket, cfg = open_bucket(str(tmp_path / "b")), SimpleNamespace(run="r", plane="bf16")
+    ident = Identity("llama:c:t", LoraSpec(4, 8.0))
+    base = {"w.weight": np.ones((2, 64), np.float32)}
+    spec = publish_adapter_base(bucket, cfg, ident, base, print)
+    assert (spec.base, spec.rank, spec.alpha) == ("llama:c:t", 4, 8.0)
+    assert publish_adapter_base(bucket, cfg, ident, base, print) == spec  # a restart: the same base, the same spec
+    with pytest.raises(ContractMismatch, match="adapter.base_hash"):
+        publish_adapter_base(bucket, cfg, ident, {"w.weight": np.zeros((2, 64), np.float32)}, print)
