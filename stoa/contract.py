@@ -34,7 +34,9 @@ from stoa.untrusted import (
     int_list,
     loads_bounded,
 )
+from stoa.weights.adapter import AdapterSpec
 from stoa.weights.ed25519 import CONTRACT_DOMAIN, PUBLIC_HEX, is_hex, signature_problem
+from stoa.weights.planes import ADAPTER_PLANE
 
 SCHEMA_VERSION = 1
 """Version of the contract and of every record type; bump on any incompatible change."""
@@ -157,6 +159,10 @@ class RunContract:
     task_code: tuple[Mapping[str, str], ...] = ()
     """The task plugin code every machine must run (``stoa.tasks.code``): per module ``module``, ``dist``,
     ``version`` and ``sha256`` of its source; empty for built-in tasks."""
+    adapter: Mapping[str, Any] = field(default_factory=dict)
+    """A LoRA run's adapter plane (``stoa.weights.adapter.AdapterSpec.to_dict``): the base's identity and the
+    state hash of its published anchor, the adapter's rank, alpha and targets; the pointer then names plane
+    ``adapter`` and ``plane`` is the base's. Empty for full fine-tuning (the pointer names ``plane``)."""
     schema_version: int = SCHEMA_VERSION
     """Schema version of records and weights."""
     created_at: float = 0.0
@@ -171,6 +177,8 @@ class RunContract:
         d = asdict(self)
         if not self.task_code:
             d.pop("task_code")  # a built-in task writes the same run.json as before plugins existed
+        if not self.adapter:
+            d.pop("adapter")  # full fine-tuning writes the same run.json as before adapter planes existed
         if not self.run_key and not self.signature:
             d.pop("run_key")  # a run without a key writes the same run.json as before keys existed
             d.pop("signature")
@@ -239,6 +247,16 @@ class RunContract:
             raise BadBucketObject(key, f"is not a run contract ({str(e)[:300]})", CONTRACT_FIX) from None
         return contract.check_signature()
 
+    @property
+    def adapter_spec(self) -> AdapterSpec | None:
+        """The adapter plane's spec (None for full fine-tuning)."""
+        return AdapterSpec.from_dict(dict(self.adapter)) if self.adapter else None
+
+    @property
+    def weight_plane(self) -> str:
+        """The plane the weight pointer names: ``adapter`` for a LoRA run, else ``plane``."""
+        return ADAPTER_PLANE if self.adapter else self.plane
+
     def fingerprint(self) -> str:
         """Hash of the fields a record depends on (not timestamps, not the signature); records carry it."""
         d = self._fields()
@@ -287,6 +305,7 @@ def _contract_fields(cls: type[RunContract], d: dict[str, Any]) -> RunContract:
                reuse_cap=check_int(d.get("reuse_cap", 2), "reuse_cap", hi=MAX_WINDOW),
                algorithm=field_object(d, "algorithm", default={}), retriever=field_object(d, "retriever", default={}),
                task_code=_task_code(d.get("task_code", [])),
+               adapter=AdapterSpec.from_dict(d["adapter"]).to_dict() if "adapter" in d else {},
                schema_version=SCHEMA_VERSION, created_at=check_number(d.get("created_at", 0.0), "created_at", lo=0),
                run_key=check_text(d.get("run_key", ""), "run_key", max_len=128),
                signature=check_text(d.get("signature", ""), "signature", max_len=256))

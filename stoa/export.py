@@ -6,7 +6,9 @@ Two sources:
   before it plus the patches after it and verified like a worker verifies them (``WeightSync``). A ``bf16``
   plane is written as bfloat16 bit for bit. An ``int8g64`` plane is dequantized exactly as MLX dequantizes it
   (every value is a bfloat16 number) and written as bfloat16 too: lossless, and both loaders open a plain
-  bfloat16 checkpoint, while mlx-lm's quantized layout would not load in transformers.
+  bfloat16 checkpoint, while mlx-lm's quantized layout would not load in transformers. A LoRA run's ``adapter``
+  plane is merged into the base it published (``W + alpha / r * B @ A`` in float32, ``stoa.weights.adapter``) and
+  written as bfloat16.
 - ``checkpoint``: the trainer's fp32 master weights (its sharded checkpoint under ``trainer/``), written as float32;
   the AdamW moments stay behind.
 
@@ -33,10 +35,11 @@ from stoa.bucket import Bucket, ObjectNotFound
 from stoa.contract import RunContract, download_model_files
 from stoa.layout import ANCHOR_MANIFEST, anchor_prefix, checkpoint_key, contract_key, patch_key, pointer_key
 from stoa.models.hf_dir import ExportError, check_out_dir, checkpoint_names, meta_model, missing_buffers, write_hf_dir
+from stoa.weights.adapter import fetch_base
 from stoa.weights.anchor import load_manifest
 from stoa.weights.errors import WeightsError
 from stoa.weights.patch_format import read_patch_header
-from stoa.weights.planes import State, state_to_f32
+from stoa.weights.planes import ADAPTER_PLANE, State, state_to_f32
 from stoa.weights.pointer import Pointer, complete, list_anchors, list_patches, now_iso
 from stoa.weights.signing import trusted_run_key
 from stoa.weights.sync import WeightSync
@@ -82,6 +85,35 @@ def bf16_tensors(state: State, plane: str) -> dict[str, Any]:
         return {k: torch.from_numpy(np.ascontiguousarray(v).view(np.int16)).view(torch.bfloat16)
                 for k, v in state.items()}
     return {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in state_to_f32(state, plane).items()}
+
+
+def merged_tensors(bucket: Bucket, run_id: str, state: State) -> dict[str, Any]:
+    """A LoRA run's published adapter merged into its published base, as bfloat16 torch tensors.
+
+    Args:
+        bucket: the run's bucket.
+        run_id: the run.
+        state: a verified state of the ``adapter`` plane.
+
+    Raises:
+        ExportError: the contract names no adapter, or the base does not verify against it.
+    """
+    import torch
+
+    from stoa.models.lora_torch import merge_arrays
+
+    contract = RunContract.from_json(bucket.get(contract_key(run_id)), contract_key(run_id))
+    spec = contract.adapter_spec
+    if spec is None:
+        raise ExportError(f"run {run_id!r} publishes adapter versions but its contract names no adapter")
+    try:
+        base = state_to_f32(fetch_base(bucket, run_id, contract.plane, spec), contract.plane)
+    except WeightsError as e:
+        raise ExportError(f"run {run_id!r}: its published base is refused ({e}); restore it from a backup") from None
+    adapter = state_to_f32(state, ADAPTER_PLANE)
+    paths = sorted({k.removesuffix(".lora_A.weight") for k in adapter if k.endswith(".lora_A.weight")})
+    merged = merge_arrays({**base, **adapter}, paths, spec.scale)
+    return {k: torch.from_numpy(np.ascontiguousarray(v)).to(torch.bfloat16) for k, v in merged.items()}
 
 
 def _state_hash_at(bucket: Bucket, run_id: str, version: int, anchors: dict[int, dict[str, int]],
@@ -211,7 +243,9 @@ def export_run(bucket: Bucket, run_id: str, out: str | os.PathLike[str], *, vers
                           "and --bucket")
     if source == "published":
         pointer, state = published_state(bucket, run_id, version, echo)
-        tensors, dtype, at = bf16_tensors(state, pointer.plane), "bfloat16", pointer.version
+        tensors = merged_tensors(bucket, run_id, state) if pointer.plane == ADAPTER_PLANE else bf16_tensors(
+            state, pointer.plane)
+        dtype, at = "bfloat16", pointer.version
     else:
         echo(f"[export] reading the trainer checkpoint of run {run_id!r}")
         at, tensors = checkpoint_tensors(bucket, run_id)

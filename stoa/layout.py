@@ -9,6 +9,7 @@ This is the only module that spells a ``runs/`` key. Everything a run stores liv
     runs/<run>/weights/current.json                      weight pointer (trainer, compare-and-swap, last)
     runs/<run>/weights/anchors/v<k>/{model.safetensors,manifest.json}   full checkpoint, manifest last
     runs/<run>/weights/versions/v<k>.patch               PULSE patch v<k-1> -> v<k>
+    runs/<run>/weights/base/{model.safetensors,manifest.json}   a LoRA run's base, once (adapter plane; manifest last)
     runs/<run>/rollouts/v<version>/<worker>-<seq>.rec    one record per group (workers, create-only)
     runs/<run>/trainer/journal.json                      per-step journal (trainer, overwritten)
     runs/<run>/trainer/checkpoint.json                   the sharded checkpoint's pointer (trainer, overwritten, last)
@@ -147,6 +148,15 @@ def pointer_key(run_id: str) -> str:
         run_id: the run id.
     """
     return weights_prefix(run_id) + "current.json"
+
+
+def base_prefix(run_id: str) -> str:
+    """Key prefix of a LoRA run's base weights (published once, an anchor), ``runs/<run>/weights/base/``.
+
+    Args:
+        run_id: the run id.
+    """
+    return weights_prefix(run_id) + "base/"
 
 
 def anchors_prefix(run_id: str) -> str:

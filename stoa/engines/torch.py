@@ -18,7 +18,7 @@ from stoa.engines.base import Completion, GenStats, RowLog
 from stoa.engines.torch_episodes import run_episodes
 from stoa.engines.torch_rows import DecodeBatch
 from stoa.episodes.driver import Episode, EpisodeDriver
-from stoa.weights.planes import state_to_f32
+from stoa.weights.planes import ADAPTER_PLANE, state_to_f32
 
 
 def sampling_logprobs_torch(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -218,13 +218,54 @@ class TorchEngine:
 
         Args:
             state: tensor name -> stored bits.
-            plane: ``bf16`` or ``int8g64``.
+            plane: ``bf16`` or ``int8g64`` (the whole model), or ``adapter`` (the adapter tensors only, after
+                :meth:`use_adapter`).
 
         Raises:
             ValueError: on an unknown plane or a missing, unexpected or misshaped tensor.
         """
 
-        self.load_weights(state_to_f32(state, plane))
+        if plane == ADAPTER_PLANE:
+            self.load_adapter(state_to_f32(state, plane))
+        else:
+            self.load_weights(state_to_f32(state, plane))
+
+    def use_adapter(self, rank: int, alpha: float, targets: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """Add LoRA adapters to the (loaded) base, the trainer's computation (``stoa.models.lora_torch``: the base
+        output plus ``alpha / rank * B(A(x))``), zero until :meth:`load_state` loads an adapter version; the
+        adapted linears' shapes, module path -> (out, in).
+
+        Args:
+            rank: the adapter's rank.
+            alpha: LoRA alpha.
+            targets: module-name suffixes to adapt.
+        """
+        from stoa.models.lora_torch import LoraSpec, adapted_linears, add_lora
+
+        paths = add_lora(self.model, LoraSpec(rank, alpha, tuple(targets)), seed=0)
+        self.model.to(self.device, self.dtype)
+        self.adapter_names = sorted(f"{p}{s}" for p in paths for s in (".lora_A.weight", ".lora_B.weight"))
+        return adapted_linears(self.model, paths)
+
+    def load_adapter(self, named: Mapping[str, np.ndarray]) -> None:
+        """Copy float32 adapter tensors into the adapters :meth:`use_adapter` added (never partially).
+
+        Args:
+            named: adapter parameter name -> float32 array.
+
+        Raises:
+            ValueError: no adapters were added, or the names or shapes are not theirs.
+        """
+        params = dict(self.model.named_parameters())
+        want = getattr(self, "adapter_names", [])
+        if not want or sorted(named) != want:
+            raise ValueError(f"adapter tensors do not match the model's adapters ({len(named)} vs {len(want)})")
+        bad = [k for k in want if tuple(named[k].shape) != tuple(params[k].shape)]
+        if bad:
+            raise ValueError(f"{bad[0]}: shape {named[bad[0]].shape} != model {tuple(params[bad[0]].shape)}")
+        with torch.no_grad():
+            for k in want:
+                params[k].copy_(torch.from_numpy(np.ascontiguousarray(named[k])).to(params[k].device, params[k].dtype))
 
     def load_weights(self, named: Mapping[str, np.ndarray]) -> None:
         """Copy float32 arrays into the model's parameters and persistent buffers (``model_tensors``).

@@ -18,6 +18,7 @@ from stoa.bucket import Bucket, BucketError, ObjectNotFound, open_bucket
 from stoa.config.base import TRACKERS, ConfigError, report_to_names
 from stoa.contract import ContractMismatch, RunContract, RunNotFound, digest_hex, download_model_files
 from stoa.engines import default_engine, make_engine
+from stoa.engines.adapter import prepare_adapter
 from stoa.episodes.evaluation import evaluate_heldout
 from stoa.episodes.task_tools import open_task_tools
 from stoa.evaluator.chain import ChainRefused, at_version, chain_hashes, rebase
@@ -232,6 +233,7 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
     name = default_engine() if cfg.engine == "auto" else cfg.engine
     engine = make_engine(name, model_dir, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads,
                          plane=contract.plane)
+    check = prepare_adapter(engine, name, bucket, contract, model_dir, echo)  # a LoRA run: base + adapters
     task = get_task(contract.task_id,
                     **localize_contract_options(bucket, cfg.run, contract.task_id, contract.task_spec))
     tools = (open_task_tools(task, cfg.retriever, role="eval", bucket=bucket, run_id=cfg.run,
@@ -246,7 +248,8 @@ def _set_up(cfg: EvalConfig, echo: Callable[[str], Any]) -> _Evaluator:
          + (f", pass@{cfg.k}" if tools is not None and cfg.k > 1 else "")
          + (f", {len(done)} versions already evaluated" if done else ""))
     return _Evaluator(cfg, bucket, contract, engine, TextCodec(model_dir), task, tools,
-                      WeightSync(bucket, cfg.run, contract.plane, run_key=run_key), metrics, done, summary)
+                      WeightSync(bucket, cfg.run, contract.weight_plane, run_key=run_key, check=check), metrics, done,
+                      summary)
 
 
 def _loop(ev: _Evaluator, echo: Callable[[str], Any]) -> None:
@@ -344,7 +347,7 @@ def _evaluate(ev: _Evaluator, version: int, state: Any, echo: Callable[[str], An
     """Load verified weights, evaluate the held-out split, log and flush one ``eval/*`` row."""
     cfg, contract = ev.cfg, ev.contract
     max_new = cfg.max_new_tokens or contract.sampling.max_new_tokens
-    ev.engine.load_state(state, contract.plane)
+    ev.engine.load_state(state, contract.weight_plane)
     figures = evaluate_heldout(ev.engine, ev.codec, ev.task, cfg.n, max_new, tools=ev.tools, k=cfg.k,
                                temperature=contract.sampling.temperature)
     ev.metrics.log({"version": version, **{f"eval/{k}": v for k, v in figures.items()}})

@@ -103,6 +103,22 @@ def add_lora(model: nn.Module, spec: LoraSpec, seed: int) -> list[str]:
     return paths
 
 
+def adapted_linears(model: nn.Module, paths: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """The adapted linears' shapes, module path -> (out, in): what an adapter tensor must fit
+    (``stoa.weights.adapter.check_adapter``).
+
+    Args:
+        model: the model.
+        paths: the adapted module paths (``add_lora``'s result).
+    """
+    out: dict[str, tuple[int, int]] = {}
+    for path in paths:
+        lin = model.get_submodule(path)
+        assert isinstance(lin, nn.Linear)
+        out[path] = (lin.out_features, lin.in_features)
+    return out
+
+
 def is_adapter(name: str) -> bool:
     """Whether parameter ``name`` belongs to an adapter (``...lora_A.weight`` or ``...lora_B.weight``).
 

@@ -28,6 +28,7 @@ from stoa.trainer.cadence import CheckpointCadence
 from stoa.trainer.demand import RolloutRetention, StatusPublisher, UniformSkips, poll_delay, wanted_groups
 from stoa.trainer.dist import SINGLE, Dist
 from stoa.trainer.lease import FencedBucket, Lease
+from stoa.trainer.lora import publish_adapter_base
 from stoa.trainer.overlap import Background, Done
 from stoa.trainer.pool import Entry, RecordPool
 from stoa.trainer.provenance import ProvenanceWriter, step_provenance
@@ -37,6 +38,7 @@ from stoa.trainer.retry import RETRY_MAX_SLEEP_S, ride_out  # noqa: F401 - re-ex
 from stoa.trainer.setup import build_contract, check_replay, ensure_contract
 from stoa.trainer.step import entry_worker
 from stoa.trainer.steplog import StepClock, step_line, step_row
+from stoa.weights.adapter import adapter_state
 from stoa.weights.errors import SyncError
 from stoa.weights.planes import state_from_f32, state_to_f32
 from stoa.weights.publish import WeightPublisher
@@ -148,12 +150,14 @@ class _Trainer:
         self.tools = open_task_tools(self.task, cfg.retriever, role="trainer", bucket=self.bucket, run_id=cfg.run,
                                      publish=True, corpus="cached", note=self.echo)
         data = portable_task_data(self.task)  # its files go up before the contract, which names them by digest
+        adapter = (publish_adapter_base(self.bucket, cfg, self.ops.identity, self.ranks("export_base"), self.echo)
+                   if self.policy.lora is not None else None)  # a LoRA run's base goes up once, before the contract
         contract = build_contract(cfg, model_dir, self.task, self.codec, self.policy.vocab_size,
-                                  self.tools.retriever, task_data=data)
+                                  self.tools.retriever, task_data=data, adapter=adapter)
         contract = signer.sign_contract(contract) if signer is not None else contract
         self.contract = ensure_contract(self.bucket, contract, model_dir, task_files=data.files, config=cfg)
-        self.publisher = WeightPublisher(self.bucket, cfg.run, cfg.plane, anchor_every=cfg.anchor_every,
-                                         signer=signer)
+        self.publisher = WeightPublisher(self.bucket, cfg.run, self.contract.weight_plane,
+                                         anchor_every=cfg.anchor_every, signer=signer)
         self.quarantine = Quarantine(enabled=cfg.quarantine, disagreement=cfg.quarantine_disagreement,
                                      reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
                                      temperature=cfg.temperature, top_p=cfg.top_p, by_name=keys_on,
@@ -190,7 +194,9 @@ class _Trainer:
 
         cfg = self.cfg
         self.fence()
-        state = state_from_f32(self.ranks("export"), cfg.plane)  # a copy: the next step may move the weights
+        # A copy: the next step may move the weights. A LoRA run publishes its adapter only (stoa.weights.adapter).
+        state = (adapter_state(self.ranks("export_adapter")) if self.contract.adapter
+                 else state_from_f32(self.ranks("export"), cfg.plane))
 
         def upload() -> Any:
             pub = ride_out(lambda: self.publisher.publish(version, state), f"v{version}", self.echo)
@@ -230,7 +236,8 @@ class _Trainer:
                 self.evaluate("cold start")
             self.publish(1)
             coldstart.finish_stage(self)
-            self.echo(f"[trainer] run {cfg.run}: published v1 ({self.contract.model.architecture}, plane {cfg.plane})")
+            plane = f"adapter on a {cfg.plane} base" if self.contract.adapter else f"plane {cfg.plane}"
+            self.echo(f"[trainer] run {cfg.run}: published v1 ({self.contract.model.architecture}, {plane})")
             return
         self.version = pointer.version
         bad = self.publisher.resume_error
@@ -247,7 +254,7 @@ class _Trainer:
         if bad is None and (restored is None or behind):  # no checkpoint, or killed between publish and it
 
             assert self.publisher.published_state is not None
-            self.ranks("load_full", main_only=state_to_f32(self.publisher.published_state, cfg.plane))
+            self.ranks("load_full", main_only=state_to_f32(self.publisher.published_state, self.publisher.plane))
             if restored is not None and cfg.lora_rank:  # kept its checkpoint's adapter: not the published weights
                 self.lag0_trusted = False
             elif restored is not None:
@@ -262,13 +269,13 @@ class _Trainer:
         """No checkpoint and unverifiable published weights: continue from the newest state that verifies."""
 
         cfg = self.cfg
-        sync = WeightSync(self.bucket, cfg.run, cfg.plane, run_key=self.publisher.run_key)
+        sync = WeightSync(self.bucket, cfg.run, self.publisher.plane, run_key=self.publisher.run_key)
         try:
             at, state = ride_out(lambda: sync.newest_verified(pointer), "(reading) older verified weights", self.echo)
         except SyncError as e:
             raise SystemExit(f"stoa: run {cfg.run!r} has no trainer checkpoint and no published weights verify "
                              f"({e}); restore {checkpoint_key(cfg.run)} or start a new run") from None
-        self.ranks("load_full", main_only=state_to_f32(state, cfg.plane))
+        self.ranks("load_full", main_only=state_to_f32(state, self.publisher.plane))
         self.echo(f"[trainer] no checkpoint: continuing from the newest verified weights, v{at}")
 
     def run(self) -> dict[str, Any]:

@@ -4,7 +4,8 @@ A LoRA trainer's checkpoint holds its trainable parameters only (the adapter) an
 to one base and one adapter (``Identity``): its pointer names both (``base``: the model's fingerprint;
 ``adapter``: rank, alpha, targets) and a trainer with another refuses it (``identity_problem``). Beside the
 shards, rank 0 writes the adapter as PEFT loads it (``put_peft``: ``adapter/adapter_model.safetensors`` and
-``adapter/adapter_config.json`` under the checkpoint's prefix).
+``adapter/adapter_config.json`` under the checkpoint's prefix). Before the contract, ``publish_adapter_base``
+publishes the base once and names it in the contract's adapter plane (``stoa.weights.adapter``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from stoa.bucket import Bucket
+from stoa.contract import ContractMismatch
 from stoa.models import model_fingerprint
 from stoa.models.lora_torch import LoraSpec, write_peft
 from stoa.trainer.retry import ride_out
+from stoa.weights.adapter import AdapterSpec, base_id, publish_base
+from stoa.weights.errors import AdapterError
+from stoa.weights.planes import state_from_f32
 
 
 def lora_spec(cfg: Any) -> LoraSpec | None:
@@ -41,7 +46,7 @@ def base_fingerprint(model_dir: str | Path) -> str:
         model_dir: the base model's directory.
     """
     fp = model_fingerprint(Path(model_dir))
-    return f"{fp.architecture}:{fp.config_hash}:{fp.tokenizer_hash}"
+    return base_id(fp.architecture, fp.config_hash, fp.tokenizer_hash)
 
 
 @dataclass(frozen=True)
@@ -118,3 +123,26 @@ def put_peft(bucket: Bucket, prefix: str, adapter: dict[str, Any], ident: Identi
                      f"adapter file {name}", echo)
             sizes[name] = os.path.getsize(path)
     return sizes
+
+
+def publish_adapter_base(bucket: Bucket, cfg: Any, ident: Identity, base: dict[str, Any], echo) -> AdapterSpec:
+    """Publish a LoRA run's base once (``stoa.weights.adapter.publish_base``, the contract's plane) and return the
+    contract's adapter plane: the base's identity and hash, the adapter's rank, alpha and targets.
+
+    Args:
+        bucket: the run's bucket.
+        cfg: the ``TrainerConfig`` (its run and plane).
+        ident: the trainer's identity (its base fingerprint and spec).
+        base: the base's float32 tensors (``RankOps.export_base``; rank 0's).
+        echo: where outage notes go.
+
+    Raises:
+        ContractMismatch: the run already published another base (``adapter.base_hash``).
+    """
+    assert ident.spec is not None
+    state = state_from_f32(base, cfg.plane)
+    try:
+        base_hash = ride_out(lambda: publish_base(bucket, cfg.run, state, cfg.plane), "the base weights", echo)
+    except AdapterError as e:  # the run published another base (same config and tokenizer, other weights)
+        raise ContractMismatch(["adapter.base_hash"], e.detail) from None
+    return AdapterSpec(ident.base, base_hash, ident.spec.rank, ident.spec.alpha, ident.spec.targets)

@@ -2,7 +2,8 @@
 
 With a LoRA spec (``lora_rank`` > 0) the base is frozen (stored in the compute dtype on one rank, fp32 when
 sharded: FSDP2 gathers one dtype per unit) and only the float32 adapters (``stoa.models.lora_torch``) train;
-the export is the merged weights (``W + scale * B @ A``), so the weight planes and workers are unchanged.
+``export_f32`` is the merged weights (``W + scale * B @ A``); the trainer publishes the base once and then
+``adapter_f32`` alone (the adapter plane, ``stoa.weights.adapter``).
 
 Multi-turn rows hold the policy's turns and the environment's observations: the forward scores the positions
 its ``mask`` marks (the trainer passes actions and echo tokens) and can also report, without gradient, whether

@@ -19,10 +19,11 @@ import torch
 from stoa.algorithms import Algorithm, get_algorithm
 from stoa.bucket import Bucket
 from stoa.config import TrainerConfig
+from stoa.models.lora_torch import is_adapter
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.ckpt_async import CheckpointWriter
 from stoa.trainer.coldstart import SftRow, SftStep, sft_steps
-from stoa.trainer.dist import Dist
+from stoa.trainer.dist import Dist, full_arrays
 from stoa.trainer.lora import FULL, Identity, base_fingerprint, lora_spec
 from stoa.trainer.policy import Policy, compute_dtype
 from stoa.trainer.pool import Entry
@@ -89,6 +90,14 @@ class RankOps:
         """The full fp32 master weights (a LoRA policy's merged) on rank 0 (``{}`` elsewhere)."""
         return self.policy.export_f32()
 
+    def export_adapter(self) -> dict[str, np.ndarray]:
+        """A LoRA policy's adapter tensors as float32 on rank 0 (``{}`` elsewhere): what the adapter plane holds."""
+        return self.policy.adapter_f32()
+
+    def export_base(self) -> dict[str, np.ndarray]:
+        """A LoRA policy's frozen base (every tensor the planes carry but the adapters) as float32 on rank 0."""
+        return full_arrays({k: t for k, t in self.policy.named_tensors().items() if not is_adapter(k)}, self.dist)
+
     def save(self, version: int, step: int, before_pointer: Callable[[], Any] | None = None) -> int:
         """Checkpoint this step (rank 0 writes its pointer last): wait for the write in flight, take the state
         (a snapshot when the write runs in the background, ``stoa.trainer.ckpt_async``) and write it; its bytes
@@ -119,19 +128,19 @@ class RankOps:
     def load_full(self, arrays: dict[str, np.ndarray] | None = None) -> None:
         """Overwrite the weights from rank 0's full arrays (the published ones when resuming).
 
-        A LoRA policy cannot split published (merged) weights into base and adapter: it keeps its checkpoint's
-        adapter (one line), and without a checkpoint the trainer stops naming the fix.
+        A LoRA policy resumes its fp32 adapter from its checkpoint only (the published adapter is rounded to bf16):
+        it keeps its checkpoint's adapter (one line), and without a checkpoint the trainer stops naming the fix.
         """
         if self.policy.lora is None:
             self.policy.load_f32(arrays)
         elif self.restored is not None:
             if self.dist.main:
                 self.echo(f"[trainer] LoRA: continuing from the checkpoint's adapter (v{self.restored.version}); "
-                          "the published weights are merged and cannot be split into base and adapter")
+                          "the published adapter is rounded to bf16, not the trained fp32 one")
         else:
             raise SystemExit(f"stoa: run {self.cfg.run!r} is a LoRA run with published weights but no trainer "
-                             "checkpoint, and its adapter cannot be recovered from merged weights; start a new "
-                             "--run (and set checkpoint_every = 1: an adapter checkpoint is small)")
+                             "checkpoint, and its fp32 adapter cannot be recovered from the published bf16 one; "
+                             "start a new --run (and set checkpoint_every = 1: an adapter checkpoint is small)")
 
 
 class Driver:

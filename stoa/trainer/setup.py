@@ -36,12 +36,14 @@ from stoa.tasks.multiturn import is_multiturn
 from stoa.tokenize import TextCodec
 from stoa.trainer.lease import Lease
 from stoa.trainer.resume import Change, changes_line, legacy_line, merge, read_stored, store
+from stoa.weights.adapter import AdapterSpec, fetch_base
 from stoa.weights.planes import state_to_f32
 from stoa.weights.sync import WeightSync
 
 
 def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextCodec, vocab_size: int,
-                   retriever: Mapping[str, Any] | None = None, task_data: TaskData | None = None) -> RunContract:
+                   retriever: Mapping[str, Any] | None = None, task_data: TaskData | None = None,
+                   adapter: AdapterSpec | None = None) -> RunContract:
     """Assemble the run contract from the resolved config, model and task.
 
     The task's spec goes in portable: each file option names its ``bucket:<sha256>/<name>`` copy, never the
@@ -56,6 +58,7 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
         retriever: a search task's index (``fingerprint``), from ``stoa.episodes.task_tools.open_task_tools``.
         task_data: ``portable_task_data(task)`` when the caller already has it (its files go to
             :func:`ensure_contract`); computed here otherwise.
+        adapter: a LoRA run's adapter plane (``stoa.weights.adapter``); None for full fine-tuning.
     """
 
     fp = model_fingerprint(model_dir)
@@ -80,6 +83,7 @@ def build_contract(cfg: TrainerConfig, model_dir: Path, task: Task, codec: TextC
         reuse_cap=cfg.reuse_cap,
         algorithm=algo.to_dict(),
         retriever=dict(retriever or {}),
+        adapter=adapter.to_dict() if adapter is not None else {},
         created_at=time.time(),
     )
 
@@ -309,12 +313,13 @@ def _resume_model(cfg: TrainerConfig, given: Mapping[str, str], contract: RunCon
     if (cfg.kl_beta or 0) > 0:
         raise ContractMismatch(["model"], f"run {cfg.run!r} has kl_beta {cfg.kl_beta}: its reference is the base "
                                           "model, whose weights the bucket does not keep; pass --model with it")
-    dest = model_from_bucket(bucket, cfg.run, contract.plane, run_key=contract.run_key)
+    dest = model_from_bucket(bucket, cfg.run, contract.plane, run_key=contract.run_key, adapter=contract.adapter_spec)
     echo(f"[trainer] run {cfg.run!r}: model rebuilt from the bucket's model files and published weights in {dest}")
     return str(dest)
 
 
-def model_from_bucket(bucket: Bucket, run_id: str, plane: str, dest: Path | None = None, run_key: str = "") -> Path:
+def model_from_bucket(bucket: Bucket, run_id: str, plane: str, dest: Path | None = None, run_key: str = "",
+                      adapter: AdapterSpec | None = None) -> Path:
     """A model directory from the run's model files and its published weights (the pointer's version).
 
     Args:
@@ -323,13 +328,18 @@ def model_from_bucket(bucket: Bucket, run_id: str, plane: str, dest: Path | None
         plane: the run's weight plane.
         dest: the directory to fill (default: under the stoa cache, per bucket and run).
         run_key: a signed run's public key: the pointer must carry its signature.
+        adapter: a LoRA run's adapter plane: the directory gets the base it published (verified against the
+            contract's hash), not the adapter versions.
     """
 
 
     if dest is None:
         dest = default_cache_dir() / "runs" / digest_hex(bucket.url.encode())[:12] / run_id / "model"
     download_model_files(bucket, run_id, dest)
-    _, state = WeightSync(bucket, run_id, plane, run_key=run_key).sync()
+    if adapter is not None:
+        state = fetch_base(bucket, run_id, plane, adapter)
+    else:
+        _, state = WeightSync(bucket, run_id, plane, run_key=run_key).sync()
     save_file({k: np.ascontiguousarray(v) for k, v in state_to_f32(state, plane).items()},
               str(dest / "model.safetensors"))
     return dest

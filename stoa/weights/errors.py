@@ -42,3 +42,12 @@ class SyncError(WeightsError):
     state than the pointer names; on a signed run ``unsigned``, ``malformed_signature``, ``bad_signature``
     (the pointer is not the run key's) and ``rollback`` (an older signed pointer put back).
     """
+
+
+class AdapterError(WeightsError):
+    """A LoRA run's adapter or base cannot be used by this worker; it keeps its last good version.
+
+    Reasons: ``wrong_base`` (the contract's base is not this worker's model, or the published base is not the
+    one the contract names), ``wrong_rank``, ``wrong_shape`` (an adapter tensor does not fit the contract's
+    rank or the model's linear), ``tensor_mismatch`` (adapter tensors missing or unknown), ``bad_format``.
+    """

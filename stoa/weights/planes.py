@@ -10,6 +10,12 @@ State = dict[str, np.ndarray]
 """A published weight state: tensor name -> array of stored bits (uint16 bf16 bits, uint32 packed codes)."""
 
 PLANES = ("bf16", "int8g64")
+"""The full-weight planes a run's contract may name (``plane``)."""
+ADAPTER_PLANE = "adapter"
+"""The plane of a LoRA run's published adapter versions: the adapter tensors only, as bf16 bits
+(``stoa.weights.adapter``); the base is published once in the contract's plane."""
+WEIGHT_PLANES = (*PLANES, ADAPTER_PLANE)
+"""Every plane a pointer, anchor or patch may carry."""
 GROUP_SIZE = 64
 BITS = 8
 BF16_NAN = 0x7FC0
@@ -23,10 +29,10 @@ def check_plane(plane: str) -> str:
     """Return ``plane`` if it is a known plane, else raise ``ValueError``.
 
     Args:
-        plane: ``"bf16"`` or ``"int8g64"``.
+        plane: ``"bf16"``, ``"int8g64"`` or ``"adapter"`` (stored like bf16).
     """
-    if plane not in PLANES:
-        raise ValueError(f"unknown weight plane {plane!r}; expected one of {PLANES}")
+    if plane not in WEIGHT_PLANES:
+        raise ValueError(f"unknown weight plane {plane!r}; expected one of {WEIGHT_PLANES}")
     return plane
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,10 +99,12 @@ class WeightSync:
             the bucket (:meth:`poll`, or a sync without a target) must carry its signature, else it is refused
             (``unsigned``, ``malformed_signature``, ``bad_signature``), as is a signed pointer older than one
             already seen (``rollback``), and the held weights stay. "" follows an unsigned run.
+        check: called on every state that verified, before it is adopted; a ``WeightsError`` it raises refuses
+            that plan like a damaged object (the adapter plane's rank and shape checks, ``stoa.weights.adapter``).
     """
 
     def __init__(self, bucket: Bucket, run_id: str, plane: str, *, max_attempts: int = 3,
-                 run_key: str = "") -> None:
+                 run_key: str = "", check: Callable[[State], None] | None = None) -> None:
         self.bucket = bucket
         self.run_id = run_id
         self.plane = check_plane(plane)
@@ -110,6 +112,7 @@ class WeightSync:
         self.newest_signed: int | None = None
         """The highest version of a pointer whose signature verified (a signed run never goes back)."""
         self.max_attempts = max_attempts
+        self.check = check
         self.version: int | None = None
         self.state: State | None = None
         self.state_hash: str | None = None
@@ -250,6 +253,11 @@ class WeightSync:
         if version != target.version or s_hash != target.state_hash:
             raise _Refused(pointer_key(self.run_id), SyncError(
                 "pointer_mismatch", f"reached v{version} {s_hash}, pointer says v{target.version} {target.state_hash}"))
+        if self.check is not None:
+            try:
+                self.check(state)
+            except WeightsError as e:
+                raise _Refused(pointer_key(self.run_id), e) from None
         return state, s_hash
 
     def sync(self, target: Pointer | None = None) -> tuple[int, State]:

@@ -19,6 +19,7 @@ from stoa.config import WorkerConfig
 from stoa.contract import ContractMismatch, RunContract, download_model_files, wait_for_contract
 from stoa.engines import Completion, Engine, GenStats, default_engine
 from stoa.engines import make_engine as build_engine
+from stoa.engines.adapter import prepare_adapter
 from stoa.episodes.collect import episode_sample, sample_episode_batch
 from stoa.episodes.task_tools import open_task_tools
 from stoa.identity import WorkerKey, load_worker_key, note_worker_key
@@ -238,10 +239,11 @@ def _set_up(cfg: WorkerConfig, echo: Callable[[str], Any]) -> _Worker:
         model_dir = _fetch_model(bucket, cfg, contract, wid, echo)
     engine_name = default_engine() if cfg.engine == "auto" else cfg.engine
     engine = make_engine(engine_name, model_dir, cfg, contract.plane)
+    check = prepare_adapter(engine, engine_name, bucket, contract, model_dir, echo)  # a LoRA run: base + adapters
     codec = TextCodec(model_dir)
     task = get_task(contract.task_id,
                     **localize_contract_options(bucket, cfg.run, contract.task_id, contract.task_spec))
-    sync = WeightSync(bucket, cfg.run, contract.plane, run_key=run_key)
+    sync = WeightSync(bucket, cfg.run, contract.weight_plane, run_key=run_key, check=check)
     follower = WeightFollower(sync, contract.staleness_bound, base_delay_s=cfg.poll_seconds)
     sink = BucketMetrics(bucket.inner, cfg.run, source=f"worker-{wid}", flush_rows=METRICS_FLUSH_ROWS,
                          flush_seconds=METRICS_FLUSH_SECONDS)  # the raw bucket: a failed upload never waits

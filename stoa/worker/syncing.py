@@ -37,7 +37,7 @@ def sync_weights(follower, engine, contract: RunContract, cfg: WorkerConfig, ech
         _report_sync(step, follower, current, echo, metrics)
         if step.adopted is not None:
             version, state = step.adopted
-            _load(engine, state, contract.plane)
+            _load(engine, state, contract.weight_plane)
             m = follower.sync.metrics
             metrics.log({"worker/version": version, "worker/sync_bytes": m["bytes"],
                          "worker/sync_s": m["seconds"], "worker/sync_path": m["path"],
@@ -61,7 +61,7 @@ def sync_weights(follower, engine, contract: RunContract, cfg: WorkerConfig, ech
 
 
 def _load(engine, state, plane: str) -> None:
-    """Load verified stored bits into the engine."""
+    """Load verified stored bits into the engine (a LoRA run's: the adapter tensors, plane ``adapter``)."""
     engine.load_state(state, plane)
 
 

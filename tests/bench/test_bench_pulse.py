@@ -54,3 +54,23 @@ def test_bench_pulse_tiny(plane: str, stoa_cache: Path, tmp_path: Path, capsys: 
     assert summaries[0]["catchup_behind"] == 2
     # The user-given bucket is kept and holds both runs (patches + full anchors) per lr.
     assert len(list((bucket / "runs").iterdir())) == 4
+
+
+def test_bench_pulse_lora_compares_the_adapter_plane_with_the_merged_patch(stoa_cache: Path, tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "lora.jsonl"
+    args = parser.parse_args(["--model", "tiny", "--steps", "2", "--lora-rank", "2", "--lr", "1e-3", "--n-samples",
+                              "2", "--max-new-tokens", "6", "--out", str(out), "--bucket", str(tmp_path / "b")])
+    assert main(args) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("LoRA r2 (alpha 4) tiny lr 0.001, 2 steps:") and line.endswith("bit-identical: yes")
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    steps, (summary,) = [r for r in rows if r["kind"] == "lora_step"], [r for r in rows if r["kind"] == "lora_summary"]
+    assert [r["step"] for r in steps] == [1, 2] and summary["bit_identical"]
+    # The adapter plane's versions hold the adapter only: r x (in + out) per adapted linear, 1,024 per layer at r 1.
+    assert all(r["adapter_elements"] == 2 * 2 * 1024 and r["merged_elements"] > 10 * r["adapter_elements"]
+               for r in steps)
+    assert all(r["adapter_synced_bytes"] == r["adapter_patch_bytes"] > 0 for r in steps)
+    assert summary["adapter_anchor_bytes"] < summary["merged_anchor_bytes"] / 4

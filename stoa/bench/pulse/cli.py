@@ -15,6 +15,7 @@ from stoa.config.text import deprecated_flag
 from stoa.models import resolve_model
 from stoa.weights.planes import PLANES
 
+from .adapter import bench_adapter, lora_lines
 from .report import report_lines
 from .sampler import Sampler
 from .sweep import bench_lr
@@ -60,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="master weights at step 0: 'checkpoint' (default) as the trainer loads them; 'bf16' rounds them "
         "to bf16 first, as when the checkpoint is stored in bf16 (a diagnostic, see docs/weights.md)",
     )
+    parser.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                        help="compare a rank-R LoRA run's adapter plane with its merged bf16 patch instead (bytes "
+                        "synced per version; default 0: the full-weight benchmark)")
+    parser.add_argument("--lora-alpha", type=float, default=0.0, metavar="A",
+                        help="LoRA alpha with --lora-rank (default 2 x rank)")
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -112,6 +118,10 @@ def main(args: argparse.Namespace) -> int:
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.torch_threads)
     try:
+        if args.lora_rank > 0:
+            lora = [bench_adapter(lr, args, model_dir, bucket, sampler, _writer(out), echo) for lr in lrs]
+            print("\n".join(lora_lines(lora)))
+            return 0 if all(s["bit_identical"] for s in lora) else 1
         summaries = []
         for lr in lrs:
             echo(f"[bench pulse] {args.model} plane {args.plane} lr {lr:g}: {args.steps} steps")

@@ -17,6 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from stoa.engines.base import Completion, GenStats, RowLog
+from stoa.engines.mlx.adapter import load_adapter, use_adapter
 from stoa.engines.mlx.caches import cache_arrays, check_cache_kinds
 from stoa.engines.mlx.install import QUANT_SUFFIXES, cast_model, install, quant_prefix
 from stoa.engines.mlx.kv import compact, feed, merge_rows
@@ -25,7 +26,7 @@ from stoa.engines.mlx.rounds import Batch, Sampler, check_driver, run_rounds
 from stoa.engines.mlx.sampling import Draw, draw, make_key
 from stoa.engines.mlx_blas import warn_if_slow_blas
 from stoa.episodes.driver import Episode, EpisodeDriver
-from stoa.weights.planes import check_plane
+from stoa.weights.planes import ADAPTER_PLANE, check_plane, state_to_f32
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 PREFILL_CHUNK = 2048
@@ -139,13 +140,16 @@ class MLXEngine:
 
         Args:
             state: tensor name (torch/HF ``named_parameters`` naming) -> stored bits.
-            plane: ``bf16`` or ``int8g64``.
+            plane: ``bf16`` or ``int8g64``; or ``adapter``: a LoRA run's adapter tensors, after :meth:`use_adapter`.
 
         Raises:
             ValueError: on an unknown plane or a missing, unexpected, misshaped or wrongly typed tensor
                 (naming it); nothing is loaded then.
         """
         check_plane(plane)
+        if plane == ADAPTER_PLANE:
+            load_adapter(self.model, state_to_f32(state, plane), self.dtype)
+            return
         arrays: dict[str, mx.array] = {}
         for name, a in state.items():
             a = np.asarray(a)
@@ -162,6 +166,17 @@ class MLXEngine:
                 raise ValueError(f"{name}: dtype {a.dtype} is not stored bits of plane {plane!r} "
                                  "(uint16 bf16 bits)")
         self._install(arrays)
+
+    def use_adapter(self, rank: int, alpha: float, targets: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """Add LoRA layers to the loaded base (``stoa.engines.mlx.adapter``: the trainer's LoRA forward), zero until
+        an adapter version loads; the adapted linears' shapes, module path -> (out, in).
+
+        Args:
+            rank: the adapter's rank.
+            alpha: LoRA alpha.
+            targets: module-name suffixes.
+        """
+        return use_adapter(self.model, rank, alpha, targets, self.dtype)
 
     def load_weights(self, named: Mapping[str, np.ndarray]) -> None:
         """Copy float32 arrays into the model (names as in torch's ``named_parameters``).
