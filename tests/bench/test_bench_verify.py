@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,9 +13,11 @@ import pytest
 from stoa.bench import verify
 from stoa.bench.verify import intake
 from stoa.bench.verify.liars import quantized
+from stoa.bench.verify.stats import AttackRow
 from stoa.bench.verify.steps import StepRow, flatten, step_row, unflatten
-from stoa.bench.verify.verdict import intake_verdict
+from stoa.bench.verify.verdict import intake_verdict, logprob_verdict
 from stoa.config import TrainerConfig
+from stoa.trainer.sequential import CusumParams
 
 
 def run(flags: list[str]) -> int:
@@ -100,3 +103,17 @@ def test_saved_residuals_read_back_and_a_4_bit_base_has_16_levels_a_group():
     q = quantized({"model.layers.0.mlp.up_proj.weight": w, "norm.weight": norm}, bits=4)
     assert all(np.unique(g).size <= 16 for g in q["model.layers.0.mlp.up_proj.weight"].reshape(-1, 64))
     assert np.abs(q["model.layers.0.mlp.up_proj.weight"] - w).max() > 0 and q["norm.weight"] is norm
+
+
+def test_a_verdict_names_the_check_that_catches_an_attack_first():
+    params = CusumParams(drift=0.009, limit=0.3, cap=0.15)
+    cusum = AttackRow("noise", 256, 200, 200, 5.0, 6, 0.07)
+    slow = StepRow("noise", 256, 0, 0, "sequential", 208, 26)
+    assert logprob_verdict(cusum, slow, params).detector.startswith("CUSUM")  # 5 records before 208
+    fast = StepRow("noise", 256, 0, 0, "disagreement", 8, 1)
+    got = logprob_verdict(replace(cusum, median_records=12.0), fast, params)
+    assert got.detector == "quarantine `disagreement` (defaults)"  # 8 records before 12
+    gross = StepRow("noise", 256, 256, 1, "disagreement", 8, 1)
+    assert logprob_verdict(cusum, gross, params).detector == "recompute check (per sample)"
+    missed = logprob_verdict(replace(cusum, detected=0), StepRow("noise", 256, 0, 0, "", 0, 0), params)
+    assert (missed.detector, missed.detected) == ("none", "no")

@@ -169,8 +169,8 @@ def main(args: argparse.Namespace) -> int:
     s = [step_row(label, r, args.records_per_step, args.temperature) for label, r in rs.items()]
     i = intake_rows(Path(resolve_model(args.model))) if args.intake else []
     print()
-    for line in [*table(h, k), "", *steps_table(s, args.records_per_step), "", *intake_table(i)]:
-        print(line)
+    parts = [table(h, k), steps_table(s, args.records_per_step) if s else [], intake_table(i) if i else []]
+    print("\n\n".join("\n".join(lines) for lines in parts if lines))
     by_label = {r.attack: r for r in s}
     verdicts = [logprob_verdict(r, by_label.get(r.attack), params) for r in k] + [intake_verdict(r) for r in i]
     print("\n" + "\n".join(verdict_table(verdicts)))

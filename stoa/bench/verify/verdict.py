@@ -30,20 +30,25 @@ class Verdict:
 
 
 def logprob_verdict(cusum: AttackRow, step: StepRow | None, params: CusumParams) -> Verdict:
-    """An attack seen in the logprobs: the recompute check if it drops most records, else quarantine's first
-    reason (trainer defaults), else the CUSUM of ``params``."""
+    """An attack seen in the logprobs: the recompute check if it drops most records, else the sooner of quarantine
+    with the trainer's defaults (its records to quarantine) and the CUSUM of ``params`` (its median records)."""
     if step is not None and step.dropped * 2 > step.records:
         return Verdict(cusum.attack, "recompute check (per sample)", "yes",
                        f"record 1, in its step ({step.dropped}/{step.records} records dropped)")
+    test = f"CUSUM (drift {params.drift:.3g}, limit {params.limit:.3g})"
+    found = []
     if step is not None and step.reason:
-        return Verdict(cusum.attack, f"quarantine `{step.reason}` (defaults)", "yes",
-                       f"{step.quarantined_after} records, step {step.steps}")
-    if cusum.detected == cusum.streams:
-        return Verdict(cusum.attack, f"CUSUM (drift {params.drift:.3g}, limit {params.limit:.3g})", "yes",
-                       f"median {cusum.median_records:g} records (max {cusum.max_records})")
+        found.append((float(step.quarantined_after), Verdict(cusum.attack, f"quarantine `{step.reason}` (defaults)",
+                                                             "yes", f"{step.quarantined_after} records, step "
+                                                                    f"{step.steps}")))
+    if cusum.detected == cusum.streams and cusum.streams:
+        found.append((cusum.median_records, Verdict(cusum.attack, test, "yes", f"median {cusum.median_records:g} "
+                                                                               f"records (max {cusum.max_records})")))
+    if found:
+        return min(found, key=lambda f: f[0])[1]
     if cusum.detected:
-        return Verdict(cusum.attack, f"CUSUM (drift {params.drift:.3g}, limit {params.limit:.3g})", "partly",
-                       f"{cusum.detected}/{cusum.streams} streams within {cusum.records} records")
+        return Verdict(cusum.attack, test, "partly", f"{cusum.detected}/{cusum.streams} streams within "
+                                                     f"{cusum.records} records")
     return Verdict(cusum.attack, "none", "no", f"not within {cusum.records} records")
 
 
