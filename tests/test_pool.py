@@ -337,3 +337,19 @@ def test_reward_code_that_raises_rejects_that_record_only_and_is_not_held_agains
     assert pool.refresh(1) == 1
     assert pool.drain_stats().rejected == {"reward_raised": 1}
     assert gate.seen == [("w", True)]  # the trainer's own reward code failed: no mark against the worker
+
+
+def test_a_record_relabelled_to_a_newer_version_is_a_replay_not_held_against_anyone(setup):
+    bucket, contract, task, codec = setup
+    key = put(*setup, seq=0, version=1)
+    gate = GateSpy()
+    pool = RecordPool(bucket, contract, task, codec, staleness_bound=3, reuse_cap=2, gate=gate)
+    pool.refresh(1)
+    replay = RolloutRecord.decode(bucket.get(key))
+    replay.worker_id, replay.policy_version = "copier", 2  # the same samples and logprobs, claimed at v2
+    bucket.put_create(rollout_key("r", 2, "copier", 0), replay.encode())
+    put(*setup, seq=1, version=2)  # an honest v2 record with the same text (other logprobs) is no replay
+    pool.refresh(2)
+    assert pool.drain_stats().rejected == {"replayed": 1}
+    assert sorted(e.key for e in pool.entries.values()) == [key, rollout_key("r", 2, "w", 1)]
+    assert ("copier", False) not in gate.seen

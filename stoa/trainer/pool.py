@@ -8,6 +8,7 @@ be retried on the next refresh like a bucket outage.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,9 @@ FETCH_THREADS = 16
 """Concurrent requests of one refresh: LISTs (one per version of the window), then GETs of new records."""
 FETCH_BATCH = 64
 """New records fetched before they are checked: bounds the bytes held at once to FETCH_BATCH x MAX_RECORD_BYTES."""
+REPLAY_VERSIONS = 64
+"""Versions a taken record's samples are remembered for: the same samples and logprobs relabelled to another version
+inside this horizon are a ``replayed`` rejection (not journaled: a trainer restart forgets them)."""
 
 
 @dataclass
@@ -89,7 +93,8 @@ class RecordPool:
 
     Only keys of the exact record pattern of this run are read (others are rejected as ``key`` once),
     objects the listing reports as oversize are never fetched, and a record's content id (not its
-    key) is what the reuse cap counts: the same content under another key is a ``duplicate``.
+    key) is what the reuse cap counts: the same content under another key is a ``duplicate``, the same samples
+    and logprobs relabelled to another version (``REPLAY_VERSIONS``) a ``replayed`` rejection.
 
     Args:
         bucket: the run's bucket.
@@ -131,6 +136,7 @@ class RecordPool:
         self.tools_down = False  # the trainer's tools failed; warned once until a replay succeeds
         self.entries: dict[str, Entry] = {}  # by content id
         self.uses: dict[str, _Use] = {}  # every content id taken, pruned to the window, journaled
+        self.replays: dict[str, _Use] = {}  # version-free content id -> the accepted record's version and key
         self.seen: dict[str, int] = {}  # key -> listed version: read once (accepted or rejected)
         self.stats = PoolStats()
         self.reports = WorkerReports()  # the bucket requests workers say they made (``cost/*``)
@@ -167,6 +173,7 @@ class RecordPool:
             self.stats.dropped_stale += 1
         self.uses = {c: u for c, u in self.uses.items() if u.version >= low}
         self.seen = {k: v for k, v in self.seen.items() if v >= low}
+        self.replays = {r: u for r, u in self.replays.items() if u.version > current_version - REPLAY_VERSIONS}
         accepted = 0
         # Keys sort by worker, not arrival, so a start-after cursor would skip late records of
         # early-sorting workers; each version inside the window is listed whole instead (cost grows
@@ -232,10 +239,10 @@ class RecordPool:
 
     def _reject(self, key: str, worker: str | None, reason: str, detail: Any) -> int:
         self.stats.rejected[reason] += 1
-        # Duplicates are not held against a worker: a collapsed policy makes honest identical groups, and
-        # anyone can copy a worker's records under its id.
+        # Duplicates (and replays) are not held against a worker: a collapsed policy makes honest identical groups,
+        # and anyone can copy a worker's records under its id.
         # Nor is a reward function that fails: the trainer's own code (an honest worker's text may trip it).
-        if (worker is not None and self.gate is not None and reason not in ("quarantined", "duplicate")
+        if (worker is not None and self.gate is not None and reason not in ("quarantined", "duplicate", "replayed")
                 and not reason.startswith("reward_")):
             self.gate.observe(worker, accepted=False)
         log.warning("rejected %.200r: %s: %.300s", key, reason, detail)  # bounded: a listed key may be any length
@@ -278,6 +285,11 @@ class RecordPool:
             return 0  # a used-up record read again after a restart: not a rejection
         if cid in self.entries or (prior is not None and prior.key != info.key):
             return self._reject(info.key, parsed.worker_id, "duplicate", f"content {cid} already taken")
+        rid, first = _replay_id(rec), self.replays.get(_replay_id(rec))
+        if first is not None and first.key != info.key:
+            return self._reject(info.key, parsed.worker_id, "replayed",
+                                f"the samples of {first.key} (v{first.version}) relabelled to v{rec.policy_version}")
+        self.replays[rid] = _Use(rec.policy_version, 0, info.key)
         if self.gate is not None:
             self.gate.observe(parsed.worker_id, accepted=True)
         claimed = np.array([s.reward for s in rec.samples], dtype=np.float32)
@@ -403,6 +415,11 @@ class _Checked:
     record: RolloutRecord
     rewards: np.ndarray
     replayed: list[Replayed] | None
+
+
+def _replay_id(rec: RolloutRecord) -> str:
+    """``rec``'s content id with its policy version left out: equal for the same samples under any version."""
+    return dataclasses.replace(rec, policy_version=0).content_id()
 
 
 @dataclass(frozen=True)

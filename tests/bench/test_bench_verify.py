@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from stoa.bench import verify
+from stoa.bench.verify import intake
+from stoa.bench.verify.liars import quantized
+from stoa.bench.verify.stats import AttackRow
+from stoa.bench.verify.steps import StepRow, flatten, step_row, unflatten
+from stoa.bench.verify.verdict import intake_verdict, logprob_verdict
+from stoa.config import TrainerConfig
+from stoa.trainer.sequential import CusumParams
 
 
 def run(flags: list[str]) -> int:
@@ -23,16 +32,88 @@ def test_honest_torch_is_not_quarantined_a_model_swap_is_at_the_first_possible_r
     assert run(["--model", str(tiny_dir), "--engines", "torch:float32", "--planes", "bf16", "--trainers", "fp32",
                 "--sequences", "32", "--groups", "4", "--stream", "4", "--attacks", "6", "--attack-records", "16",
                 "--attack-streams", "5", "--max-new-tokens", "8", "--out", str(out),
-                "--save-scores", str(scores)]) == 0
+                "--save-scores", str(scores), "--no-intake"]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    honest, swap = rows
+    honest, swap = [r for r in rows if r["kind"] in ("HonestRow", "AttackRow")]
+    step, = [r for r in rows if r["kind"] == "StepRow"]
+    assert step["reason"] == "disagreement" and step["quarantined_after"] == 8  # the default per-step threshold
     assert honest["kind"] == "HonestRow" and honest["records"] == 8 and honest["sequences"] == 32
     assert honest["workers"] == 2 and honest["quarantined"] == 0 and honest["score_max"] < 0.065
     assert swap["kind"] == "AttackRow" and swap["detected"] == swap["streams"] == 5
     assert swap["median_records"] == 12  # scores at the cap 0.15: +0.085 a record, limit 1.0
     again = tmp_path / "again.jsonl"
     assert run(["--load-scores", str(scores), "--limit", "0.3", "--stream", "8", "--attack-streams", "5",
-                "--out", str(again)]) == 0
-    honest2, swap2 = [json.loads(x) for x in again.read_text().splitlines()]
+                "--out", str(again), "--no-intake"]) == 0
+    rows2 = [json.loads(x) for x in again.read_text().splitlines()]
+    honest2, swap2 = [r for r in rows2 if r["kind"] in ("HonestRow", "AttackRow")]
+    step2, = [r for r in rows2 if r["kind"] == "StepRow"]  # the residuals were saved and judged again
+    assert {k: step2[k] for k in StepRow.__dataclass_fields__} == {k: step[k] for k in StepRow.__dataclass_fields__}
     assert honest2["workers"] == 1 and honest2["score_mean"] == honest["score_mean"]
     assert swap2["median_records"] == 4  # 0.3 / 0.085: over at the fourth
+
+
+def verdicts(rows) -> dict[str, tuple[str, str]]:
+    return {v.attack: (v.detector, v.detected) for v in map(intake_verdict, rows)}
+
+
+def test_single_turn_intake_attacks_are_rejected_or_named_as_not_detected(tiny_dir):
+    got = verdicts(intake.single_turn(tiny_dir))
+    assert got == {
+        "control: an honest record": ("-", "accepted"),
+        "prompt swap (tokens of another prompt)": ("intake: `prompt`", "yes"),
+        "replayed record, the same worker's new key": ("intake: `duplicate`", "yes"),
+        "replayed record under another identity": ("intake: `duplicate`", "yes"),
+        "replayed record relabelled to a newer version": ("intake: `replayed`", "yes"),
+        "copy with one logprob moved 1 ulp": ("none", "no"),
+        "rewards claimed higher than the verifier's": ("reward re-scoring", "neutralised"),
+        "a lie written under version current - 1 (lag dodge)": ("none", "no"),
+    }
+
+
+def test_multi_turn_forgeries_are_rejected_by_the_replay(tiny_dir):
+    got = verdicts(intake.multi_turn(tiny_dir))
+    assert got == {
+        "control: an honest search episode": ("-", "accepted"),
+        "observation other than the tool's (honest digest)": ("intake: `observation`", "yes"),
+        "a document appended after the real observation": ("intake: `observation`", "yes"),
+        "forged result digest": ("intake: `observation`", "yes"),
+        "an observation after a turn that makes no call": ("intake: `turn_end`", "yes"),
+        "a document written as the model's own turn": ("intake: `turn_end`", "yes"),
+    }
+
+
+def test_the_per_step_checks_drop_a_gross_liar_at_once_and_quarantine_a_mild_one_by_its_cusum():
+    gross = [[np.full(8, 2.0)] * 4 for _ in range(16)]  # exp(2) - 1 = 6.4 a token: over RECOMPUTE_LIMIT 3
+    row = step_row("gross", gross, per_step=8, temperature=1.0)
+    assert (row.dropped, row.first_dropped, row.reason, row.quarantined_after, row.steps) == (16, 1, "disagreement",
+                                                                                              8, 1)
+    mild = [[np.full(8, -0.1)] * 4 for _ in range(64)]  # 0.105 a record: under 0.15, over the drift 0.065
+    row = step_row("mild", mild, per_step=8, temperature=1.0)
+    assert (row.dropped, row.reason, row.quarantined_after, row.steps) == (0, "sequential", 32, 4)  # 26th record
+    assert step_row("lagged", mild, per_step=8, temperature=1.0, cfg=TrainerConfig(quarantine_sequential=False)
+                    ).reason == ""
+
+
+def test_saved_residuals_read_back_and_a_4_bit_base_has_16_levels_a_group():
+    records = [[np.arange(3.0), np.arange(5.0)], [np.zeros(0), np.ones(2)]]
+    back = unflatten(*flatten(records))
+    assert [[x.tolist() for x in r] for r in back] == [[x.tolist() for x in r] for r in records]
+    w = np.random.default_rng(0).normal(size=(4, 128)).astype(np.float32)
+    norm = w[0]
+    q = quantized({"model.layers.0.mlp.up_proj.weight": w, "norm.weight": norm}, bits=4)
+    assert all(np.unique(g).size <= 16 for g in q["model.layers.0.mlp.up_proj.weight"].reshape(-1, 64))
+    assert np.abs(q["model.layers.0.mlp.up_proj.weight"] - w).max() > 0 and q["norm.weight"] is norm
+
+
+def test_a_verdict_names_the_check_that_catches_an_attack_first():
+    params = CusumParams(drift=0.009, limit=0.3, cap=0.15)
+    cusum = AttackRow("noise", 256, 200, 200, 5.0, 6, 0.07)
+    slow = StepRow("noise", 256, 0, 0, "sequential", 208, 26)
+    assert logprob_verdict(cusum, slow, params).detector.startswith("CUSUM")  # 5 records before 208
+    fast = StepRow("noise", 256, 0, 0, "disagreement", 8, 1)
+    got = logprob_verdict(replace(cusum, median_records=12.0), fast, params)
+    assert got.detector == "quarantine `disagreement` (defaults)"  # 8 records before 12
+    gross = StepRow("noise", 256, 256, 1, "disagreement", 8, 1)
+    assert logprob_verdict(cusum, gross, params).detector == "recompute check (per sample)"
+    missed = logprob_verdict(replace(cusum, detected=0), StepRow("noise", 256, 0, 0, "", 0, 0), params)
+    assert (missed.detector, missed.detected) == ("none", "no")

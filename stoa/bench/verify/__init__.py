@@ -21,11 +21,19 @@ from typing import Any
 
 import numpy as np
 
-from stoa.bench.verify.sampling import Rig, attack_plan, noisy
+from stoa.bench.verify.intake import intake_rows
+from stoa.bench.verify.intake import table as intake_table
+from stoa.bench.verify.liars import attack_plan, copied_logprobs, noisy, quantized, swapped, top_k_sampler
+from stoa.bench.verify.sampling import Group, Rig
 from stoa.bench.verify.stats import AttackRow, HonestRow, attack_row, honest_row, table
+from stoa.bench.verify.steps import Residuals, flatten, step_row, unflatten, values
+from stoa.bench.verify.steps import table as steps_table
+from stoa.bench.verify.verdict import intake_verdict, logprob_verdict
+from stoa.bench.verify.verdict import table as verdict_table
 from stoa.config import TrainerConfig
+from stoa.models import resolve_model
 from stoa.trainer.quarantine import sequential_params
-from stoa.trainer.sequential import CusumParams
+from stoa.trainer.sequential import CusumParams, record_score
 from stoa.weights.planes import state_from_f32
 
 
@@ -51,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", type=int, default=1000, help="honest records per simulated worker [default: 1000]")
     p.add_argument("--attack-records", type=int, default=1024, help="records sampled per attack [default: 1024]")
     p.add_argument("--attack-streams", type=int, default=200, help="random orders run per attack [default: 200]")
-    p.add_argument("--attacks", default="", help="comma list of attack numbers 1-6 to run ('' = all, 'none')")
+    p.add_argument("--attacks", default="", help="comma list of attack numbers 1-12 to run ('' = all, 'none'; "
+                                                  "the intake attacks: --intake)")
     p.add_argument("--liar-engine", default="torch:bfloat16", help="engine:dtype the attacks run on")
     p.add_argument("--liar-plane", default="bf16", help="weight plane the attacks run on [default: bf16]")
     p.add_argument("--drift", type=float, default=d.quarantine_drift,
@@ -61,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cap", type=float, default=d.quarantine_disagreement,
                    help=f"largest record score [default: quarantine_disagreement = {d.quarantine_disagreement}]")
     p.add_argument("--seed", type=int, default=0, help="master jitter, prompt and sampling seed [default: 0]")
+    p.add_argument("--records-per-step", type=int, default=8,
+                   help="the liar's lag-0 records per trainer step, for the per-step checks [default: 8]")
+    p.add_argument("--intake", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the intake attacks (prompt swaps, replays, multi-turn forgeries) [default: on]")
     p.add_argument("--out", default="", help="append JSONL rows to this file")
     p.add_argument("--save-scores", default="", help="write every record score to this .npz")
     p.add_argument("--load-scores", default="",
@@ -88,10 +101,10 @@ def honest(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
     return out
 
 
-def attacks(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
-    """Every attack's record scores (``--liar-engine``, ``--liar-plane``, fp32 recompute), by label."""
+def attacks(rig: Rig, params: CusumParams, echo=print) -> tuple[dict[str, np.ndarray], dict[str, Residuals]]:
+    """Every attack's record scores and residuals (``--liar-engine``, ``--liar-plane``, fp32 recompute), by label."""
 
-    a, out = rig.args, {}
+    a, out, resid = rig.args, {}, {}
     engine, _, dtype = a.liar_engine.partition(":")
     batches = -(-a.attack_records // a.groups)
     wanted = {int(x) for x in _split(a.attacks)} if a.attacks not in ("", "none") else None
@@ -101,16 +114,27 @@ def attacks(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
             continue
         rng = np.random.default_rng(a.seed + 100 + i)
         master = rig.master
-        if "weights" in how:
-            master = noisy(rig.master, how["weights"], rng)
-        elif how.get("swap"):
-            master = {k: (v.mean() + rng.normal(0, float(v.std()), v.shape)).astype(np.float32)
-                      for k, v in rig.master.items()}
-        temp = a.temperature * how.get("temperature", 1.0)
-        groups, secs = rig.sample(engine, dtype, state_from_f32(master, a.liar_plane), a.liar_plane, batches, temp)
-        out[label] = rig.scores(groups[:a.attack_records], False, params.cap, how.get("lie"), seed=a.seed + i)
+        if how.weights:
+            master = noisy(rig.master, how.weights, rng)
+        elif how.swap:
+            master = swapped(rig.master, rng)
+        elif how.bits:
+            master = quantized(rig.master, how.bits)
+        plane = how.plane or a.liar_plane
+        with top_k_sampler(how.top_k):
+            groups, secs = rig.sample(engine, dtype, state_from_f32(master, plane), plane, batches,
+                                      a.temperature * how.temperature, how.top_p)
+        groups = groups[:a.attack_records]
+        if how.foreign:
+            groups = rig.rescored(groups, swapped(rig.master, rng))
+        if how.copied:
+            groups = [Group(g.prompt, g.tokens, lps) for g, lps in zip(groups, copied_logprobs(groups, rng),
+                                                                        strict=True)]
+        resid[label] = list(rig.residuals(groups, False, how.lie, seed=a.seed + i))
+        out[label] = np.array([record_score(values(np.concatenate(r)), params.cap)
+                               for r in resid[label]])
         echo(f"  attack {label}: score mean {out[label].mean():.4f} ({secs:.0f}s)")
-    return out
+    return out, resid
 
 
 def judge(honest_scores: dict[str, np.ndarray], attack_scores: dict[str, np.ndarray], params: CusumParams,
@@ -133,43 +157,56 @@ def main(args: argparse.Namespace) -> int:
     print(f"CUSUM drift {params.drift:.4g}, limit {params.limit:.4g}, cap {params.cap:.4g} (>= "
           f"{params.min_records} records to quarantine); honest streams of {args.stream} records")
     if args.load_scores:
-        hs, ks = _load(args.load_scores)
+        hs, ks, rs = _load(args.load_scores)
     else:
         rig = Rig(args)
         print(f"model {rig.model_dir.name}: {args.groups} groups x {args.n_samples} samples a batch, <= "
               f"{args.max_new_tokens} tokens, T={args.temperature}")
-        hs, ks = honest(rig, params), attacks(rig, params)
+        hs, (ks, rs) = honest(rig, params), attacks(rig, params)
     if args.save_scores:
-        arrays: dict[str, Any] = {**{f"honest:{k}": v for k, v in hs.items()},
-                                  **{f"attack:{k}": v for k, v in ks.items()}}
-        np.savez(args.save_scores, allow_pickle=False, **arrays)
+        _save(args.save_scores, hs, ks, rs)
     h, k = judge(hs, ks, params, args)
+    s = [step_row(label, r, args.records_per_step, args.temperature) for label, r in rs.items()]
+    i = intake_rows(Path(resolve_model(args.model))) if args.intake else []
     print()
-    for line in table(h, k):
-        print(line)
+    parts = [table(h, k), steps_table(s, args.records_per_step) if s else [], intake_table(i) if i else []]
+    print("\n\n".join("\n".join(lines) for lines in parts if lines))
+    by_label = {r.attack: r for r in s}
+    verdicts = [logprob_verdict(r, by_label.get(r.attack), params) for r in k] + [intake_verdict(r) for r in i]
+    print("\n" + "\n".join(verdict_table(verdicts)))
     worst = max((r.score_mean for r in h), default=0.0)
     print(f"\nhonest: {sum(r.quarantined for r in h)} false quarantines in {sum(r.sequences for r in h):,} "
           f"sequences; the noisiest pair's mean record score {worst:.4f} (drift {params.drift:.4g}); "
           f"({time.perf_counter() - t0:.0f}s)")
     if args.out:
         with Path(args.out).open("a") as f:
-            for r in [*h, *k]:
+            for r in [*h, *k, *s, *i, *verdicts]:
                 f.write(json.dumps({"bench": "verify", "model": args.model, "kind": type(r).__name__,
                                     "drift": params.drift, "limit": params.limit, **r.__dict__}) + "\n")
     return 0
 
 
-def _load(paths: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Honest and attack scores of ``--save-scores`` files (comma list); a label in several files (runs with
-    other seeds) gets their scores one after the other."""
+def _save(path: str, hs: dict[str, np.ndarray], ks: dict[str, np.ndarray], rs: dict[str, Residuals]) -> None:
+    """Write the record scores, and each attack's residuals (``steps.flatten``), to ``path`` (.npz)."""
+    arrays: dict[str, Any] = {**{f"honest:{k}": v for k, v in hs.items()}, **{f"attack:{k}": v for k, v in ks.items()}}
+    for label, r in rs.items():
+        arrays[f"resid:{label}"], arrays[f"rlens:{label}"], arrays[f"rsamp:{label}"] = flatten(r)
+    np.savez(path, allow_pickle=False, **arrays)
+
+
+def _load(paths: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Residuals]]:
+    """Honest and attack scores, and attack residuals, of ``--save-scores`` files (comma list); a label in several
+    files (runs with other seeds) gets their scores one after the other."""
     found: dict[str, list[np.ndarray]] = {}
     for path in _split(paths):
         with np.load(path) as z:
             for k in z.files:
                 found.setdefault(k, []).append(z[k])
     joined = {k: np.concatenate(v) for k, v in found.items()}
+    resid = {k[6:]: unflatten(v, joined[f"rlens:{k[6:]}"], joined[f"rsamp:{k[6:]}"])
+             for k, v in joined.items() if k.startswith("resid:")}
     return ({k[7:]: v for k, v in joined.items() if k.startswith("honest:")},
-            {k[7:]: v for k, v in joined.items() if k.startswith("attack:")})
+            {k[7:]: v for k, v in joined.items() if k.startswith("attack:")}, resid)
 
 
 def _split(s: str) -> list[str]:

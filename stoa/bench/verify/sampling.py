@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from stoa.bench.verify.liars import Lie
 from stoa.engines import make_engine
 from stoa.models import resolve_model
 from stoa.tasks import get_task
@@ -20,9 +20,6 @@ from stoa.tokenize import TextCodec
 from stoa.trainer.quarantine import disagreement_values
 from stoa.trainer.sequential import record_score
 from stoa.weights.planes import bf16_bits_to_f32, f32_to_bf16_bits
-
-Lie = Callable[[list[np.ndarray], np.random.Generator], list[np.ndarray]]
-"""Replaces a group's recorded logprobs (a liar that edits what it reports)."""
 
 
 @dataclass(frozen=True)
@@ -53,17 +50,6 @@ def offgrid(named: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str,
     return out
 
 
-def noisy(master: dict[str, np.ndarray], scale: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """``master`` + N(0, scale x each tensor's std) (weight-noise attack; scale 1 on a fresh draw: model swap).
-
-    Args:
-        master: float32 weights.
-        scale: noise relative to each tensor's standard deviation.
-        rng: noise source.
-    """
-    return {k: (v + rng.normal(0, scale * float(v.std()), v.shape)).astype(np.float32) for k, v in master.items()}
-
-
 class Rig:
     """The trainer's policy with an off-grid master, the prompts, and the engines' sampling.
 
@@ -90,7 +76,7 @@ class Rig:
         return [self.codec.encode_prompt(self.task.sample_train(r).messages) for r in rngs]
 
     def sample(self, engine: str, dtype: str, state: dict[str, np.ndarray], plane: str, batches: int,
-               temperature: float) -> tuple[list[Group], float]:
+               temperature: float, top_p: float = 1.0) -> tuple[list[Group], float]:
         """``batches`` batches of groups from a worker engine holding ``state``; and the seconds taken.
 
         Args:
@@ -100,6 +86,7 @@ class Rig:
             plane: its plane.
             batches: how many batches of ``--groups`` groups.
             temperature: sampling temperature.
+            top_p: nucleus mass.
         """
 
         t0 = time.perf_counter()
@@ -109,7 +96,7 @@ class Rig:
         for b in range(batches):
             prompts = self.prompts(b)
             groups, _ = eng.generate(prompts, a.n_samples, max_new_tokens=a.max_new_tokens, temperature=temperature,
-                                     top_p=1.0, eos_ids=self.eos, generator=eng.make_generator(a.seed + b))
+                                     top_p=top_p, eos_ids=self.eos, generator=eng.make_generator(a.seed + b))
             out += [Group(p, [np.asarray(c.tokens, np.int32) for c in g], [np.asarray(c.logprobs, np.float32)
                                                                           for c in g])
                     for p, g in zip(prompts, groups, strict=True)]
@@ -126,41 +113,74 @@ class Rig:
             lie: replaces each group's recorded logprobs (None: as sampled).
             seed: the lie's noise seed.
         """
+        out = np.zeros(len(groups), np.float64)
+        for i, diffs in enumerate(self.residuals(groups, autocast, lie, seed)):
+            d = np.concatenate(diffs)
+            out[i] = record_score(disagreement_values(d, np.zeros_like(d)), cap)
+        return out
+
+    def residuals(self, groups: list[Group], autocast: bool, lie: Lie | None = None,
+                  seed: int = 0) -> Iterator[list[np.ndarray]]:
+        """Per group, per sample: ``recorded - recomputed`` logprob of each token (float64; the trainer's
+        ``disagreement_values`` of it is ``exp|d| - 1``).
+
+        Args:
+            groups: sampled records.
+            autocast: recompute under bf16 autocast (the trainer on CUDA).
+            lie: replaces each group's recorded logprobs (None: as sampled).
+            seed: the lie's noise seed.
+        """
+        rng = np.random.default_rng(seed)
+        chunk = 16
+        for i in range(0, len(groups), chunk):
+            part = groups[i:i + chunk]
+            lp = self.recompute(part, autocast)
+            row = 0
+            for g in part:
+                recorded = lie(g.logprobs, rng) if lie else g.logprobs
+                yield [np.asarray(r, np.float64) - np.asarray(lp[row + k, :len(c)], np.float64)
+                       for k, (r, c) in enumerate(zip(recorded, g.tokens, strict=True))]
+                row += len(g.tokens)
+
+    def recompute(self, part: list[Group], autocast: bool = False) -> np.ndarray:
+        """The trainer policy's logprobs of ``part``'s completions, one row per sample (float32 [rows, T]).
+
+        Args:
+            part: records.
+            autocast: under bf16 autocast.
+        """
         import torch
 
         from stoa.engines.torch_scoring import pack_tensors
 
-        rng = np.random.default_rng(seed)
+        prompts = [np.asarray(g.prompt) for g in part for _ in g.tokens]
+        comps = [c for g in part for c in g.tokens]
         self.policy.autocast = autocast
-        out = np.zeros(len(groups), np.float64)
-        chunk = 16
-        for i in range(0, len(groups), chunk):
-            part = groups[i:i + chunk]
-            prompts = [np.asarray(g.prompt) for g in part for _ in g.tokens]
-            comps = [c for g in part for c in g.tokens]
+        try:
             with torch.no_grad():
-                lp = self.policy.logprobs(pack_tensors(prompts, comps, max(len(c) for c in comps),
-                                                       self.policy.device)).float().cpu().numpy()
-            row = 0
-            for j, g in enumerate(part):
-                recorded = lie(g.logprobs, rng) if lie else g.logprobs
-                vals = [disagreement_values(r, lp[row + k, :len(c)]) for k, (r, c) in
-                        enumerate(zip(recorded, g.tokens, strict=True))]
-                row += len(g.tokens)
-                out[i + j] = record_score(np.concatenate(vals), cap)
-        self.policy.autocast = False
+                return self.policy.logprobs(pack_tensors(prompts, comps, max(len(c) for c in comps),
+                                                         self.policy.device)).float().cpu().numpy()
+        finally:
+            self.policy.autocast = False
+
+    def rescored(self, groups: list[Group], master: dict[str, np.ndarray]) -> list[Group]:
+        """``groups`` with the logprobs the trainer's policy computes for their tokens with ``master`` (fp32); the
+        policy holds the rig's master again after.
+
+        Args:
+            groups: sampled records.
+            master: float32 weights of the model whose logprobs are reported.
+        """
+        self.policy.load_f32(master)
+        out, chunk = [], 16
+        try:
+            for i in range(0, len(groups), chunk):
+                part = groups[i:i + chunk]
+                lp, row = self.recompute(part), 0
+                for g in part:
+                    out.append(Group(g.prompt, g.tokens, [lp[row + k, :len(c)].astype(np.float32)
+                                                          for k, c in enumerate(g.tokens)]))
+                    row += len(g.tokens)
+        finally:
+            self.policy.load_f32(self.master)
         return out
-
-
-def logprob_noise(sigma: float) -> Lie:
-    """A liar that reports its logprobs + N(0, sigma), kept <= 0."""
-    def lie(lps: list[np.ndarray], rng: np.random.Generator) -> list[np.ndarray]:
-        return [np.minimum(x + rng.normal(0, sigma, x.shape), 0.0).astype(np.float32) for x in lps]
-    return lie
-
-
-def attack_plan(a: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
-    """The attacks run: label and how (``temperature``, ``weights`` noise scale, ``swap``, ``lie``)."""
-    return [("sampling at T x 0.8", {"temperature": 0.8}), ("sampling at T x 0.9", {"temperature": 0.9}),
-            ("logprobs + N(0, 0.1)", {"lie": logprob_noise(0.1)}), ("weights + 1% noise", {"weights": 0.01}),
-            ("weights + 2% noise", {"weights": 0.02}), ("model swap (another init)", {"swap": True})]
