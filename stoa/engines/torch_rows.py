@@ -48,7 +48,36 @@ class DecodeBatch:
         self.cache.reorder_cache(sel)  # conv / linear-attention layers have no batch_select_indices
         self.active = [self.active[i] for i in keep]
         self.mask, self.next_pos = self.mask[sel], self.next_pos[sel]
+        trim_padding(self)
         return sel
+
+
+def trim_padding(batch: DecodeBatch) -> int:
+    """Drop the leading columns that no row attends to (every row's mask 0) from the mask and every attention
+    layer's keys and values, as mlx-lm's ``BatchKVCache.filter`` does: once the longest row leaves, the others
+    stop attending over (and the cache stops copying) its padding. Positions are explicit: no row's positions change.
+
+    Args:
+        batch: the decoding batch (its mask and cache are trimmed in place).
+
+    Returns:
+        the columns dropped; 0 when none is padding everywhere or a layer is not a plain ``DynamicLayer``
+        (sliding windows count their tokens) with one key per column.
+    """
+    lead = int(batch.mask.any(dim=0).to(torch.int8).argmax())
+    layers = getattr(batch.cache, "layers", None)
+    if lead == 0 or layers is None:  # transformers < 4.56: left as it is
+        return 0
+    from transformers.cache_utils import DynamicLayer
+
+    attn = [layer for layer in layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+    widths = {int(layer.keys.shape[-2]) for layer in attn}
+    if widths != {int(batch.mask.shape[1])} or any(type(layer) is not DynamicLayer for layer in attn):
+        return 0
+    for layer in attn:
+        layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+    batch.mask = batch.mask[:, lead:]
+    return lead
 
 
 @dataclass(frozen=True)
