@@ -67,6 +67,7 @@ def test_bench_episodes_figures_add_up_on_both_engines_with_real_search_tools(ti
             assert run["action_tokens_per_s"] == run["action_tokens"] / run["wall_s"]
             assert run["rows_per_step"] * run["steps"] == pytest.approx(run["action_tokens"])  # one token a row a step
             assert run["episodes_vs_generate"] == run["action_tokens_per_s"] / run["generate_tokens_per_s"]
+            assert run["shape_vs_generate"] == run["rows_per_step"] / run["generate_rows_per_step"]
             assert run["episodes_vs_generate_no_eos"] == (run["action_tokens_per_s"]
                                                           / run["generate_no_eos_tokens_per_s"])
             assert run["episodes_vs_generate_cpu"] == pytest.approx(
