@@ -1,5 +1,6 @@
 """Torch decoding batches drop the left padding no row attends to once rows leave (``torch_rows.trim_padding``):
-the mask and every layer's keys narrow, and the rows' logits, tokens and logprobs stay what they were."""
+the mask and every layer's keys narrow, and the rows' logits, tokens and logprobs stay what they were; joined caches
+are the rows left-padded with zeros, copied once."""
 
 from __future__ import annotations
 
@@ -62,3 +63,26 @@ def test_episodes_with_trimmed_padding_are_the_same_tokens_and_logprobs(torch_en
         for a, b in zip(ga, gb, strict=True):
             assert (a.tokens, a.roles, a.end_reason) == (b.tokens, b.roles, b.end_reason)
             assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0.0) <= TOL
+
+
+def test_joined_and_merged_caches_are_the_rows_left_padded_with_zeros_copied_once(tiny_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_dir)
+    layers = config.num_hidden_layers
+    g = torch.Generator().manual_seed(0)
+    parts = [[torch.rand((b, 2, w, 4), generator=g) for _ in range(2 * layers)] for b, w in ((2, 5), (1, 3))]
+    caches = [torch_rows.make_cache(config, [torch_rows.LayerRow(p[2 * i], p[2 * i + 1]) for i in range(layers)])
+              for p in parts]
+    assert caches[0].layers[0].keys.data_ptr() == parts[0][0].data_ptr()  # held as given: no copy
+    masks = [torch.ones((2, 5), dtype=torch.long), torch.ones((1, 3), dtype=torch.long)]
+    batches = [torch_rows.DecodeBatch(list(range(len(m))), c, m, m.sum(1, keepdim=True), torch.zeros(len(m), 3))
+               for c, m in zip(caches, masks, strict=True)]
+    joined = torch_rows.join_batches(batches[0], batches[1], config)
+    assert joined.mask.tolist() == [[1] * 5, [1] * 5, [0, 0, 1, 1, 1]]
+    for i in range(layers):
+        for k in (0, 1):
+            got = (joined.cache.layers[i].keys, joined.cache.layers[i].values)[k]
+            want = torch.cat([parts[0][2 * i + k], torch.nn.functional.pad(parts[1][2 * i + k], (0, 0, 2, 0))])
+            assert torch.equal(got, want)
+    assert joined.cache.layers[0].keys.data_ptr() not in {parts[0][0].data_ptr(), parts[1][0].data_ptr()}
