@@ -210,8 +210,10 @@ class EngineRun:
 def with_ratio(fig: dict[str, float]) -> dict[str, float]:
     """One repeat's figures plus its side-by-side ratios, measured back to back so load changes hit both alike:
     ``episodes_vs_generate`` (episodes' action tokens/s over EOS-honoured ``generate`` tokens/s, the ratio),
-    ``episodes_vs_generate_cpu`` (the same per CPU second) and ``episodes_vs_generate_no_eos`` (over the
-    EOS-ignored ceiling).
+    ``episodes_vs_generate_cpu`` (the same per CPU second), ``episodes_vs_generate_no_eos`` (over the
+    EOS-ignored ceiling) and ``shape_vs_generate`` (episodes' rows per decode step over ``generate``'s: counted,
+    so free of load; where a step costs about the same at any row count, as SmolLM2's on a CPU, the ratio
+    follows it).
 
     Args:
         fig: the repeat's episode and generate figures.
@@ -220,7 +222,8 @@ def with_ratio(fig: dict[str, float]) -> dict[str, float]:
     return fig | {"action_tokens_per_cpu_s": cpu,
                   "episodes_vs_generate": action / max(fig["generate_tokens_per_s"], 1e-9),
                   "episodes_vs_generate_cpu": cpu / max(fig["generate_tokens_per_cpu_s"], 1e-9),
-                  "episodes_vs_generate_no_eos": action / max(fig["generate_no_eos_tokens_per_s"], 1e-9)}
+                  "episodes_vs_generate_no_eos": action / max(fig["generate_no_eos_tokens_per_s"], 1e-9),
+                  "shape_vs_generate": fig["rows_per_step"] / max(fig["generate_rows_per_step"], 1e-9)}
 
 
 def ratio_line(rows: dict[str, dict[str, Any]]) -> str:
@@ -270,8 +273,8 @@ def format_table(row: dict[str, Any], spec: EpisodeBenchSpec) -> str:
         f"(+ {row['obs_tokens']:.0f} observation tokens)",
         f"  {'turns per episode':<26}{row['turns_mean']:>10.2f}   ({row['rounds']:.0f} tool rounds)",
         f"  {'rows per decode step':<26}{row['rows_per_step']:>10.2f}   ({row['steps']:.0f} steps; generate "
-        f"{row['generate_rows_per_step']:.2f} in {row['generate_steps']:.0f}, EOS ignored "
-        f"{row['generate_no_eos_rows_per_step']:.2f})",
+        f"{row['generate_rows_per_step']:.2f} in {row['generate_steps']:.0f}: {row['shape_vs_generate']:.2f}x; "
+        f"EOS ignored {row['generate_no_eos_rows_per_step']:.2f})",
         f"  {'search rate':<26}{row['search_rate']:>10.2f}",
         f"  {'tool calls':<26}{row['tool_calls']:>10.0f}   ({row['tool_calls_mean']:.2f} per episode)",
         f"  {'tool seconds':<26}{row['tool_s']:>10.4f}   ({100 * row['tool_share']:.2f}% of wall)",
@@ -374,7 +377,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"[bench] {name}: episodes' action tokens/s at {row['episodes_vs_generate']:.3f}x generate with EOS "
               f"honoured ({row['episodes_vs_generate_cpu']:.3f}x per CPU second; "
               f"{row['episodes_vs_generate_no_eos']:.3f}x the EOS-ignored ceiling; "
-              f"median of {row['repeats']} side-by-side repeats)", flush=True)
+              f"median of {row['repeats']} side-by-side repeats; rows per decode step "
+              f"{row['shape_vs_generate']:.3f}x generate's)", flush=True)
     print(ratio_line(result["engines"]), flush=True)
     return 0
 

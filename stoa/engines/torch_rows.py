@@ -48,7 +48,36 @@ class DecodeBatch:
         self.cache.reorder_cache(sel)  # conv / linear-attention layers have no batch_select_indices
         self.active = [self.active[i] for i in keep]
         self.mask, self.next_pos = self.mask[sel], self.next_pos[sel]
+        trim_padding(self)
         return sel
+
+
+def trim_padding(batch: DecodeBatch) -> int:
+    """Drop the leading columns that no row attends to (every row's mask 0) from the mask and every attention
+    layer's keys and values, as mlx-lm's ``BatchKVCache.filter`` does: once the longest row leaves, the others
+    stop attending over (and the cache stops copying) its padding. Positions are explicit: no row's positions change.
+
+    Args:
+        batch: the decoding batch (its mask and cache are trimmed in place).
+
+    Returns:
+        the columns dropped; 0 when none is padding everywhere or a layer is not a plain ``DynamicLayer``
+        (sliding windows count their tokens) with one key per column.
+    """
+    lead = int(batch.mask.any(dim=0).to(torch.int8).argmax())
+    layers = getattr(batch.cache, "layers", None)
+    if lead == 0 or layers is None:  # transformers < 4.56: left as it is
+        return 0
+    from transformers.cache_utils import DynamicLayer
+
+    attn = [layer for layer in layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+    widths = {int(layer.keys.shape[-2]) for layer in attn}
+    if widths != {int(batch.mask.shape[1])} or any(type(layer) is not DynamicLayer for layer in attn):
+        return 0
+    for layer in attn:
+        layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+    batch.mask = batch.mask[:, lead:]
+    return lead
 
 
 @dataclass(frozen=True)
@@ -89,28 +118,32 @@ def _linear_mixin() -> type | None:
     return LinearAttentionCacheLayerMixin
 
 
-def _states(states: Mapping[int, Any], ready: Mapping[int, bool], rows: slice) -> tuple[torch.Tensor | None, ...]:
-    return tuple(states[s][rows].clone() if ready[s] else None for s in sorted(states))
+def _states(states: Mapping[int, Any], ready: Mapping[int, bool], rows: slice,
+            copy: bool) -> tuple[torch.Tensor | None, ...]:
+    return tuple((states[s][rows].clone() if copy else states[s][rows]) if ready[s] else None for s in sorted(states))
 
 
-def _layer_rows(cache: Any, rows: slice, real: slice | torch.Tensor) -> list[LayerRow]:
+def _layer_rows(cache: Any, rows: slice, real: slice | torch.Tensor, copy: bool = True) -> list[LayerRow]:
     """Every layer's state of ``rows`` of a cache; keys and values keep the positions ``real`` (the row's tokens:
-    a slice past the left padding, or the indices where its mask is 1 when padding lies inside the row)."""
+    a slice past the left padding, or the indices where its mask is 1 when padding lies inside the row).
+    ``copy`` False: views where indexing allows (for a caller that copies them anyway and drops the cache)."""
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t[rows, :, real].clone() if copy else t[rows, :, real]
+
     layers = getattr(cache, "layers", None)
     if layers is None:  # transformers < 4.56: key_cache / value_cache lists, attention only
-        return [LayerRow(k[rows, :, real].clone(), v[rows, :, real].clone())
-                for k, v in zip(cache.key_cache, cache.value_cache, strict=True)]
+        return [LayerRow(take(k), take(v)) for k, v in zip(cache.key_cache, cache.value_cache, strict=True)]
     linear = _linear_mixin()
     out = []
     for layer in layers:
         keys = values = None
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            keys, values = layer.keys[rows, :, real].clone(), layer.values[rows, :, real].clone()
+            keys, values = take(layer.keys), take(layer.values)
         conv: tuple[torch.Tensor | None, ...] = ()
         rec: tuple[torch.Tensor | None, ...] = ()
         if linear is not None and isinstance(layer, linear):
-            conv = _states(layer.conv_states, layer.is_conv_states_initialized, rows)
-            rec = _states(layer.recurrent_states, layer.is_recurrent_states_initialized, rows)
+            conv = _states(layer.conv_states, layer.is_conv_states_initialized, rows, copy)
+            rec = _states(layer.recurrent_states, layer.is_recurrent_states_initialized, rows, copy)
         out.append(LayerRow(keys, values, conv, rec))
     return out
 
@@ -123,11 +156,17 @@ def make_cache(config: Any, layers: Sequence[LayerRow]) -> Any:
         layers: per layer, its state ([batch, ...] tensors).
     """
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     cache: Any = DynamicCache(config=config) if config is not None else DynamicCache()
     for i, layer in enumerate(layers):
         if layer.keys is not None and layer.values is not None:
-            cache.update(layer.keys, layer.values, i)
+            cache.update(layer.keys[..., :0, :], layer.values[..., :0, :], i)  # makes layer i, of its kind
+            held = getattr(cache, "layers", None)
+            if held is not None and type(held[i]) is DynamicLayer:  # hold the tensors as they are: no copy
+                held[i].keys, held[i].values = layer.keys, layer.values
+            else:
+                cache.update(layer.keys, layer.values, i)
         for s, conv in enumerate(layer.conv):
             if conv is not None:  # a first update stores the state as it is and marks the layer as having one
                 cache.layers[i].update_conv_state(conv, s, conv_kernel_size=conv.shape[-1])
@@ -188,8 +227,18 @@ def _device(layers: Sequence[LayerRow]) -> torch.device:
     raise ValueError("a row with no cached state: prefill it first")
 
 
-def _pad_left(t: torch.Tensor, pad: int) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, 0, pad, 0)) if pad else t
+def _stack_left(parts: Sequence[torch.Tensor | None], pads: Sequence[int]) -> torch.Tensor | None:
+    """[b, heads, length, dim] tensors as one batch, each left-padded with zeros by its pad: one copy."""
+    if any(p is None for p in parts):
+        return None
+    ts = [p for p in parts if p is not None]
+    width = max(int(t.shape[-2]) + pad for t, pad in zip(ts, pads, strict=True))
+    out = ts[0].new_zeros((sum(int(t.shape[0]) for t in ts), ts[0].shape[1], width, ts[0].shape[-1]))
+    start = 0
+    for t, pad in zip(ts, pads, strict=True):
+        out[start:start + t.shape[0], :, pad:pad + t.shape[-2]] = t
+        start += int(t.shape[0])
+    return out
 
 
 def _cat(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
@@ -198,10 +247,8 @@ def _cat(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
 
 def _merge_layer(parts: Sequence[LayerRow], pads: Sequence[int]) -> LayerRow:
     """One layer of several rows as one batch: keys/values left-padded to one length, states stacked."""
-    keys = values = None
-    if parts[0].keys is not None:
-        keys = _cat([_pad_left(p.keys, pad) for p, pad in zip(parts, pads, strict=True)])  # type: ignore[arg-type]
-        values = _cat([_pad_left(p.values, pad) for p, pad in zip(parts, pads, strict=True)])  # type: ignore[arg-type]
+    keys = _stack_left([p.keys for p in parts], pads)
+    values = _stack_left([p.values for p in parts], pads)
     conv = tuple(_cat([p.conv[s] for p in parts]) for s in range(len(parts[0].conv)))
     rec = tuple(_cat([p.recurrent[s] for p in parts]) for s in range(len(parts[0].recurrent)))
     return LayerRow(keys, values, conv, rec)
@@ -292,7 +339,7 @@ def join_batches(a: DecodeBatch, b: DecodeBatch, config: Any = None) -> DecodeBa
     """
     wa, wb = int(a.mask.shape[1]), int(b.mask.shape[1])
     width = max(wa, wb)
-    parts = [_layer_rows(x.cache, slice(None), slice(None)) for x in (a, b)]
+    parts = [_layer_rows(x.cache, slice(None), slice(None), copy=False) for x in (a, b)]  # _merge_layer copies
     pads = [width - wa, width - wb]
     layers = [_merge_layer([parts[0][li], parts[1][li]], pads) for li in range(len(parts[0]))]
     mask = torch.cat([torch.nn.functional.pad(a.mask, (pads[0], 0)), torch.nn.functional.pad(b.mask, (pads[1], 0))])

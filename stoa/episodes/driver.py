@@ -108,6 +108,9 @@ class EpisodeDriver:
         self.eos = frozenset(int(t) for t in eos_ids)
         self._rows = [_Row(Episode(states=[env.initial_state()]), env) for env in envs]
         self._tail = {i: stop_window(env.stop_strings) for i, env in enumerate(envs)}
+        self._last_chars = {i: stop_last_chars(env.stop_strings) for i, env in enumerate(envs)}
+        self._pieces: dict[int, str] = {}
+        """Token id -> its text decoded alone (``_may_stop``)."""
         self.stats: dict[str, float] = {"turns": 0.0, "tool_calls": 0.0, "tool_requests": 0.0, "tool_seconds": 0.0,
                                         "obs_tokens": 0.0}
         """Turns begun, tool calls made, ``Tools.run`` requests that held them, their seconds, observation tokens."""
@@ -185,11 +188,26 @@ class EpisodeDriver:
     def _stopped(self, r: int, row: _Row) -> bool:
         """True when the tail of the row's current turn contains one of its environment's stop strings."""
         stops = row.env.stop_strings
-        if not stops:
+        if not stops or not self._may_stop(r, row.episode.tokens[-1]):
             return False
         n = min(row.turn_len, self._tail[r])
         text = self.codec.decode(row.episode.tokens[-n:])
         return any(s in text for s in stops)
+
+    def _may_stop(self, r: int, token: int) -> bool:
+        """False when the newest token cannot have completed a stop string, so the tail need not be decoded.
+
+        The tail was checked after the turn's previous token, so a new match ends in the newest token's text.
+        When every stop string ends in an ASCII non-space character (``stop_last_chars``), that character is in
+        the token's own text: an ASCII byte never joins a neighbour's bytes into one character.
+        """
+        ends = self._last_chars[r]
+        if ends is None:
+            return True
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.codec.decode([token])
+        return any(c in piece for c in ends)
 
     @staticmethod
     def _end(row: _Row, reason: str) -> None:
@@ -274,6 +292,15 @@ class EpisodeDriver:
             raise ValueError(f"rows {live[:5]} have not ended; decode and resume until driver.done")
         eps = [r.episode for r in self._rows]
         return [eps[g * n:(g + 1) * n] for g in range(self.rows // n)]
+
+
+def stop_last_chars(stop_strings: Sequence[str]) -> frozenset[str] | None:
+    """The last characters of the stop strings when every one is ASCII and not a space (the driver then decodes a
+    turn's tail only after a token whose own text holds one of them); None otherwise (decode after every token)."""
+    ends = frozenset(s[-1] for s in stop_strings if s)
+    if any(not s or not s[-1].isascii() or s[-1].isspace() for s in stop_strings):
+        return None
+    return ends
 
 
 def stop_window(stop_strings: Sequence[str]) -> int:

@@ -67,6 +67,7 @@ def test_bench_episodes_figures_add_up_on_both_engines_with_real_search_tools(ti
             assert run["action_tokens_per_s"] == run["action_tokens"] / run["wall_s"]
             assert run["rows_per_step"] * run["steps"] == pytest.approx(run["action_tokens"])  # one token a row a step
             assert run["episodes_vs_generate"] == run["action_tokens_per_s"] / run["generate_tokens_per_s"]
+            assert run["shape_vs_generate"] == run["rows_per_step"] / run["generate_rows_per_step"]
             assert run["episodes_vs_generate_no_eos"] == (run["action_tokens_per_s"]
                                                           / run["generate_no_eos_tokens_per_s"])
             assert run["episodes_vs_generate_cpu"] == pytest.approx(
@@ -119,3 +120,14 @@ def test_the_ratios_denominator_is_generate_with_the_workers_eos_ids_and_the_cei
     assert run.engine.calls == [(2, 7), ()]
     assert honoured["generate_tokens"] == 2 * 3 and ignored["generate_no_eos_tokens"] == 2 * 10
     assert set(honoured).isdisjoint(ignored)  # two columns, never one overwriting the other
+
+
+def test_shape_vs_generate_is_rows_per_step_over_eos_honoured_generates():
+    from stoa.bench.episodes import with_ratio
+
+    fig = {"action_tokens_per_s": 30.0, "action_tokens": 60.0, "cpu_s": 2.0, "generate_tokens_per_s": 40.0,
+           "generate_tokens_per_cpu_s": 40.0, "generate_no_eos_tokens_per_s": 60.0, "rows_per_step": 3.0,
+           "generate_rows_per_step": 4.0, "generate_no_eos_rows_per_step": 8.0}
+    out = with_ratio(fig)
+    assert out["shape_vs_generate"] == 0.75 and out["episodes_vs_generate"] == 0.75
+    assert out["episodes_vs_generate_no_eos"] == 0.5 and out["episodes_vs_generate_cpu"] == 0.75
