@@ -186,16 +186,21 @@ def _quantize_rows(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return packed, f32_to_bf16_bits(scale), f32_to_bf16_bits(bias)
 
 
-def dequantize_int8g64(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> np.ndarray:
+def dequantize_int8g64(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, *,
+                       compute: bool = False) -> np.ndarray:
     """Dequantize like ``mx.dequantize(..., group_size=64, bits=8)`` with bf16 scales, as float32.
 
     MLX computes ``scale * code`` and then ``+ bias`` each rounded to bf16; the result is those bf16
-    values widened to float32. Leading dimensions (experts) are rows, as in :func:`quantize_int8g64`.
+    values widened to float32. With ``compute`` the values are what MLX's quantized matmul multiplies by
+    (``mx.quantized_matmul`` in float32, ``stoa.engines.mlx.quantized``): ``code * scale + bias`` in float32 with
+    the scales and biases widened, not rounded again; the torch engine and a LoRA trainer compute with these.
+    Leading dimensions (experts) are rows, as in :func:`quantize_int8g64`.
 
     Args:
         packed: uint32 [..., out, in / 4] codes, four per word, little end first.
         scales: uint16 bf16 bits [..., out, in / 64].
         biases: uint16 bf16 bits [..., out, in / 64].
+        compute: the quantized matmul's float32 values instead of ``mx.dequantize``'s bf16 ones.
     """
     if packed.dtype != np.uint32 or packed.ndim < 2:
         raise TypeError(f"expected uint32 packed codes [..., out, in / 4], got {packed.dtype} {packed.shape}")
@@ -208,8 +213,11 @@ def dequantize_int8g64(packed: np.ndarray, scales: np.ndarray, biases: np.ndarra
     s = bf16_bits_to_f32(np.ascontiguousarray(scales)).reshape(-1, groups)[..., None]
     b = bf16_bits_to_f32(np.ascontiguousarray(biases)).reshape(-1, groups)[..., None]
     with np.errstate(over="ignore", invalid="ignore"):
-        prod = bf16_bits_to_f32(f32_to_bf16_bits(codes * s))
-        res = bf16_bits_to_f32(f32_to_bf16_bits(prod + b))
+        if compute:
+            res = codes * s + b
+        else:
+            prod = bf16_bits_to_f32(f32_to_bf16_bits(codes * s))
+            res = bf16_bits_to_f32(f32_to_bf16_bits(prod + b))
     return res.reshape(*lead, groups * GROUP_SIZE)
 
 
@@ -244,12 +252,15 @@ def state_from_f32(named: Mapping[str, np.ndarray], plane: str) -> State:
     return state
 
 
-def state_to_f32(state: Mapping[str, np.ndarray], plane: str) -> dict[str, np.ndarray]:
+def state_to_f32(state: Mapping[str, np.ndarray], plane: str, *, compute: bool = False) -> dict[str, np.ndarray]:
     """Decode a stored-bit state back to float32 arrays (dequantizing int8g64 matrices like MLX).
 
     Args:
         state: stored bits as produced by :func:`state_from_f32` or a patch/anchor.
         plane: ``"bf16"`` or ``"int8g64"``.
+        compute: int8g64 matrices as MLX's quantized matmul computes with them (``code * scale + bias`` in float32,
+            :func:`dequantize_int8g64`), not ``mx.dequantize``'s bf16 values: what engines and a LoRA trainer's
+            base compute with; the bf16 values are what exports and rebuilt models store.
     """
     check_plane(plane)
     out: dict[str, np.ndarray] = {}
@@ -264,7 +275,7 @@ def state_to_f32(state: Mapping[str, np.ndarray], plane: str) -> dict[str, np.nd
                 scales, biases = state[stem + ".scales"], state[stem + ".biases"]
             except KeyError as e:
                 raise ValueError(f"quantized tensor {name!r} has no {e.args[0]!r}") from None
-            out[name] = dequantize_int8g64(arr, scales, biases)
+            out[name] = dequantize_int8g64(arr, scales, biases, compute=compute)
         else:
             raise ValueError(f"tensor {name!r} has dtype {arr.dtype}, not stored bits of plane {plane!r}")
     return out

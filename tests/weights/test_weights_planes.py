@@ -178,6 +178,10 @@ def test_int8g64_matches_mx_quantize() -> None:
         ref = np.array(mx.dequantize(q, s, b, group_size=64, bits=8).astype(mx.float32))
         ours = dequantize_int8g64(packed, scales, biases)
         assert np.array_equal(ref.view(np.uint32), ours.view(np.uint32))
+        # compute: what the quantized matmul multiplies by (float32 scales and biases, no rounding to bf16)
+        f32 = np.array(mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=64, bits=8))
+        got = dequantize_int8g64(packed, scales, biases, compute=True)
+        np.testing.assert_allclose(got, f32, rtol=2e-7, atol=0)
 
 
 @pytest.mark.mlx

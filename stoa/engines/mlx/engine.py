@@ -21,7 +21,7 @@ from stoa.engines.mlx.adapter import load_adapter, use_adapter
 from stoa.engines.mlx.caches import cache_arrays, check_cache_kinds
 from stoa.engines.mlx.install import QUANT_SUFFIXES, cast_model, install, quant_prefix
 from stoa.engines.mlx.kv import compact, feed, merge_rows
-from stoa.engines.mlx.quantized import use_float32_gather
+from stoa.engines.mlx.quantized import set_lookup_dtype, use_float32_gather
 from stoa.engines.mlx.rounds import Batch, Sampler, check_driver, run_rounds
 from stoa.engines.mlx.sampling import Draw, draw, make_key
 from stoa.engines.mlx_blas import warn_if_slow_blas
@@ -198,6 +198,7 @@ class MLXEngine:
     def _install(self, arrays: dict[str, mx.array]) -> None:
         """Check every name, shape and dtype against the model, then load all at once (``stoa.engines.mlx.install``)."""
         install(self.model, arrays)
+        set_lookup_dtype(self.model, self.dtype)  # quantized embeddings: rows in the compute dtype, as the head's
 
     # -------------------------------------------------------------------------------------- generation
     def _prefill(self, prompt: Sequence[int], rows: int) -> tuple[list[Any], mx.array]:
