@@ -97,7 +97,7 @@ def main() -> None:
         shutil.copytree(resolve_model("tiny"), model)
         w = load_file(str(model / "model.safetensors"))
         save_file({k: _bf16(v) for k, v in w.items()}, str(model / "model.safetensors"), metadata={"format": "pt"})
-        for plane in ("bf16", "int8g64"):
+        for plane in ("bf16", "int8g64", "int4g64"):
             for tdtype in ("float32", "bfloat16"):
                 t = _trainer(tmp, model, plane, tdtype, own_base)
                 bucket = open_bucket(t.cfg.bucket)
