@@ -112,7 +112,7 @@ def expected_tensors(model: Any, quant: set[str], bits: int = BITS) -> tuple[Exp
                 expected[path + suffix] = ((*lead, cols // GROUP_SIZE), "float")
             to_quantize.add(path)
         elif is_q and path not in quant:
-            raise ValueError(f"{path}.scales: missing; this engine already holds quantized layers "
+            raise ValueError(f"{path}.scales: missing; this engine already holds quantized (int8g64, int4g64) layers "
                              "(build a new engine to load another plane)")
     return expected, to_quantize
 
