@@ -36,7 +36,7 @@ from stoa.untrusted import (
 )
 from stoa.weights.adapter import AdapterSpec
 from stoa.weights.ed25519 import CONTRACT_DOMAIN, PUBLIC_HEX, is_hex, signature_problem
-from stoa.weights.planes import ADAPTER_PLANE
+from stoa.weights.planes import ADAPTER_PLANE, INT4_PLANE
 
 SCHEMA_VERSION = 1
 """Version of the contract and of every record type; bump on any incompatible change."""
@@ -138,7 +138,7 @@ class RunContract:
     n_samples: int
     """Group size n (``STOA_N_SAMPLES``); records with another n are dropped."""
     plane: str
-    """Weight plane: ``bf16`` or ``int8g64`` (``STOA_PLANE``)."""
+    """Weight plane: ``bf16`` or ``int8g64`` (``STOA_PLANE``); a LoRA run's base may also be ``int4g64``."""
     task_id: str
     """Task name (``arithmetic``, ``gsm8k``)."""
     task_spec: Mapping[str, Any]
@@ -305,7 +305,7 @@ def _contract_fields(cls: type[RunContract], d: dict[str, Any]) -> RunContract:
                reuse_cap=check_int(d.get("reuse_cap", 2), "reuse_cap", hi=MAX_WINDOW),
                algorithm=field_object(d, "algorithm", default={}), retriever=field_object(d, "retriever", default={}),
                task_code=_task_code(d.get("task_code", [])),
-               adapter=AdapterSpec.from_dict(d["adapter"]).to_dict() if "adapter" in d else {},
+               adapter=_adapter(d),
                schema_version=SCHEMA_VERSION, created_at=check_number(d.get("created_at", 0.0), "created_at", lo=0),
                run_key=check_text(d.get("run_key", ""), "run_key", max_len=128),
                signature=check_text(d.get("signature", ""), "signature", max_len=256))
@@ -460,3 +460,19 @@ def wait_for_contract(bucket: Bucket, run_id: str, timeout_s: float, poll_s: flo
                 echo(f"[worker] waiting for run {run_id!r} to appear in {bucket.url}")
                 noted = True
             time.sleep(poll_s)
+
+
+def _adapter(d: dict[str, Any]) -> dict[str, Any]:
+    """A contract's ``adapter`` object, checked; a 4-bit ``plane`` is a LoRA base's only.
+
+    Args:
+        d: the parsed contract.
+
+    Raises:
+        ValueError: a malformed adapter, or plane ``int4g64`` without one.
+    """
+    if "adapter" in d:
+        return AdapterSpec.from_dict(d["adapter"]).to_dict()
+    if d.get("plane") == INT4_PLANE:
+        raise ValueError(f"plane {INT4_PLANE} is a LoRA run's base plane: the contract has no adapter")
+    return {}

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-PLANES = ("bf16", "int8g64")
-"""Weight planes the trainer can publish."""
+PLANES = ("bf16", "int8g64", "int4g64")
+"""Weight planes the trainer can publish (``int4g64``: a LoRA run's base only)."""
 DTYPES = ("auto", "float32", "bfloat16")
 """Compute dtypes of a worker engine and of local mode."""
 TRACKERS = ("wandb", "tensorboard")
@@ -155,7 +155,8 @@ class FleetConfig(BaseConfig):
 
     bucket: str = setting("./stoa-runs", "Bucket URL: a local directory, file://DIR or s3://BUCKET/PREFIX.")
     run: str = setting("default", "Run id; names runs/<run>/ in the bucket.")
-    plane: str = setting("bf16", "Weight plane published to workers: bf16 or int8g64.")
+    plane: str = setting("bf16", "Weight plane published to workers: bf16 or int8g64; "
+                                           "int4g64 for a LoRA run's base only (lora_rank > 0).")
     log_dir: str = setting("", "Directory for metrics JSONL (default: inside a local bucket, else under "
                                "./stoa-logs).")
 

@@ -190,6 +190,8 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         super().validate()
         if self.plane not in PLANES:
             raise ConfigError("plane", f"{self.plane!r} is not one of {PLANES}")
+        if self.plane == "int4g64" and not self.lora_rank:
+            raise ConfigError("plane", "int4g64 is a LoRA run's base plane: set lora_rank > 0 or use bf16 or int8g64")
         at_least(self, 1, ("micro_batch", "anchor_every", "keep_checkpoints", "keep_versions", "reuse_cap",
                            "quarantine_min_records", "eval_k"))
         at_least(self, 0, ("eval_k_final",))

@@ -228,7 +228,7 @@ class TorchEngine:
         if plane == ADAPTER_PLANE:
             self.load_adapter(state_to_f32(state, plane))
         else:
-            self.load_weights(state_to_f32(state, plane))
+            self.load_weights(state_to_f32(state, plane, compute=True))  # int8g64: MLX's quantized matmul values
 
     def use_adapter(self, rank: int, alpha: float, targets: Sequence[str]) -> dict[str, tuple[int, int]]:
         """Add LoRA adapters to the (loaded) base, the trainer's computation (``stoa.models.lora_torch``: the base

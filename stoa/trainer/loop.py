@@ -150,8 +150,11 @@ class _Trainer:
         self.tools = open_task_tools(self.task, cfg.retriever, role="trainer", bucket=self.bucket, run_id=cfg.run,
                                      publish=True, corpus="cached", note=self.echo)
         data = portable_task_data(self.task)  # its files go up before the contract, which names them by digest
-        adapter = (publish_adapter_base(self.bucket, cfg, self.ops.identity, self.ranks("export_base"), self.echo)
-                   if self.policy.lora is not None else None)  # a LoRA run's base goes up once, before the contract
+        adapter = None
+        if self.policy.lora is not None:  # a LoRA run's base goes up once, before the contract; the trainer then
+            base = publish_adapter_base(self.bucket, cfg, self.ops.identity, self.ranks("export_base"), self.echo)
+            self.ranks("load_base", main_only=base.values)  # computes on it, as workers do (int8g64: dequantized)
+            adapter = base.spec
         contract = build_contract(cfg, model_dir, self.task, self.codec, self.policy.vocab_size,
                                   self.tools.retriever, task_data=data, adapter=adapter)
         contract = signer.sign_contract(contract) if signer is not None else contract

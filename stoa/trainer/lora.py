@@ -5,7 +5,8 @@ to one base and one adapter (``Identity``): its pointer names both (``base``: th
 ``adapter``: rank, alpha, targets) and a trainer with another refuses it (``identity_problem``). Beside the
 shards, rank 0 writes the adapter as PEFT loads it (``put_peft``: ``adapter/adapter_model.safetensors`` and
 ``adapter/adapter_config.json`` under the checkpoint's prefix). Before the contract, ``publish_adapter_base``
-publishes the base once and names it in the contract's adapter plane (``stoa.weights.adapter``).
+publishes the base once and names it in the contract's adapter plane (``stoa.weights.adapter``); the trainer's
+frozen base then takes the published base's decoded values, so it scores on what workers sample with.
 """
 
 from __future__ import annotations
@@ -16,14 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from stoa.bucket import Bucket
 from stoa.contract import ContractMismatch
+from stoa.layout import ANCHOR_MANIFEST, base_prefix
 from stoa.models import model_fingerprint
 from stoa.models.lora_torch import LoraSpec, write_peft
 from stoa.trainer.retry import ride_out
-from stoa.weights.adapter import AdapterSpec, base_id, publish_base
-from stoa.weights.errors import AdapterError
-from stoa.weights.planes import state_from_f32
+from stoa.weights.adapter import AdapterSpec, base_id, fetch_base, publish_base
+from stoa.weights.anchor import load_manifest
+from stoa.weights.errors import AdapterError, WeightsError
+from stoa.weights.planes import State, state_from_f32, state_to_f32
 
 
 def lora_spec(cfg: Any) -> LoraSpec | None:
@@ -125,9 +130,25 @@ def put_peft(bucket: Bucket, prefix: str, adapter: dict[str, Any], ident: Identi
     return sizes
 
 
-def publish_adapter_base(bucket: Bucket, cfg: Any, ident: Identity, base: dict[str, Any], echo) -> AdapterSpec:
-    """Publish a LoRA run's base once (``stoa.weights.adapter.publish_base``, the contract's plane) and return the
-    contract's adapter plane: the base's identity and hash, the adapter's rank, alpha and targets.
+@dataclass(frozen=True)
+class PublishedBase:
+    """A LoRA run's published base: the contract's adapter plane and the base's values as workers compute with them."""
+
+    spec: AdapterSpec
+    """The contract's ``adapter``: the base's identity and hash, the adapter's rank, alpha and targets."""
+    values: dict[str, np.ndarray]
+    """The published base decoded to float32 as engines compute with it (bf16 bits widened; int8g64 as MLX's quantized
+    matmul and the torch engine dequantize, ``state_to_f32(..., compute=True)``): the trainer's
+    frozen base is set to these (``RankOps.load_base``), so it recomputes on the base the contract names."""
+
+
+def publish_adapter_base(bucket: Bucket, cfg: Any, ident: Identity, base: dict[str, Any], echo) -> PublishedBase:
+    """Publish a LoRA run's base once (``stoa.weights.adapter.publish_base``, the contract's plane); the contract's
+    adapter plane and the published base's values.
+
+    A restarted trainer whose model was rebuilt from the bucket (``stoa.trainer.setup.model_from_bucket``) holds the
+    published base's decoded values, which an int8g64 plane does not quantize back to the same bits: such a base is
+    accepted as the run's own (every value equal to the published base's).
 
     Args:
         bucket: the run's bucket.
@@ -144,5 +165,22 @@ def publish_adapter_base(bucket: Bucket, cfg: Any, ident: Identity, base: dict[s
     try:
         base_hash = ride_out(lambda: publish_base(bucket, cfg.run, state, cfg.plane), "the base weights", echo)
     except AdapterError as e:  # the run published another base (same config and tokenizer, other weights)
-        raise ContractMismatch(["adapter.base_hash"], e.detail) from None
-    return AdapterSpec(ident.base, base_hash, ident.spec.rank, ident.spec.alpha, ident.spec.targets)
+        base_hash, state = ride_out(lambda: _rebuilt_base(bucket, cfg, ident, base), "the base weights", echo)
+        if not base_hash:
+            raise ContractMismatch(["adapter.base_hash"], e.detail) from None
+    spec = AdapterSpec(ident.base, base_hash, ident.spec.rank, ident.spec.alpha, ident.spec.targets)
+    return PublishedBase(spec, state_to_f32(state, cfg.plane, compute=True))
+
+
+def _rebuilt_base(bucket: Bucket, cfg: Any, ident: Identity, base: dict[str, Any]) -> tuple[str, State]:
+    """The run's published base (hash, bits) when ``base`` holds exactly its decoded values, else ``("", {})``."""
+    assert ident.spec is not None
+    manifest = load_manifest(bucket.get(base_prefix(cfg.run) + ANCHOR_MANIFEST))
+    spec = AdapterSpec(ident.base, str(manifest["state_hash"]), ident.spec.rank, ident.spec.alpha, ident.spec.targets)
+    try:
+        state = fetch_base(bucket, cfg.run, cfg.plane, spec)
+    except WeightsError:
+        return "", {}
+    values = state_to_f32(state, cfg.plane)
+    same = values.keys() == base.keys() and all(np.array_equal(values[k], np.asarray(base[k])) for k in values)
+    return (spec.base_hash, state) if same else ("", {})

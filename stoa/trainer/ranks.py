@@ -23,7 +23,7 @@ from stoa.models.lora_torch import is_adapter
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.ckpt_async import CheckpointWriter
 from stoa.trainer.coldstart import SftRow, SftStep, sft_steps
-from stoa.trainer.dist import Dist, full_arrays
+from stoa.trainer.dist import Dist, full_arrays, load_full
 from stoa.trainer.lora import FULL, Identity, base_fingerprint, lora_spec
 from stoa.trainer.policy import Policy, compute_dtype
 from stoa.trainer.pool import Entry
@@ -97,6 +97,14 @@ class RankOps:
     def export_base(self) -> dict[str, np.ndarray]:
         """A LoRA policy's frozen base (every tensor the planes carry but the adapters) as float32 on rank 0."""
         return full_arrays({k: t for k, t in self.policy.named_tensors().items() if not is_adapter(k)}, self.dist)
+
+    def load_base(self, arrays: dict[str, np.ndarray] | None = None) -> None:
+        """Set a LoRA policy's frozen base (and the reference, which is the base) to rank 0's arrays: the published
+        base's decoded values (``stoa.trainer.lora.PublishedBase``), so the trainer scores on what workers sample
+        with. Every rank calls it, rank 0 with the arrays."""
+        for policy in (self.policy, self.ref):
+            if policy is not None:
+                load_full({k: t for k, t in policy.named_tensors().items() if not is_adapter(k)}, arrays, self.dist)
 
     def save(self, version: int, step: int, before_pointer: Callable[[], Any] | None = None) -> int:
         """Checkpoint this step (rank 0 writes its pointer last): wait for the write in flight, take the state

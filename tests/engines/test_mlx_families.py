@@ -158,8 +158,8 @@ def _set_experts(state: dict[str, np.ndarray], named: dict[str, np.ndarray], qua
 
 def _dequantized(state: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The weights MLX computes with: (lookup, matmul). Quantized layers multiply by ``code * scale + bias`` in
-    float32 (the BLAS path's and ``gather_qmm``'s formula); the embedding lookup dequantizes like
-    ``mx.dequantize``, each step rounded to bf16 (``planes.state_to_f32``)."""
+    float32 (the BLAS path's and ``gather_qmm``'s formula), and so does a float32 engine's embedding lookup on the
+    CPU (``BlasQuantizedEmbedding``); ``lookup`` is ``planes.state_to_f32`` (bf16 values) for the other tensors."""
     from stoa.weights.planes import bf16_bits_to_f32, state_to_f32
 
     fused = {k for k, v in state.items() if v.dtype == np.uint32 and v.ndim == 3}
@@ -196,9 +196,8 @@ def test_int8g64_plane_loads_into_moe_experts(family, name, experts_quantized) -
     assert gate_up and all(isinstance(m, QuantizedSwitchLinear) == experts_quantized for m in gate_up)
     ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     lookup, matmul = _dequantized(state)
-    embed = "model.embed_tokens.weight"
-    ref.load_state_dict({k: torch.from_numpy(lookup[k] if k == embed else matmul.get(k, lookup.get(k)))
-                         for k in named}, strict=False)
+    embed = "model.embed_tokens.weight"  # looked up as the head multiplies by it (BlasQuantizedEmbedding)
+    ref.load_state_dict({k: torch.from_numpy(matmul.get(k, lookup.get(k))) for k in named}, strict=False)
     head = torch.from_numpy(matmul[embed])  # every tiny family ties its head to the quantized embedding
     groups, _ = engine.generate(PROMPTS, 2, max_new_tokens=10, temperature=0.9, generator=1)
     for prompt, group in zip(PROMPTS, groups, strict=True):

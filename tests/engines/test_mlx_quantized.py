@@ -8,7 +8,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from stoa.engines.mlx.quantized import BlasQuantizedEmbedding, BlasQuantizedLinear, use_blas_for_quantized
+from stoa.engines.mlx.quantized import (
+    BlasQuantizedEmbedding,
+    BlasQuantizedLinear,
+    set_lookup_dtype,
+    use_blas_for_quantized,
+)
 
 
 def _kernel(x, layer):
@@ -46,6 +51,20 @@ def test_tied_embedding_head_matches_the_kernel():
     use_blas_for_quantized(nn.Sequential(emb))
     assert type(emb) is BlasQuantizedEmbedding
     np.testing.assert_allclose(np.array(emb.as_linear(h)), np.array(want), atol=1e-5)
+
+
+def test_embedding_rows_are_the_heads_values_in_the_lookup_dtype():
+    emb = nn.QuantizedEmbedding.from_embedding(nn.Embedding(96, 64), group_size=64, bits=8)
+    emb.set_dtype(mx.bfloat16)  # a published plane's bf16 scales and biases
+    ids = mx.array([3, 7, 95])
+    assert emb(ids).dtype == mx.bfloat16  # MLX's lookup: bf16 values
+    use_blas_for_quantized(nn.Sequential(emb))
+    assert emb(ids).dtype == mx.bfloat16  # unchanged until the engine names its dtype
+    set_lookup_dtype(nn.Sequential(emb), mx.float32)
+    want = mx.dequantize(emb["weight"], emb["scales"].astype(mx.float32), emb["biases"].astype(mx.float32),
+                         group_size=64, bits=8)[ids]  # the rows the tied head multiplies by
+    got = emb(ids)
+    assert got.dtype == mx.float32 and np.array_equal(np.array(got), np.array(want))
 
 
 def test_opt_out_keeps_the_kernel(monkeypatch):

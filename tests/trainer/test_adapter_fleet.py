@@ -188,8 +188,8 @@ def test_a_trainer_whose_base_weights_differ_from_the_published_base_is_refused(
     bucket, cfg = open_bucket(str(tmp_path / "b")), SimpleNamespace(run="r", plane="bf16")
     ident = Identity("llama:c:t", LoraSpec(4, 8.0))
     base = {"w.weight": np.ones((2, 64), np.float32)}
-    spec = publish_adapter_base(bucket, cfg, ident, base, print)
+    spec = publish_adapter_base(bucket, cfg, ident, base, print).spec
     assert (spec.base, spec.rank, spec.alpha) == ("llama:c:t", 4, 8.0)
-    assert publish_adapter_base(bucket, cfg, ident, base, print) == spec  # a restart: the same base, the same spec
+    assert publish_adapter_base(bucket, cfg, ident, base, print).spec == spec  # a restart: the same base, the same spec
     with pytest.raises(ContractMismatch, match="adapter.base_hash"):
         publish_adapter_base(bucket, cfg, ident, {"w.weight": np.zeros((2, 64), np.float32)}, print)

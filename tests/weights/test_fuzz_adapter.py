@@ -35,7 +35,7 @@ from stoa.untrusted import BadBucketObject
 from stoa.weights.adapter import AdapterSpec, adapter_state, check_adapter
 from stoa.weights.anchor import decode_anchor, encode_anchor
 from stoa.weights.errors import AdapterError, AnchorError, PatchError
-from stoa.weights.planes import ADAPTER_PLANE, State
+from stoa.weights.planes import ADAPTER_PLANE, QUANT_BITS, State, state_to_f32
 from stoa.weights.pulse import apply_patch, encode_patch
 
 LINEARS = {"m.0.q_proj": (16, 8), "m.0.v_proj": (4, 8)}
@@ -147,3 +147,29 @@ def test_the_good_inputs_decode(seed: int) -> None:
     p = encode_patch(prev, new, run_id=RUN, from_version=4, to_version=5, plane=ADAPTER_PLANE, threads=1)
     _apply_and_check(p, prev)
     _decode_and_check(*encode_anchor(new, run_id=RUN, version=5, plane=ADAPTER_PLANE))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plane=st.sampled_from(["int8g64", "int4g64"]), rows=st.integers(0, 4),
+       words=st.sampled_from([0, 5, 8, 16, 24, 32]),
+       row_shift=st.sampled_from([0, 0, 0, 1]), group_shift=st.sampled_from([0, 0, 0, 1, -1]), wide=st.booleans(),
+       compute=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_a_quantized_base_decodes_to_its_shape_or_is_refused(plane: str, rows: int, words: int, row_shift: int,
+                                                            group_shift: int, wide: bool, compute: bool, seed: int):
+    """A LoRA run's base on a quantized plane (int8g64, int4g64), codes and scales of fitting and unfitting shapes
+    and bits, through the anchor and the decoder engines and the trainer use (``state_to_f32(..., compute=...)``):
+    the weight comes out as [rows, words * 32 / bits] or the decoder raises ValueError / TypeError (nothing
+    else)."""
+    rng = np.random.default_rng(seed)
+    groups = max(0, words * 32 // QUANT_BITS[plane] // 64 + group_shift)
+    side = rng.integers(0, 2**16, (rows + row_shift, groups)).astype(np.uint32 if wide else np.uint16)
+    state = {"m.w.weight": rng.integers(0, 2**32, (rows, words), dtype=np.uint32), "m.w.scales": side,
+             "m.w.biases": side.copy(), "m.n.weight": rng.integers(0, 2**16, (rows,)).astype(np.uint16)}
+    data, manifest = encode_anchor(state, run_id=RUN, version=0, plane=plane)
+    decoded = decode_anchor(bytearray(data), manifest, run_id=RUN, plane=plane, version=0)
+    try:
+        out = state_to_f32(decoded, plane, compute=compute)
+    except (ValueError, TypeError):
+        return
+    assert out.keys() == {"m.w.weight", "m.n.weight"}
+    assert out["m.w.weight"].shape == (rows, words * 32 // QUANT_BITS[plane])

@@ -178,6 +178,10 @@ def test_int8g64_matches_mx_quantize() -> None:
         ref = np.array(mx.dequantize(q, s, b, group_size=64, bits=8).astype(mx.float32))
         ours = dequantize_int8g64(packed, scales, biases)
         assert np.array_equal(ref.view(np.uint32), ours.view(np.uint32))
+        # compute: what the quantized matmul multiplies by (float32 scales and biases, no rounding to bf16)
+        f32 = np.array(mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=64, bits=8))
+        got = dequantize_int8g64(packed, scales, biases, compute=True)
+        np.testing.assert_allclose(got, f32, rtol=2e-7, atol=0)
 
 
 @pytest.mark.mlx
@@ -198,6 +202,42 @@ def test_int8g64_property_matches_mx(w: np.ndarray) -> None:
     assert np.array_equal(np.array(q), packed)
     assert np.array_equal(np.array(s.view(mx.uint16)), scales)
     assert np.array_equal(np.array(b.view(mx.uint16)), biases)
+
+
+@pytest.mark.mlx
+@needs_mlx
+def test_int4g64_matches_mx_quantize_and_dequantize() -> None:
+    import mlx.core as mx
+
+    for w in _cases(np.random.default_rng(5)):
+        q, s, b = mx.quantize(mx.array(w, dtype=mx.bfloat16), group_size=64, bits=4)
+        packed, scales, biases = quantize_int8g64(w, 4)
+        assert packed.shape[-1] * 8 == w.shape[-1]
+        assert np.array_equal(np.array(q), packed)
+        assert np.array_equal(np.array(s.view(mx.uint16)), scales)
+        assert np.array_equal(np.array(b.view(mx.uint16)), biases)
+        ref = np.array(mx.dequantize(q, s, b, group_size=64, bits=4).astype(mx.float32))
+        ours = dequantize_int8g64(packed, scales, biases, bits=4)
+        assert np.array_equal(ref.view(np.uint32), ours.view(np.uint32))
+        f32 = np.array(mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=64, bits=4))
+        np.testing.assert_allclose(dequantize_int8g64(packed, scales, biases, bits=4, compute=True), f32, rtol=2e-7,
+                                   atol=0)
+
+
+def test_int4g64_refuses_what_does_not_fit() -> None:
+    packed, scales, biases = quantize_int8g64(np.ones((2, 128), np.float32), 4)
+    with pytest.raises(ValueError, match="bits"):
+        quantize_int8g64(np.ones((2, 128), np.float32), 3)
+    with pytest.raises(ValueError, match="bits"):
+        dequantize_int8g64(packed, scales, biases, bits=2)
+    with pytest.raises(ValueError, match="do not fit"):
+        dequantize_int8g64(packed, scales, biases, bits=8)  # int4 codes read as int8: half the groups
+    with pytest.raises(ValueError, match="do not fit"):
+        dequantize_int8g64(packed[:, :-1], scales, biases, bits=4)
+    state = state_from_f32({"a.weight": np.ones((2, 128), np.float32)}, "int4g64")
+    del state["a.scales"]
+    with pytest.raises(ValueError, match="a.scales"):
+        state_to_f32(state, "int4g64")
 
 
 def test_int8g64_rejects_bad_input() -> None:

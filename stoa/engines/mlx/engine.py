@@ -21,12 +21,12 @@ from stoa.engines.mlx.adapter import load_adapter, use_adapter
 from stoa.engines.mlx.caches import cache_arrays, check_cache_kinds
 from stoa.engines.mlx.install import QUANT_SUFFIXES, cast_model, install, quant_prefix
 from stoa.engines.mlx.kv import compact, feed, merge_rows
-from stoa.engines.mlx.quantized import use_float32_gather
+from stoa.engines.mlx.quantized import set_lookup_dtype, use_float32_gather
 from stoa.engines.mlx.rounds import Batch, Sampler, check_driver, run_rounds
 from stoa.engines.mlx.sampling import Draw, draw, make_key
 from stoa.engines.mlx_blas import warn_if_slow_blas
 from stoa.episodes.driver import Episode, EpisodeDriver
-from stoa.weights.planes import ADAPTER_PLANE, check_plane, state_to_f32
+from stoa.weights.planes import ADAPTER_PLANE, QUANT_BITS, check_plane, state_to_f32
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 PREFILL_CHUNK = 2048
@@ -136,11 +136,13 @@ class MLXEngine:
         fp32). int8g64 plane: ``<p>.weight`` (uint32 codes), ``<p>.scales`` and ``<p>.biases`` (bf16 bits)
         go into quantized layers (``nn.quantize(group_size=64, bits=8)``), the layout of ``mx.quantize``;
         a fused 3-D expert tensor ``<p>.experts.gate_up_proj`` quantizes likewise, its scales named
-        ``<p>.experts.gate_up_proj.scales`` (``stoa.engines.mlx.install``); everything else is bf16 bits.
+        ``<p>.experts.gate_up_proj.scales`` (``stoa.engines.mlx.install``); everything else is bf16 bits. int4g64 (a
+        LoRA run's base): the same with ``bits=4``, so mlx's quantized matmul runs on the published bits.
 
         Args:
             state: tensor name (torch/HF ``named_parameters`` naming) -> stored bits.
-            plane: ``bf16`` or ``int8g64``; or ``adapter``: a LoRA run's adapter tensors, after :meth:`use_adapter`.
+            plane: ``bf16``, ``int8g64`` or ``int4g64``; or ``adapter``: a LoRA run's adapter tensors, after
+                :meth:`use_adapter`.
 
         Raises:
             ValueError: on an unknown plane or a missing, unexpected, misshaped or wrongly typed tensor
@@ -151,21 +153,22 @@ class MLXEngine:
             load_adapter(self.model, state_to_f32(state, plane), self.dtype)
             return
         arrays: dict[str, mx.array] = {}
+        quant_bits = QUANT_BITS.get(plane, 0)
         for name, a in state.items():
             a = np.asarray(a)
             codes = not name.endswith(QUANT_SUFFIXES) and f"{quant_prefix(name)}.scales" in state
-            if plane == "int8g64" and codes:
+            if quant_bits and codes:
                 if a.dtype != np.uint32:
-                    raise ValueError(f"{name}: int8g64 codes must be uint32, got {a.dtype}")
+                    raise ValueError(f"{name}: {plane} codes must be uint32, got {a.dtype}")
                 arrays[name] = mx.array(a)
             elif a.dtype == np.uint16:
                 bits = mx.array(a).view(mx.bfloat16)
-                keep_bf16 = plane == "int8g64" and name.endswith(QUANT_SUFFIXES)
+                keep_bf16 = bool(quant_bits) and name.endswith(QUANT_SUFFIXES)
                 arrays[name] = bits if keep_bf16 else bits.astype(self.dtype)
             else:
                 raise ValueError(f"{name}: dtype {a.dtype} is not stored bits of plane {plane!r} "
                                  "(uint16 bf16 bits)")
-        self._install(arrays)
+        self._install(arrays, quant_bits or 8)
 
     def use_adapter(self, rank: int, alpha: float, targets: Sequence[str]) -> dict[str, tuple[int, int]]:
         """Add LoRA layers to the loaded base (``stoa.engines.mlx.adapter``: the trainer's LoRA forward), zero until
@@ -195,9 +198,11 @@ class MLXEngine:
             arrays[name] = mx.array(a.astype(np.float32, copy=False)).astype(self.dtype)
         self._install(arrays)
 
-    def _install(self, arrays: dict[str, mx.array]) -> None:
-        """Check every name, shape and dtype against the model, then load all at once (``stoa.engines.mlx.install``)."""
-        install(self.model, arrays)
+    def _install(self, arrays: dict[str, mx.array], bits: int = 8) -> None:
+        """Check every name, shape and dtype against the model, then load all at once (``stoa.engines.mlx.install``;
+        quantized layers with ``bits`` per code)."""
+        install(self.model, arrays, bits)
+        set_lookup_dtype(self.model, self.dtype)  # quantized embeddings: rows in the compute dtype, as the head's
 
     # -------------------------------------------------------------------------------------- generation
     def _prefill(self, prompt: Sequence[int], rows: int) -> tuple[list[Any], mx.array]:

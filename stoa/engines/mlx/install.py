@@ -90,9 +90,10 @@ def _is_quantized(module: Any) -> bool:
     return isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding | QuantizedSwitchLinear)
 
 
-def expected_tensors(model: Any, quant: set[str]) -> tuple[Expected, set[str]]:
+def expected_tensors(model: Any, quant: set[str], bits: int = BITS) -> tuple[Expected, set[str]]:
     """Shape and kind of every tensor the model takes once the layers named in ``quant`` are quantized (2-D
-    linears and embeddings, 3-D ``SwitchLinear`` experts), and which layers still have to be quantized."""
+    linears and embeddings, 3-D ``SwitchLinear`` experts) with ``bits`` per code, and which layers still have to be
+    quantized."""
     expected: Expected = {
         k: (tuple(v.shape), "uint32" if v.dtype == mx.uint32 else "float")
         for k, v in cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
@@ -106,21 +107,22 @@ def expected_tensors(model: Any, quant: set[str]) -> tuple[Expected, set[str]]:
             *lead, cols = module.weight.shape
             if cols % GROUP_SIZE:
                 raise ValueError(f"{path}.weight: input dimension {cols} is not a multiple of {GROUP_SIZE}")
-            expected[f"{path}.weight"] = ((*lead, cols * BITS // 32), "uint32")
+            expected[f"{path}.weight"] = ((*lead, cols * bits // 32), "uint32")
             for suffix in QUANT_SUFFIXES:
                 expected[path + suffix] = ((*lead, cols // GROUP_SIZE), "float")
             to_quantize.add(path)
         elif is_q and path not in quant:
-            raise ValueError(f"{path}.scales: missing; this engine already holds int8g64 layers "
+            raise ValueError(f"{path}.scales: missing; this engine already holds quantized (int8g64, int4g64) layers "
                              "(build a new engine to load another plane)")
     return expected, to_quantize
 
 
-def install(model: Any, arrays: dict[str, mx.array]) -> None:
-    """Check every name, shape and dtype against the model, then load all at once (nothing on a mismatch)."""
+def install(model: Any, arrays: dict[str, mx.array], bits: int = BITS) -> None:
+    """Check every name, shape and dtype against the model, then load all at once (nothing on a mismatch); quantized
+    layers take ``bits`` per code (8: int8g64, 4: a LoRA run's int4g64 base)."""
     arrays = to_model_names(model, arrays)
     quant = {k[: -len(".scales")] for k in arrays if k.endswith(".scales")}
-    expected, to_quantize = expected_tensors(model, quant)
+    expected, to_quantize = expected_tensors(model, quant, bits)
     missing = sorted(k for k in set(expected) - set(arrays) if not k.endswith(KEPT_BUFFERS))
     extra = sorted(set(arrays) - set(expected))
     if missing or extra:
@@ -135,7 +137,7 @@ def install(model: Any, arrays: dict[str, mx.array]) -> None:
         if (a.dtype == mx.uint32) != (kind == "uint32"):
             raise ValueError(f"{name}: dtype {a.dtype} does not fit the model's layer ({kind})")
     if to_quantize:
-        nn.quantize(model, group_size=GROUP_SIZE, bits=BITS, class_predicate=lambda p, m: p in to_quantize)
+        nn.quantize(model, group_size=GROUP_SIZE, bits=bits, class_predicate=lambda p, m: p in to_quantize)
         use_blas_for_quantized(model)
     model.load_weights(list(arrays.items()), strict=len(arrays) == len(expected))
     mx.eval(model.parameters())

@@ -75,7 +75,23 @@ class BlasQuantizedLinear(nn.QuantizedLinear):
 
 
 class BlasQuantizedEmbedding(nn.QuantizedEmbedding):
-    """``nn.QuantizedEmbedding`` whose tied-head product (``as_linear``) runs as dequantize + BLAS matmul."""
+    """``nn.QuantizedEmbedding`` whose tied-head product (``as_linear``) runs as dequantize + BLAS matmul, and whose
+    lookup gives the rows the head multiplies by (``code * scale + bias`` in float32; MLX's own lookup,
+    ``mx.dequantize`` with bf16 scales, rounds them to bf16 twice), cast to ``lookup_dtype`` (the engine's compute
+    dtype, ``set_lookup_dtype``; default the scales' dtype, as MLX's). A tied weight is then one set of values, the
+    one the torch engine and a LoRA trainer compute with (``stoa.weights.planes.dequantize_int8g64``, ``compute``).
+    """
+
+    lookup_dtype: mx.Dtype | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """The rows of token ids ``x``.
+
+        Args:
+            x: token ids.
+        """
+        rows = _dequantize(self["weight"][x], self["scales"][x], self["biases"][x], self.group_size, self.bits)
+        return rows.astype(self.lookup_dtype or self["scales"].dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
         """x @ E^T, the tied output projection.
@@ -93,6 +109,18 @@ def wants_blas_qmm() -> bool:
     if os.environ.get(ENV_QMM, "").strip().lower() == "kernel":
         return False
     return mx.default_device().type == mx.DeviceType.cpu
+
+
+def set_lookup_dtype(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Give every :class:`BlasQuantizedEmbedding` of ``model`` its lookup's output dtype (the engine's compute dtype).
+
+    Args:
+        model: an MLX model after :func:`use_blas_for_quantized`.
+        dtype: the engine's compute dtype.
+    """
+    for _, m in model.named_modules():
+        if isinstance(m, BlasQuantizedEmbedding):
+            m.lookup_dtype = dtype
 
 
 def use_blas_for_quantized(model: nn.Module) -> int:
