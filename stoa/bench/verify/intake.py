@@ -17,6 +17,8 @@ from stoa.config import TrainerConfig
 from stoa.contract import ModelSpec, RunContract, SamplingSpec
 from stoa.envs.base import Environment, Tools, observation_tokens
 from stoa.layout import rollout_key
+from stoa.retrieval.base import Doc
+from stoa.retrieval.bm25 import BM25Index
 from stoa.rollouts.episode import ROLE_ACTION, ROLE_ECHO
 from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.tasks import SearchTask, get_task
@@ -157,9 +159,6 @@ def lag_dodge_dropped() -> int:
 
 def searcher() -> Tools:
     """The search task's own tools over a small BM25 index (the trainer's retriever)."""
-    from stoa.retrieval.base import Doc
-    from stoa.retrieval.bm25 import BM25Index
-
     docs = [Doc("1", "Laitouk Guild", GOLD_DOC), Doc("2", "Weaving", "Weaving is the craft of making cloth."),
             Doc("3", "Guilds", "A guild is an association of artisans.")]
     return SearchTask().make_tools(BM25Index.build(docs))
