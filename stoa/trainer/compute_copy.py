@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-COMPUTE_WEIGHTS = ("autocast", "bf16_copy")
-"""The ``compute_weights`` settings: cast per forward under autocast, or a persistent bf16 copy."""
+from stoa.config.trainer import COMPUTE_WEIGHTS
+
+__all__ = ["COMPUTE_WEIGHTS", "ComputeCopy"]
 
 
 class ComputeCopy:
