@@ -190,3 +190,15 @@ def test_checkpoints_and_exports_hold_the_fp32_masters(tiny_dir, tmp_path):
     assert list(saved["copy"]) == list(saved["auto"])
     for k, v in saved["copy"].items():
         assert torch.equal(v, saved["auto"][k])
+
+
+def test_the_trainer_samples_from_the_copy_holding_the_current_weights(tiny_dir):
+    """Cold-start rft and held-out evals sample the function the steps train: the copy, after the masters moved."""
+    from stoa.trainer.coldstart import sampling_engine
+
+    pol = copy_policy(tiny_dir)
+    with torch.no_grad():
+        for p in pol.model.parameters():
+            p.add_(0.05)
+    with sampling_engine(pol, False, pol.export_f32, None, "bfloat16") as engine:
+        assert pol.copy is not None and engine.model is pol.copy.module and copy_equals_masters(pol)
