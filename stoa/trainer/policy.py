@@ -166,7 +166,7 @@ class Policy:
             hits: also return the argmax hits (no gradient).
         """
         return self._root()(functools.partial(score, batch=batch, temperature=self.temperature,
-                                           autocast=self._autocast_dtype(), hits=hits))
+                                              autocast=self._autocast_dtype(), hits=hits))
 
     def group_logprobs(self, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
                        mask: np.ndarray | None = None) -> torch.Tensor:
@@ -194,8 +194,8 @@ class Policy:
             hits: also return the argmax hits (no gradient).
         """
         return self._root()(functools.partial(group_score, prompt=prompt, completions=completions, t_max=t_max,
-                                           mask=mask, device=self.device, temperature=self.temperature,
-                                           autocast=self._autocast_dtype(), hits=hits))
+                                              mask=mask, device=self.device, temperature=self.temperature,
+                                              autocast=self._autocast_dtype(), hits=hits))
 
     def _root(self) -> torch.nn.Module:
         """What a score runs through: the root (the masters), or the bf16 copy (refreshed if stale)."""
