@@ -86,7 +86,7 @@ def synthetic_entries(groups: int, n: int, prompt_tokens: int, tokens: int, voca
     return out
 
 
-def policy_kwargs(dtype: str, compute_weights: str = "autocast") -> dict[str, Any]:
+def policy_kwargs(dtype: str, compute_weights: str = "bf16_copy") -> dict[str, Any]:
     """Our Policy's dtype keywords for ``--dtype`` (``compute_dtype``) and ``--compute-weights``, checked against its
     signature.
 

@@ -44,7 +44,10 @@ smollm2-135m  bf16   16     no    no   5.91         6.11          +3%
 smollm2-135m  bf16   4      no    no   3.71         4.11          +11%
 smollm2-135m  bf16   16     yes   no   4.20         4.11          -2%
 smollm2-135m  bf16   16     no    yes  6.11         6.38          +4%
+smollm2-135m  copy   16     no    no   5.36         5.24          -2%
 ============  =====  =====  ====  ===  ===========  ============  =====
+
+(bf16: ``compute_weights = "autocast"``; copy: the bf16 compute copy, ``bf16_copy``.)
 
 CUDA figures are estimates from the same constants; check them with ``--preflight`` on a GPU.
 """
