@@ -92,7 +92,8 @@ def policy_kwargs(dtype: str, compute_weights: str = "bf16_copy") -> dict[str, A
 
     Args:
         dtype: ``float32`` or ``bfloat16``.
-        compute_weights: ``autocast`` or ``bf16_copy`` (bf16 only; an older Policy without it: autocast only).
+        compute_weights: ``autocast`` or ``bf16_copy`` (bf16 only; an older Policy without the keyword autocasts,
+            whatever it says).
     """
 
     import torch
@@ -104,8 +105,6 @@ def policy_kwargs(dtype: str, compute_weights: str = "bf16_copy") -> dict[str, A
     if "compute_dtype" not in inspect.signature(Policy).parameters:
         raise ValueError("--dtype bfloat16: this stoa's Policy has no compute_dtype; run --dtype float32")
     if "compute_weights" not in inspect.signature(Policy).parameters:
-        if compute_weights != "autocast":
-            raise ValueError("--compute-weights: this stoa's Policy has none; run --compute-weights autocast")
         return {"compute_dtype": torch.bfloat16}
     return {"compute_dtype": torch.bfloat16, "compute_weights": compute_weights}
 
