@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "settings (packed mode, each in a fresh process)")
     p.add_argument("--dtype", default="float32", type=dtype_value, choices=("float32", "bfloat16"),
                    help="our Policy's compute dtype [default: float32]")
+    p.add_argument("--compute-weights", default="bf16_copy", choices=("autocast", "bf16_copy"),
+                   help="how a bfloat16 policy computes: autocast on the fp32 masters, or a bf16 copy of them "
+                        "(the trainer's compute_weights) [default: bf16_copy]")
 
 
 def synthetic_entries(groups: int, n: int, prompt_tokens: int, tokens: int, vocab: int, seed: int) -> list:
@@ -83,11 +86,14 @@ def synthetic_entries(groups: int, n: int, prompt_tokens: int, tokens: int, voca
     return out
 
 
-def policy_kwargs(dtype: str) -> dict[str, Any]:
-    """Our Policy's dtype keyword for ``--dtype`` (``compute_dtype``), checked against its signature.
+def policy_kwargs(dtype: str, compute_weights: str = "bf16_copy") -> dict[str, Any]:
+    """Our Policy's dtype keywords for ``--dtype`` (``compute_dtype``) and ``--compute-weights``, checked against its
+    signature.
 
     Args:
         dtype: ``float32`` or ``bfloat16``.
+        compute_weights: ``autocast`` or ``bf16_copy`` (bf16 only; an older Policy without the keyword autocasts,
+            whatever it says).
     """
 
     import torch
@@ -98,7 +104,9 @@ def policy_kwargs(dtype: str) -> dict[str, Any]:
         return {}
     if "compute_dtype" not in inspect.signature(Policy).parameters:
         raise ValueError("--dtype bfloat16: this stoa's Policy has no compute_dtype; run --dtype float32")
-    return {"compute_dtype": torch.bfloat16}
+    if "compute_weights" not in inspect.signature(Policy).parameters:
+        return {"compute_dtype": torch.bfloat16}
+    return {"compute_dtype": torch.bfloat16, "compute_weights": compute_weights}
 
 
 def on_policy(entries: list[Any], policy: Any, tokens: int) -> list[Any]:
@@ -142,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     model_dir = resolve_model(args.model)
-    dtype = policy_kwargs(args.dtype)
+    dtype = policy_kwargs(args.dtype, args.compute_weights)
     lora = LoraSpec(args.lora_rank, args.lora_alpha) if args.lora_rank > 0 else None
     policy = Policy(model_dir, device, gradient_checkpointing=args.gradient_checkpointing, lora=lora, **dtype)
     ref = Policy(model_dir, device, trainable=False, **dtype) if args.kl_beta > 0 else None
@@ -152,7 +160,8 @@ def main(args: argparse.Namespace) -> int:
     tokens_per_step = args.groups * args.n * args.tokens
     print(f"model {args.model} on {device}, {args.groups} groups x {args.n} samples, prompt {args.prompt_tokens} "
           f"+ completion {args.tokens} tokens ({tokens_per_step} trained tokens/step), "
-          f"threads {torch.get_num_threads()}, compute {args.dtype}, "
+          f"threads {torch.get_num_threads()}, compute {args.dtype}"
+          + (f" ({args.compute_weights}), " if args.dtype == "bfloat16" else ", ")
           + (f"LoRA r={args.lora_rank} alpha={args.lora_alpha:g}" if lora else "full fine-tuning"))
     rows = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
@@ -170,6 +179,7 @@ def main(args: argparse.Namespace) -> int:
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
         row = {"bench": "trainer", "mode": mode, "model": args.model, "dtype": args.dtype, "groups": args.groups,
+               "compute_weights": args.compute_weights if args.dtype == "bfloat16" else "",
                "lora_rank": args.lora_rank,
                "n": args.n,
                "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "step_s_median": med,
@@ -214,12 +224,14 @@ def preflight(args: argparse.Namespace) -> int:
                    str(args.groups), "--n", str(args.n), "--prompt-tokens", str(args.prompt_tokens), "--tokens",
                    str(args.tokens), "--modes", "packed", "--repeats", "1", "--micro-batch", str(micro),
                    "--kl-beta", str(kl), "--device", args.device, "--dtype", args.dtype, "--out", str(out),
+                   "--compute-weights", args.compute_weights,
                    "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha)]
             subprocess.run(cmd + (["--gradient-checkpointing"] if ckpt else []), check=True, capture_output=True)
             row = json.loads(out.read_text().splitlines()[-1])
         work = Workload(min(micro, rows), args.prompt_tokens, args.tokens, ckpt, kl > 0, 1, cuda,
                         bf16=args.dtype == "bfloat16", lora_rank=args.lora_rank,
-                        lora_targets=tuple(LORA_TARGETS.split(",")) if args.lora_rank else ())
+                        lora_targets=tuple(LORA_TARGETS.split(",")) if args.lora_rank else (),
+                        bf16_copy=args.compute_weights == "bf16_copy")
         est = estimate_peak(shape, work)
         measured = row["peak_cuda_gb"] or row["peak_rss_gb"]
         print(f"{micro:5d} {ckpt!s:>5} {kl:5.2f} {measured:12.2f} {est.total:13.2f}  {est.describe()}")

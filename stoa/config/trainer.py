@@ -8,6 +8,10 @@ from typing import ClassVar
 from stoa.config.base import DTYPES, PLANES, ConfigError, FleetConfig, at_least, one_of, setting
 from stoa.config.training import TrainingConfig
 
+COMPUTE_WEIGHTS = ("autocast", "bf16_copy")
+"""The ``compute_weights`` settings: cast the fp32 masters per forward under autocast, or keep a bf16 copy
+(``stoa.trainer.compute_copy``)."""
+
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 """``lora_targets``' default: the attention and MLP projections, as PEFT names them."""
 
@@ -53,8 +57,8 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         "steps", "checkpoint_every", "checkpoint_minutes", "keep_checkpoints", "checkpoint_async", "eval_every",
         "eval_n", "eval_k", "report_to", "poll_seconds", "status_seconds", "max_wait_seconds", "lease_ttl_seconds",
         "metrics_flush_rows", "metrics_flush_seconds", "preflight", "micro_batch", "gradient_checkpointing",
-        "shared_prefix", "dtype", "anchor_every", "keep_versions", "keep_rollout_versions", "backpressure",
-        "worker_keys"})
+        "shared_prefix", "dtype", "compute_weights", "anchor_every", "keep_versions", "keep_rollout_versions",
+        "backpressure", "worker_keys"})
     """Stored settings a restart may change (logged); every other stored one must agree with the run."""
 
     model: str = setting("tiny", "Model, required for a new run (a restart takes the run's): 'tiny', 'smollm2-135m', "
@@ -136,6 +140,13 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     dtype: str = setting("auto", "Compute dtype of the trainer's forward and backward: auto (bfloat16 on CUDA and "
                                  "on CPUs with native bf16, else float32), float32 or bfloat16; master weights, "
                                  "AdamW state and the log-softmax stay float32.")
+    compute_weights: str = setting("bf16_copy", "How a bfloat16 trainer computes: bf16_copy runs forward and "
+                                                "backward on a bf16 copy of the fp32 master weights, refreshed "
+                                                "after each optimizer step (gradients land on the masters in "
+                                                "fp32; less memory than autocast, docs/memory.md); autocast "
+                                                "casts the masters per forward. A LoRA run and a sharded trainer "
+                                                "(FSDP2 gathers bf16) always autocast; checkpoints and published "
+                                                "weights are the masters either way.")
     lora_rank: int = setting(0, "Train a LoRA adapter of this rank on the frozen base instead of every weight (0 = "
                                 "full fine-tuning): AdamW state and checkpoints hold the adapter only; workers get "
                                 "the merged weights. Fixed when the run is created.")
@@ -197,6 +208,7 @@ class TrainerConfig(TrainingConfig, FleetConfig):
         at_least(self, 0, ("eval_k_final",))
         at_least(self, 0, ("staleness_bound", "available_memory_gb", "checkpoint_every", "checkpoint_minutes"))
         one_of(self, "dtype", DTYPES)
+        one_of(self, "compute_weights", COMPUTE_WEIGHTS)
         check_lora(self)
         if self.sign_weights.lower() not in ("auto", "true", "false"):
             raise ConfigError("sign_weights", f"{self.sign_weights!r} is not one of auto, true, false")

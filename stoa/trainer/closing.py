@@ -63,7 +63,7 @@ def run_eval(t: _Trainer, label: str) -> None:
         return
     k = cfg.eval_k_final if label in FINAL_EVALS and cfg.eval_k_final else cfg.eval_k
     with t.policy.sampling():  # the forward the steps train (bf16 autocast), not the fp32 master's
-        ev = evaluate(t.policy.model, t.codec, t.task, cfg.eval_n, cfg.max_new_tokens,
+        ev = evaluate(t.policy.sampling_model(), t.codec, t.task, cfg.eval_n, cfg.max_new_tokens,
                       tools=t.tools.tools, k=k)
     t.metrics.log({"version": t.version, **{f"eval/{k}": v for k, v in ev.items()}})
     extra = (f", cover-EM {ev['cover_em']:.3f}, EM {ev['em']:.3f}, search rate {ev['search_rate']:.2f}"

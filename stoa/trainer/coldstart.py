@@ -219,7 +219,7 @@ def sampling_engine(policy: Any, sharded: bool, export: Callable[[], dict[str, n
         was_training = policy.model.training
         try:
             with policy.sampling():
-                yield engine_from_model(policy.model)
+                yield engine_from_model(policy.sampling_model())
         finally:
             policy.model.train(was_training)
         return

@@ -5,12 +5,14 @@ the compute dtype is the ``dtype`` setting's, bf16 by default on CUDA and on CPU
 
 - parameters: fp32 master weights sharded 1/W (FSDP2), plus what compute holds unsharded: with W > 1 the
   all-gathered root (embedding, LM head), the block that computes and the next one (prefetch) in the compute
-  dtype; with W = 1 in bf16 autocast's bf16 copy of every weight (kept for backward); nothing more in fp32 at
-  W = 1. Loading (a full fp32 copy per rank before sharding) is not the peak.
+  dtype; with W = 1 in bf16 a bf16 copy of every weight (``compute_weights``: the persistent compute copy, or
+  autocast's casts kept for backward); nothing more in fp32 at W = 1. Loading (a full fp32 copy per rank before
+  sharding) is not the peak.
 - gradients: fp32, sharded (P x 4 / W); optimizer: AdamW's two fp32 moments, sharded (P x 8 / W).
 - activations: per layer b x S x (ACT_H x hidden + ACT_I x MLP width (MoE: the top-k experts' and a shared
   expert's) + ACT_ATTN x heads x S) values of 4
-  bytes (fp32), 3 (bf16 autocast, one rank: it keeps fp32 inputs next to bf16 copies) or 2 (bf16, sharded),
+  bytes (fp32), 3 (bf16 autocast, one rank: it keeps fp32 inputs next to bf16 copies) or 2 (bf16 on the bf16
+  compute copy, or sharded),
   times ACT_SCALE; with gradient checkpointing the block inputs (layers x b x S x hidden) plus CKPT_LAYERS
   blocks' worth.
 - logits: the LM head runs only on the completion positions, at most ``LOGITS_CHUNK_ELEMENTS`` of them at once
@@ -42,7 +44,10 @@ smollm2-135m  bf16   16     no    no   5.91         6.11          +3%
 smollm2-135m  bf16   4      no    no   3.71         4.11          +11%
 smollm2-135m  bf16   16     yes   no   4.20         4.11          -2%
 smollm2-135m  bf16   16     no    yes  6.11         6.38          +4%
+smollm2-135m  copy   16     no    no   5.36         5.24          -2%
 ============  =====  =====  ====  ===  ===========  ============  =====
+
+(bf16: ``compute_weights = "autocast"``; copy: the bf16 compute copy, ``bf16_copy``.)
 
 CUDA figures are estimates from the same constants; check them with ``--preflight`` on a GPU.
 """
@@ -100,6 +105,9 @@ class Workload(NamedTuple):
     """The LoRA adapter's rank (0: full fine-tuning)."""
     lora_targets: tuple[str, ...] = ()
     """The module-name suffixes the adapter wraps."""
+    bf16_copy: bool = False
+    """Whether a bf16 rank computes on a bf16 copy of the weights (``compute_weights = "bf16_copy"``: one rank,
+    full fine-tuning) rather than under autocast."""
 
 
 @dataclass(frozen=True)
@@ -148,8 +156,9 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
 
     cb = 2 if work.bf16 else 4  # compute bytes
     # Activation bytes per value: autocast (one rank) keeps many ops' fp32 inputs next to their bf16 copies
-    # (measured: 3/4 of fp32's); sharded bf16 computes on bf16 parameters throughout.
-    ab = 4 if not work.bf16 else 2 if w > 1 else 3
+    # (measured: 3/4 of fp32's); the bf16 compute copy and sharded bf16 compute on bf16 parameters throughout.
+    copy = work.bf16 and work.bf16_copy and w == 1 and not work.lora_rank
+    ab = 4 if not work.bf16 else 2 if w > 1 or copy else 3
     if w > 1:
         gathered = _gathered(shape) * cb
     else:
@@ -179,7 +188,7 @@ def workload(cfg: Any, prompt_tokens: int, completion_tokens: int, world_size: i
         completion_tokens: tokens after the prompt.
         world_size: ranks.
         cuda: whether the ranks compute on CUDA.
-        bf16: whether they compute in bf16.
+        bf16: whether they compute in bf16 (on a bf16 copy of the weights when ``cfg.compute_weights`` says so).
     """
     rows = cfg.groups_per_step * cfg.n_samples
     micro = min(cfg.micro_batch or rows, rows)
@@ -187,8 +196,9 @@ def workload(cfg: Any, prompt_tokens: int, completion_tokens: int, world_size: i
         micro = cfg.n_samples  # one group per forward, its prompt once
     rank = int(getattr(cfg, "lora_rank", 0))
     targets = tuple(t.strip() for t in getattr(cfg, "lora_targets", "").split(",") if t.strip()) if rank else ()
+    copy = bf16 and getattr(cfg, "compute_weights", "autocast") == "bf16_copy"
     return Workload(micro, prompt_tokens, completion_tokens, cfg.gradient_checkpointing,
-                    cfg.algo_config().kl_beta > 0, world_size, cuda, bf16, rank, targets)
+                    cfg.algo_config().kl_beta > 0, world_size, cuda, bf16, rank, targets, copy)
 
 
 class Budget(NamedTuple):

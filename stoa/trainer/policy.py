@@ -24,6 +24,7 @@ import torch
 from stoa.engines.torch import model_tensors
 from stoa.engines.torch_scoring import PackedTensors, Scores, group_score, score
 from stoa.models.lora_torch import LoraSpec, add_lora, is_adapter, merge_arrays
+from stoa.trainer.compute_copy import COMPUTE_WEIGHTS, ComputeCopy
 from stoa.trainer.dist import SINGLE, Dist, full_arrays, load_full, shard
 
 
@@ -94,11 +95,16 @@ class Policy:
         lora: train a LoRA adapter on the frozen base (None: full fine-tuning); its base is stored like the
             reference's (in ``compute_dtype`` on one rank, fp32 when sharded), its adapters in fp32.
         seed: seed of the adapters' initialisation.
+        compute_weights: how a bf16 policy computes (``stoa.trainer.compute_copy``): ``autocast`` casts the fp32
+            masters per forward; ``bf16_copy`` runs forward and backward on a persistent bf16 copy refreshed
+            after each optimizer step (gradients land on the masters in fp32). Only an unsharded full fine-tune
+            keeps a copy: a LoRA base and a frozen policy are stored in bf16 already, and FSDP2 gathers bf16.
     """
 
     def __init__(self, model_dir: str | Path, device: torch.device, *, temperature: float = 1.0,
                  gradient_checkpointing: bool = False, trainable: bool = True, dist: Dist = SINGLE,
-                 compute_dtype: torch.dtype = torch.float32, lora: LoraSpec | None = None, seed: int = 0):
+                 compute_dtype: torch.dtype = torch.float32, lora: LoraSpec | None = None, seed: int = 0,
+                 compute_weights: str = "autocast"):
         from transformers import AutoModelForCausalLM
 
         self.device, self.temperature, self.dist = device, temperature, dist
@@ -122,8 +128,14 @@ class Policy:
         self.compute_dtype = compute_dtype
         if dist.sharded:
             shard(self.root, decoder_blocks(self.model), dist, compute_dtype)
-        # Unsharded bf16: autocast (sharded: the gathered parameters already compute in bf16).
-        self.autocast = compute_dtype == torch.bfloat16 and not dist.sharded
+        if compute_weights not in COMPUTE_WEIGHTS:
+            raise ValueError(f"compute_weights {compute_weights!r}: use one of {', '.join(COMPUTE_WEIGHTS)}")
+        unsharded_bf16 = compute_dtype == torch.bfloat16 and not dist.sharded
+        self.copy = (ComputeCopy(self.model, compute_dtype) if unsharded_bf16 and trainable and self.lora is None
+                     and compute_weights == "bf16_copy" else None)
+        # Unsharded bf16 without a copy: autocast (sharded: the gathered parameters already compute in bf16).
+        self.autocast = unsharded_bf16 and self.copy is None
+        self.copy_root = _Root(self.copy.module) if self.copy is not None else None
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The model's parameters by name (tied weights appear once; a LoRA policy's adapters included)."""
@@ -154,8 +166,8 @@ class Policy:
             batch: a packed micro-batch.
             hits: also return the argmax hits (no gradient).
         """
-        return self.root(functools.partial(score, batch=batch, temperature=self.temperature,
-                                           autocast=self._autocast_dtype(), hits=hits))
+        return self._root()(functools.partial(score, batch=batch, temperature=self.temperature,
+                                              autocast=self._autocast_dtype(), hits=hits))
 
     def group_logprobs(self, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
                        mask: np.ndarray | None = None) -> torch.Tensor:
@@ -182,9 +194,26 @@ class Policy:
             mask: [n, t_max] float, the positions to score; None: every real token.
             hits: also return the argmax hits (no gradient).
         """
-        return self.root(functools.partial(group_score, prompt=prompt, completions=completions, t_max=t_max,
-                                           mask=mask, device=self.device, temperature=self.temperature,
-                                           autocast=self._autocast_dtype(), hits=hits))
+        return self._root()(functools.partial(group_score, prompt=prompt, completions=completions, t_max=t_max,
+                                              mask=mask, device=self.device, temperature=self.temperature,
+                                              autocast=self._autocast_dtype(), hits=hits))
+
+    def _root(self) -> torch.nn.Module:
+        """What a score runs through: the root (the masters), or the bf16 copy (refreshed if stale)."""
+        if self.copy is None or self.copy_root is None:
+            return self.root
+        self.copy.sync()
+        return self.copy_root
+
+    def refresh_copy(self) -> None:
+        """Round the masters into the bf16 compute copy (after an optimizer step); nothing without a copy."""
+        if self.copy is not None:
+            self.copy.refresh()
+
+    def sampling_model(self) -> Any:
+        """The model the trainer samples from inside ``sampling()``: the bf16 copy when it has one (the function
+        the steps train), else the master model."""
+        return self.model if self.copy is None else self.copy.sync()
 
     def _autocast_dtype(self) -> torch.dtype | None:
         """bf16 when the forward autocasts (``autocast``), else None."""
@@ -194,7 +223,8 @@ class Policy:
         """Where the trainer samples from its own model (held-out evals, rft): the forward the steps train, so the
         figures are the policy's. Without it a bf16-autocast policy would be evaluated in fp32, a different
         function: after 4 GRPO steps at lr 2e-5 on SmolLM2 its fp32 master answered 0.021 cover-EM where its own
-        bf16 forward (and the published weights every worker samples) answered 0.708."""
+        bf16 forward (and the published weights every worker samples) answered 0.708. Sample from
+        ``sampling_model()``: a bf16 copy when the policy keeps one."""
         if not self.autocast:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)

@@ -58,7 +58,7 @@ class RankOps:
         dtype, spec = compute_dtype(cfg.dtype, device), lora_spec(cfg)
         self.policy = Policy(model_dir, device, temperature=cfg.temperature,
                              gradient_checkpointing=cfg.gradient_checkpointing, dist=dist, compute_dtype=dtype,
-                             lora=spec, seed=cfg.seed)
+                             lora=spec, seed=cfg.seed, compute_weights=cfg.compute_weights)
         self.identity = FULL if spec is None else Identity(base_fingerprint(model_dir), spec, cfg.model)
         self.restored: ckpt.Restored | None = None
         self.algo: Algorithm = get_algorithm(cfg.algo_config(), "torch")

@@ -304,11 +304,13 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _apply_update(policy: Policy, opt: torch.optim.Optimizer, grad_clip: float) -> float:
-    """Clip the accumulated gradients (0: no clip), step, clear; returns the pre-clip global norm."""
+    """Clip the accumulated gradients (0: no clip), step, clear, refresh a bf16 compute copy from the masters;
+    returns the pre-clip global norm."""
     params = [p for p in policy.model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     opt.step()
     opt.zero_grad(set_to_none=True)
+    policy.refresh_copy()
     full = getattr(norm, "full_tensor", None)  # a sharded model's norm is a DTensor
     return float(full() if full is not None else norm)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from stoa.config import TrainerConfig
 from stoa.config.base import ConfigError
@@ -62,23 +63,25 @@ def test_demos_on_a_task_that_builds_none_is_one_line_and_no_marker(tmp_path, ti
     assert read_marker(open_bucket(str(tmp_path / "b")), "r") is None
 
 
-@pytest.mark.parametrize(("dtype", "autocast"), [("bfloat16", True), ("float32", False)])
-def test_the_trainer_evaluates_the_forward_it_trains(tmp_path, tiny_dir, monkeypatch, dtype, autocast):
-    """A bf16-autocast policy is evaluated under the same autocast (its fp32 master is a different function)."""
-    import torch
-
+@pytest.mark.parametrize(("dtype", "weights", "want"), [("bfloat16", "autocast", (True, torch.float32)),
+                                                       ("bfloat16", "bf16_copy", (False, torch.bfloat16)),
+                                                       ("float32", "bf16_copy", (False, torch.float32))])
+def test_the_trainer_evaluates_the_forward_it_trains(tmp_path, tiny_dir, monkeypatch, dtype, weights, want):
+    """A bf16-autocast policy is evaluated under the same autocast, a bf16-copy one on its bf16 copy (its fp32
+    master is a different function)."""
     from stoa.trainer import closing, loop
 
-    seen: list[bool] = []
+    seen: list[tuple[bool, torch.dtype]] = []
 
     def fake_evaluate(model: Any, codec: Any, task: Any, n: int, max_new_tokens: int, **kw: Any) -> dict[str, float]:
-        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        seen.append((torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16,
+                     next(model.parameters()).dtype))
         return {"accuracy": 0.5, "n": float(n), "seconds": 0.0}
 
     monkeypatch.setattr(closing, "evaluate", fake_evaluate)
     cfg = TrainerConfig(bucket=str(tmp_path / "b"), run="r", model="tiny", task="arithmetic", n_samples=2,
                         eval_n=2, kl_beta=0.0, groups_per_step=2, poll_seconds=0.01, log_dir="", dtype=dtype,
-                        max_new_tokens=8).validate()
+                        compute_weights=weights, max_new_tokens=8).validate()
     t = loop._Trainer(cfg, echo=lambda _line: None)
     try:
         t.open_lifecycle()
@@ -86,4 +89,4 @@ def test_the_trainer_evaluates_the_forward_it_trains(tmp_path, tiny_dir, monkeyp
         t.metrics.close()
     finally:
         t.close()
-    assert seen == [autocast]
+    assert seen == [want]

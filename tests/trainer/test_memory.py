@@ -182,3 +182,20 @@ def test_a_moe_block_is_gathered_with_every_expert_and_runs_only_its_top_k(stoa_
     a, b, c = (estimate_peak(s, work) for s in (base, more, wider))
     assert b.parameters > a.parameters and b.activations == a.activations  # idle experts are held, not run
     assert c.activations > a.activations and c.parameters == a.parameters
+
+
+def test_a_bf16_compute_copy_halves_activations_and_keeps_its_weights():
+    """The copy computes every activation in bf16 (2 bytes against autocast's 3); its 2 bytes per parameter are
+    autocast's kept casts made permanent. A LoRA run and a sharded one autocast whatever the setting."""
+    auto = estimate_peak(TINY, Workload(4, 10, 6, False, True, bf16=True))
+    copy = estimate_peak(TINY, Workload(4, 10, 6, False, True, bf16=True, bf16_copy=True))
+    assert copy.activations == pytest.approx(auto.activations * 2 / 3)
+    assert copy.parameters == auto.parameters and copy.gradients == auto.gradients
+    assert copy.optimizer == auto.optimizer and copy.logits == auto.logits
+    lora = Workload(4, 10, 6, False, True, bf16=True, lora_rank=2, lora_targets=("q_proj",))
+    assert estimate_peak(TINY, lora._replace(bf16_copy=True)) == estimate_peak(TINY, lora)
+    cfg = TrainerConfig(model="tiny", device="cpu", kl_beta=0.0).validate()
+    assert cfg.compute_weights == "bf16_copy" and workload(cfg, 10, 6, 1, False, bf16=True).bf16_copy
+    assert not workload(cfg, 10, 6, 1, False, bf16=False).bf16_copy
+    auto_cfg = TrainerConfig(model="tiny", device="cpu", kl_beta=0.0, compute_weights="autocast").validate()
+    assert not workload(auto_cfg, 10, 6, 1, False, bf16=True).bf16_copy
