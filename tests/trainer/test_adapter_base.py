@@ -130,7 +130,7 @@ def test_an_mlx_worker_holds_a_4bit_base_as_quantized_layers(int8_run: Any):
     from stoa.engines.mlx.engine import MLXEngine
 
     if int8_run["plane"] != "int4g64":
-        pytest.skip("the 4-bit base")
+        pytest.skip("checks the int4g64 base only")
     bucket = open_bucket(int8_run["url"])
     contract = RunContract.from_json(bucket.get(contract_key("r")))
     wdir = download_model_files(bucket, "r", int8_run["tmp"] / "m4")
