@@ -26,11 +26,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from stoa.bench.churnplan import Books, Kill, Schedule, lost_in_flight, plan, read_landed, read_rows, steady, tally
+from stoa.bench.churnplan import (
+    Books,
+    Mark,
+    Schedule,
+    join_delays,
+    lost_in_flight,
+    plan,
+    read_landed,
+    read_rows,
+    restart_gaps,
+    steady,
+    tally,
+)
 
 BOUND = 3
 """The runs' staleness bound."""
@@ -115,7 +127,12 @@ class Fleet:
         self.trainer: subprocess.Popen | None = None
         self.trainers = 0
         self.workers: dict[str, subprocess.Popen] = {}
-        self.kills: list[Kill] = []
+        self.kills: list[Mark] = []
+        self.joins: list[Mark] = []
+        """Workers started after the first step."""
+        self.trainer_kills: list[float] = []
+        self.started = False
+        """Whether the run's first step was seen (joins from then on are churn)."""
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         with (self.logs / f"{name}.log").open("w") as log:
@@ -132,12 +149,15 @@ class Fleet:
         """SIGKILL the trainer and start another at once."""
         assert self.trainer is not None
         self.trainer.kill()
+        self.trainer_kills.append(time.time())
         self.trainer.wait(timeout=30)
         self.start_trainer()
 
     def join(self, label: str) -> None:
         """Start worker ``label``."""
         a = self.args
+        if self.started:
+            self.joins.append(Mark(label, time.time()))
         self.workers[label] = self._spawn(label, [
             "-c", PACED, str(a.churn_group_seconds), "worker", "--bucket", str(self.root), "--run", self.run,
             "--name", label, "--engine", "torch", "--threads", "1", "--groups-in-flight", str(a.churn_in_flight),
@@ -147,7 +167,7 @@ class Fleet:
         """Stop worker ``label`` with SIGKILL or SIGTERM; note the kill."""
         p = self.workers.pop(label)
         p.send_signal(signal.SIGKILL if sig == "KILL" else signal.SIGTERM)
-        self.kills.append(Kill(label, time.time()))
+        self.kills.append(Mark(label, time.time()))
         p.wait(timeout=30)
 
     def stop(self) -> None:
@@ -189,6 +209,7 @@ def run_fleet(sched: Schedule, root: Path, run: str, args: argparse.Namespace) -
         for label in sched.initial:
             fleet.join(label)
         t0 = first_step(root, run, fleet)
+        fleet.started = True
         for e in sched.events:
             time.sleep(max(0.0, t0 + e.t - time.time()))
             if e.kind == "join":
@@ -206,7 +227,9 @@ def run_fleet(sched: Schedule, root: Path, run: str, args: argparse.Namespace) -
     rows, worker_rows = read_rows(root, run)
     landed = read_landed(root, run)
     lost = lost_in_flight(fleet.kills, worker_rows, landed, args.churn_in_flight)
-    return tally(rows, landed, t0=t0, t_end=t_end, bound=BOUND, lost=lost, mean_workers=sched.mean_size()), fleet
+    books = tally(rows, landed, t0=t0, t_end=t_end, bound=BOUND, lost=lost, mean_workers=sched.mean_size())
+    joins, gaps = join_delays(fleet.joins, landed), restart_gaps(rows, fleet.trainer_kills)
+    return replace(books, join_s=sum(joins) / len(joins) if joins else 0.0, restart_s=sum(gaps)), fleet
 
 
 def first_step(root: Path, run: str, fleet: Fleet, timeout_s: float = WARM_S) -> float:
@@ -244,10 +267,11 @@ def print_table(rows: list[tuple[str, Books]]) -> None:
         rows: (run name, its books).
     """
     print(f"\n{'run':7} {'workers':>7} {'wall s':>6} {'steps':>5} {'trained':>7} {'useful/min':>10} {'sampled':>7} "
-          f"{'wasted':>6} {'stale':>5} {'surplus':>7} {'lost~':>5} {'pending':>7}")
+          f"{'wasted':>6} {'stale':>5} {'surplus':>7} {'lost~':>5} {'pending':>7} {'join s':>6} {'restart s':>9}")
     for name, b in rows:
         print(f"{name:7} {b.mean_workers:7.2f} {b.wall_s:6.0f} {b.steps:5d} {b.trained:7d} {b.per_min:10.1f} "
-              f"{b.sampled:7d} {b.wasted:6d} {b.stale:5d} {b.surplus:7d} {b.lost:5d} {b.pending:7d}")
+              f"{b.sampled:7d} {b.wasted:6d} {b.stale:5d} {b.surplus:7d} {b.lost:5d} {b.pending:7d} "
+              f"{b.join_s:6.1f} {b.restart_s:9.1f}")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -136,8 +136,8 @@ class Landed:
 
 
 @dataclass(frozen=True)
-class Kill:
-    """A worker stopped by the bench at wall time ``at``."""
+class Mark:
+    """A worker the bench started or stopped at wall time ``at``."""
 
     worker: str
     """Its label (its worker id is the label plus ``-`` and a suffix)."""
@@ -157,6 +157,10 @@ class Books:
     surplus: int
     lost: int
     mean_workers: float
+    join_s: float = 0.0
+    """Mean seconds from a mid-run join to that worker's first record (0: none uploaded; ``join_delays``)."""
+    restart_s: float = 0.0
+    """Seconds from the trainer's kill to its successor's first step (0: no restart; ``restart_gaps``)."""
 
     @property
     def per_min(self) -> float:
@@ -207,7 +211,7 @@ def tally(rows: Sequence[dict[str, Any]], landed: Iterable[Landed], *, t0: float
     return Books(t_end - t0, len(window), len(useful), sampled, lost=lost, mean_workers=mean_workers, **books)
 
 
-def lost_in_flight(kills: Iterable[Kill], worker_rows: dict[str, list[dict[str, Any]]],
+def lost_in_flight(kills: Iterable[Mark], worker_rows: dict[str, list[dict[str, Any]]],
                    landed: Sequence[Landed], in_flight: int) -> int:
     """Estimated groups in flight when the bench killed workers: 0 for a worker whose last metrics row before its
     kill says it paused (or that wrote no row: still starting), else its last batch's size (records sharing the
@@ -228,6 +232,32 @@ def lost_in_flight(kills: Iterable[Kill], worker_rows: dict[str, list[dict[str, 
                       key=lambda r: r.created_at)
         total += sum(1 for r in mine if r.generate_s == mine[-1].generate_s) if mine else in_flight
     return total
+
+
+def join_delays(joins: Iterable[Mark], landed: Sequence[Landed]) -> list[float]:
+    """Seconds from each worker's start to its first record (process start, weights, being counted by the trainer);
+    workers that uploaded nothing are left out.
+
+    Args:
+        joins: the workers started mid-run.
+        landed: the run's records.
+    """
+    first: dict[str, float] = {}
+    for r in landed:
+        label = _label_of(r.worker)
+        first[label] = min(first.get(label, math.inf), r.created_at)
+    return [first[j.worker] - j.at for j in joins if j.worker in first]
+
+
+def restart_gaps(rows: Sequence[dict[str, Any]], kills: Iterable[float]) -> list[float]:
+    """Seconds from each trainer kill to the next step row (the restarted trainer's first step).
+
+    Args:
+        rows: the trainer's step rows.
+        kills: when the trainer was killed (wall times).
+    """
+    times = sorted(float(r["time"]) for r in rows)
+    return [min((t for t in times if t > k), default=math.inf) - k for k in kills]
 
 
 def _label_of(worker_id: str) -> str:

@@ -13,13 +13,15 @@ from stoa.bench.churn import ratio
 from stoa.bench.churnplan import (
     Books,
     Event,
-    Kill,
+    Mark,
     Schedule,
     bounds,
+    join_delays,
     lost_in_flight,
     plan,
     read_landed,
     read_rows,
+    restart_gaps,
     tally,
 )
 from stoa.rollouts.records import RolloutRecord, Sample
@@ -108,9 +110,19 @@ def test_lost_in_flight_counts_the_last_batch_of_workers_killed_while_sampling(t
     _record(tmp_path, "c00-abcdef", 5, 2, 175.0, 0.9)  # after its kill: not its last batch
     _, workers = read_rows(tmp_path, "r")
     assert sorted(workers) == ["c00", "c01", "c02"] and len(workers["c00"]) == 3
-    kills = [Kill("c00", 170.0), Kill("c01", 170.0), Kill("c02", 170.0), Kill("c03", 170.0)]
+    kills = [Mark("c00", 170.0), Mark("c01", 170.0), Mark("c02", 170.0), Mark("c03", 170.0)]
     # c00 was sampling after a batch of 3; c01 paused; c02 sampling its first batch (4 in flight); c03 starting.
     assert lost_in_flight(kills, workers, read_landed(tmp_path, "r"), in_flight=4) == 3 + 0 + 4 + 0
+
+
+def test_join_delays_and_restart_gaps_time_a_joiners_first_record_and_a_restarted_trainers_first_step(tmp_path):
+    for seq, (worker, t) in enumerate([("c03-aaaaaa", 130.0), ("c03-aaaaaa", 125.0), ("c04-bbbbbb", 160.0)]):
+        _record(tmp_path, worker, seq, 2, t)
+    landed = read_landed(tmp_path, "r")
+    joins = [Mark("c03", 100.0), Mark("c04", 150.0), Mark("c05", 150.0)]  # c05 uploaded nothing: left out
+    assert join_delays(joins, landed) == [25.0, 10.0]
+    rows = [{"time": t} for t in (90.0, 140.0, 101.0, 175.0)]
+    assert restart_gaps(rows, [100.0, 150.0]) == [1.0, 25.0]
 
 
 def test_the_ratio_is_per_average_live_worker():
