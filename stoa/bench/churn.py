@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import stoa.engines
 from stoa.bench.churnplan import (
     Books,
     Mark,
@@ -84,15 +86,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def paced_worker(argv: list[str]) -> int:
-    """``stoa worker`` whose engine sleeps ``argv[0]`` seconds per group after generating (see ``PACED``).
+    """``stoa worker`` whose engine sleeps ``argv[0]`` seconds per group after generating (see ``PACED``): the
+    engine factory is wrapped before the worker's modules bind it.
 
     Args:
         argv: the seconds per group, then the ``stoa`` arguments.
-    """
-    from stoa.cli import main as stoa_main
-    from stoa.worker import loop
 
-    per_group, real = float(argv[0]), loop.make_engine
+    Raises:
+        RuntimeError: the worker's modules were imported before the wrap (it would not apply).
+    """
+    if "stoa.worker.loop" in sys.modules:
+        raise RuntimeError("paced_worker: stoa.worker.loop is imported already; call it in a fresh process")
+    per_group, real = float(argv[0]), stoa.engines.make_engine
 
     def make_engine(*a: Any, **kw: Any) -> Any:
         engine = real(*a, **kw)
@@ -106,8 +111,10 @@ def paced_worker(argv: list[str]) -> int:
         setattr(engine, "generate", slow)  # noqa: B010 - an instance attribute over the method
         return engine
 
-    loop.make_engine = make_engine
-    return stoa_main(argv[1:])
+    stoa.engines.make_engine = make_engine
+    sys.argv = ["stoa", *argv[1:]]
+    runpy.run_module("stoa", run_name="__main__")  # python -m stoa (exits): its modules bind the wrapped factory
+    return 0
 
 
 class Fleet:

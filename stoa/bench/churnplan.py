@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoa.rollouts.records import RolloutRecord
 from stoa.telemetry.metrics import read_metrics
 
 SIGNALS = ("KILL", "TERM")
@@ -272,8 +273,6 @@ def read_landed(root: Path, run: str) -> list[Landed]:
         root: the bucket's directory.
         run: the run id.
     """
-    from stoa.rollouts.records import RolloutRecord
-
     out = []
     for path in sorted((root / "runs" / run / "rollouts").glob("v*/*.rec")):
         rec = RolloutRecord.decode(path.read_bytes())
