@@ -49,10 +49,14 @@ from stoa.bench.churnplan import (
 BOUND = 3
 """The runs' staleness bound."""
 TRAINER_ARGS = ("--model", "tiny", "--task", "toy", "--n-samples", "4", "--groups-per-step", "8",
-                "--max-new-tokens", "8", "--lr", "1e-3", "--eval-n", "0", "--kl-beta", "0", "--steps", "0",
+                "--max-new-tokens", "8", "--lr", "1e-5", "--no-skip-uniform-groups", "--eval-n", "0", "--kl-beta", "0",
+                "--steps", "0",
                 "--staleness-bound", str(BOUND), "--reuse-cap", "1", "--keep-rollout-versions", "-1",
                 "--checkpoint-every", "5", "--poll-seconds", "0.2", "--max-wait-seconds", "900")
-"""The trainer of both runs (a restart passes only --bucket and --run: the run's stored settings)."""
+"""The trainer of both runs (a restart passes only --bucket and --run: the run's stored settings). A small lr and
+uniform groups trained: a throughput run must not learn the toy task, or its groups turn uniform and identical (at
+lr 1e-3 a 10-minute run's reward reached 0.97 and the trainer skipped or refused most groups as uniform or
+duplicate)."""
 PACED = "import sys; from stoa.bench.churn import paced_worker; sys.exit(paced_worker(sys.argv[1:]))"
 """``python -c PACED SECONDS worker ...``: ``stoa worker`` whose engine takes SECONDS more per group."""
 WARM_S = 300.0
