@@ -278,11 +278,12 @@ def print_table(rows: list[tuple[str, Books]]) -> None:
         rows: (run name, its books).
     """
     print(f"\n{'run':7} {'workers':>7} {'wall s':>6} {'steps':>5} {'trained':>7} {'useful/min':>10} {'sampled':>7} "
-          f"{'wasted':>6} {'stale':>5} {'surplus':>7} {'lost~':>5} {'pending':>7} {'join s':>6} {'restart s':>9}")
+          f"{'wasted':>6} {'stale':>5} {'surplus':>7} {'lost~':>5} {'pending':>7} {'refused':>7} {'join s':>6} "
+          f"{'restart s':>9}")
     for name, b in rows:
         print(f"{name:7} {b.mean_workers:7.2f} {b.wall_s:6.0f} {b.steps:5d} {b.trained:7d} {b.per_min:10.1f} "
               f"{b.sampled:7d} {b.wasted:6d} {b.stale:5d} {b.surplus:7d} {b.lost:5d} {b.pending:7d} "
-              f"{b.join_s:6.1f} {b.restart_s:9.1f}")
+              f"{b.refused:7d} {b.join_s:6.1f} {b.restart_s:9.1f}")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -12,6 +12,8 @@ reused). The records that landed in the window are booked as trained (by any ste
 - ``pending``: untrained records still inside the staleness window when the run stopped (not waste);
 - ``stale``: untrained records that landed after their version had left the window;
 - ``surplus`` (over the want): untrained records that landed inside the window and aged out of it untaken;
+  ``refused`` counts, from the step rows, the groups the trainer dropped instead of training (skipped as uniform,
+  filtered, rejected): they are among the surplus (and the stale) without being over the want;
 - ``lost``: groups in flight when their worker was killed, never uploaded. Estimated: a worker whose last metrics
   row before its kill says it was paused lost nothing, else its last batch (``groups_in_flight`` before its first).
 """
@@ -158,6 +160,8 @@ class Books:
     surplus: int
     lost: int
     mean_workers: float
+    refused: int = 0
+    """Groups the window's step rows say were skipped as uniform, filtered or rejected (not trained)."""
     join_s: float = 0.0
     """Mean seconds from a mid-run join to that worker's first record (0: none uploaded; ``join_delays``)."""
     restart_s: float = 0.0
@@ -209,7 +213,10 @@ def tally(rows: Sequence[dict[str, Any]], landed: Iterable[Landed], *, t0: float
         else:
             books["surplus"] += 1
     useful = {k for r in window for k in r.get("rollout/keys", [])}
-    return Books(t_end - t0, len(window), len(useful), sampled, lost=lost, mean_workers=mean_workers, **books)
+    refused = sum(int(v) for r in window for k, v in r.items()
+                  if k in ("rollout/skipped_uniform", "rollout/filtered") or k.startswith("rollout/rejected/"))
+    return Books(t_end - t0, len(window), len(useful), sampled, lost=lost, mean_workers=mean_workers,
+                 refused=refused, **books)
 
 
 def lost_in_flight(kills: Iterable[Mark], worker_rows: dict[str, list[dict[str, Any]]],

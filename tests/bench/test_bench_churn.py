@@ -84,7 +84,8 @@ def test_the_books_sort_a_fabricated_run_into_trained_pending_stale_and_surplus(
         {"time": 90.0, "version": 2, "rollout/keys": [early], **step},   # before the window: not counted
         {"time": 95.0, "version": 2},                                    # not a step row
         {"time": 110.0, "version": 3, "rollout/keys": [b, c], **step},
-        {"time": 120.0, "version": 4, "rollout/keys": [d], **step},      # v2 leaves the window (bound 1)
+        {"time": 120.0, "version": 4, "rollout/keys": [d], **step,       # v2 leaves the window (bound 1)
+         "rollout/skipped_uniform": 1, "rollout/rejected/duplicate": 2, "rollout/filtered": 0, "rollout/accepted": 5},
         {"time": 130.0, "version": 5, "rollout/keys": [], **step},
         {"time": 210.0, "version": 6, "rollout/keys": [g], **step}])     # after the stop: not counted
     rows, _ = read_rows(tmp_path, "r")
@@ -92,7 +93,7 @@ def test_the_books_sort_a_fabricated_run_into_trained_pending_stale_and_surplus(
     # b, c, d trained; e (v2, landed before v4 was published) surplus; f (landed after) stale; g (v4, inside the
     # window at v5) pending; early and late landed outside the window.
     assert books == Books(wall_s=100.0, steps=3, trained=3, sampled=6, pending=1, stale=1, surplus=1, lost=2,
-                          mean_workers=2.5)
+                          mean_workers=2.5, refused=3)
     assert books.sampled == books.trained + books.pending + books.stale + books.surplus
     assert books.wasted == 4 and books.per_min == pytest.approx(1.8)
     assert {e, f, late} <= {x.label for x in read_landed(tmp_path, "r")}
