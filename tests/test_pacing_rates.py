@@ -14,7 +14,7 @@ from stoa.layout import presence_key, status_key
 from stoa.schemas.control import RunStatus
 from stoa.trainer.demand import StatusPublisher
 from stoa.trainer.rates import FleetRates
-from stoa.worker.pacing import RunWatch
+from stoa.worker.pacing import RunWatch, Verdict
 from stoa.worker.rate import MIN_DUTY, MIN_FRACTION, RateMeter, batch_for_rate, duty, rate_share
 
 
@@ -181,11 +181,14 @@ def test_a_worker_waits_between_batches_when_the_fleet_is_faster_than_the_traine
     w.batch(8)
     clock.t += 30.0
     w.spend(2)  # 2 groups in 30 s, at a quarter duty: wait 90 s more
-    assert w.check().kind == "pacing"
+    v = w.check()
+    assert v.kind == "pacing" and w.pause_s(v, 2.0) == 2.0
     clock.t += 89.0
-    assert w.check().kind == "pacing"
-    clock.t += 2.0
+    v = w.check()
+    assert v.kind == "pacing" and w.pause_s(v, 2.0) == pytest.approx(1.0)  # wakes as the pace ends, not at 2 s
+    clock.t += 1.0
     assert w.check().action == "sample"
+    assert w.pause_s(Verdict("pause", "", "backpressure"), 2.0) == 2.0
 
 
 class StatusSpy:

@@ -6,7 +6,8 @@ the trainer loop's wait between polls: ``poll_delay``), and every active worker 
 a minute on its own schedule, each at the trainer's version minus a lag (most at lag 0, fewer at each older
 version of the window). Per step it counts LIST pages (1,000 keys each, R2 Class A) and GETs (Class B) and
 times listing, reading and checking (decode, validation, prompt re-rendering, rewards) separately.
-``--mix`` runs the mixed-fleet pacing benchmark instead (``stoa.bench.fleetmix``).
+``--mix`` runs the mixed-fleet pacing benchmark instead (``stoa.bench.fleetmix``), ``--churn`` the throughput
+under churn one (``stoa.bench.churn``: real processes).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from stoa.bench import fleetmix
+from stoa.bench import churn, fleetmix
 from stoa.bench.records import RecordMaker, Run, make_run
 from stoa.bucket import Bucket, ObjectInfo, open_bucket
 from stoa.observe.snapshot import LIST_PAGE
@@ -69,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed [default: 0]")
     p.add_argument("--out", default="", help="append one JSONL row per scenario to this file")
     fleetmix.add_arguments(p)
+    churn.add_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -323,6 +325,8 @@ def main(args: argparse.Namespace) -> int:
     """
     if args.mix:
         return fleetmix.main(args)
+    if args.churn:
+        return churn.main(args)
     backends = list(dict.fromkeys([b.strip() for b in args.backend.split(",") if b.strip()] + ["s3"] * args.s3))
     if not set(backends) <= {"local", "s3"}:
         raise SystemExit(f"--backend {args.backend!r}: give a comma list of local,s3")

@@ -213,10 +213,12 @@ class _Sim:
             w.batch = None
         if w.cls.stop_s and now >= w.cls.stop_s:
             return None
-        if w.watch.check().action != "sample":
+        verdict = w.watch.check()
+        if verdict.action != "sample":
+            wait = w.watch.pause_s(verdict, self.s.worker_status_seconds)  # a paced worker wakes as its pace ends
             if self.want > 0:
-                f.idle_s += self.s.worker_status_seconds
-            return self.s.worker_status_seconds
+                f.idle_s += wait
+            return wait
         k = w.watch.batch(w.cls.in_flight)
         seconds = k * 60.0 / w.cls.speed * self.rng.uniform(0.9, 1.1)
         w.batch = (k, self.version, seconds)

@@ -27,7 +27,8 @@ BENCHES = {
                "records to detect per attack"),
     "retriever": ("stoa.bench.retriever", "BM25 queries/s (batched, single, HTTP) and index memory"),
     "episodes": ("stoa.bench.episodes", "multi-turn episode tokens/s (torch, MLX) on a real task vs generate"),
-    "fleet": ("stoa.bench.fleet", "trainer intake (LIST/GET per step, seconds) vs simulated workers and window"),
+    "fleet": ("stoa.bench.fleet", "trainer intake (LIST/GET per step, seconds) vs simulated workers and window; "
+              "--mix: a mixed fleet's pacing; --churn: throughput with workers joining and leaving"),
     "flood": ("stoa.bench.flood", "backpressure: groups written per group trained, peak objects, vs workers"),
     "pulse-experts": ("stoa.bench.pulse.experts", "PULSE patches on a MoE over real GRPO steps: ratio, sparsity by "
                       "tensor kind, untouched experts"),

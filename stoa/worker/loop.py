@@ -138,7 +138,8 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
                 finished = True
                 break
             if verdict.action == "pause":  # backpressure lifts as soon as the trainer steps: re-read sooner
-                time.sleep(cfg.status_seconds if verdict.kind == "backpressure" else cfg.poll_seconds)
+                time.sleep(w.watch.pause_s(verdict, cfg.status_seconds if verdict.kind == "backpressure"
+                                           else cfg.poll_seconds))
                 continue
             k = p.in_flight if cfg.max_groups == 0 else min(p.in_flight, cfg.max_groups - p.seq)
             k = w.watch.batch(k)  # no batch beyond this worker's share of what the trainer uses
