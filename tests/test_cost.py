@@ -141,6 +141,22 @@ def test_the_dry_run_estimate_follows_the_settings_and_the_fleet():
         estimate_cost(cfg, 0, None)
 
 
+def test_a_lora_runs_estimate_publishes_the_adapter_and_stores_the_base_once():
+    from dataclasses import replace
+
+    from stoa.config import TrainerConfig
+    from stoa.telemetry.costplan import ADAPTER_PATCH_SHARE, estimate_cost
+
+    cfg = replace(TrainerConfig(), staleness_bound=3, groups_per_step=8, anchor_every=16, checkpoint_minutes=0.0)
+    full, lora = estimate_cost(cfg, 1, 135e6), estimate_cost(cfg, 1, 135e6, adapter_params=4.9e6)
+    # the adapter's anchor (9.8 MB) is one PUT, the full weights' (270 MB) 17 parts + create/complete
+    assert lora.trainer_step.a < full.trainer_step.a
+    assert lora.checkpoint.a == 1 + 4 and full.checkpoint.a == math.ceil(135e6 * 12 / (16 << 20)) + 2 + 4
+    window = full.stored_bytes - 135e6 * 2 * (cfg.keep_versions * 0.02 + 1) - 135e6 * 12 * cfg.keep_checkpoints
+    assert lora.stored_bytes == pytest.approx(135e6 * 2 + 9.8e6 * (cfg.keep_versions * ADAPTER_PATCH_SHARE + 1)
+                                              + 4.9e6 * 12 * cfg.keep_checkpoints + window)
+
+
 def test_status_prices_the_trainers_row_and_fresher_worker_rows_without_another_get(tmp_path):
     import time
 

@@ -174,8 +174,10 @@ def _cost_lines(cfg: TrainerConfig, fleet: int) -> list[str]:
     if fleet < 1:
         raise ConfigError("fleet_size", f"must be >= 1, got {fleet}")
     shape = model_shape(cfg.model, offline=True).shape
-    return estimate_lines(estimate_cost(cfg, fleet, shape.params() if shape is not None else None),
-                          Prices.from_env())
+    adapter = (lora_params(shape, cfg.lora_rank, [t.strip() for t in cfg.lora_targets.split(",")])
+               if shape is not None and cfg.lora_rank else None)
+    return estimate_lines(estimate_cost(cfg, fleet, shape.params() if shape is not None else None,
+                                        adapter_params=adapter), Prices.from_env())
 
 
 def world_size(nproc: int, env: dict[str, str] | os._Environ[str]) -> int:

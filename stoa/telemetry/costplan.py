@@ -16,7 +16,9 @@ A model of what the trainer and its workers ask of the bucket (each figure is an
 - a checkpoint every ``checkpoint_every`` steps and/or ``checkpoint_minutes``: 12 bytes per parameter in
   16 MiB multipart parts;
 - uploads over 64 MiB are multipart (16 MiB parts), a patch is ``patch_share`` of the full weights
-  (:data:`PATCH_SHARE`: docs/weights.md measured 0.97% for SmolLM2-135M in bf16 at lr 1e-6; more at higher lr).
+  (:data:`PATCH_SHARE`: docs/weights.md measured 0.97% for SmolLM2-135M in bf16 at lr 1e-6; more at higher lr);
+- a LoRA run (``adapter_params``) publishes its base once and then adapter versions (bf16, a patch
+  :data:`ADAPTER_PATCH_SHARE` of the adapter), and its checkpoints hold the adapter and its AdamW moments only.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ WORKER_METRICS_PER_HOUR = 60.0
 CHECKPOINT_BYTES_PER_PARAM = 12
 PATCH_SHARE = 0.02
 """A patch's size as a share of the full weights (twice what docs/weights.md measured at lr 1e-6)."""
+ADAPTER_PATCH_SHARE = 0.4
+"""An adapter patch's size as a share of the adapter (SmolLM2-135M, rank 16, lr 1e-4: median 3.6 MB of 9.8 MB)."""
 
 
 def _puts(nbytes: float) -> int:
@@ -94,7 +98,7 @@ class CostEstimate:
 
 
 def estimate_cost(cfg: Any, fleet: int, params: float | None, *, patch_share: float = PATCH_SHARE,
-                  polling_share: float = 0.2) -> CostEstimate:
+                  polling_share: float = 0.2, adapter_params: float | None = None) -> CostEstimate:
     """Estimate a run's bucket requests and storage.
 
     Args:
@@ -105,23 +109,29 @@ def estimate_cost(cfg: Any, fleet: int, params: float | None, *, patch_share: fl
         params: the model's parameter count (None: unknown; weights count as one small object).
         patch_share: a patch's size as a share of the full weights.
         polling_share: the share of each worker's time spent polling.
+        adapter_params: a LoRA run's adapter parameters (None: full fine-tuning); its versions are the adapter
+            in bf16 (patches :data:`ADAPTER_PATCH_SHARE` of it), the base is stored once, checkpoints hold the
+            adapter only.
     """
     if fleet < 1:
         raise ValueError(f"fleet size must be >= 1, got {fleet}; pass --fleet-size N")
     s, g = cfg.staleness_bound, cfg.groups_per_step
-    full = (params or 0) * PLANE_BYTES.get(cfg.plane, 2.0)
+    base = (params or 0) * PLANE_BYTES.get(cfg.plane, 2.0)
+    full, trained, stored_base = base, params, 0.0
+    if adapter_params is not None:  # versions of the adapter only; the base goes up once
+        full, trained, stored_base, patch_share = 2.0 * adapter_params, adapter_params, base, ADAPTER_PATCH_SHARE
     anchor, patch = _puts(full) + 1, _puts(full * patch_share)
     weights_a = (anchor + (cfg.anchor_every - 1) * patch) / cfg.anchor_every
     gc_a = 1 + 3 / cfg.anchor_every  # one patch deleted; an old anchor: manifest, LIST, DeleteObjects
     trainer_a = 2 * (s + 1) + 5 + weights_a + gc_a + 2 + 1 / cfg.metrics_flush_rows
     trainer_step = Counts(math.ceil(trainer_a), g)
     workers_step = Counts(g, 2 * fleet)
-    ck_bytes = (params or 0) * CHECKPOINT_BYTES_PER_PARAM
+    ck_bytes = (trained or 0) * CHECKPOINT_BYTES_PER_PARAM
     checkpoint = Counts(_puts(ck_bytes) + 4, 0)  # data + metadata files, pointer, LIST + DeleteObjects of the old
     trainer_hour = Counts(round(3600 / cfg.status_seconds + 3 * 3600 / cfg.lease_ttl_seconds), 0)
     workers_hour = Counts(round(fleet * WORKER_METRICS_PER_HOUR),
                           round(fleet * polling_share * 2 * 3600 / WORKER_STATUS_SECONDS))
-    stored = (full * (cfg.keep_versions * patch_share + 1) + ck_bytes * cfg.keep_checkpoints
+    stored = (stored_base + full * (cfg.keep_versions * patch_share + 1) + ck_bytes * cfg.keep_checkpoints
               + (s + 1) * g * cfg.n_samples * cfg.max_new_tokens * 12)  # ~12 bytes per sampled token stored
     return CostEstimate(fleet, trainer_step, workers_step, trainer_hour, workers_hour, checkpoint,
                         cfg.checkpoint_every, cfg.checkpoint_minutes, stored,
