@@ -113,7 +113,7 @@ def test_worker_model_takes_the_trainers_names(tmp_path, stoa_cache, monkeypatch
      "stoa: invalid setting dtype: 'bfloat61' is not one of auto, float32, bfloat16; did you mean "
      "'bfloat16'?"),
     (["trainer", "--dry-run", "--plane", "bf61"],
-     "stoa: invalid setting plane: 'bf61' is not one of ('bf16', 'int8g64'); did you mean 'bf16'?"),
+     "stoa: invalid setting plane: 'bf61' is not one of ('bf16', 'int8g64', 'int4g64'); did you mean 'bf16'?"),
     (["trainer", "--dry-run", "--algorithm", "grpoo"],
      "stoa: invalid setting algorithm: name: unknown algorithm 'grpoo'; known: grpo, dr_grpo, dapo, gspo, "
      "rloo, cispo, gigpo; did you mean 'grpo'?"),
