@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,24 @@ class Dist:
 SINGLE = Dist()
 """World size 1."""
 
+DEFAULT_TIMEOUT_S = 1800.0
+"""How long a rank waits in one collective before the job fails (``STOA_DIST_TIMEOUT_S`` overrides it). The
+other ranks wait in a broadcast while rank 0 waits for records, so rank 0 sends a keep-alive well inside it
+(``stoa.trainer.ranks.Driver.keepalive``): a quiet fleet never times the job out."""
+
+
+def timeout_s() -> float:
+    """The collective timeout in seconds: ``STOA_DIST_TIMEOUT_S`` or :data:`DEFAULT_TIMEOUT_S`."""
+    raw = os.environ.get("STOA_DIST_TIMEOUT_S", "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"STOA_DIST_TIMEOUT_S={raw!r} is not a number of seconds; unset it or set e.g. 1800") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"STOA_DIST_TIMEOUT_S={raw!r} must be a positive, finite number of seconds; "
+                         "unset it or set e.g. 1800")
+    return value
+
 
 def init_dist(device: str) -> tuple[Dist, torch.device]:
     """Join the ``torchrun`` job this process belongs to (its ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``), or stay
@@ -102,7 +121,7 @@ def init_dist(device: str) -> tuple[Dist, torch.device]:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
     if not td.is_initialized():
-        td.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        td.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s()))
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
     return Dist(td.get_rank(), world, mesh), dev
 

@@ -364,6 +364,7 @@ class _Trainer:
                     last_note = idle
                 if self.publishing is not None and self.publishing.done():
                     self.settle_publish()  # the step's metrics row goes out now, not at the next step
+                self.ranks.keepalive()
                 time.sleep(poll_delay(cfg.poll_seconds, empty))
                 continue
             entries = self.pool.take(cfg.groups_per_step, keep=lambda r: bool(self.algo.keep_groups(r[None, :])[0]),

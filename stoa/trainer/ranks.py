@@ -9,6 +9,7 @@ The other ranks sit in ``serve`` until rank 0 says ``stop``. At world size 1 the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ from stoa.models.lora_torch import is_adapter
 from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.ckpt_async import CheckpointWriter
 from stoa.trainer.coldstart import SftRow, SftStep, sft_steps
-from stoa.trainer.dist import Dist, full_arrays, load_full
+from stoa.trainer.dist import Dist, full_arrays, load_full, timeout_s
 from stoa.trainer.lora import FULL, Identity, base_fingerprint, lora_spec
 from stoa.trainer.policy import Policy, compute_dtype
 from stoa.trainer.pool import Entry
@@ -85,6 +86,9 @@ class RankOps:
         return sft_steps(self.policy, rows, steps=cfg.cold_start_steps, batch=cfg.cold_start_batch,
                          micro_batch=cfg.micro_batch, lr=cfg.cold_start_lr or cfg.lr, grad_clip=cfg.grad_clip,
                          seed=cfg.seed, note=note)
+
+    def keepalive(self) -> None:
+        """Nothing: rank 0's sign of life while it waits for records (``Driver.keepalive``)."""
 
     def export(self) -> dict[str, np.ndarray]:
         """The full fp32 master weights (a LoRA policy's merged) on rank 0 (``{}`` elsewhere)."""
@@ -160,6 +164,8 @@ class Driver:
 
     def __init__(self, ops: RankOps):
         self.ops = ops
+        self.last_command = time.monotonic()
+        """When the other ranks last heard from rank 0 (``keepalive`` reads it)."""
 
     def __call__(self, kind: str, *args: Any, main_only: Any = None) -> Any:
         """Run ``ops.<kind>(*args)`` on every rank and return rank 0's result.
@@ -171,8 +177,18 @@ class Driver:
                 arrays of ``load_full``, which would be wasteful to pickle to every rank.
         """
         self.ops.dist.broadcast(Command(kind, args))
+        self.last_command = time.monotonic()
         fn = getattr(self.ops, kind)
         return fn(*args) if main_only is None else fn(*args, main_only)
+
+    def keepalive(self) -> bool:
+        """While rank 0 waits for records, the other ranks wait in a broadcast; send them a no-op before a quarter
+        of the collective timeout has passed (``stoa.trainer.dist.timeout_s``), so an idle fleet never fails the
+        job, and a dead rank is found while waiting rather than at the next step. Returns whether one was sent."""
+        if not self.ops.dist.sharded or time.monotonic() - self.last_command < timeout_s() / 4:
+            return False
+        self("keepalive")
+        return True
 
     def stop(self) -> None:
         """Let the other ranks return from ``serve``; each answers first, so a dead rank raises here (a gloo or

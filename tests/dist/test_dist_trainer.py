@@ -105,3 +105,22 @@ def test_killing_a_rank_stops_the_job_and_one_process_resumes_from_its_sharded_c
     assert pointer(bucket, "d")["world_size"] == 1  # and its own checkpoint replaces the 2-rank one
     worker.wait(timeout=120)  # the run finished: the worker, which verified every version it took, exits
     assert "finished" in tprocs.log("w0") and "rejected" not in tprocs.log("w0")
+
+
+@pytest.mark.slow
+def test_an_idle_fleet_longer_than_the_collective_timeout_does_not_fail_the_job(tprocs, tmp_path):
+    """The other ranks wait in a broadcast while rank 0 waits for records; without rank 0's keep-alive they would
+    time out (here after 10 s) and take the job down before any worker arrived."""
+    import time
+
+    bucket = tmp_path / "bucket"
+    tprocs.env["STOA_DIST_TIMEOUT_S"] = "10"
+    job = tprocs.torchrun("trainer2", 2, "trainer", "--bucket", str(bucket), "--run", "q", *TRAIN_ARGS,
+                          "--steps", "2")
+    current = bucket / "runs" / "q" / "weights" / "current.json"
+    wait_for(current.exists, 240, "the 2-rank trainer to publish v1 and wait for records")
+    time.sleep(25)  # two and a half timeouts with no worker
+    assert job.poll() is None, tprocs.log("trainer2")[-3000:]
+    tprocs.start("w0", *worker_args(str(bucket), "q", "w0"))
+    assert job.wait(timeout=240) == 0, tprocs.log("trainer2")[-3000:]
+    assert [r["step"] for r in train_rows(bucket / "runs" / "q" / "metrics" / "trainer.jsonl")] == [1, 2]
