@@ -20,7 +20,7 @@ import numpy as np
 
 from stoa.config.text import deprecated_flag
 from stoa.engines.mlx_blas import blas_status, prepare_mlx_blas
-from stoa.models import resolve_model
+from stoa.models.random_llama import resolve_bench_model
 
 ENGINES = ("mlx", "mlx-lm", "torch", "torch-fp32", "hf", "hf-bf16")
 """``mlx``/``torch``: stoa's engines at the worker's default dtype (``dtype=auto``); ``torch-fp32``: the torch
@@ -391,7 +391,7 @@ def run_rollout_bench(
     time with each prompt's KV shared by its n rows versus prefilled once per row.
 
     Args:
-        model: model name or directory (``resolve_model``).
+        model: model name or directory (``resolve_bench_model``: also ``llama-1b``).
         batch: rows decoded together (G).
         tokens: new tokens per row.
         repeats: timed runs per engine (>= 3 for a median worth reading).
@@ -409,7 +409,7 @@ def run_rollout_bench(
     """
 
     _check(engines, batch, tokens, repeats, samples, prompt_len)
-    model_dir = Path(resolve_model(model))
+    model_dir = Path(resolve_bench_model(model))  # llama-1b: a random model built here
     env = _environment()
     sessions: list[Any] = []
     make = _Child if isolate else EngineSession

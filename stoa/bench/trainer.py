@@ -20,7 +20,7 @@ import numpy as np
 from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.config.text import deprecated_flag, dtype_value
 from stoa.config.trainer import LORA_TARGETS
-from stoa.models import resolve_model
+from stoa.models.random_llama import resolve_bench_model
 from stoa.models.shapes import shape_from_dir
 from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.trainer.peak import Workload, estimate_peak, is_cuda
@@ -149,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
     from stoa.trainer.step import train_step
 
     device = resolve_device(args.device)
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_bench_model(args.model)
     dtype = policy_kwargs(args.dtype, args.compute_weights)
     lora = LoraSpec(args.lora_rank, args.lora_alpha) if args.lora_rank > 0 else None
     policy = Policy(model_dir, device, gradient_checkpointing=args.gradient_checkpointing, lora=lora, **dtype)
@@ -204,6 +204,30 @@ PREFLIGHT_GRID = ((16, False, 0.0), (4, False, 0.0), (16, True, 0.0), (16, False
 """(micro_batch, gradient_checkpointing, kl_beta) settings that ``--preflight`` measures."""
 
 
+def preflight_estimate(model: str, device: str, micro_batch: int, prompt_tokens: int, tokens: int, *,
+                       gradient_checkpointing: bool = False, kl: bool = False, bf16: bool = True,
+                       compute_weights: str = "bf16_copy", lora_rank: int = 0) -> Any:
+    """``estimate_peak`` for one ``stoa bench trainer`` setting (one rank, packed), the preflight's figure.
+
+    Args:
+        model: the model name or directory.
+        device: the torch device (CUDA counts the allocator, CPU the process).
+        micro_batch: rows per forward.
+        prompt_tokens: prompt tokens per row.
+        tokens: completion tokens per row.
+        gradient_checkpointing: whether activations are recomputed.
+        kl: whether a frozen reference is held.
+        bf16: whether the step computes in bf16.
+        compute_weights: ``bf16_copy`` or ``autocast``, for a bf16 full fine-tune.
+        lora_rank: the adapter's rank (0: full fine-tuning).
+    """
+    shape = shape_from_dir(resolve_bench_model(model), model)
+    work = Workload(micro_batch, prompt_tokens, tokens, gradient_checkpointing, kl, 1, is_cuda(device), bf16=bf16,
+                    lora_rank=lora_rank, lora_targets=tuple(LORA_TARGETS.split(",")) if lora_rank else (),
+                    bf16_copy=bf16 and compute_weights == "bf16_copy")
+    return estimate_peak(shape, work)
+
+
 def preflight(args: argparse.Namespace) -> int:
     """Run each ``PREFLIGHT_GRID`` setting as its own ``stoa bench trainer`` process (a peak is per process) and
     print its measured peak (CPU: RSS; CUDA: the allocator's reserved peak) next to ``estimate_peak``'s.
@@ -213,7 +237,6 @@ def preflight(args: argparse.Namespace) -> int:
     """
 
 
-    shape, cuda = shape_from_dir(resolve_model(args.model), args.model), is_cuda(args.device)
     rows = args.groups * args.n
     print(f"model {args.model}, {rows} rows, prompt {args.prompt_tokens} + completion {args.tokens} tokens")
     print(f"{'micro':>5} {'ckpt':>5} {'kl':>5} {'measured GB':>12} {'estimated GB':>13}  parts")
@@ -228,11 +251,9 @@ def preflight(args: argparse.Namespace) -> int:
                    "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha)]
             subprocess.run(cmd + (["--gradient-checkpointing"] if ckpt else []), check=True, capture_output=True)
             row = json.loads(out.read_text().splitlines()[-1])
-        work = Workload(min(micro, rows), args.prompt_tokens, args.tokens, ckpt, kl > 0, 1, cuda,
-                        bf16=args.dtype == "bfloat16", lora_rank=args.lora_rank,
-                        lora_targets=tuple(LORA_TARGETS.split(",")) if args.lora_rank else (),
-                        bf16_copy=args.compute_weights == "bf16_copy")
-        est = estimate_peak(shape, work)
+        est = preflight_estimate(args.model, args.device, min(micro, rows), args.prompt_tokens, args.tokens,
+                                 gradient_checkpointing=ckpt, kl=kl > 0, bf16=args.dtype == "bfloat16",
+                                 compute_weights=args.compute_weights, lora_rank=args.lora_rank)
         measured = row["peak_cuda_gb"] or row["peak_rss_gb"]
         print(f"{micro:5d} {ckpt!s:>5} {kl:5.2f} {measured:12.2f} {est.total:13.2f}  {est.describe()}")
     return 0

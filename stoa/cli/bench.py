@@ -17,6 +17,8 @@ BENCHES = {
     "trainer": ("stoa.bench.trainer", "trainer step time and tokens/s"),
     "checkpoint": ("stoa.bench.checkpoint", "checkpoint time on the trainer step's path, synchronous vs background"),
     "trl": ("trl_compare.py", "our trainer step vs TRL's GRPOTrainer, each in its own venv (checkout only)"),
+    "gpu": ("stoa.bench.gpu", "the GPU check: trainer step and MFU, preflight vs peak, decode vs HF generate, PULSE "
+            "from device tensors, a fleet that learns; a verdict per item (--device cpu --quick: a rehearsal)"),
     "dist": ("stoa.bench.dist", "FSDP2 data-parallel step: time, memory per rank, MFU, planes equal to 1 process"),
     "pulse": ("stoa.bench.pulse", "PULSE patch size, encode/apply speed, bit-exactness"),
     "local": ("stoa.bench.local", "single-process local mode vs mlxrl"),
