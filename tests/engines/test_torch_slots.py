@@ -13,8 +13,8 @@ import torch
 from stoa.engines.torch import sampling_logprobs_torch
 from stoa.episodes.driver import EpisodeDriver
 from stoa.rollouts.episode import ROLE_ACTION
-from tests.engines.test_torch_episodes import LIMITS, QUESTIONS, TOL, LetterEnv, RecordingTools, prompts_of
 from stoa.tokenize import TextCodec
+from tests.engines.test_torch_episodes import LIMITS, QUESTIONS, TOL, LetterEnv, RecordingTools, prompts_of
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,13 @@ class CountingDriver(EpisodeDriver):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.steps: list[tuple[int, int]] = []
+        self.held: list[int] = []
+        """Rows decoding or waiting for a tool at each step."""
 
     def record(self, active: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float]) -> list[int]:
         queued = sum(1 for r in range(self.rows) if not self.episode(r).tokens and r not in set(active))
         self.steps.append((len(active), queued))
+        self.held.append(len(active) + len(self.paused))
         return super().record(active, tokens, logprobs)
 
 
@@ -69,6 +72,19 @@ def test_admitted_episodes_equal_those_of_one_full_batch(torch_engine, codec, sl
         assert (a.tokens, a.roles, a.turn_starts, a.calls, a.end_reason) == (
             b.tokens, b.roles, b.turn_starts, b.calls, b.end_reason)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=TOL)
+
+
+def test_rows_waiting_for_their_tools_keep_their_slots(torch_engine, codec):
+    """refill_share 1: paused rows wait until as many wait as decode; they hold their slots meanwhile, so rows
+    decoding plus rows waiting never exceed the slots, and every episode still ends."""
+    torch_engine.refill_share = 1.0
+    try:
+        groups, stats, driver = run_slots(torch_engine, codec, 4, seed=3)
+    finally:
+        torch_engine.refill_share = 0.0
+    assert stats.extra["admitted"] == 5 and max(driver.held) == 4
+    assert any(held > rows for held, (rows, _) in zip(driver.held, driver.steps, strict=True))  # rows did wait
+    assert all(e.end_reason for g in groups for e in g)
 
 
 def test_admitted_episodes_logprobs_equal_a_full_forward_recompute(torch_engine, codec):
