@@ -12,6 +12,10 @@ then ``generate`` on the same prompt tokens with ``max_new_tokens`` = the per-tu
 - with EOS ignored (a ceiling, never the ratio): every row decodes all T tokens in a full batch, the most
   tokens/s a batch of these rows can reach on this machine.
 
+With ``--queue K`` (torch) a repeat runs K x P prompts: their episodes in one call on P x N decode slots
+(continuous batching: a queued episode takes the slot of one that ended, ``TorchEngine.decode_slots``) and
+``generate`` on the same prompts as K batches of P, each as wide as the slots.
+
 Engines alternate within a repeat, so load changes hit both alike; the table gives medians over repeats. The last
 line printed, ``ratio_episode_vs_single=X``, is the lowest engine's median of the per-repeat ratio of multi-turn
 action tokens/s to EOS-honoured ``generate`` tokens/s (observation tokens are prefilled, not counted as actions).
@@ -64,6 +68,10 @@ class EpisodeBenchSpec:
         dtype: compute dtype of both engines (``auto``, ``float32``, ``bfloat16``).
         temperature: sampling temperature.
         seed: the prompts' and the sampling seed (every repeat samples the same episodes).
+        queue: batches of P x N episodes per repeat (K). Above 1, the K x P prompts' episodes run in one call
+            with P x N decode slots (torch ``decode_slots``: continuous batching, a queued episode takes the
+            slot of one that ended) and ``generate`` runs the same prompts as K batches of P (static batches of
+            the same width, as a worker samples single turns); 1: one batch each, no queue.
     """
 
     model: str = "smollm2-135m"
@@ -78,6 +86,12 @@ class EpisodeBenchSpec:
     dtype: str = "auto"
     temperature: float = 1.0
     seed: int = 0
+    queue: int = 1
+
+    @property
+    def slots(self) -> int:
+        """Rows decoding at once: the P x N of one batch."""
+        return self.prompts * self.n
 
     def check(self) -> None:
         """Refuse unknown engines, dtypes and sizes below 1 (ValueError naming the field)."""
@@ -87,7 +101,10 @@ class EpisodeBenchSpec:
                              "pass e.g. --engines torch,mlx")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype: {self.dtype!r}; use auto, float32 or bfloat16")
-        for name in ("prompts", "n", "turn_tokens", "repeats"):
+        if self.queue > 1 and "mlx" in self.engines:
+            raise ValueError(f"queue: {self.queue} needs decode slots, which only the torch engine has; "
+                             "pass --engines torch or --queue 1")
+        for name in ("prompts", "n", "turn_tokens", "repeats", "queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.threads < 0:
@@ -118,6 +135,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype of both engines [default: auto]")
     p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature [default: 1.0]")
     p.add_argument("--seed", type=int, default=d.seed, help="prompt and sampling seed [default: 0]")
+    p.add_argument("--queue", type=int, default=d.queue, metavar="K",
+                   help="batches of P x N episodes queued on P x N decode slots (torch; generate runs K batches) "
+                        f"[default: {d.queue}]")
     p.add_argument("--json", default="", metavar="PATH", help="also write the results here (JSON)")
 
 
@@ -137,6 +157,7 @@ def _episode_figures(eb: Any) -> dict[str, float]:
            "obs_prefill_s": obs_s, "obs_prefill_share": obs_s / wall,
            "rounds": float(extra.get("tool_requests", 0.0)),  # Tools.run requests, counted alike on both engines
            "steps": float(eb.stats.steps), "rows_per_step": eb.stats.new_tokens / max(eb.stats.steps, 1),
+           "admitted": float(extra.get("admitted", 0.0)),  # rows that took a slot mid-flight (--queue)
            "reward_mean": float(np.mean([r for rs in eb.rewards for r in rs]))}
     out.update({k.removeprefix("rollout/"): v for k, v in episode_metrics(eb.groups).items()})
     return out
@@ -161,7 +182,9 @@ class EngineRun:
         self.name, self.spec, self.task, self.tools, self.codec = name, spec, task, tools, codec
         self.prompts = list(prompts)
         self.prompt_tokens = [codec.encode_prompt(p.messages) for p in self.prompts]
-        self.engine.generate(self.prompt_tokens, 1, max_new_tokens=2)  # warm-up: lazy init, kernels, allocator
+        if spec.queue > 1:
+            self.engine.decode_slots = spec.slots  # the K x P prompts' episodes on the slots of one batch
+        self.engine.generate(self.prompt_tokens[:spec.prompts], 1, max_new_tokens=2)  # warm-up: lazy init, kernels
 
     def info(self) -> dict[str, Any]:
         """What ran: engine, dtype, threads or BLAS, load time, prompt tokens."""
@@ -185,7 +208,8 @@ class EngineRun:
         return _episode_figures(eb) | {"cpu_s": time.process_time() - c0}
 
     def generate(self, eos: bool = True) -> dict[str, float]:
-        """Single-turn ``generate`` on the same prompt tokens: N rows each, at most T new tokens.
+        """Single-turn ``generate`` on the same prompt tokens, P prompts a batch (K batches): N rows each, at most
+        T new tokens.
 
         Args:
             eos: pass the codec's EOS ids as the worker does (keys ``generate_*``); False ignores EOS, every row
@@ -193,14 +217,19 @@ class EngineRun:
         """
         key = "generate" if eos else "generate_no_eos"
         c0, t0 = time.process_time(), time.perf_counter()
-        _, st = self.engine.generate(self.prompt_tokens, self.spec.n, max_new_tokens=self.spec.turn_tokens,
-                                     temperature=self.spec.temperature, eos_ids=self.codec.eos_ids if eos else (),
-                                     generator=self.engine.make_generator(self.spec.seed))
+        gen, p = self.engine.make_generator(self.spec.seed), self.spec.prompts
+        tokens = steps = 0
+        prefill = 0.0
+        for b in range(0, len(self.prompt_tokens), p):
+            _, st = self.engine.generate(self.prompt_tokens[b:b + p], self.spec.n, max_new_tokens=self.spec.turn_tokens,
+                                         temperature=self.spec.temperature, eos_ids=self.codec.eos_ids if eos else (),
+                                         generator=gen)
+            tokens, steps, prefill = tokens + st.new_tokens, steps + st.steps, prefill + st.prefill_s
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return {f"{key}_wall_s": wall, f"{key}_cpu_s": cpu, f"{key}_tokens": float(st.new_tokens),
-                f"{key}_tokens_per_s": st.new_tokens / max(wall, 1e-9),
-                f"{key}_tokens_per_cpu_s": st.new_tokens / max(cpu, 1e-9), f"{key}_prefill_s": st.prefill_s,
-                f"{key}_steps": float(st.steps), f"{key}_rows_per_step": st.new_tokens / max(st.steps, 1)}
+        return {f"{key}_wall_s": wall, f"{key}_cpu_s": cpu, f"{key}_tokens": float(tokens),
+                f"{key}_tokens_per_s": tokens / max(wall, 1e-9),
+                f"{key}_tokens_per_cpu_s": tokens / max(cpu, 1e-9), f"{key}_prefill_s": prefill,
+                f"{key}_steps": float(steps), f"{key}_rows_per_step": tokens / max(steps, 1)}
 
     def repeat(self) -> dict[str, float]:
         """One repeat: the episodes, then ``generate`` with EOS honoured, then with EOS ignored (:func:`with_ratio`)."""
@@ -264,7 +293,8 @@ def format_table(row: dict[str, Any], spec: EpisodeBenchSpec) -> str:
     runtime = f"BLAS {row['blas']}" if "blas" in row else f"torch threads {row.get('threads', '?')}"
     ends = ", ".join(f"{k.removeprefix('end/')} {v:.2f}" for k, v in row.items() if k.startswith("end/") and v)
     lines = [
-        f"{row['engine']} ({row['dtype']}, {runtime}): {spec.task}, {spec.prompts} prompts x {spec.n} episodes, "
+        f"{row['engine']} ({row['dtype']}, {runtime}): {spec.task}, {spec.prompts} prompts x {spec.n} episodes"
+        f"{f' x {spec.queue} queued on {spec.slots} slots' if spec.queue > 1 else ''}, "
         f"{spec.turn_tokens} tokens/turn, median of {row['repeats']}",
         f"  {'action tokens/s':<26}{row['action_tokens_per_s']:>10.1f}   "
         f"(min {row['action_tokens_per_s_min']:.1f}, max {row['action_tokens_per_s_max']:.1f}; "
@@ -274,7 +304,7 @@ def format_table(row: dict[str, Any], spec: EpisodeBenchSpec) -> str:
         f"  {'turns per episode':<26}{row['turns_mean']:>10.2f}   ({row['rounds']:.0f} tool rounds)",
         f"  {'rows per decode step':<26}{row['rows_per_step']:>10.2f}   ({row['steps']:.0f} steps; generate "
         f"{row['generate_rows_per_step']:.2f} in {row['generate_steps']:.0f}: {row['shape_vs_generate']:.2f}x; "
-        f"EOS ignored {row['generate_no_eos_rows_per_step']:.2f})",
+        f"EOS ignored {row['generate_no_eos_rows_per_step']:.2f}; {row['admitted']:.0f} rows admitted mid-flight)",
         f"  {'search rate':<26}{row['search_rate']:>10.2f}",
         f"  {'tool calls':<26}{row['tool_calls']:>10.0f}   ({row['tool_calls_mean']:.2f} per episode)",
         f"  {'tool seconds':<26}{row['tool_s']:>10.4f}   ({100 * row['tool_share']:.2f}% of wall)",
@@ -317,7 +347,7 @@ def run_episode_bench(spec: EpisodeBenchSpec, task: Any = None, echo: Callable[[
     if tools is None:
         raise ValueError(f"task: {task.id!r} is single-turn; pick a multi-turn task (search, searchqa, walk)")
     rng = np.random.default_rng(spec.seed)
-    prompts = [task.sample_train(rng) for _ in range(spec.prompts)]
+    prompts = [task.sample_train(rng) for _ in range(spec.prompts * spec.queue)]
     codec = TextCodec(model_dir)
     runs: list[EngineRun] = []
     for name in spec.engines:
@@ -367,7 +397,7 @@ def main(args: argparse.Namespace) -> int:
     spec = EpisodeBenchSpec(model=args.model, engines=tuple(e for e in args.engines.split(",") if e),
                             task=args.task, options=tuple(args.option), prompts=args.prompts, n=args.n,
                             turn_tokens=args.turn_tokens, repeats=args.repeats, threads=args.threads,
-                            dtype=args.dtype, temperature=args.temperature, seed=args.seed)
+                            dtype=args.dtype, temperature=args.temperature, seed=args.seed, queue=args.queue)
     result = run_episode_bench(spec, echo=lambda line: print(line, flush=True))
     print(f"[bench] load average {result['load_avg']:.2f} on {_cpus()} CPUs", flush=True)
     if args.json:

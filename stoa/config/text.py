@@ -38,7 +38,7 @@ FLAG_GROUPS: tuple[FlagGroup, ...] = (
     FlagGroup("task", "task and evaluation", ("task", "retriever", "replay", "max_prompt_tokens", "eval_every",
                                               "eval_n", "eval_k"), ("eval_",)),
     FlagGroup("sampling", "sampling", ("n_samples", "groups_per_step", "max_new_tokens", "temperature", "top_p",
-                                       "seed", "groups_in_flight", "max_groups")),
+                                       "seed", "groups_in_flight", "episode_queue", "max_groups")),
     FlagGroup("optimizer", "optimizer and objective", ("algorithm", "algo", "kl_beta", "lr", "weight_decay",
                                                        "grad_clip", "micro_batch", "gradient_checkpointing",
                                                        "steps", "skip_uniform_groups", "old_logprobs",

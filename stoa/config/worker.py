@@ -28,6 +28,10 @@ class WorkerConfig(FleetConfig):
     engine: str = setting("auto", "Generation engine: auto (mlx on Apple silicon, else torch), torch, mlx.")
     groups_in_flight: int = setting(0, "Prompt groups decoded together (batch = this x n); 0 = from the "
                                        "memory tier (see --print-tier; env STOA_GROUPS_IN_FLIGHT).")
+    episode_queue: int = setting(4, "Multi-turn tasks on the torch engine: this many batches of groups_in_flight "
+                                    "groups are sampled in one call on the decode slots of one (groups_in_flight x "
+                                    "n rows): an episode that ends gives its slot to a queued one (continuous "
+                                    "batching). 1 = one batch, no queue.")
     run: str = setting("default", "Run id, required: the run to join (runs/<run>/ in the bucket). [default: none]")
     max_groups: int = setting(0, "Exit after uploading this many groups (0 = run forever).")
     poll_seconds: float = setting(2.0, "Wait between pointer polls while the run has no weights yet.")
@@ -66,6 +70,7 @@ class WorkerConfig(FleetConfig):
         super().validate()
         one_of(self, "engine", ENGINES)
         at_least(self, 0, ("groups_in_flight", "max_groups", "threads"))
+        at_least(self, 1, ("episode_queue",))
         if not (self.trainer_stale_seconds > 0 and self.status_seconds > 0):
             raise ConfigError("trainer_stale_seconds" if self.trainer_stale_seconds <= 0 else "status_seconds",
                               "must be > 0")

@@ -15,7 +15,7 @@ import torch
 
 from stoa.config import WORKER_DTYPES
 from stoa.engines.base import Completion, GenStats, RowLog
-from stoa.engines.torch_episodes import run_episodes
+from stoa.engines.torch_episodes import RowQueue, run_episodes
 from stoa.engines.torch_rows import DecodeBatch
 from stoa.episodes.driver import Episode, EpisodeDriver
 from stoa.weights.planes import ADAPTER_PLANE, state_to_f32
@@ -154,6 +154,9 @@ class TorchEngine:
     """With ``refill``, resume once the paused rows number ``refill_share`` x the decoding rows (at least one):
     0 resumes a row at the step it pauses (a tool request per such step, the batch never waits); 1 waits until
     as many rows wait as decode (fewer requests, a thinner batch meanwhile)."""
+    decode_slots: int = 0
+    """Continuous batching of episodes: at most this many rows decode (or wait for a tool) at once, the other
+    episodes queue and take the slots of rows that end (``torch_episodes.RowQueue``); 0: every row at once."""
 
     def __init__(self, model_dir: str | Path, device: str = "auto", threads: int = 0, dtype: str = "float32",
                  plane: str = "bf16"):
@@ -396,7 +399,8 @@ class TorchEngine:
         the rows that paused at a step (``refill``, ``refill_share``; else once none decodes) have their tools
         run in one request (``driver.resume``), are fed their last sampled token and observation in one forward
         (``batch_resumes``; a hybrid's rows one at a time) and rejoin the decoding rows before the next step
-        (``stoa.engines.torch_episodes``).
+        (``stoa.engines.torch_episodes``). With ``decode_slots`` below the rows, at most that many rows decode at
+        once and queued episodes (prefilled when admitted) take the slots of rows that end.
 
         Args:
             prompts: token ids of each prompt (one group per prompt).
@@ -409,7 +413,8 @@ class TorchEngine:
 
         Returns:
             per prompt, its ``n`` episodes; and timing figures (``extra``: the driver's stats, ``rounds`` (tool
-            requests), ``refills`` (of them, made while rows still decoded), ``obs_prefill_s``).
+            requests), ``refills`` (of them, made while rows still decoded), ``obs_prefill_s``; with a queue
+            ``admitted`` (rows admitted after the first step) and ``admit_prefill_s``, within ``prefill_s``).
 
         Raises:
             ToolUnavailable: the tools could not answer (from ``driver.resume``).
@@ -420,11 +425,19 @@ class TorchEngine:
             raise ValueError(f"driver: has {driver.rows} rows, the batch {len(prompts)} prompts x n={n}; "
                              "build one environment per row")
         stats = GenStats(extra={"rounds": 0.0, "obs_prefill_s": 0.0, "refills": 0.0})
-        t0 = time.perf_counter()
-        batch = self._prefill(prompts, n)
-        stats.prefill_s = time.perf_counter() - t0
+        slots = self.decode_slots
+        if slots < 0:
+            raise ValueError(f"decode_slots: {slots}; use 0 (every row at once) or the most rows decoding at once")
         draw = partial(sample_step, temperature=temperature, top_p=top_p, greedy=greedy, generator=generator)
-        run_episodes(self, batch, driver, draw, stats, self.refill, self.refill_share)
+        if 0 < slots < driver.rows:
+            stats.extra.update(admitted=0.0, admit_prefill_s=0.0)
+            queue = RowQueue(self, prompts, n)
+            run_episodes(self, queue, driver, draw, stats, self.refill, self.refill_share, slots)
+        else:
+            t0 = time.perf_counter()
+            batch = self._prefill(prompts, n)
+            stats.prefill_s = time.perf_counter() - t0
+            run_episodes(self, batch, driver, draw, stats, self.refill, self.refill_share)
         stats.prefill_s += stats.extra["obs_prefill_s"]
         stats.extra.update(driver.stats)
         return driver.episodes(n), stats

@@ -8,43 +8,97 @@ for another, so a batch takes as many steps as its longest episode has action to
 rows paused as decode, ``refill_share`` 1, took up to 2x the steps of SmolLM2's search episodes, the
 resumed rows decoding their next turn alone). Every row's positions stay contiguous, so a full forward
 recomputes its logprobs.
+
+Continuous batching (``slots`` below the rows): at most ``slots`` rows decode or wait for a tool at once; the
+other episodes queue in row order (``RowQueue``). Before every step the free slots (rows that ended) are given to
+queued rows: their prompts are prefilled in one forward (each prompt once, its state kept until its last row is
+admitted) and the rows join the batch as resumed rows do. A batch then decodes ``slots`` rows a step until the
+queue runs dry, instead of thinning out as its episodes end.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from stoa.engines.base import GenStats
-from stoa.engines.torch_rows import DecodeBatch, RowKV, join_batches, resume_rows, take_rows
+from stoa.engines.torch_rows import DecodeBatch, RowKV, join_batches, merge_rows, resume_rows, take_rows
 from stoa.episodes.driver import EpisodeDriver
 
 Draw = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """[rows, V] logits -> [rows] sampled tokens and their logprobs (``torch.sample_step`` with the call's settings)."""
 
 
-def run_episodes(engine: Any, batch: DecodeBatch, driver: EpisodeDriver, draw: Draw, stats: GenStats,
-                 refill: bool, share: float = 1.0) -> None:
-    """Decode and resume rows until every episode has ended.
+class RowQueue:
+    """The episodes not admitted yet (row ``g * n + j``, in row order) and the prefilled prompts of some of them.
+
+    Args:
+        engine: the ``TorchEngine`` (``_prefill``, ``model``).
+        prompts: token ids of each prompt.
+        n: rows per prompt.
+    """
+
+    def __init__(self, engine: Any, prompts: Sequence[Sequence[int]], n: int):
+        self.engine, self.prompts, self.n = engine, list(prompts), n
+        self.rows: deque[int] = deque(range(len(self.prompts) * n))
+        self._ready: dict[int, RowKV] = {}
+        """Prompt -> its prefilled state (``logits`` set), kept until its last row is admitted."""
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def admit(self, k: int) -> DecodeBatch | None:
+        """The next ``k`` queued rows (fewer when fewer wait) as one decoding batch, their prompts prefilled.
+
+        Prompts not prefilled yet are prefilled in one forward (left-padded, as ``TorchEngine._prefill``); a
+        prompt whose rows are admitted over several calls is prefilled once. None when no row is admitted.
+
+        Args:
+            k: free slots.
+        """
+        take = [self.rows.popleft() for _ in range(min(k, len(self.rows)))]
+        if not take:
+            return None
+        need = sorted({r // self.n for r in take} - set(self._ready))
+        if need:
+            batch = self.engine._prefill([self.prompts[g] for g in need], 1)
+            states = take_rows(batch, range(len(need)), [-1] * len(need))  # a prompt has no token pending
+            for b, g in enumerate(need):
+                states[b].logits = batch.logits[b]
+                self._ready[g] = states[b]
+        rows = {r: self._ready[r // self.n] for r in take}  # merge_rows copies: rows never share a tensor
+        for r in take:
+            if r % self.n == self.n - 1:
+                del self._ready[r // self.n]
+        return merge_rows(rows, getattr(self.engine.model, "config", None))
+
+
+def run_episodes(engine: Any, batch: DecodeBatch | RowQueue, driver: EpisodeDriver, draw: Draw, stats: GenStats,
+                 refill: bool, share: float = 1.0, slots: int = 0) -> None:
+    """Decode, resume and admit rows until every episode has ended.
 
     Args:
         engine: the ``TorchEngine`` (``_forward``, ``model``, ``_cache_kw``, ``batch_resumes``).
-        batch: every row after the prompts' prefill.
+        batch: every row after the prompts' prefill; or the queue of rows, admitted ``slots`` at a time.
         driver: the episodes (records tokens, pauses and ends rows, runs the tools).
         draw: samples one token per row.
         stats: ``decode_s``, ``steps``, ``new_tokens`` and ``extra`` (``rounds``: tool requests,
-            ``obs_prefill_s``, ``refills``: requests made while other rows still decoded) grow.
+            ``obs_prefill_s``, ``refills``: requests made while other rows still decoded; with a queue
+            ``admitted``: rows admitted after the first step, and ``admit_prefill_s``) grow.
         refill: resume paused rows while other rows decode (once ``share`` allows); False waits until none decodes.
         share: with ``refill``, resume once the paused rows number at least ``share`` x the decoding rows (and at
             least one): 0 resumes a row at the step it pauses, 1 once as many wait as decode.
+        slots: with a queue, the most rows decoding or paused at once (at least 1).
 
     Raises:
         ToolUnavailable: the tools could not answer (from ``driver.resume``).
     """
-    live: DecodeBatch | None = batch
+    queue = batch if isinstance(batch, RowQueue) else None
+    live = _admit(engine, batch, None, 0, slots, stats) if isinstance(batch, RowQueue) else batch
     paused: dict[int, RowKV] = {}
     t0 = time.perf_counter()
     while live is not None:
@@ -67,7 +121,28 @@ def run_episodes(engine: Any, batch: DecodeBatch, driver: EpisodeDriver, draw: D
             live = _resume(engine, driver, paused, live, stats)
             paused = {}
             t0 = time.perf_counter()
+        if queue is not None and queue:
+            stats.decode_s += time.perf_counter() - t0
+            live = _admit(engine, queue, live, len(paused), slots, stats)
+            t0 = time.perf_counter()
     stats.decode_s += time.perf_counter() - t0
+
+
+def _admit(engine: Any, queue: RowQueue, live: DecodeBatch | None, waiting: int, slots: int,
+           stats: GenStats) -> DecodeBatch | None:
+    """Give the slots no row decodes or waits in to queued rows; the live rows, then the admitted ones."""
+    free = slots - waiting - (len(live.active) if live is not None else 0)
+    if free <= 0:
+        return live
+    t1 = time.perf_counter()
+    new = queue.admit(free)
+    stats.prefill_s += time.perf_counter() - t1
+    stats.extra["admit_prefill_s"] = stats.extra.get("admit_prefill_s", 0.0) + time.perf_counter() - t1
+    if new is not None and stats.steps:
+        stats.extra["admitted"] += len(new.active)
+    if new is None or live is None:
+        return live if new is None else new
+    return join_batches(live, new, getattr(engine.model, "config", None))
 
 
 def _resume(engine: Any, driver: EpisodeDriver, paused: dict[int, RowKV], live: DecodeBatch | None,

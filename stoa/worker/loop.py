@@ -124,8 +124,10 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
     p = _Progress(version=version, adopted_at=_published_at(w.sync), rng=np.random.default_rng(seed),
                   generator=w.engine.make_generator(seed),
                   in_flight=cfg.groups_in_flight or _tier_groups(w.contract.n_samples, w.engine_name, cfg.device))
+    p.queue = episode_queue(w.engine, w.tools is not None, p.in_flight * w.contract.n_samples, cfg.episode_queue)
+    queued = f" ({p.queue} batches of them queued on their decode slots)" if p.queue > 1 else ""
     echo(f"[worker {w.wid}] engine {w.engine_name} ({w.engine.dtype_name}), run {cfg.run}, v{version}, "
-         f"n={w.contract.n_samples}, {p.in_flight} groups in flight")
+         f"n={w.contract.n_samples}, {p.in_flight} groups in flight{queued}")
     w.metrics.log({"worker/engine": w.engine_name, "worker/dtype": w.engine.dtype_name, "worker/version": version})
     t_start = time.perf_counter()
     p.versions_seen.add(version)
@@ -141,7 +143,8 @@ def run_worker(cfg: WorkerConfig, echo: Callable[[str], Any] = print) -> dict[st
                 time.sleep(w.watch.pause_s(verdict, cfg.status_seconds if verdict.kind == "backpressure"
                                            else cfg.poll_seconds))
                 continue
-            k = p.in_flight if cfg.max_groups == 0 else min(p.in_flight, cfg.max_groups - p.seq)
+            k = p.in_flight * p.queue
+            k = k if cfg.max_groups == 0 else min(k, cfg.max_groups - p.seq)
             k = w.watch.batch(k)  # no batch beyond this worker's share of what the trainer uses
             batch = _sample(w, p, k)
             if batch is None:
@@ -194,6 +197,8 @@ class _Progress:
     rng: np.random.Generator
     generator: Any
     in_flight: int
+    queue: int = 1
+    """Batches of ``in_flight`` groups sampled per call (``episode_queue``; 1 without decode slots)."""
     seq: int = 0
     total_tokens: int = 0
     versions_seen: set[int] = field(default_factory=set)
@@ -379,6 +384,23 @@ def _log_batch(w: _Worker, p: _Progress, batch: _Batch) -> None:
     w.metrics.log({"worker/tokens_per_s": st.new_tokens / batch.seconds if batch.seconds else 0.0,
                    "worker/prefill_s": st.prefill_s, "worker/decode_s": st.decode_s,
                    "worker/version": p.version})
+
+
+def episode_queue(engine: Any, multi_turn: bool, slots: int, queue: int) -> int:
+    """Batches of groups in flight the worker samples per call: ``queue`` for a multi-turn task on an engine with
+    decode slots (torch), whose ``decode_slots`` becomes ``slots`` (the rows of one batch: the queued episodes take
+    the slots of those that end); 1 otherwise (single turns, or MLX: every row decodes at once).
+
+    Args:
+        engine: the worker's engine.
+        multi_turn: the task runs episodes (it has tools).
+        slots: rows of one batch of groups in flight (groups x n).
+        queue: the worker's ``episode_queue``.
+    """
+    if not multi_turn or queue <= 1 or not hasattr(engine, "decode_slots"):
+        return 1
+    engine.decode_slots = slots
+    return queue
 
 
 def _tier_groups(n_samples: int, engine: str, device: str) -> int:

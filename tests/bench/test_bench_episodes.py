@@ -131,3 +131,36 @@ def test_shape_vs_generate_is_rows_per_step_over_eos_honoured_generates():
     out = with_ratio(fig)
     assert out["shape_vs_generate"] == 0.75 and out["episodes_vs_generate"] == 0.75
     assert out["episodes_vs_generate_no_eos"] == 0.5 and out["episodes_vs_generate_cpu"] == 0.75
+
+
+def test_a_queued_bench_runs_generate_on_the_same_prompts_in_batches_as_wide_as_the_slots():
+    """--queue K: the episodes of K x P prompts share P x N decode slots, so generate runs the same prompts as K
+    batches of P (static batches as wide as the slots), and its figures sum over them."""
+    run = EngineRun.__new__(EngineRun)
+    run.engine, run.codec = _CountingEngine(eos_at=3), SimpleNamespace(eos_ids=(2,))
+    run.spec = EpisodeBenchSpec(prompts=2, n=2, turn_tokens=10, queue=3)
+    run.prompt_tokens = [[1, 2, 3 + i] for i in range(6)]
+    widths: list[int] = []
+    generate = run.engine.generate
+    run.engine.generate = lambda prompts, n, **kw: (widths.append(len(prompts) * n), generate(prompts, n, **kw))[1]
+    out = run.generate(eos=True)
+    assert widths == [4, 4, 4] and run.spec.slots == 4
+    assert out["generate_tokens"] == 6 * 2 * 3 and out["generate_steps"] == 3 * 3
+    assert out["generate_rows_per_step"] == 4
+
+
+def test_a_queue_needs_the_torch_engines_decode_slots():
+    with pytest.raises(ValueError, match="--engines torch"):
+        EpisodeBenchSpec(engines=("torch", "mlx"), queue=2).check()
+    EpisodeBenchSpec(engines=("torch",), queue=2).check()
+    with pytest.raises(ValueError, match="queue"):
+        EpisodeBenchSpec(engines=("torch",), queue=0).check()
+
+
+def test_a_queued_bench_admits_episodes_into_the_slots_on_the_tiny_model(tiny_dir):
+    task = LetterSearchTask(topk=2, max_doc_chars=40, max_turns=3, max_obs_tokens=200, max_total_tokens=400)
+    spec = EpisodeBenchSpec(model=str(tiny_dir), engines=("torch",), prompts=1, n=2, turn_tokens=T, repeats=1,
+                            threads=1, dtype="float32", queue=2)
+    row = run_episode_bench(spec, task=task, echo=lambda _: None)["engines"]["torch"]
+    assert row["admitted"] >= 2 and row["rows_per_step"] <= 2  # two prompts' episodes on one prompt's 2 slots
+    assert row["generate_no_eos_tokens"] == 2 * 2 * T and row["generate_no_eos_rows_per_step"] == 2
