@@ -55,7 +55,8 @@ class LocalExportResult:
 
 
 def fuse_into_linears(model: Any) -> int:
-    """Replace every LoRA wrapper and quantized linear of a torch backend's model by a plain ``nn.Linear``.
+    """Replace every adapted linear and quantized linear of a torch backend's model by a plain ``nn.Linear``
+    (an adapted one holds ``W + scale * B @ A``: ``stoa.models.lora_torch.lora_delta``, as the trainer merges).
 
     Args:
         model: the HF model of a ``TorchBackend`` (modified in place).
@@ -66,7 +67,8 @@ def fuse_into_linears(model: Any) -> int:
     import torch
     from torch import nn
 
-    from stoa.local.torch_lora import LoRALinear, QuantLinear
+    from stoa.local.torch_lora import QuantLinear
+    from stoa.models.lora_torch import lora_delta
 
     def plain(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
         lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
@@ -77,24 +79,16 @@ def fuse_into_linears(model: Any) -> int:
         return lin
 
     fused = 0
-    replaced: list[str] = []
     with torch.no_grad():
         for name, module in list(model.named_modules()):
-            if any(name.startswith(r + ".") for r in replaced):
-                continue  # the base inside a LoRA wrapper already fused: its parent is gone
-            if isinstance(module, LoRALinear):
-                base: Any = module.linear
-                w = base.dequantized() if isinstance(base, QuantLinear) else base.weight
-                w = w.float() + module.scale * (module.lora_a.float() @ module.lora_b.float()).T
-                new = plain(w, base.bias)
-                fused += 1
-            elif isinstance(module, QuantLinear):
-                new = plain(module.dequantized(), module.bias)
-            else:
+            adapted = "lora_scale" in module.__dict__
+            if not adapted and not isinstance(module, QuantLinear):
                 continue
+            w = module.dequantized() if isinstance(module, QuantLinear) else module.weight
+            new = plain(w.float() + lora_delta(module) if adapted else w, module.bias)
+            fused += adapted
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, new)
-            replaced.append(name)
     return fused
 
 

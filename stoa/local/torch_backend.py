@@ -28,11 +28,16 @@ from stoa.local.backend import (
     loss_inputs,
     pack_sft,
 )
-from stoa.local.torch_lora import LoRALinear, QuantLinear, decoder_layers, quantize_and_add_lora
+from stoa.local.torch_lora import QuantLinear, quantize_base
+from stoa.models.lora_torch import LoraSpec, add_lora, from_mlx_lm, lora_disabled, mlx_lm_name, to_mlx_lm
 
 
 class TorchBackend:
     """One HF causal LM: float32 storage, quantized decoder linears, LoRA adapters the only trainable leaves.
+
+    The adapters are the fleet trainer's (``stoa.models.lora_torch``: PEFT's layout, ``lora_A`` [r, in] and
+    ``lora_B`` [out, r]); what the backend reports and saves is mlx-lm's (``adapter_arrays``: ``lora_a`` [in, r],
+    ``lora_b`` [r, out]), the MLX backend's names and layout.
 
     Args:
         cfg: validated local config.
@@ -56,9 +61,11 @@ class TorchBackend:
         want = {"auto": torch.bfloat16 if cuda else None, "float32": None, "bfloat16": torch.bfloat16}[cfg.dtype]
         self.autocast_dtype = want
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.targets = quantize_and_add_lora(
-            model, bits=cfg.quant_bits, group_size=cfg.quant_group_size, packed=self.packed, rank=cfg.lora_rank,
-            alpha=cfg.lora_alpha, targets=cfg.lora_targets, seed=cfg.seed)
+        chosen = quantize_base(model, bits=cfg.quant_bits, group_size=cfg.quant_group_size, packed=self.packed,
+                               targets=cfg.lora_targets)
+        self.targets = chosen.per_layer
+        self.spec = LoraSpec(cfg.lora_rank, cfg.lora_alpha, tuple(sorted({p.rsplit(".", 1)[-1] for p in chosen.paths})))
+        self.lora_paths = add_lora(model, self.spec, cfg.seed, chosen.paths)
         model.to(self.device)
         model.config.use_cache = False
         if cfg.gradient_checkpointing:
@@ -68,7 +75,6 @@ class TorchBackend:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model
         self.attention_only = attention_only(model.config)
-        self.loras = [m for m in model.modules() if isinstance(m, LoRALinear)]
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.sft_opt: torch.optim.AdamW | None = None
@@ -82,16 +88,9 @@ class TorchBackend:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    @contextlib.contextmanager
-    def adapters_disabled(self) -> Iterator[None]:
+    def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
         """Bypass every adapter (the reference policy) inside the block."""
-        for m in self.loras:
-            m.enabled = False
-        try:
-            yield
-        finally:
-            for m in self.loras:
-                m.enabled = True
+        return lora_disabled(self.model)
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
@@ -286,8 +285,12 @@ class TorchBackend:
         return SftResult(loss_sum / total, action_tokens(rows))
 
     def adapter_arrays(self) -> dict[str, np.ndarray]:
-        """Adapter weights by name, float32."""
-        return {n: p.detach().float().cpu().numpy() for n, p in self.params.items()}
+        """Adapter weights by mlx-lm name and layout, float32 (``stoa.models.lora_torch.to_mlx_lm``)."""
+        return to_mlx_lm(self.peft_arrays())
+
+    def peft_arrays(self) -> dict[str, np.ndarray]:
+        """Adapter weights by parameter name in PEFT's layout (``...lora_A.weight`` [r, in]), float32 copies."""
+        return {n: p.detach().float().cpu().numpy().copy() for n, p in self.params.items()}
 
     def load_adapter_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Overwrite the adapters; names and shapes must match exactly.
@@ -296,19 +299,22 @@ class TorchBackend:
             arrays: name -> float32 array.
         """
         check_same_arrays(self.adapter_arrays(), arrays, "adapter")
+        peft = from_mlx_lm(arrays)
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(torch.from_numpy(np.asarray(arrays[n], dtype=np.float32)).to(p.device))
+                p.copy_(torch.from_numpy(peft[n]).to(p.device))
 
     def optimizer_arrays(self) -> tuple[dict[str, np.ndarray], int]:
-        """AdamW moments ``m/<name>``, ``v/<name>`` and the step count (zeros before the first step)."""
+        """AdamW moments ``m/<name>``, ``v/<name>`` (mlx-lm names and layout, as ``adapter_arrays``) and the step
+        count (zeros before the first step)."""
         out: dict[str, np.ndarray] = {}
         step = 0
         for n, p in self.params.items():
             st = self.opt.state.get(p, {})
             zero = np.zeros(tuple(p.shape), np.float32)
-            out[f"m/{n}"] = st["exp_avg"].float().cpu().numpy() if "exp_avg" in st else zero
-            out[f"v/{n}"] = st["exp_avg_sq"].float().cpu().numpy() if "exp_avg_sq" in st else zero
+            m = st["exp_avg"].float().cpu().numpy() if "exp_avg" in st else zero
+            v = st["exp_avg_sq"].float().cpu().numpy() if "exp_avg_sq" in st else zero
+            out[f"m/{mlx_lm_name(n)}"], out[f"v/{mlx_lm_name(n)}"] = m.T.copy(), v.T.copy()
             step = int(st["step"]) if "step" in st else step
         return out, step
 
@@ -324,11 +330,9 @@ class TorchBackend:
             self.opt.state.clear()
             return
         for n, p in self.params.items():
-            self.opt.state[p] = {
-                "step": torch.tensor(float(step)),
-                "exp_avg": torch.from_numpy(np.asarray(arrays[f"m/{n}"], np.float32).copy()).to(p.device),
-                "exp_avg_sq": torch.from_numpy(np.asarray(arrays[f"v/{n}"], np.float32).copy()).to(p.device),
-            }
+            m, v = (np.asarray(arrays[f"{k}/{mlx_lm_name(n)}"], np.float32).T.copy() for k in ("m", "v"))
+            self.opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": torch.from_numpy(m).to(p.device),
+                                 "exp_avg_sq": torch.from_numpy(v).to(p.device)}
 
     @torch.no_grad()
     def logits_shape(self, prompt: Sequence[int]) -> tuple[int, ...]:
@@ -353,9 +357,9 @@ class TorchBackend:
         quant = [m for m in self.model.modules() if isinstance(m, QuantLinear)]
         total += sum(m.in_features * m.out_features + (0 if m.bias is None else m.out_features) for m in quant)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        trainable = [n for n, _ in named]
+        trainable = [mlx_lm_name(n) for n, _ in named]
         return ModelSummary(
-            model_id=model_id, backend=self.name, layers=len(decoder_layers(self.model)),
+            model_id=model_id, backend=self.name, layers=len(self.targets),
             quant_bits=self.cfg.quant_bits, targets_per_layer=self.targets, total_params=int(total),
             trainable_params=int(sum(p.numel() for _, p in named)), trainable_names=trainable,
             quantized_linears=len(quant),

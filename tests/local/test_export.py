@@ -51,7 +51,7 @@ def test_fused_export_computes_what_the_local_model_computes(local_run, tmp_path
     run_dir, backend = local_run
     out = tmp_path / "hf"
     result = export_local(run_dir, out, echo=lambda _s: None)
-    assert result.step == 2 and result.fused == len(backend.loras) > 0
+    assert result.step == 2 and result.fused == len(backend.lora_paths) > 0
     for prompt in PROMPTS:
         got, model = _hf_logits(out, prompt)
         with torch.no_grad():
