@@ -14,6 +14,7 @@ from torch import nn
 
 from stoa.algorithms import Algorithm, combine_metrics
 from stoa.algorithms.batch import Batch, Packed, group_indices, pack
+from stoa.algorithms.inputs import micro_inputs
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats
 from stoa.engines.torch import TorchEngine, resolve_device
@@ -25,7 +26,6 @@ from stoa.local.backend import (
     action_tokens,
     check_same_arrays,
     echo_plan,
-    loss_inputs,
     pack_sft,
 )
 from stoa.local.torch_lora import QuantLinear, quantize_base
@@ -208,8 +208,9 @@ class TorchBackend:
             pk = pack(batch, idx)
             logp, hits = self._logp(pk, plan.hits)
             filled[idx] = logp.detach().float().cpu().numpy() * pk.mask
-            loss, diag = algo.loss(loss_inputs(pk, logp, batch, plan, to=self._t, stop=torch.Tensor.detach,
-                                               hits=hits))
+            loss, diag = algo.loss(micro_inputs(batch, idx, logp, to=self._t, stop=torch.Tensor.detach,
+                                                echo=plan.echo, echo_alpha=plan.alpha,
+                                                hits=hits if plan.hits else None, lags=False))
             loss.backward()
             total += float(loss.detach())
             parts.append(diag)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from stoa.local.targets import choose_targets, is_expert, is_router
-from stoa.trainer.policy import decoder_blocks
+from stoa.models.lora_torch import decoder_blocks
 
 
 def quantize_affine(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

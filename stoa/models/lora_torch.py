@@ -50,6 +50,19 @@ class LoraSpec:
         return f"r={self.rank},alpha={self.alpha:g},targets={','.join(self.targets)}"
 
 
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder blocks of an HF causal LM (FSDP2's and activation checkpointing's unit; where local mode's
+    torch backend quantizes linears and picks adapter targets).
+
+    Args:
+        model: the model.
+    """
+    layers = getattr(model.get_decoder(), "layers", None)  # type: ignore[operator]
+    if layers is not None:
+        return list(layers)
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
 def matches(name: str, targets: Iterable[str]) -> bool:
     """Whether module path ``name`` ends with one of ``targets`` at a name boundary (PEFT's suffix rule).
 

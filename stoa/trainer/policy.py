@@ -23,7 +23,7 @@ import torch
 
 from stoa.engines.torch import model_tensors
 from stoa.engines.torch_scoring import PackedTensors, Scores, group_score, score
-from stoa.models.lora_torch import LoraSpec, add_lora, is_adapter, merge_arrays
+from stoa.models.lora_torch import LoraSpec, add_lora, decoder_blocks, is_adapter, merge_arrays
 from stoa.trainer.compute_copy import COMPUTE_WEIGHTS, ComputeCopy
 from stoa.trainer.dist import SINGLE, Dist, full_arrays, load_full, shard
 
@@ -55,18 +55,6 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
         native = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
         return torch.bfloat16 if native else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder blocks of an HF causal LM (FSDP2's and activation checkpointing's unit).
-
-    Args:
-        model: the model.
-    """
-    layers = getattr(model.get_decoder(), "layers", None)  # type: ignore[operator]
-    if layers is not None:
-        return list(layers)
-    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 def _round_buffers_to_bf16(model: torch.nn.Module, names: Sequence[str]) -> None:

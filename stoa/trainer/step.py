@@ -21,6 +21,7 @@ import torch
 
 from stoa.algorithms import Algorithm, LossInputs, combine_metrics
 from stoa.algorithms.batch import Batch, Trajectory, build_batch, group_indices, micro_batches, pack
+from stoa.algorithms.inputs import micro_inputs
 from stoa.engines.torch_scoring import Scores, to_device
 from stoa.episodes.collect import episode_metrics
 from stoa.layout import rollout_worker
@@ -279,23 +280,12 @@ def _forward(policy: Policy, ref: Policy | None, batch: Batch, idx: np.ndarray, 
 
 def _loss_inputs(batch: Batch, idx: np.ndarray, fw: Scores, ref_lp: torch.Tensor | None, device: torch.device,
                  echo_alpha: float | None, keep: np.ndarray | None = None) -> LossInputs[torch.Tensor]:
-    """The algorithm's inputs for the rows ``idx``: their old-policy logprobs, advantages (per token when the
-    algorithm makes them), action mask and lags, and the echo mask with this step's coefficient (when set); rows
-    whose ``keep`` [b] is 0 get empty masks (no loss)."""
+    """The algorithm's inputs for the rows ``idx`` (``stoa.algorithms.inputs.micro_inputs``, shared with local mode):
+    the workers' logprobs as the old policy, the echo mask with this step's coefficient (when set); rows whose
+    ``keep`` [b] is 0 get empty masks (no loss)."""
     assert batch.old_logp is not None  # entries_batch sets the workers' logprobs
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return _tensor(a[idx], device)
-
-    def masked(a: np.ndarray) -> torch.Tensor:
-        return t(a) if keep is None else _tensor(a[idx] * keep[:, None].astype(a.dtype), device)
-
-    return LossInputs(logp=fw.logp, behaviour_logp=t(batch.old_logp), ref_logp=ref_lp,
-                      advantages=t(batch.advantages), mask=masked(batch.mask), normalizer=batch.normalizer,
-                      version_lag=batch.version_lag[idx],
-                      token_advantages=None if batch.token_advantages is None else t(batch.token_advantages),
-                      echo_mask=None if echo_alpha is None else masked(batch.echo_mask),
-                      echo_normalizer=batch.echo_normalizer, echo_alpha=echo_alpha, echo_hits=fw.hits)
+    return micro_inputs(batch, idx, fw.logp, to=lambda a: _tensor(a, device), ref_logp=ref_lp,
+                        echo=echo_alpha is not None, echo_alpha=echo_alpha, hits=fw.hits, keep=keep)
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
