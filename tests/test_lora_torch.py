@@ -9,7 +9,15 @@ import torch
 from torch import nn
 
 from stoa.local.torch_lora import QuantLinear
-from stoa.models.lora_torch import LoraSpec, add_lora, from_mlx_lm, lora_delta, lora_disabled, to_mlx_lm
+from stoa.models.lora_torch import (
+    LoraSpec,
+    add_lora,
+    from_mlx_lm,
+    lora_delta,
+    lora_disabled,
+    peft_targets,
+    to_mlx_lm,
+)
 
 
 def test_mlx_lm_names_transpose_the_peft_matrices_and_round_trip() -> None:
@@ -66,3 +74,11 @@ def test_an_adapter_on_a_quantized_linear_adds_its_update_is_bypassed_and_merges
 def test_a_path_that_is_not_a_linear_is_refused() -> None:
     with pytest.raises(ValueError, match="not a linear"):
         add_lora(_One(nn.LayerNorm(4)), LoraSpec(2, 4.0), seed=0, paths=["lin"])
+
+
+def test_peft_targets_are_leaf_names_unless_those_would_adapt_more_linears() -> None:
+    model = nn.ModuleDict({"a": nn.ModuleDict({"q": nn.Linear(4, 4), "k": nn.Linear(4, 4)}),
+                           "b": nn.ModuleDict({"q": nn.Linear(4, 4), "k": nn.Linear(4, 4)})})
+    assert peft_targets(model, ["a.q", "b.q"]) == ("q",)
+    assert peft_targets(model, ["a.q", "b.k", "a.k", "b.q"]) == ("k", "q")
+    assert peft_targets(model, ["a.q", "b.k"]) == ("a.q", "b.k")  # q and k in one layer only: the full paths

@@ -8,8 +8,10 @@ checkpoints (transformers' ``save_pretrained``: fused MoE experts are split per 
 LFM2-MoE's ``expert_bias`` are kept), so ``transformers`` and ``mlx_lm.load`` both open it. A run of the MLX
 backend is read through its mlx-lm adapter names, mapped onto transformers' modules. Next to the model, under
 ``OUT/adapters/``, the run's adapters stay as saved (``adapters.safetensors`` + ``adapter_config.json``, mlx-lm's
-adapter layout); those were trained on the quantized base, so apply them to a base quantized the same way
-(``quant_bits``/``quant_group_size`` in ``adapter_config.json``).
+adapter layout), and under ``OUT/adapter/`` the same adapters as PEFT files, written by the fleet trainer's
+``write_peft`` (the layout of its checkpoints' ``adapter/``; ``PeftModel.from_pretrained`` and ``stoa export``'s
+merge read them). Both were trained on the quantized base, so apply them to a base quantized the same way
+(``quant_bits``/``quant_group_size`` in the mlx-lm ``adapter_config.json``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from stoa.models.hf_dir import ExportError, check_out_dir, write_model_files
 DTYPES = ("float32", "bfloat16")
 ADAPTER_DIR = "adapters"
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
+PEFT_DIR = "adapter"
+"""Where the PEFT adapter goes (the name of the trainer checkpoint's PEFT directory)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class LocalExportResult:
     Args:
         out: the HF directory.
         adapters: the mlx-lm adapter directory inside it.
+        peft: the PEFT adapter directory inside it.
         step: the saved step exported.
         dtype: ``float32`` or ``bfloat16``.
         fused: number of adapted linears fused into the base.
@@ -48,6 +53,7 @@ class LocalExportResult:
 
     out: Path
     adapters: Path
+    peft: Path
     step: int
     dtype: str
     fused: int
@@ -183,6 +189,7 @@ def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         ExportError: no saved run in ``run_dir``, an unknown dtype, OUT not empty.
     """
     from stoa.local.torch_backend import TorchBackend
+    from stoa.models.lora_torch import write_peft
 
     run_dir, out = Path(run_dir), Path(out)
     if dtype not in DTYPES:
@@ -197,6 +204,7 @@ def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         backend.load_adapter_arrays(torch_adapter_names(saved.adapters, set(backend.adapter_arrays())))
     except ValueError as e:
         raise ExportError(f"{saved.path}: {e}; the saved adapters do not fit {cfg.model}") from None
+    peft = write_peft(out / PEFT_DIR, backend.peft_arrays(), backend.spec, cfg.model)
     fused = fuse_into_linears(backend.model)
     echo(f"[export] fused {fused} adapters; writing the model ({dtype}) to {out}")
     nbytes = save_fused(backend.model, out, model_dir, dtype)
@@ -204,4 +212,4 @@ def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
     adapters.mkdir()
     for name in ADAPTER_FILES:
         shutil.copyfile(saved.path / name, adapters / name)
-    return LocalExportResult(out, adapters, saved.step, dtype, fused, nbytes)
+    return LocalExportResult(out, adapters, peft, saved.step, dtype, fused, nbytes)

@@ -29,7 +29,15 @@ from stoa.local.backend import (
     pack_sft,
 )
 from stoa.local.torch_lora import QuantLinear, quantize_base
-from stoa.models.lora_torch import LoraSpec, add_lora, from_mlx_lm, lora_disabled, mlx_lm_name, to_mlx_lm
+from stoa.models.lora_torch import (
+    LoraSpec,
+    add_lora,
+    from_mlx_lm,
+    lora_disabled,
+    mlx_lm_name,
+    peft_targets,
+    to_mlx_lm,
+)
 
 
 class TorchBackend:
@@ -64,7 +72,7 @@ class TorchBackend:
         chosen = quantize_base(model, bits=cfg.quant_bits, group_size=cfg.quant_group_size, packed=self.packed,
                                targets=cfg.lora_targets)
         self.targets = chosen.per_layer
-        self.spec = LoraSpec(cfg.lora_rank, cfg.lora_alpha, tuple(sorted({p.rsplit(".", 1)[-1] for p in chosen.paths})))
+        self.spec = LoraSpec(cfg.lora_rank, cfg.lora_alpha, peft_targets(model, chosen.paths))
         self.lora_paths = add_lora(model, self.spec, cfg.seed, chosen.paths)
         model.to(self.device)
         model.config.use_cache = False

@@ -140,6 +140,20 @@ def add_lora(model: nn.Module, spec: LoraSpec, seed: int, paths: Sequence[str] |
     return list(paths)
 
 
+def peft_targets(model: nn.Module, paths: Sequence[str]) -> tuple[str, ...]:
+    """``target_modules`` that name exactly the linears ``paths`` by PEFT's suffix rule: their leaf names when those
+    pick no other linear of ``model``, else the full paths (a rule such as local mode's that adapts a leaf in some
+    layers only).
+
+    Args:
+        model: the model (before or after ``add_lora``).
+        paths: the adapted module paths.
+    """
+    leaves = tuple(sorted({p.rsplit(".", 1)[-1] for p in paths}))
+    hit = {n for n, m in model.named_modules() if n and _adaptable(m) and matches(n, leaves)}
+    return leaves if hit == set(paths) else tuple(paths)
+
+
 @contextlib.contextmanager
 def lora_disabled(model: nn.Module) -> Iterator[None]:
     """Bypass every adapter of ``model`` inside the block (the base alone: local mode's reference policy).
