@@ -92,7 +92,8 @@ def test_the_peft_adapter_merges_into_the_dequantized_base_as_the_export_fused_i
     config = json.loads((result.peft / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == backend.cfg.lora_rank
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-    peft = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(result.peft / "adapter_model.safetensors")).items()}
+    saved = load_file(str(result.peft / "adapter_model.safetensors"))
+    peft = {k.removeprefix(PEFT_PREFIX): v for k, v in saved.items()}
     assert sorted(peft) == sorted(f"{p}.lora_{m}.weight" for p in backend.lora_paths for m in "AB")
     base = {}
     for path in backend.lora_paths:
