@@ -1,15 +1,32 @@
-"""One micro-batch's ``LossInputs`` from the step's batch, for every trainer: the fleet trainer's step
-(``stoa.trainer.step``) and both local-mode backends (torch and MLX: ``to`` makes the backend's arrays)."""
+"""What one forward of a loss needs, for every trainer: an RL micro-batch's ``LossInputs`` from the step's batch
+(``micro_inputs``: the fleet trainer's step and both local-mode backends; ``to`` makes the backend's arrays), and
+a cold-start micro-batch packed with its action tokens (``pack_sft``, ``action_tokens``: the trainer's
+``stoa.trainer.coldstart`` and local mode's ``sft_step``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
 
 import numpy as np
 
 from stoa.algorithms.base import LossInputs
-from stoa.algorithms.batch import Batch
+from stoa.algorithms.batch import Batch, Packed, pack_rows
+from stoa.rollouts.episode import ROLE_ACTION
+
+
+class RoleRow(Protocol):
+    """A cold-start row (``stoa.episodes.demo_rows.SftRow``): a prompt, the tokens after it and their roles."""
+
+    @property
+    def prompt(self) -> np.ndarray: ...
+
+    @property
+    def tokens(self) -> np.ndarray: ...
+
+    @property
+    def roles(self) -> np.ndarray: ...
 
 
 def micro_inputs(batch: Batch, idx: np.ndarray, logp: Any, *, to: Callable[[np.ndarray], Any],
@@ -55,3 +72,27 @@ def micro_inputs(batch: Batch, idx: np.ndarray, logp: Any, *, to: Callable[[np.n
         token_advantages=None if batch.token_advantages is None else rows(batch.token_advantages),
         echo_mask=masked(batch.echo_mask) if echo else None, echo_normalizer=batch.echo_normalizer,
         echo_alpha=echo_alpha, echo_hits=hits)
+
+
+def action_tokens(rows: Sequence[RoleRow]) -> int:
+    """How many action tokens (``ROLE_ACTION``) the rows hold: the normaliser of a cold-start step.
+
+    Args:
+        rows: the step's rows.
+    """
+    return int(sum(int((r.roles == ROLE_ACTION).sum()) for r in rows))
+
+
+def pack_sft(rows: Sequence[RoleRow]) -> Packed:
+    """One micro-batch of cold-start rows packed for a forward, its mask 1 on action tokens only (prompts and
+    observations carry no loss).
+
+    Args:
+        rows: the micro-batch (each with at least one token after the prompt).
+    """
+    width = max(len(r.tokens) for r in rows)
+    pk = pack_rows([r.prompt for r in rows], [r.tokens for r in rows], width)
+    mask = np.zeros((len(rows), width), np.float32)
+    for j, r in enumerate(rows):
+        mask[j, : len(r.roles)] = r.roles == ROLE_ACTION
+    return replace(pk, mask=mask)

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from stoa.algorithms import Algorithm
-from stoa.algorithms.batch import Batch, Packed, pack_rows
+from stoa.algorithms.batch import Batch
 from stoa.engines import Completion, GenStats
 from stoa.episodes.demo_rows import SftRow
 from stoa.local.targets import choose_targets as choose_targets  # re-exported: the backends import it here
-from stoa.rollouts.episode import ROLE_ACTION
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 """The only parameter names (last path component) that may be trainable."""
@@ -133,29 +132,6 @@ class SftResult(NamedTuple):
     """Mean cross-entropy per action token, before the update."""
     tokens: int
     """Action tokens the step trained on."""
-
-
-def action_tokens(rows: Sequence[SftRow]) -> int:
-    """How many action tokens (``ROLE_ACTION``) the rows hold: the normaliser of a cold-start step.
-
-    Args:
-        rows: the step's rows.
-    """
-    return int(sum(int((r.roles == ROLE_ACTION).sum()) for r in rows))
-
-
-def pack_sft(rows: Sequence[SftRow]) -> Packed:
-    """One micro-batch of cold-start rows packed for a forward, its mask 1 on action tokens only.
-
-    Args:
-        rows: the micro-batch (each with at least one token after the prompt).
-    """
-    width = max(len(r.tokens) for r in rows)
-    pk = pack_rows([r.prompt for r in rows], [r.tokens for r in rows], width)
-    mask = np.zeros((len(rows), width), np.float32)
-    for j, r in enumerate(rows):
-        mask[j, : len(r.roles)] = r.roles == ROLE_ACTION
-    return replace(pk, mask=mask)
 
 
 class EchoPlan(NamedTuple):

@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from stoa.algorithms import Algorithm, combine_metrics
 from stoa.algorithms.batch import Batch, Packed, group_indices, pack
-from stoa.algorithms.inputs import micro_inputs
+from stoa.algorithms.inputs import action_tokens, micro_inputs, pack_sft
+from stoa.algorithms.torch_loss import clip_and_step
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats
 from stoa.engines.torch import TorchEngine, resolve_device
@@ -23,10 +23,8 @@ from stoa.episodes.demo_rows import SftRow
 from stoa.local.backend import (
     ModelSummary,
     SftResult,
-    action_tokens,
     check_same_arrays,
     echo_plan,
-    pack_sft,
 )
 from stoa.local.torch_lora import QuantLinear, quantize_base
 from stoa.models.lora_torch import (
@@ -236,12 +234,7 @@ class TorchBackend:
 
     def apply_update(self) -> float:
         """Clip to ``grad_clip``, AdamW step, clear gradients; returns the pre-clip norm."""
-        params = list(self.params.values())
-        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = float(nn.utils.clip_grad_norm_(params, clip))
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return norm
+        return clip_and_step(list(self.params.values()), self.opt, self.cfg.grad_clip)
 
     def clear_grads(self) -> None:
         """Drop accumulated gradients without stepping."""
@@ -287,9 +280,7 @@ class TorchBackend:
             loss = -logp.float().sum()
             (loss / total).backward()
             loss_sum += float(loss.detach())
-        nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        clip_and_step(params, opt, self.cfg.grad_clip)
         self.model.eval()
         return SftResult(loss_sum / total, action_tokens(rows))
 

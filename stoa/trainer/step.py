@@ -22,6 +22,7 @@ import torch
 from stoa.algorithms import Algorithm, LossInputs, combine_metrics
 from stoa.algorithms.batch import Batch, Trajectory, build_batch, group_indices, micro_batches, pack
 from stoa.algorithms.inputs import micro_inputs
+from stoa.algorithms.torch_loss import clip_and_step
 from stoa.engines.torch_scoring import Scores, to_device
 from stoa.episodes.collect import episode_metrics
 from stoa.layout import rollout_worker
@@ -296,13 +297,9 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 def _apply_update(policy: Policy, opt: torch.optim.Optimizer, grad_clip: float) -> float:
     """Clip the accumulated gradients (0: no clip), step, clear, refresh a bf16 compute copy from the masters;
     returns the pre-clip global norm."""
-    params = [p for p in policy.model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    norm = clip_and_step([p for p in policy.model.parameters() if p.grad is not None], opt, grad_clip)
     policy.refresh_copy()
-    full = getattr(norm, "full_tensor", None)  # a sharded model's norm is a DTensor
-    return float(full() if full is not None else norm)
+    return norm
 
 
 def _step_figures(batch: Batch, loss: float, grad_norm: float, seconds: float) -> dict[str, float]:

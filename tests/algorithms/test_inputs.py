@@ -1,4 +1,5 @@
-"""``micro_inputs``: one micro-batch's loss inputs, the same builder for the fleet trainer's step and local mode."""
+"""What one forward of a loss needs, shared by the fleet trainer and local mode: micro-batch loss inputs, cold-start
+packing, the clipped optimizer step."""
 
 from __future__ import annotations
 
@@ -50,3 +51,31 @@ def test_without_old_logprobs_the_forward_is_its_own_old_policy_and_kept_rows_ma
     np.testing.assert_array_equal(inp.mask, np.stack([b.mask[0], np.zeros(b.width)]))
     np.testing.assert_array_equal(inp.echo_mask, np.zeros((2, b.width)))  # single-turn rows: no echo token
     assert inp.echo_alpha == 0.5 and inp.ref_logp is None
+
+
+def test_a_cold_start_micro_batch_scores_the_action_tokens_only():
+    from stoa.algorithms.inputs import action_tokens, pack_sft
+    from stoa.episodes.demo_rows import SftRow
+
+    rows = [SftRow(np.array([1, 2], np.int32), np.array([5, 6, 7, 8], np.int32), np.array([1, 0, 0, 1], np.int8)),
+            SftRow(np.array([3], np.int32), np.array([9, 10], np.int32), np.array([1, 1], np.int8))]
+    pk = pack_sft(rows)
+    np.testing.assert_array_equal(pk.mask, [[1, 0, 0, 1], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(pk.targets[0], [5, 6, 7, 8])
+    assert action_tokens(rows) == 4 == int(pk.mask.sum())
+
+
+def test_clip_and_step_clips_the_global_norm_steps_and_clears():
+    import torch
+
+    from stoa.algorithms.torch_loss import clip_and_step
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    p.grad = torch.tensor([3.0, 4.0])
+    assert clip_and_step([p], opt, grad_clip=1.0) == pytest.approx(5.0)
+    torch.testing.assert_close(p.detach(), torch.tensor([-0.6, -0.8]))  # the clipped gradient, norm 1
+    assert p.grad is None
+    p.grad = torch.tensor([3.0, 4.0])
+    assert clip_and_step([p], opt, grad_clip=0.0) == pytest.approx(5.0)  # 0: no clip
+    torch.testing.assert_close(p.detach(), torch.tensor([-3.6, -4.8]))
