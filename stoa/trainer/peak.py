@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from stoa.config.memory import GB, Candidate, FitReport, activation_bytes, check_fit, lora_params, refuse
+from stoa.config.memory import GB, Candidate, FitReport, activation_bytes, check_fit, halvings, lora_params, refuse
 from stoa.machine import system_memory
 from stoa.models.shapes import ModelShape
 from stoa.tokenize import TextCodec
@@ -293,14 +293,6 @@ def prompt_length(task: Any, model_dir: Path | None, n: int = 256) -> PromptLeng
                         f"longest of {len(prompts)} held-out prompts")
 
 
-def _halvings(value: int) -> list[int]:
-    out, v = [], value // 2
-    while v >= 1:
-        out.append(v)
-        v //= 2
-    return out
-
-
 def _knobs(cfg: Any, max_world: int) -> Any:
     """Workload -> each knob's settings in order of preference: a smaller micro-batch, gradient checkpointing,
     more ranks (doubling up to ``max_world``), no reference."""
@@ -308,7 +300,7 @@ def _knobs(cfg: Any, max_world: int) -> Any:
 
     def knobs(w: Workload) -> list[list[Candidate[Workload]]]:
         micro = [] if shared else [Candidate("micro_batch", f"--micro-batch {m}", w._replace(micro_batch=m))
-                                   for m in _halvings(w.micro_batch)]
+                                   for m in halvings(w.micro_batch)]
         rows = cfg.groups_per_step * cfg.n_samples  # checkpointing ends a shared-prefix run's one group per pass
         ckpt = [] if w.gradient_checkpointing else [Candidate(
             "gradient_checkpointing", "--gradient-checkpointing",
