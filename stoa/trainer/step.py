@@ -27,7 +27,7 @@ from stoa.engines.torch_scoring import Scores, to_device
 from stoa.episodes.collect import episode_metrics
 from stoa.layout import rollout_worker
 from stoa.trainer.dist import SINGLE, Dist, split_groups
-from stoa.trainer.policy import Policy
+from stoa.trainer.policy import Policy, Reference
 from stoa.trainer.pool import Entry, PoolStats
 from stoa.trainer.quarantine import Disagreement, disagreement_values
 from stoa.trainer.recompute_check import RecomputeCheck
@@ -136,7 +136,7 @@ def echo_step(batch: Batch, algo: Algorithm, step: int, total_steps: int) -> Ech
 
 def train_step(
     policy: Policy,
-    ref: Policy | None,
+    ref: Reference | None,
     opt: torch.optim.Optimizer,
     algo: Algorithm,
     entries: Sequence[Entry],
@@ -160,7 +160,7 @@ def train_step(
 
     Args:
         policy: the trainable policy.
-        ref: frozen reference policy, or ``None`` when the KL coefficient is 0.
+        ref: frozen reference policy (a LoRA policy's: its ``BaseView``), or ``None`` when the KL coefficient is 0.
         opt: the optimizer.
         algo: the algorithm (torch backend).
         entries: the groups of this step.
@@ -260,7 +260,7 @@ def rank_micro_batches(batch: Batch, dist: Dist, micro_batch: int, shared_prefix
     return mine, max(len(s) for s in shares) - len(mine)
 
 
-def _forward(policy: Policy, ref: Policy | None, batch: Batch, idx: np.ndarray, shared_prefix: bool,
+def _forward(policy: Policy, ref: Reference | None, batch: Batch, idx: np.ndarray, shared_prefix: bool,
              echo: EchoStep) -> tuple[Scores, torch.Tensor | None]:
     """The policy's scores of a micro-batch's rows (logprobs [b, T] with gradient, argmax hits when the echo
     term is on) and the reference's logprobs (or None), on the positions ``echo.scored`` marks."""
