@@ -1,14 +1,14 @@
 """``stoa local export``: fuse a local run's LoRA adapters into its base and write a Hugging Face directory.
 
-The fused model is what the run computes: each adapted linear becomes ``W + scale * (lora_a @ lora_b)^T`` with
-``W`` the base dequantized exactly as training saw it (the quantizer is MLX's, bit for bit, so this holds for
-runs of either backend on float32 weights), and every other quantized linear becomes its dequantized weight.
-The result is written in float32 (default) or bfloat16 under the tensor names of the family's own Hugging Face
-checkpoints (transformers' ``save_pretrained``: fused MoE experts are split per expert again, buffers such as
-LFM2-MoE's ``expert_bias`` are kept), so ``transformers`` and ``mlx_lm.load`` both open it. A run of the MLX
-backend is read through its mlx-lm adapter names, mapped onto transformers' modules. Next to the model, under
-``OUT/adapters/``, the run's adapters stay as saved (``adapters.safetensors`` + ``adapter_config.json``, mlx-lm's
-adapter layout), and under ``OUT/adapter/`` the same adapters as PEFT files, written by the fleet trainer's
+The fused model is what the run computes: each adapted linear becomes ``W + scale * (lora_a @ lora_b)^T`` with ``W``
+the base dequantized exactly as training saw it (the quantizer is MLX's, bit for bit, so this holds for runs of
+either backend on float32 weights), and every other quantized linear becomes its dequantized weight. The result is
+written in float32 (default) or bfloat16 under the tensor names of the family's own Hugging Face checkpoints, by
+``stoa export``'s writer (``checkpoint_names``: fused MoE experts are split per expert again; ``write_hf_dir``;
+buffers such as LFM2-MoE's ``expert_bias`` are kept), so ``transformers`` and ``mlx_lm.load`` both open it. A run of
+the MLX backend is read through its mlx-lm adapter names, mapped onto transformers' modules. Next to the model,
+under ``OUT/adapters/``, the run's adapters stay as saved (``adapters.safetensors`` + ``adapter_config.json``,
+mlx-lm's adapter layout), and under ``OUT/adapter/`` the same adapters as PEFT files, written by the fleet trainer's
 ``write_peft`` (the layout of its checkpoints' ``adapter/``; ``PeftModel.from_pretrained`` and ``stoa export``'s
 merge read them). Both were trained on the quantized base, so apply them to a base quantized the same way
 (``quant_bits``/``quant_group_size`` in the mlx-lm ``adapter_config.json``).
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from stoa.config import ConfigError
 from stoa.config.local import load_local_config
 from stoa.local.saved import find_latest
 from stoa.models import resolve_model
-from stoa.models.hf_dir import ExportError, check_out_dir, write_model_files
+from stoa.models.hf_dir import ExportError, check_out_dir, checkpoint_names, write_hf_dir
 
 DTYPES = ("float32", "bfloat16")
 ADAPTER_DIR = "adapters"
@@ -149,30 +148,26 @@ def torch_adapter_names(arrays: dict[str, Any], expected: set[str]) -> dict[str,
 
 
 def save_fused(model: Any, out: Path, model_dir: Path, dtype: str) -> int:
-    """Write a fused model's weights with transformers' ``save_pretrained`` (the checkpoint names of its
-    family) and the config and tokenizer files of ``model_dir``.
+    """Write a fused model as ``stoa export`` writes a run's weights: its tensors (``model_tensors``: parameters,
+    tied ones once, and the checkpoint's buffers) under the family's checkpoint names (``checkpoint_names``), with
+    the config and tokenizer files of ``model_dir`` (``write_hf_dir``).
 
     Args:
-        model: the fused HF model (cast to ``dtype`` in place).
+        model: the fused HF model.
         out: the target directory.
         model_dir: the base model's directory (config and tokenizer files).
         dtype: ``float32`` or ``bfloat16``.
 
     Returns:
-        the size of the weight files in bytes.
+        the size of ``model.safetensors`` in bytes.
     """
     import torch
 
-    write_model_files(out, model_dir, dtype)
-    model.to(getattr(torch, dtype))
-    nbytes = 0
-    with tempfile.TemporaryDirectory(dir=out) as tmp:
-        model.save_pretrained(tmp)
-        for f in sorted(Path(tmp).iterdir()):
-            if f.name.endswith((".safetensors", ".safetensors.index.json")):
-                nbytes += f.stat().st_size if f.name.endswith(".safetensors") else 0
-                f.rename(out / f.name)
-    return nbytes
+    from stoa.engines.torch import model_tensors
+
+    cast = getattr(torch, dtype)
+    tensors = {k: v.detach().to(cast) for k, v in model_tensors(model).items()}
+    return write_hf_dir(out, checkpoint_names(tensors, model), model_dir, dtype)
 
 
 def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str = "float32",
