@@ -1,4 +1,4 @@
-"""LoRA adapters on a torch HF causal LM, laid out and named as PEFT does, for the fleet trainer.
+"""LoRA adapters on a torch HF causal LM, laid out and named as PEFT does, for the fleet trainer and local mode.
 
 Each targeted ``nn.Linear`` keeps its (frozen) ``weight`` and gains two bias-free submodules, ``lora_A``
 [r, in] (uniform in +-1/sqrt(in), PEFT's kaiming default) and ``lora_B`` [out, r] (zero, so a fresh adapter
@@ -9,7 +9,9 @@ saved keys are ``base_model.model.`` + that (``peft_state``). The merged weight 
 Local mode's torch backend uses these adapters too, on its quantized linears (``stoa.local.torch_lora.QuantLinear``,
 any module with ``in_features``/``out_features``), at the paths its target rule picks (``add_lora(paths=...)``); its
 saved state keeps mlx-lm's adapter names and layout (``to_mlx_lm``: ``<module>.lora_a`` [in, r], ``.lora_b``
-[r, out]), which the MLX backend trains, and ``lora_disabled`` bypasses every adapter (its reference policy).
+[r, out]), which the MLX backend trains, and ``lora_disabled`` bypasses every adapter (the reference policy of
+both: a LoRA fleet run's ``stoa.trainer.policy.BaseView``). ``stoa local export`` writes the PEFT files with
+``write_peft`` too, naming exactly the adapted linears (``peft_targets``).
 """
 
 from __future__ import annotations
