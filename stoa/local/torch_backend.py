@@ -80,7 +80,6 @@ class TorchBackend:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model
-        self.attention_only = attention_only(model.config)
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.sft_opt: torch.optim.AdamW | None = None
@@ -174,16 +173,14 @@ class TorchBackend:
         """Reference logprobs [B, T] with every adapter bypassed, group by group with the prompt run once.
 
         The KL term needs no bitwise agreement with the update's forward, so the reference uses the
-        shared-prefix forward (about 1e-6 from the full one in float32). Hybrid stacks (conv or linear-attention
-        layers, whose cache state cannot be repeated per row here) use the full forward per micro-batch.
+        shared-prefix forward (about 1e-6 from the full one in float32), the fleet trainer's
+        (``stoa.engines.torch_scoring.group_score``: every cache kind, hybrid stacks' conv and linear-attention
+        states included, repeated per row).
 
         Args:
             batch: the step's batch.
-            micro: row indices per micro-batch (used by the full-forward fallback).
+            micro: row indices per micro-batch (unused: one forward per group).
         """
-        if not self.attention_only:
-            with self.adapters_disabled():
-                return self._score(batch, micro)
         self.model.eval()
         out = np.zeros(batch.mask.shape, dtype=np.float32)
         with self.adapters_disabled():
@@ -364,18 +361,3 @@ class TorchBackend:
             trainable_params=int(sum(p.numel() for _, p in named)), trainable_names=trainable,
             quantized_linears=len(quant),
             extra={"base_storage": "packed" if self.packed else "dequantized", "device": str(self.device)})
-
-
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-"""``config.layer_types`` entries whose cache is a plain KV cache (anything else is a conv or recurrent state)."""
-
-
-def attention_only(config: Any) -> bool:
-    """Whether every decoder layer is attention (no conv / linear-attention state), from ``layer_types``.
-
-    Args:
-        config: the HF model config (a nested ``text_config`` is read).
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    types = getattr(text, "layer_types", None) or []
-    return all(t in ATTENTION_LAYER_TYPES for t in types)
