@@ -87,3 +87,11 @@ def test_trainer_checkpointing_fix_keeps_bf16():
     report = fit(cfg, smol, base, Budget(estimate_peak(smol, ckpt).total + 0.001, "test"), max_world=1)
     assert report.fix is not None and report.fix.knob == "gradient_checkpointing"
     assert report.suggested == ckpt and report.fix.estimate == estimate_peak(smol, ckpt)
+
+
+def test_halvings_are_both_modes_knob_candidates():
+    from stoa.config.memory import halvings
+
+    assert halvings(8) == [4, 2, 1]  # the trainer's micro_batch
+    assert halvings(100, 16) == [50, 25, 16]  # local mode's lengths end at their floor
+    assert halvings(64, 16) == [32, 16] and halvings(16, 16) == [] and halvings(1) == []

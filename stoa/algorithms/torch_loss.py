@@ -1,4 +1,6 @@
-"""The torch backend of the loss math: the Ops shim over torch tensors and a token-logprob helper."""
+"""The torch backend of the loss math: the Ops shim over torch tensors, a token-logprob helper, and the clipped
+optimizer step every torch trainer takes (``clip_and_step``: the fleet trainer's step and cold start, local mode's
+torch backend)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,22 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     """
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return torch.gather(logp, -1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def clip_and_step(params: Sequence[torch.Tensor], opt: torch.optim.Optimizer, grad_clip: float) -> float:
+    """Clip the accumulated gradients to a global norm of ``grad_clip`` (0: no clip), step, clear them (to None);
+    the pre-clip global norm (a sharded model's norm, a DTensor, made whole).
+
+    Args:
+        params: the parameters the optimizer steps.
+        opt: the optimizer.
+        grad_clip: the largest global gradient norm (0: no clip).
+    """
+    norm = torch.nn.utils.clip_grad_norm_(list(params), grad_clip if grad_clip > 0 else float("inf"))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
 
 
 def token_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

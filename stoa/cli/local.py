@@ -163,5 +163,6 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"stoa local export: {e}", file=sys.stderr)
         return EXIT_EXPORT_REFUSED
     print(f"[export] wrote step {result.step} ({result.fused} adapters fused, {result.dtype}, "
-          f"{result.nbytes / 1e6:.1f} MB) to {result.out}; mlx-lm adapters in {result.adapters}")
+          f"{result.nbytes / 1e6:.1f} MB) to {result.out}; mlx-lm adapters in {result.adapters}, "
+          f"PEFT adapter in {result.peft}")
     return 0

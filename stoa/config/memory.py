@@ -19,7 +19,7 @@ from stoa.config.base import ConfigError
 from stoa.models.shapes import ModelShape
 
 __all__ = ["ACT_ATTN", "ACT_H", "ACT_I", "GB", "Candidate", "Estimate", "FitReport", "Fix", "MemoryPreflightError",
-           "activation_bytes", "check_fit", "lora_params", "refuse"]
+           "activation_bytes", "check_fit", "halvings", "lora_params", "refuse"]
 
 GB = 1e9
 ACT_H, ACT_I, ACT_ATTN = 10.0, 5.0, 2.0
@@ -69,6 +69,23 @@ def lora_params(shape: ModelShape, rank: int, targets: Iterable[str]) -> int:
     ts = tuple(targets)
     return sum(rank * (i + o) for layer in range(shape.layers) for path, (i, o) in shape.layer_linears(layer).items()
                if any(path == t or path.endswith("." + t) for t in ts))
+
+
+def halvings(value: int, floor: int = 1) -> list[int]:
+    """A knob's candidate settings: ``value`` halved until ``floor``, ending at ``floor`` itself (nothing when
+    ``value`` is at or below it).
+
+    Args:
+        value: the current setting.
+        floor: the smallest setting worth trying.
+    """
+    out, v = [], value // 2
+    while v >= floor:
+        out.append(v)
+        v //= 2
+    if value > floor and (not out or out[-1] != floor):
+        out.append(floor)
+    return out
 
 
 class Estimate(Protocol):

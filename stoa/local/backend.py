@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from stoa.algorithms import Algorithm, LossInputs
-from stoa.algorithms.batch import Batch, Packed, pack_rows
+from stoa.algorithms import Algorithm
+from stoa.algorithms.batch import Batch
 from stoa.engines import Completion, GenStats
 from stoa.episodes.demo_rows import SftRow
 from stoa.local.targets import choose_targets as choose_targets  # re-exported: the backends import it here
-from stoa.rollouts.episode import ROLE_ACTION
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 """The only parameter names (last path component) that may be trainable."""
@@ -135,29 +134,6 @@ class SftResult(NamedTuple):
     """Action tokens the step trained on."""
 
 
-def action_tokens(rows: Sequence[SftRow]) -> int:
-    """How many action tokens (``ROLE_ACTION``) the rows hold: the normaliser of a cold-start step.
-
-    Args:
-        rows: the step's rows.
-    """
-    return int(sum(int((r.roles == ROLE_ACTION).sum()) for r in rows))
-
-
-def pack_sft(rows: Sequence[SftRow]) -> Packed:
-    """One micro-batch of cold-start rows packed for a forward, its mask 1 on action tokens only.
-
-    Args:
-        rows: the micro-batch (each with at least one token after the prompt).
-    """
-    width = max(len(r.tokens) for r in rows)
-    pk = pack_rows([r.prompt for r in rows], [r.tokens for r in rows], width)
-    mask = np.zeros((len(rows), width), np.float32)
-    for j, r in enumerate(rows):
-        mask[j, : len(r.roles)] = r.roles == ROLE_ACTION
-    return replace(pk, mask=mask)
-
-
 class EchoPlan(NamedTuple):
     """What one step's forwards must supply for the ECHO term of a batch."""
 
@@ -180,31 +156,6 @@ def echo_plan(batch: Batch, algo: Algorithm, echo_alpha: float | None) -> EchoPl
     echo = bool(np.any(batch.echo_mask > 0))
     alpha = algo.cfg.echo_alpha if echo_alpha is None else echo_alpha
     return EchoPlan(echo, echo and alpha > 0, echo_alpha)
-
-
-def loss_inputs(pk: Packed, logp: Any, batch: Batch, plan: EchoPlan, *, to: Callable[[np.ndarray], Any],
-                stop: Callable[[Any], Any], hits: Any = None) -> LossInputs[Any]:
-    """``LossInputs`` of one packed micro-batch, in a backend's arrays.
-
-    The old policy is ``pk.old_logp`` or, without it, this forward's own logprobs (stop-gradient); the
-    per-token (GiGPO) advantages and the echo fields come along when the batch has them.
-
-    Args:
-        pk: the packed micro-batch.
-        logp: [b, T] current-policy logprobs at every position (with gradient).
-        batch: the step's batch (the whole-batch normalisers).
-        plan: ``echo_plan`` of the batch.
-        to: numpy -> backend array.
-        stop: stop-gradient of a backend array.
-        hits: [b, T] argmax hits when ``plan.hits``.
-    """
-    return LossInputs(
-        logp=logp, behaviour_logp=stop(logp) if pk.old_logp is None else to(pk.old_logp),
-        ref_logp=None if pk.ref_logp is None else to(pk.ref_logp), advantages=to(pk.advantages),
-        mask=to(pk.mask), normalizer=batch.normalizer,
-        token_advantages=None if pk.token_advantages is None else to(pk.token_advantages),
-        echo_mask=to(pk.echo_mask) if plan.echo and pk.echo_mask is not None else None,
-        echo_normalizer=batch.echo_normalizer, echo_alpha=plan.alpha, echo_hits=hits if plan.hits else None)
 
 
 def check_same_arrays(have: dict[str, np.ndarray], got: dict[str, np.ndarray], what: str) -> None:

@@ -1,22 +1,23 @@
 """``stoa local export``: fuse a local run's LoRA adapters into its base and write a Hugging Face directory.
 
-The fused model is what the run computes: each adapted linear becomes ``W + scale * (lora_a @ lora_b)^T`` with
-``W`` the base dequantized exactly as training saw it (the quantizer is MLX's, bit for bit, so this holds for
-runs of either backend on float32 weights), and every other quantized linear becomes its dequantized weight.
-The result is written in float32 (default) or bfloat16 under the tensor names of the family's own Hugging Face
-checkpoints (transformers' ``save_pretrained``: fused MoE experts are split per expert again, buffers such as
-LFM2-MoE's ``expert_bias`` are kept), so ``transformers`` and ``mlx_lm.load`` both open it. A run of the MLX
-backend is read through its mlx-lm adapter names, mapped onto transformers' modules. Next to the model, under
-``OUT/adapters/``, the run's adapters stay as saved (``adapters.safetensors`` + ``adapter_config.json``, mlx-lm's
-adapter layout); those were trained on the quantized base, so apply them to a base quantized the same way
-(``quant_bits``/``quant_group_size`` in ``adapter_config.json``).
+The fused model is what the run computes: each adapted linear becomes ``W + scale * (lora_a @ lora_b)^T`` with ``W``
+the base dequantized exactly as training saw it (the quantizer is MLX's, bit for bit, so this holds for runs of
+either backend on float32 weights), and every other quantized linear becomes its dequantized weight. The result is
+written in float32 (default) or bfloat16 under the tensor names of the family's own Hugging Face checkpoints, by
+``stoa export``'s writer (``checkpoint_names``: fused MoE experts are split per expert again; ``write_hf_dir``;
+buffers such as LFM2-MoE's ``expert_bias`` are kept), so ``transformers`` and ``mlx_lm.load`` both open it. A run of
+the MLX backend is read through its mlx-lm adapter names, mapped onto transformers' modules. Next to the model,
+under ``OUT/adapters/``, the run's adapters stay as saved (``adapters.safetensors`` + ``adapter_config.json``,
+mlx-lm's adapter layout), and under ``OUT/adapter/`` the same adapters as PEFT files, written by the fleet trainer's
+``write_peft`` (the layout of its checkpoints' ``adapter/``; ``PeftModel.from_pretrained`` and ``stoa export``'s
+merge read them). Both were trained on the quantized base, so apply them to a base quantized the same way
+(``quant_bits``/``quant_group_size`` in the mlx-lm ``adapter_config.json``).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +27,13 @@ from stoa.config import ConfigError
 from stoa.config.local import load_local_config
 from stoa.local.saved import find_latest
 from stoa.models import resolve_model
-from stoa.models.hf_dir import ExportError, check_out_dir, write_model_files
+from stoa.models.hf_dir import ExportError, check_out_dir, checkpoint_names, write_hf_dir
 
 DTYPES = ("float32", "bfloat16")
 ADAPTER_DIR = "adapters"
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
+PEFT_DIR = "adapter"
+"""Where the PEFT adapter goes (the name of the trainer checkpoint's PEFT directory)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class LocalExportResult:
     Args:
         out: the HF directory.
         adapters: the mlx-lm adapter directory inside it.
+        peft: the PEFT adapter directory inside it.
         step: the saved step exported.
         dtype: ``float32`` or ``bfloat16``.
         fused: number of adapted linears fused into the base.
@@ -48,6 +52,7 @@ class LocalExportResult:
 
     out: Path
     adapters: Path
+    peft: Path
     step: int
     dtype: str
     fused: int
@@ -55,7 +60,8 @@ class LocalExportResult:
 
 
 def fuse_into_linears(model: Any) -> int:
-    """Replace every LoRA wrapper and quantized linear of a torch backend's model by a plain ``nn.Linear``.
+    """Replace every adapted linear and quantized linear of a torch backend's model by a plain ``nn.Linear``
+    (an adapted one holds ``W + scale * B @ A``: ``stoa.models.lora_torch.lora_delta``, as the trainer merges).
 
     Args:
         model: the HF model of a ``TorchBackend`` (modified in place).
@@ -66,7 +72,8 @@ def fuse_into_linears(model: Any) -> int:
     import torch
     from torch import nn
 
-    from stoa.local.torch_lora import LoRALinear, QuantLinear
+    from stoa.local.torch_lora import QuantLinear
+    from stoa.models.lora_torch import lora_delta
 
     def plain(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
         lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
@@ -77,24 +84,16 @@ def fuse_into_linears(model: Any) -> int:
         return lin
 
     fused = 0
-    replaced: list[str] = []
     with torch.no_grad():
         for name, module in list(model.named_modules()):
-            if any(name.startswith(r + ".") for r in replaced):
-                continue  # the base inside a LoRA wrapper already fused: its parent is gone
-            if isinstance(module, LoRALinear):
-                base: Any = module.linear
-                w = base.dequantized() if isinstance(base, QuantLinear) else base.weight
-                w = w.float() + module.scale * (module.lora_a.float() @ module.lora_b.float()).T
-                new = plain(w, base.bias)
-                fused += 1
-            elif isinstance(module, QuantLinear):
-                new = plain(module.dequantized(), module.bias)
-            else:
+            adapted = "lora_scale" in module.__dict__
+            if not adapted and not isinstance(module, QuantLinear):
                 continue
+            w = module.dequantized() if isinstance(module, QuantLinear) else module.weight
+            new = plain(w.float() + lora_delta(module) if adapted else w, module.bias)
+            fused += adapted
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, new)
-            replaced.append(name)
     return fused
 
 
@@ -149,30 +148,26 @@ def torch_adapter_names(arrays: dict[str, Any], expected: set[str]) -> dict[str,
 
 
 def save_fused(model: Any, out: Path, model_dir: Path, dtype: str) -> int:
-    """Write a fused model's weights with transformers' ``save_pretrained`` (the checkpoint names of its
-    family) and the config and tokenizer files of ``model_dir``.
+    """Write a fused model as ``stoa export`` writes a run's weights: its tensors (``model_tensors``: parameters,
+    tied ones once, and the checkpoint's buffers) under the family's checkpoint names (``checkpoint_names``), with
+    the config and tokenizer files of ``model_dir`` (``write_hf_dir``).
 
     Args:
-        model: the fused HF model (cast to ``dtype`` in place).
+        model: the fused HF model.
         out: the target directory.
         model_dir: the base model's directory (config and tokenizer files).
         dtype: ``float32`` or ``bfloat16``.
 
     Returns:
-        the size of the weight files in bytes.
+        the size of ``model.safetensors`` in bytes.
     """
     import torch
 
-    write_model_files(out, model_dir, dtype)
-    model.to(getattr(torch, dtype))
-    nbytes = 0
-    with tempfile.TemporaryDirectory(dir=out) as tmp:
-        model.save_pretrained(tmp)
-        for f in sorted(Path(tmp).iterdir()):
-            if f.name.endswith((".safetensors", ".safetensors.index.json")):
-                nbytes += f.stat().st_size if f.name.endswith(".safetensors") else 0
-                f.rename(out / f.name)
-    return nbytes
+    from stoa.engines.torch import model_tensors
+
+    cast = getattr(torch, dtype)
+    tensors = {k: v.detach().to(cast) for k, v in model_tensors(model).items()}
+    return write_hf_dir(out, checkpoint_names(tensors, model), model_dir, dtype)
 
 
 def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str = "float32",
@@ -189,6 +184,7 @@ def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         ExportError: no saved run in ``run_dir``, an unknown dtype, OUT not empty.
     """
     from stoa.local.torch_backend import TorchBackend
+    from stoa.models.lora_torch import write_peft
 
     run_dir, out = Path(run_dir), Path(out)
     if dtype not in DTYPES:
@@ -203,6 +199,7 @@ def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
         backend.load_adapter_arrays(torch_adapter_names(saved.adapters, set(backend.adapter_arrays())))
     except ValueError as e:
         raise ExportError(f"{saved.path}: {e}; the saved adapters do not fit {cfg.model}") from None
+    peft = write_peft(out / PEFT_DIR, backend.peft_arrays(), backend.spec, cfg.model)
     fused = fuse_into_linears(backend.model)
     echo(f"[export] fused {fused} adapters; writing the model ({dtype}) to {out}")
     nbytes = save_fused(backend.model, out, model_dir, dtype)
@@ -210,4 +207,4 @@ def export_local(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
     adapters.mkdir()
     for name in ADAPTER_FILES:
         shutil.copyfile(saved.path / name, adapters / name)
-    return LocalExportResult(out, adapters, saved.step, dtype, fused, nbytes)
+    return LocalExportResult(out, adapters, peft, saved.step, dtype, fused, nbytes)

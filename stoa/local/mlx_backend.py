@@ -15,6 +15,7 @@ from mlx.utils import tree_map, tree_unflatten
 
 from stoa.algorithms import Algorithm, combine_metrics
 from stoa.algorithms.batch import Batch, Packed, group_rows, pack
+from stoa.algorithms.inputs import micro_inputs
 from stoa.algorithms.mlx_loss import token_hits, token_logprobs
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats, engine_from_model
@@ -28,7 +29,6 @@ from stoa.local.backend import (
     check_same_arrays,
     choose_targets,
     echo_plan,
-    loss_inputs,
 )
 from stoa.local.mlx_parts import (
     DeferredDiagnostics,
@@ -151,11 +151,12 @@ class MLXBackend:
             hidden = mx.concatenate([hidden, rest], axis=1)
         return token_logprobs(self._head(hidden), mx.array(tokens), self.temperature)
 
-    def _loss(self, pk: Packed, batch: Batch, plan: EchoPlan, algo: Algorithm
+    def _loss(self, pk: Packed, idx: np.ndarray, batch: Batch, plan: EchoPlan, algo: Algorithm
               ) -> tuple[mx.array, mx.array, mx.array]:
-        """(loss, logprobs, argmax hits) of one micro-batch; ``algo`` runs on deferred-diagnostics ops (no eval)."""
+        """(loss, logprobs, argmax hits) of one micro-batch (``pk`` packs the rows ``idx``); ``algo`` runs on
+        deferred-diagnostics ops (no eval)."""
         logp, hits = self._logp(mx.array(pk.input_ids), mx.array(pk.pos), mx.array(pk.targets), plan.hits)
-        loss, _ = algo.loss(loss_inputs(pk, logp, batch, plan, to=mx.array, stop=mx.stop_gradient, hits=hits))
+        loss, _ = algo.loss(_inputs(batch, idx, logp, plan, hits))
         return loss, logp, hits
 
     def _set_checkpointing(self, on: bool) -> None:
@@ -249,12 +250,11 @@ class MLXBackend:
         try:
             for idx in micro:
                 pk = pack(batch, idx)
-                (loss, logp, hits), grads = value_and_grad(pk, batch, plan, lazy)
+                (loss, logp, hits), grads = value_and_grad(pk, idx, batch, plan, lazy)
                 self._grads = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
                 mx.eval(self._grads, loss, logp, hits)
                 total += float(loss.item())
-                parts.append(algo.loss(loss_inputs(pk, logp, batch, plan, to=mx.array, stop=mx.stop_gradient,
-                                                   hits=hits))[1])
+                parts.append(algo.loss(_inputs(batch, idx, logp, plan, hits))[1])
                 filled[idx] = np.array(logp) * pk.mask
         finally:
             self._set_checkpointing(False)
@@ -384,6 +384,12 @@ class MLXBackend:
             trainable_params=n_train, trainable_names=[k for k, _ in flat],
             quantized_linears=sum(1 for _, m in self.model.named_modules() if _is_quantized(m)),
             extra={"dtype": dtype_name, "device": str(mx.default_device())})
+
+
+def _inputs(batch: Batch, idx: np.ndarray, logp: mx.array, plan: EchoPlan, hits: mx.array) -> Any:
+    """The loss inputs of the rows ``idx`` in MLX arrays (``stoa.algorithms.inputs.micro_inputs``, the trainer's)."""
+    return micro_inputs(batch, idx, logp, to=mx.array, stop=mx.stop_gradient, echo=plan.echo, echo_alpha=plan.alpha,
+                        hits=hits if plan.hits else None, lags=False)
 
 
 def _is_quantized(m: nn.Module) -> bool:

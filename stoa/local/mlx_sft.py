@@ -12,8 +12,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
+from stoa.algorithms.inputs import action_tokens, pack_sft
 from stoa.episodes.demo_rows import SftRow
-from stoa.local.backend import SftResult, action_tokens, pack_sft
+from stoa.local.backend import SftResult
 
 __all__ = ["sft_step"]
 

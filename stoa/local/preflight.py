@@ -9,7 +9,7 @@ from typing import Any
 
 from stoa.config import ConfigError
 from stoa.config.local import LocalConfig, is_apple_silicon, resolve_backend
-from stoa.config.memory import GB, Candidate, FitReport, activation_bytes, check_fit, refuse
+from stoa.config.memory import GB, Candidate, FitReport, activation_bytes, check_fit, halvings, refuse
 from stoa.local.targets import choose_targets, is_router
 from stoa.machine import system_memory
 from stoa.models.shapes import ModelShape
@@ -178,16 +178,6 @@ def available_memory_gb(cfg: LocalConfig) -> tuple[float, str]:
     return system_memory()
 
 
-def _halvings(value: int, floor: int) -> list[int]:
-    out, v = [], value // 2
-    while v >= floor:
-        out.append(v)
-        v //= 2
-    if value > floor and (not out or out[-1] != floor):
-        out.append(floor)
-    return out
-
-
 def _knobs(start: LocalConfig, total: int | None) -> Any:
     """Config -> each knob's settings, smallest change first: gradient checkpointing, the micro-batch (it does not
     change the update), the group size G, the completion length (a multi-turn task's ``max_total_tokens``)."""
@@ -198,17 +188,17 @@ def _knobs(start: LocalConfig, total: int | None) -> Any:
     def knobs(c: LocalConfig) -> list[list[Candidate[LocalConfig]]]:
         if total is None:
             length = [Candidate("max_new_tokens", f"max_new_tokens = {v}", rep(c, max_new_tokens=v))
-                      for v in _halvings(c.max_new_tokens, 16)]
+                      for v in halvings(c.max_new_tokens, 16)]
         else:
             length = [Candidate("max_total_tokens", f"max_total_tokens = {v}",
                                 _with_task_option(c, "max_total_tokens", v))
-                      for v in _halvings(_length(c, start, total), 16)]
+                      for v in halvings(_length(c, start, total), 16)]
         return [
             [] if c.gradient_checkpointing else
             [Candidate("gradient_checkpointing", "gradient_checkpointing = true", rep(c, gradient_checkpointing=True))],
             [Candidate("micro_batch", f"micro_batch = {m}", rep(c, micro_batch=m))
-             for m in _halvings(min(c.micro_batch or rows, micro), 1)],
-            [Candidate("n_samples", f"n_samples = {g}", rep(c, n_samples=g)) for g in _halvings(c.n_samples, 2)],
+             for m in halvings(min(c.micro_batch or rows, micro), 1)],
+            [Candidate("n_samples", f"n_samples = {g}", rep(c, n_samples=g)) for g in halvings(c.n_samples, 2)],
             length,
         ]
 

@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from stoa.algorithms import Algorithm, combine_metrics
 from stoa.algorithms.batch import Batch, Packed, group_indices, pack
+from stoa.algorithms.inputs import action_tokens, micro_inputs, pack_sft
+from stoa.algorithms.torch_loss import clip_and_step
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats
 from stoa.engines.torch import TorchEngine, resolve_device
@@ -22,17 +23,27 @@ from stoa.episodes.demo_rows import SftRow
 from stoa.local.backend import (
     ModelSummary,
     SftResult,
-    action_tokens,
     check_same_arrays,
     echo_plan,
-    loss_inputs,
-    pack_sft,
 )
-from stoa.local.torch_lora import LoRALinear, QuantLinear, decoder_layers, quantize_and_add_lora
+from stoa.local.torch_lora import QuantLinear, quantize_base
+from stoa.models.lora_torch import (
+    LoraSpec,
+    add_lora,
+    from_mlx_lm,
+    lora_disabled,
+    mlx_lm_name,
+    peft_targets,
+    to_mlx_lm,
+)
 
 
 class TorchBackend:
     """One HF causal LM: float32 storage, quantized decoder linears, LoRA adapters the only trainable leaves.
+
+    The adapters are the fleet trainer's (``stoa.models.lora_torch``: PEFT's layout, ``lora_A`` [r, in] and
+    ``lora_B`` [out, r]); what the backend reports and saves is mlx-lm's (``adapter_arrays``: ``lora_a`` [in, r],
+    ``lora_b`` [r, out]), the MLX backend's names and layout.
 
     Args:
         cfg: validated local config.
@@ -56,9 +67,11 @@ class TorchBackend:
         want = {"auto": torch.bfloat16 if cuda else None, "float32": None, "bfloat16": torch.bfloat16}[cfg.dtype]
         self.autocast_dtype = want
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.targets = quantize_and_add_lora(
-            model, bits=cfg.quant_bits, group_size=cfg.quant_group_size, packed=self.packed, rank=cfg.lora_rank,
-            alpha=cfg.lora_alpha, targets=cfg.lora_targets, seed=cfg.seed)
+        chosen = quantize_base(model, bits=cfg.quant_bits, group_size=cfg.quant_group_size, packed=self.packed,
+                               targets=cfg.lora_targets)
+        self.targets = chosen.per_layer
+        self.spec = LoraSpec(cfg.lora_rank, cfg.lora_alpha, peft_targets(model, chosen.paths))
+        self.lora_paths = add_lora(model, self.spec, cfg.seed, chosen.paths)
         model.to(self.device)
         model.config.use_cache = False
         if cfg.gradient_checkpointing:
@@ -67,8 +80,6 @@ class TorchBackend:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model
-        self.attention_only = attention_only(model.config)
-        self.loras = [m for m in model.modules() if isinstance(m, LoRALinear)]
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.sft_opt: torch.optim.AdamW | None = None
@@ -82,16 +93,9 @@ class TorchBackend:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    @contextlib.contextmanager
-    def adapters_disabled(self) -> Iterator[None]:
+    def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
         """Bypass every adapter (the reference policy) inside the block."""
-        for m in self.loras:
-            m.enabled = False
-        try:
-            yield
-        finally:
-            for m in self.loras:
-                m.enabled = True
+        return lora_disabled(self.model)
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
@@ -169,16 +173,14 @@ class TorchBackend:
         """Reference logprobs [B, T] with every adapter bypassed, group by group with the prompt run once.
 
         The KL term needs no bitwise agreement with the update's forward, so the reference uses the
-        shared-prefix forward (about 1e-6 from the full one in float32). Hybrid stacks (conv or linear-attention
-        layers, whose cache state cannot be repeated per row here) use the full forward per micro-batch.
+        shared-prefix forward (about 1e-6 from the full one in float32), the fleet trainer's
+        (``stoa.engines.torch_scoring.group_score``: every cache kind, hybrid stacks' conv and linear-attention
+        states included, repeated per row).
 
         Args:
             batch: the step's batch.
-            micro: row indices per micro-batch (used by the full-forward fallback).
+            micro: row indices per micro-batch (unused: one forward per group).
         """
-        if not self.attention_only:
-            with self.adapters_disabled():
-                return self._score(batch, micro)
         self.model.eval()
         out = np.zeros(batch.mask.shape, dtype=np.float32)
         with self.adapters_disabled():
@@ -209,8 +211,9 @@ class TorchBackend:
             pk = pack(batch, idx)
             logp, hits = self._logp(pk, plan.hits)
             filled[idx] = logp.detach().float().cpu().numpy() * pk.mask
-            loss, diag = algo.loss(loss_inputs(pk, logp, batch, plan, to=self._t, stop=torch.Tensor.detach,
-                                               hits=hits))
+            loss, diag = algo.loss(micro_inputs(batch, idx, logp, to=self._t, stop=torch.Tensor.detach,
+                                                echo=plan.echo, echo_alpha=plan.alpha,
+                                                hits=hits if plan.hits else None, lags=False))
             loss.backward()
             total += float(loss.detach())
             parts.append(diag)
@@ -228,12 +231,7 @@ class TorchBackend:
 
     def apply_update(self) -> float:
         """Clip to ``grad_clip``, AdamW step, clear gradients; returns the pre-clip norm."""
-        params = list(self.params.values())
-        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = float(nn.utils.clip_grad_norm_(params, clip))
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return norm
+        return clip_and_step(list(self.params.values()), self.opt, self.cfg.grad_clip)
 
     def clear_grads(self) -> None:
         """Drop accumulated gradients without stepping."""
@@ -279,15 +277,17 @@ class TorchBackend:
             loss = -logp.float().sum()
             (loss / total).backward()
             loss_sum += float(loss.detach())
-        nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        clip_and_step(params, opt, self.cfg.grad_clip)
         self.model.eval()
         return SftResult(loss_sum / total, action_tokens(rows))
 
     def adapter_arrays(self) -> dict[str, np.ndarray]:
-        """Adapter weights by name, float32."""
-        return {n: p.detach().float().cpu().numpy() for n, p in self.params.items()}
+        """Adapter weights by mlx-lm name and layout, float32 (``stoa.models.lora_torch.to_mlx_lm``)."""
+        return to_mlx_lm(self.peft_arrays())
+
+    def peft_arrays(self) -> dict[str, np.ndarray]:
+        """Adapter weights by parameter name in PEFT's layout (``...lora_A.weight`` [r, in]), float32 copies."""
+        return {n: p.detach().float().cpu().numpy().copy() for n, p in self.params.items()}
 
     def load_adapter_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Overwrite the adapters; names and shapes must match exactly.
@@ -296,19 +296,22 @@ class TorchBackend:
             arrays: name -> float32 array.
         """
         check_same_arrays(self.adapter_arrays(), arrays, "adapter")
+        peft = from_mlx_lm(arrays)
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(torch.from_numpy(np.asarray(arrays[n], dtype=np.float32)).to(p.device))
+                p.copy_(torch.from_numpy(peft[n]).to(p.device))
 
     def optimizer_arrays(self) -> tuple[dict[str, np.ndarray], int]:
-        """AdamW moments ``m/<name>``, ``v/<name>`` and the step count (zeros before the first step)."""
+        """AdamW moments ``m/<name>``, ``v/<name>`` (mlx-lm names and layout, as ``adapter_arrays``) and the step
+        count (zeros before the first step)."""
         out: dict[str, np.ndarray] = {}
         step = 0
         for n, p in self.params.items():
             st = self.opt.state.get(p, {})
             zero = np.zeros(tuple(p.shape), np.float32)
-            out[f"m/{n}"] = st["exp_avg"].float().cpu().numpy() if "exp_avg" in st else zero
-            out[f"v/{n}"] = st["exp_avg_sq"].float().cpu().numpy() if "exp_avg_sq" in st else zero
+            m = st["exp_avg"].float().cpu().numpy() if "exp_avg" in st else zero
+            v = st["exp_avg_sq"].float().cpu().numpy() if "exp_avg_sq" in st else zero
+            out[f"m/{mlx_lm_name(n)}"], out[f"v/{mlx_lm_name(n)}"] = m.T.copy(), v.T.copy()
             step = int(st["step"]) if "step" in st else step
         return out, step
 
@@ -324,11 +327,9 @@ class TorchBackend:
             self.opt.state.clear()
             return
         for n, p in self.params.items():
-            self.opt.state[p] = {
-                "step": torch.tensor(float(step)),
-                "exp_avg": torch.from_numpy(np.asarray(arrays[f"m/{n}"], np.float32).copy()).to(p.device),
-                "exp_avg_sq": torch.from_numpy(np.asarray(arrays[f"v/{n}"], np.float32).copy()).to(p.device),
-            }
+            m, v = (np.asarray(arrays[f"{k}/{mlx_lm_name(n)}"], np.float32).T.copy() for k in ("m", "v"))
+            self.opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": torch.from_numpy(m).to(p.device),
+                                 "exp_avg_sq": torch.from_numpy(v).to(p.device)}
 
     @torch.no_grad()
     def logits_shape(self, prompt: Sequence[int]) -> tuple[int, ...]:
@@ -353,25 +354,10 @@ class TorchBackend:
         quant = [m for m in self.model.modules() if isinstance(m, QuantLinear)]
         total += sum(m.in_features * m.out_features + (0 if m.bias is None else m.out_features) for m in quant)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        trainable = [n for n, _ in named]
+        trainable = [mlx_lm_name(n) for n, _ in named]
         return ModelSummary(
-            model_id=model_id, backend=self.name, layers=len(decoder_layers(self.model)),
+            model_id=model_id, backend=self.name, layers=len(self.targets),
             quant_bits=self.cfg.quant_bits, targets_per_layer=self.targets, total_params=int(total),
             trainable_params=int(sum(p.numel() for _, p in named)), trainable_names=trainable,
             quantized_linears=len(quant),
             extra={"base_storage": "packed" if self.packed else "dequantized", "device": str(self.device)})
-
-
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-"""``config.layer_types`` entries whose cache is a plain KV cache (anything else is a conv or recurrent state)."""
-
-
-def attention_only(config: Any) -> bool:
-    """Whether every decoder layer is attention (no conv / linear-attention state), from ``layer_types``.
-
-    Args:
-        config: the HF model config (a nested ``text_config`` is read).
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    types = getattr(text, "layer_types", None) or []
-    return all(t in ATTENTION_LAYER_TYPES for t in types)

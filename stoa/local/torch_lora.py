@@ -1,14 +1,15 @@
-"""Torch QLoRA pieces: MLX-identical group-wise affine quantization of frozen linears, and LoRA wrappers."""
+"""Torch QLoRA base: MLX-identical group-wise affine quantization of the frozen linears (the adapters on top are
+the fleet trainer's, ``stoa.models.lora_torch``)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from stoa.local.targets import choose_targets, is_expert, is_router
+from stoa.models.lora_torch import decoder_blocks
 
 
 def quantize_affine(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,43 +145,6 @@ class QuantLinear(nn.Module):
                 f"group_size={self.group_size}, packed={self.packed}")
 
 
-class LoRALinear(nn.Module):
-    """y = linear(x) + scale * (x @ lora_a) @ lora_b, the layout and names of mlx-lm's ``LoRALinear``.
-
-    ``lora_a`` [in, r] starts uniform in +-1/sqrt(in), ``lora_b`` [r, out] at zero, so a fresh adapter leaves
-    the model unchanged. ``enabled = False`` bypasses the adapter (the reference policy).
-
-    Args:
-        linear: the frozen base (``nn.Linear`` or ``QuantLinear``).
-        rank: r.
-        scale: alpha / r.
-        generator: RNG of the initialisation.
-    """
-
-    def __init__(self, linear: nn.Module, rank: int, scale: float, generator: torch.Generator):
-        super().__init__()
-        in_f, out_f = int(linear.in_features), int(linear.out_features)  # type: ignore[arg-type]
-        self.linear = linear
-        bound = 1.0 / math.sqrt(in_f)
-        a = torch.empty(in_f, rank).uniform_(-bound, bound, generator=generator)
-        self.lora_a = nn.Parameter(a)
-        self.lora_b = nn.Parameter(torch.zeros(rank, out_f))
-        self.scale = float(scale)
-        self.enabled = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The base output plus the scaled low-rank update (the base alone while disabled).
-
-        Args:
-            x: [..., in] activations.
-        """
-        y = self.linear(x)
-        if not self.enabled:
-            return y
-        z = (x.to(self.lora_a.dtype) @ self.lora_a) @ self.lora_b
-        return y + (self.scale * z).to(y.dtype)
-
-
 def quantize_experts(layer: nn.Module, bits: int, group_size: int) -> int:
     """Replace a layer's routed-expert weights (3-D ``[experts, out, in]`` parameters of its ``experts``
     module) by their quantized values, group-wise along ``in``; returns how many tensors.
@@ -209,57 +173,45 @@ def quantize_experts(layer: nn.Module, bits: int, group_size: int) -> int:
     return n
 
 
-def decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
-    """The decoder blocks of an HF causal LM.
+class Targets(NamedTuple):
+    """Which linears of a model get adapters (``quantize_base``'s result)."""
 
-    Args:
-        model: the HF model.
-    """
-    decoder = model.get_decoder()  # type: ignore[operator]
-    layers = getattr(decoder, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: no decoder layer list (model.get_decoder().layers)")
-    return list(layers)
+    per_layer: list[list[str]]
+    """Per decoder layer, the adapted paths inside it (``stoa.local.targets.choose_targets``)."""
+    paths: list[str]
+    """The same linears' full module paths, layer by layer (``stoa.models.lora_torch.add_lora``'s ``paths``)."""
 
 
-def quantize_and_add_lora(model: nn.Module, *, bits: int, group_size: int, packed: bool, rank: int,
-                          alpha: float, targets: str, seed: int) -> list[list[str]]:
-    """Quantize every linear of the decoder blocks and wrap the targeted ones with LoRA; freeze the rest.
+def quantize_base(model: nn.Module, *, bits: int, group_size: int, packed: bool, targets: str) -> Targets:
+    """Freeze the model, quantize every linear of its decoder blocks, and choose the linears that get adapters.
 
     Embeddings, the LM head and MoE routers stay in float (the QLoRA convention; routers as on MLX); a linear
     whose input dimension is not a multiple of ``group_size`` stays float too. Routed experts (transformers'
-    fused 3-D ``experts`` parameters) are quantized in place by :func:`quantize_experts`.
+    fused 3-D ``experts`` parameters) are quantized in place by :func:`quantize_experts`. The adapters
+    themselves are the fleet trainer's (``stoa.models.lora_torch.add_lora`` on ``Targets.paths``).
 
     Args:
         model: the HF causal LM (modified in place).
         bits: 4 or 8 quantizes; 16 leaves the base in float.
         group_size: quantization group size.
         packed: ``QuantLinear``'s storage.
-        rank: LoRA rank.
-        alpha: LoRA alpha (scale = alpha / rank).
         targets: the ``lora_targets`` setting.
-        seed: seed of the adapters' initialisation.
-
-    Returns:
-        per layer, the paths of the adapted linears.
     """
     model.requires_grad_(False)
-    layers = decoder_layers(model)
+    layers = decoder_blocks(model)
+    where = {id(m): n for n, m in model.named_modules()}
     linears = [[n for n, m in layer.named_modules() if isinstance(m, nn.Linear)] for layer in layers]
     if bits < 16:
         for layer in layers:
             quantize_experts(layer, bits, group_size)
     chosen = choose_targets(linears, targets)
-    gen = torch.Generator().manual_seed(seed)
-    for layer, paths, adapt in zip(layers, linears, chosen, strict=True):
+    for layer, paths in zip(layers, linears, strict=True):
         for path in paths:
             parent_path, _, leaf = path.rpartition(".")
             parent = layer.get_submodule(parent_path) if parent_path else layer
             module: nn.Module = getattr(parent, leaf)
             if (bits < 16 and isinstance(module, nn.Linear) and module.in_features % group_size == 0
                     and not is_router(path)):
-                module = QuantLinear(module, bits, group_size, packed)
-            if path in adapt:
-                module = LoRALinear(module, rank, alpha / rank, gen)
-            setattr(parent, leaf, module)
-    return chosen
+                setattr(parent, leaf, QuantLinear(module, bits, group_size, packed))
+    full = [f"{where[id(layer)]}.{p}" for layer, adapt in zip(layers, chosen, strict=True) for p in adapt]
+    return Targets(chosen, full)

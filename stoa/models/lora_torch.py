@@ -1,4 +1,4 @@
-"""LoRA adapters on a torch HF causal LM, laid out and named as PEFT does, for the fleet trainer.
+"""LoRA adapters on a torch HF causal LM, laid out and named as PEFT does, for the fleet trainer and local mode.
 
 Each targeted ``nn.Linear`` keeps its (frozen) ``weight`` and gains two bias-free submodules, ``lora_A``
 [r, in] (uniform in +-1/sqrt(in), PEFT's kaiming default) and ``lora_B`` [out, r] (zero, so a fresh adapter
@@ -6,15 +6,20 @@ leaves the model unchanged), plus a forward hook adding ``scale * lora_B(lora_A(
 The base's parameter names are unchanged, and an adapter's are the module's plus ``.lora_A.weight``: PEFT's
 saved keys are ``base_model.model.`` + that (``peft_state``). The merged weight is ``W + scale * B @ A``.
 
-Local mode has its own LoRA wrappers (``stoa.local.torch_lora``, mlx-lm's layout); they should merge into this
-module once local mode runs through the trainer (issue 28).
+Local mode's torch backend uses these adapters too, on its quantized linears (``stoa.local.torch_lora.QuantLinear``,
+any module with ``in_features``/``out_features``), at the paths its target rule picks (``add_lora(paths=...)``); its
+saved state keeps mlx-lm's adapter names and layout (``to_mlx_lm``: ``<module>.lora_a`` [in, r], ``.lora_b``
+[r, out]), which the MLX backend trains, and ``lora_disabled`` bypasses every adapter (the reference policy of
+both: a LoRA fleet run's ``stoa.trainer.policy.BaseView``). ``stoa local export`` writes the PEFT files with
+``write_peft`` too, naming exactly the adapted linears (``peft_targets``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +52,19 @@ class LoraSpec:
         return f"r={self.rank},alpha={self.alpha:g},targets={','.join(self.targets)}"
 
 
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder blocks of an HF causal LM (FSDP2's and activation checkpointing's unit; where local mode's
+    torch backend quantizes linears and picks adapter targets).
+
+    Args:
+        model: the model.
+    """
+    layers = getattr(model.get_decoder(), "layers", None)  # type: ignore[operator]
+    if layers is not None:
+        return list(layers)
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
 def matches(name: str, targets: Iterable[str]) -> bool:
     """Whether module path ``name`` ends with one of ``targets`` at a name boundary (PEFT's suffix rule).
 
@@ -59,6 +77,8 @@ def matches(name: str, targets: Iterable[str]) -> bool:
 
 def _lora_hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     """The base output plus the scaled low-rank update (computed in the adapter's dtype, returned in the base's)."""
+    if not module.__dict__.get("lora_on", True):
+        return out
     a, b = module.get_submodule("lora_A"), module.get_submodule("lora_B")
     assert isinstance(a, nn.Linear)
     x = args[0]
@@ -66,41 +86,102 @@ def _lora_hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tenso
     return out + (float(module.__dict__["lora_scale"]) * delta).to(out.dtype)
 
 
-def add_lora(model: nn.Module, spec: LoraSpec, seed: int) -> list[str]:
-    """Freeze ``model`` and add a float32 adapter to every ``nn.Linear`` a target names; the adapted paths.
+def _adaptable(m: nn.Module) -> bool:
+    """Whether ``m`` is a linear an adapter can wrap: ``nn.Linear`` or a quantized one (``in_features`` and
+    ``out_features`` set, as ``stoa.local.torch_lora.QuantLinear``)."""
+    return isinstance(m, nn.Linear) or (isinstance(getattr(m, "in_features", None), int)
+                                        and isinstance(getattr(m, "out_features", None), int))
 
-    The initialisation depends only on ``seed`` and the module order (every rank of a sharded trainer draws the
-    same adapter).
+
+def _device(m: nn.Module) -> torch.device:
+    """Where a (possibly quantized, parameter-free) linear lives."""
+    t = next(iter(m.parameters()), None)
+    t = t if t is not None else next(iter(m.buffers()), None)
+    return t.device if t is not None else torch.device("cpu")
+
+
+def add_lora(model: nn.Module, spec: LoraSpec, seed: int, paths: Sequence[str] | None = None) -> list[str]:
+    """Freeze ``model`` and add a float32 adapter to every linear a target names (or to ``paths``); the adapted paths.
+
+    The initialisation depends only on ``seed`` and the order of the paths (every rank of a sharded trainer draws
+    the same adapter).
 
     Args:
         model: the HF causal LM (modified in place).
         spec: rank, alpha, targets.
         seed: seed of the ``lora_A`` initialisation.
+        paths: the module paths to adapt (local mode's target rule, ``stoa.local.targets``); None: every
+            ``nn.Linear`` whose name ends with one of ``spec.targets``.
 
     Raises:
-        ValueError: no linear matches the targets.
+        ValueError: no linear matches the targets, or a path is not a linear.
     """
     model.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
-    paths = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and matches(n, spec.targets)]
+    if paths is None:
+        paths = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and matches(n, spec.targets)]
     if not paths:
         raise ValueError(f"lora_targets {','.join(spec.targets)!r} name no linear layer of "
                          f"{type(model).__name__}; name module suffixes such as q_proj,v_proj")
     for path in paths:
         lin = model.get_submodule(path)
-        assert isinstance(lin, nn.Linear)
-        dev = lin.weight.device
-        a = nn.Linear(lin.in_features, spec.rank, bias=False, dtype=torch.float32)
-        bound = 1.0 / math.sqrt(lin.in_features)
+        if not _adaptable(lin):
+            raise ValueError(f"{path} is a {type(lin).__name__}, not a linear; adapt linear layers only")
+        in_f, out_f = int(lin.in_features), int(lin.out_features)  # type: ignore[arg-type]
+        a = nn.Linear(in_f, spec.rank, bias=False, dtype=torch.float32)
+        bound = 1.0 / math.sqrt(in_f)
         with torch.no_grad():
-            a.weight.copy_(torch.empty(spec.rank, lin.in_features).uniform_(-bound, bound, generator=gen))
-        b = nn.Linear(spec.rank, lin.out_features, bias=False, dtype=torch.float32)
+            a.weight.copy_(torch.empty(spec.rank, in_f).uniform_(-bound, bound, generator=gen))
+        b = nn.Linear(spec.rank, out_f, bias=False, dtype=torch.float32)
         nn.init.zeros_(b.weight)
+        dev = _device(lin)
         lin.add_module("lora_A", a.to(dev))
         lin.add_module("lora_B", b.to(dev))
         lin.__dict__["lora_scale"] = spec.scale  # a plain float, not a parameter or buffer
         lin.register_forward_hook(_lora_hook)
-    return paths
+    return list(paths)
+
+
+def peft_targets(model: nn.Module, paths: Sequence[str]) -> tuple[str, ...]:
+    """``target_modules`` that name exactly the linears ``paths`` by PEFT's suffix rule: their leaf names when those
+    pick no other linear of ``model``, else the full paths (a rule such as local mode's that adapts a leaf in some
+    layers only).
+
+    Args:
+        model: the model (before or after ``add_lora``).
+        paths: the adapted module paths.
+    """
+    leaves = tuple(sorted({p.rsplit(".", 1)[-1] for p in paths}))
+    hit = {n for n, m in model.named_modules() if n and _adaptable(m) and matches(n, leaves)}
+    return leaves if hit == set(paths) else tuple(paths)
+
+
+@contextlib.contextmanager
+def lora_disabled(model: nn.Module) -> Iterator[None]:
+    """Bypass every adapter of ``model`` inside the block (the base alone: local mode's reference policy).
+
+    Args:
+        model: a model ``add_lora`` adapted.
+    """
+    adapted = [m for m in model.modules() if "lora_scale" in m.__dict__]
+    for m in adapted:
+        m.__dict__["lora_on"] = False
+    try:
+        yield
+    finally:
+        for m in adapted:
+            m.__dict__["lora_on"] = True
+
+
+def lora_delta(lin: nn.Module) -> torch.Tensor:
+    """An adapted linear's weight update ``scale * B @ A`` [out, in] in float32 (what a merge adds to ``W``).
+
+    Args:
+        lin: a linear ``add_lora`` adapted.
+    """
+    a, b = lin.get_submodule("lora_A"), lin.get_submodule("lora_B")
+    assert isinstance(a, nn.Linear) and isinstance(b, nn.Linear)
+    return float(lin.__dict__["lora_scale"]) * (b.weight.float() @ a.weight.float())
 
 
 def adapted_linears(model: nn.Module, paths: Iterable[str]) -> dict[str, tuple[int, int]]:
@@ -114,8 +195,8 @@ def adapted_linears(model: nn.Module, paths: Iterable[str]) -> dict[str, tuple[i
     out: dict[str, tuple[int, int]] = {}
     for path in paths:
         lin = model.get_submodule(path)
-        assert isinstance(lin, nn.Linear)
-        out[path] = (lin.out_features, lin.in_features)
+        assert _adaptable(lin)
+        out[path] = (int(lin.out_features), int(lin.in_features))  # type: ignore[arg-type]
     return out
 
 
@@ -184,3 +265,48 @@ def write_peft(directory: str | Path, arrays: Mapping[str, np.ndarray], spec: Lo
     save_file(peft_state(arrays), str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
     (d / "adapter_config.json").write_text(json.dumps(peft_config(spec, base_model), indent=2, sort_keys=True))
     return d
+
+
+MLX_LM_LEAVES = {".lora_A.weight": ".lora_a", ".lora_B.weight": ".lora_b"}
+"""PEFT's adapter leaves and mlx-lm's (``lora_a`` [in, r] and ``lora_b`` [r, out]: PEFT's matrices transposed)."""
+
+
+def mlx_lm_name(name: str) -> str:
+    """An adapter parameter's mlx-lm name (``...q_proj.lora_A.weight`` -> ``...q_proj.lora_a``); other names unchanged.
+
+    Args:
+        name: a parameter name.
+    """
+    for peft, mlx in MLX_LM_LEAVES.items():
+        if name.endswith(peft):
+            return name[: -len(peft)] + mlx
+    return name
+
+
+def to_mlx_lm(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Adapter tensors under mlx-lm's names and layout (each matrix transposed), float32; the keys of
+    ``from_mlx_lm``'s input.
+
+    Args:
+        arrays: adapter tensors by parameter name (``...lora_A.weight`` [r, in], ``...lora_B.weight`` [out, r]).
+    """
+    return {mlx_lm_name(k): np.ascontiguousarray(np.asarray(v, np.float32).T) for k, v in arrays.items()
+            if is_adapter(k)}
+
+
+def from_mlx_lm(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inverse of ``to_mlx_lm``: mlx-lm adapter tensors (``.lora_a``/``.lora_b``) under PEFT's parameter names.
+
+    Args:
+        arrays: mlx-lm adapter tensors by name.
+
+    Raises:
+        ValueError: a name that is not an mlx-lm adapter leaf.
+    """
+    out: dict[str, np.ndarray] = {}
+    for k, v in arrays.items():
+        peft = next((k[: -len(mlx)] + p for p, mlx in MLX_LM_LEAVES.items() if k.endswith(mlx)), None)
+        if peft is None:
+            raise ValueError(f"adapter state: {k!r} is not an mlx-lm adapter name (<module>.lora_a or .lora_b)")
+        out[peft] = np.ascontiguousarray(np.asarray(v, np.float32).T)
+    return out

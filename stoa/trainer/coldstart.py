@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from stoa.algorithms.batch import pack_rows
+from stoa.algorithms.inputs import action_tokens, pack_sft
+from stoa.algorithms.torch_loss import clip_and_step
 from stoa.bucket import Bucket, ObjectNotFound
 from stoa.engines.factory import engine_from_model
 from stoa.engines.torch_scoring import to_device
@@ -35,7 +36,6 @@ from stoa.episodes.demo_rows import Prepared, SftRow, build_rows, prepare_rows
 from stoa.episodes.rft import RftProgress, rejection_sample
 from stoa.layout import run_prefix
 from stoa.models import resolve_model
-from stoa.rollouts.episode import ROLE_ACTION
 from stoa.tasks.demos import ColdStartError, load_conversations
 from stoa.untrusted import load_object
 
@@ -84,13 +84,9 @@ def sft_loss(policy: Any, rows: Sequence[SftRow]) -> tuple[torch.Tensor, int]:
         policy: the trainer's ``Policy`` (its forward: packed rows, logprobs at the masked positions).
         rows: the micro-batch.
     """
-    width = max(len(r.tokens) for r in rows)
-    pk = pack_rows([r.prompt for r in rows], [r.tokens for r in rows], width)
-    scored = np.zeros((len(rows), width), np.float32)
-    for j, r in enumerate(rows):
-        scored[j, : len(r.roles)] = r.roles == ROLE_ACTION
-    logp = policy.logprobs(to_device(pk, policy.device, scored))
-    return -logp.sum(), int(scored.sum())
+    pk = pack_sft(rows)  # local mode's sft_step packs with it too
+    logp = policy.logprobs(to_device(pk, policy.device, pk.mask))
+    return -logp.sum(), int(pk.mask.sum())
 
 
 class SftStep(NamedTuple):
@@ -133,16 +129,14 @@ def sft_steps(policy: Any, rows: Sequence[SftRow], *, steps: int, batch: int, mi
             order, at = rng.permutation(len(rows)), 0
         picked = [rows[int(i)] for i in order[at : at + batch]]
         at += batch
-        total = sum(int((r.roles == ROLE_ACTION).sum()) for r in picked)
+        total = action_tokens(picked)
         size = micro_batch or len(picked)
         loss_sum = 0.0
         for i in range(0, len(picked), size):
             loss, _n = sft_loss(policy, picked[i : i + size])
             (loss / max(total, 1)).backward()
             loss_sum += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        clip_and_step(params, opt, grad_clip)
         out.append(SftStep(step, loss_sum / max(total, 1), total, time.perf_counter() - t0))
         if note is not None:
             note(out[-1])

@@ -19,7 +19,8 @@ the compute dtype is the ``dtype`` setting's, bf16 by default on CUDA and on CPU
   (``stoa.engines.torch_scoring``): min(b x T x vocab, chunk) x 4 bytes, LOGIT_COPIES (2) of them: logits and
   log-softmax.
 - reference: the frozen reference policy's weights when kl_beta > 0: sharded fp32 with W > 1, stored in the
-  compute dtype at W = 1; its forward keeps no activations.
+  compute dtype at W = 1; its forward keeps no activations. A LoRA run holds none (its reference is its own
+  base with the adapters bypassed, ``stoa.trainer.policy.BaseView``).
 - LoRA (``lora_rank`` > 0, L adapter parameters): the base is frozen, stored in the compute dtype at W = 1
   (fp32 sharded), the fp32 adapter is added to the parameters; gradients and AdamW moments count L instead
   of P. The overhead keeps its P term: measured on SmolLM2-135M (fp32, 16 rows, micro-batch 16, shared 2-core
@@ -60,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from stoa.config.memory import GB, Candidate, FitReport, activation_bytes, check_fit, lora_params, refuse
+from stoa.config.memory import GB, Candidate, FitReport, activation_bytes, check_fit, halvings, lora_params, refuse
 from stoa.machine import system_memory
 from stoa.models.shapes import ModelShape
 from stoa.tokenize import TextCodec
@@ -96,7 +97,7 @@ class Workload(NamedTuple):
     """Tokens after the prompt (max_new_tokens, or a multi-turn task's max_total_tokens)."""
     gradient_checkpointing: bool
     reference: bool
-    """Whether a frozen reference policy is held (kl_beta > 0)."""
+    """Whether a frozen reference policy is held (kl_beta > 0, full fine-tuning)."""
     world_size: int = 1
     cuda: bool = False
     bf16: bool = False
@@ -198,7 +199,7 @@ def workload(cfg: Any, prompt_tokens: int, completion_tokens: int, world_size: i
     targets = tuple(t.strip() for t in getattr(cfg, "lora_targets", "").split(",") if t.strip()) if rank else ()
     copy = bf16 and getattr(cfg, "compute_weights", "autocast") == "bf16_copy"
     return Workload(micro, prompt_tokens, completion_tokens, cfg.gradient_checkpointing,
-                    cfg.algo_config().kl_beta > 0, world_size, cuda, bf16, rank, targets, copy)
+                    cfg.algo_config().kl_beta > 0 and not rank, world_size, cuda, bf16, rank, targets, copy)
 
 
 class Budget(NamedTuple):
@@ -293,14 +294,6 @@ def prompt_length(task: Any, model_dir: Path | None, n: int = 256) -> PromptLeng
                         f"longest of {len(prompts)} held-out prompts")
 
 
-def _halvings(value: int) -> list[int]:
-    out, v = [], value // 2
-    while v >= 1:
-        out.append(v)
-        v //= 2
-    return out
-
-
 def _knobs(cfg: Any, max_world: int) -> Any:
     """Workload -> each knob's settings in order of preference: a smaller micro-batch, gradient checkpointing,
     more ranks (doubling up to ``max_world``), no reference."""
@@ -308,7 +301,7 @@ def _knobs(cfg: Any, max_world: int) -> Any:
 
     def knobs(w: Workload) -> list[list[Candidate[Workload]]]:
         micro = [] if shared else [Candidate("micro_batch", f"--micro-batch {m}", w._replace(micro_batch=m))
-                                   for m in _halvings(w.micro_batch)]
+                                   for m in halvings(w.micro_batch)]
         rows = cfg.groups_per_step * cfg.n_samples  # checkpointing ends a shared-prefix run's one group per pass
         ckpt = [] if w.gradient_checkpointing else [Candidate(
             "gradient_checkpointing", "--gradient-checkpointing",

@@ -16,14 +16,14 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from stoa.engines.torch import model_tensors
 from stoa.engines.torch_scoring import PackedTensors, Scores, group_score, score
-from stoa.models.lora_torch import LoraSpec, add_lora, is_adapter, merge_arrays
+from stoa.models.lora_torch import LoraSpec, add_lora, decoder_blocks, is_adapter, lora_disabled, merge_arrays
 from stoa.trainer.compute_copy import COMPUTE_WEIGHTS, ComputeCopy
 from stoa.trainer.dist import SINGLE, Dist, full_arrays, load_full, shard
 
@@ -55,18 +55,6 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
         native = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
         return torch.bfloat16 if native else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder blocks of an HF causal LM (FSDP2's and activation checkpointing's unit).
-
-    Args:
-        model: the model.
-    """
-    layers = getattr(model.get_decoder(), "layers", None)  # type: ignore[operator]
-    if layers is not None:
-        return list(layers)
-    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 def _round_buffers_to_bf16(model: torch.nn.Module, names: Sequence[str]) -> None:
@@ -262,3 +250,52 @@ class Policy:
         if self.lora is not None:
             raise ValueError("a LoRA policy cannot load merged full weights; it resumes from its checkpoint")
         load_full(self.named_tensors(), named, self.dist)
+
+
+class Reference(Protocol):
+    """What ``train_step`` asks of the KL's reference policy: a frozen ``Policy``, or a LoRA policy's ``BaseView``."""
+
+    def logprobs(self, batch: PackedTensors) -> torch.Tensor:
+        """Logprobs [B, T] of a packed micro-batch (``Policy.logprobs``)."""
+        ...
+
+    def group_logprobs(self, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
+                       mask: np.ndarray | None = None) -> torch.Tensor:
+        """Logprobs [n, t_max] of one group over its prompt's KV cache (``Policy.group_logprobs``)."""
+        ...
+
+
+class BaseView:
+    """A LoRA policy with every adapter bypassed (``stoa.models.lora_torch.lora_disabled``): its frozen base, the KL's
+    reference, on the policy's own model instead of a second copy of the base (local mode's reference the same way).
+
+    Args:
+        policy: a LoRA policy.
+    """
+
+    def __init__(self, policy: Policy):
+        if policy.lora is None:
+            raise ValueError("BaseView needs a LoRA policy; a full fine-tune's reference is a frozen Policy")
+        self.policy = policy
+
+    def logprobs(self, batch: PackedTensors) -> torch.Tensor:
+        """The base's logprobs [B, T] of a packed micro-batch.
+
+        Args:
+            batch: a packed micro-batch.
+        """
+        with lora_disabled(self.policy.model):
+            return self.policy.logprobs(batch)
+
+    def group_logprobs(self, prompt: np.ndarray, completions: Sequence[np.ndarray], t_max: int,
+                       mask: np.ndarray | None = None) -> torch.Tensor:
+        """The base's logprobs [n, t_max] of one group, its prompt run once.
+
+        Args:
+            prompt: the group's prompt token ids.
+            completions: the rows' tokens after the prompt.
+            t_max: width of the token axis.
+            mask: [n, t_max] the positions to score; None: every real token.
+        """
+        with lora_disabled(self.policy.model):
+            return self.policy.group_logprobs(prompt, completions, t_max, mask)

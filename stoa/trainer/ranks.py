@@ -26,7 +26,7 @@ from stoa.trainer.ckpt_async import CheckpointWriter
 from stoa.trainer.coldstart import SftRow, SftStep, sft_steps
 from stoa.trainer.dist import Dist, full_arrays, load_full, timeout_s
 from stoa.trainer.lora import FULL, Identity, base_fingerprint, lora_spec
-from stoa.trainer.policy import Policy, compute_dtype
+from stoa.trainer.policy import BaseView, Policy, compute_dtype
 from stoa.trainer.pool import Entry
 from stoa.trainer.step import StepMetrics, train_step
 
@@ -63,8 +63,11 @@ class RankOps:
         self.identity = FULL if spec is None else Identity(base_fingerprint(model_dir), spec, cfg.model)
         self.restored: ckpt.Restored | None = None
         self.algo: Algorithm = get_algorithm(cfg.algo_config(), "torch")
-        self.ref = (Policy(model_dir, device, temperature=cfg.temperature, trainable=False, dist=dist,
-                           compute_dtype=dtype) if self.algo.cfg.kl_beta > 0 else None)
+        self.ref: Policy | BaseView | None = None  # a LoRA run's reference is its own base, adapters bypassed
+        if self.algo.cfg.kl_beta > 0:
+            self.ref = (BaseView(self.policy) if spec is not None else
+                        Policy(model_dir, device, temperature=cfg.temperature, trainable=False, dist=dist,
+                               compute_dtype=dtype))
         self.opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.writer = CheckpointWriter(background=cfg.checkpoint_async and not dist.sharded)
 
@@ -107,7 +110,7 @@ class RankOps:
         base's decoded values (``stoa.trainer.lora.PublishedBase``), so the trainer scores on what workers sample
         with. Every rank calls it, rank 0 with the arrays."""
         for policy in (self.policy, self.ref):
-            if policy is not None:
+            if isinstance(policy, Policy):  # a BaseView is the policy's own base
                 load_full({k: t for k, t in policy.named_tensors().items() if not is_adapter(k)}, arrays, self.dist)
 
     def save(self, version: int, step: int, before_pointer: Callable[[], Any] | None = None) -> int:

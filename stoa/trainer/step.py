@@ -21,11 +21,13 @@ import torch
 
 from stoa.algorithms import Algorithm, LossInputs, combine_metrics
 from stoa.algorithms.batch import Batch, Trajectory, build_batch, group_indices, micro_batches, pack
+from stoa.algorithms.inputs import micro_inputs
+from stoa.algorithms.torch_loss import clip_and_step
 from stoa.engines.torch_scoring import Scores, to_device
 from stoa.episodes.collect import episode_metrics
 from stoa.layout import rollout_worker
 from stoa.trainer.dist import SINGLE, Dist, split_groups
-from stoa.trainer.policy import Policy
+from stoa.trainer.policy import Policy, Reference
 from stoa.trainer.pool import Entry, PoolStats
 from stoa.trainer.quarantine import Disagreement, disagreement_values
 from stoa.trainer.recompute_check import RecomputeCheck
@@ -134,7 +136,7 @@ def echo_step(batch: Batch, algo: Algorithm, step: int, total_steps: int) -> Ech
 
 def train_step(
     policy: Policy,
-    ref: Policy | None,
+    ref: Reference | None,
     opt: torch.optim.Optimizer,
     algo: Algorithm,
     entries: Sequence[Entry],
@@ -158,7 +160,7 @@ def train_step(
 
     Args:
         policy: the trainable policy.
-        ref: frozen reference policy, or ``None`` when the KL coefficient is 0.
+        ref: frozen reference policy (a LoRA policy's: its ``BaseView``), or ``None`` when the KL coefficient is 0.
         opt: the optimizer.
         algo: the algorithm (torch backend).
         entries: the groups of this step.
@@ -258,7 +260,7 @@ def rank_micro_batches(batch: Batch, dist: Dist, micro_batch: int, shared_prefix
     return mine, max(len(s) for s in shares) - len(mine)
 
 
-def _forward(policy: Policy, ref: Policy | None, batch: Batch, idx: np.ndarray, shared_prefix: bool,
+def _forward(policy: Policy, ref: Reference | None, batch: Batch, idx: np.ndarray, shared_prefix: bool,
              echo: EchoStep) -> tuple[Scores, torch.Tensor | None]:
     """The policy's scores of a micro-batch's rows (logprobs [b, T] with gradient, argmax hits when the echo
     term is on) and the reference's logprobs (or None), on the positions ``echo.scored`` marks."""
@@ -279,23 +281,12 @@ def _forward(policy: Policy, ref: Policy | None, batch: Batch, idx: np.ndarray, 
 
 def _loss_inputs(batch: Batch, idx: np.ndarray, fw: Scores, ref_lp: torch.Tensor | None, device: torch.device,
                  echo_alpha: float | None, keep: np.ndarray | None = None) -> LossInputs[torch.Tensor]:
-    """The algorithm's inputs for the rows ``idx``: their old-policy logprobs, advantages (per token when the
-    algorithm makes them), action mask and lags, and the echo mask with this step's coefficient (when set); rows
-    whose ``keep`` [b] is 0 get empty masks (no loss)."""
+    """The algorithm's inputs for the rows ``idx`` (``stoa.algorithms.inputs.micro_inputs``, shared with local mode):
+    the workers' logprobs as the old policy, the echo mask with this step's coefficient (when set); rows whose
+    ``keep`` [b] is 0 get empty masks (no loss)."""
     assert batch.old_logp is not None  # entries_batch sets the workers' logprobs
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return _tensor(a[idx], device)
-
-    def masked(a: np.ndarray) -> torch.Tensor:
-        return t(a) if keep is None else _tensor(a[idx] * keep[:, None].astype(a.dtype), device)
-
-    return LossInputs(logp=fw.logp, behaviour_logp=t(batch.old_logp), ref_logp=ref_lp,
-                      advantages=t(batch.advantages), mask=masked(batch.mask), normalizer=batch.normalizer,
-                      version_lag=batch.version_lag[idx],
-                      token_advantages=None if batch.token_advantages is None else t(batch.token_advantages),
-                      echo_mask=None if echo_alpha is None else masked(batch.echo_mask),
-                      echo_normalizer=batch.echo_normalizer, echo_alpha=echo_alpha, echo_hits=fw.hits)
+    return micro_inputs(batch, idx, fw.logp, to=lambda a: _tensor(a, device), ref_logp=ref_lp,
+                        echo=echo_alpha is not None, echo_alpha=echo_alpha, hits=fw.hits, keep=keep)
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -306,13 +297,9 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 def _apply_update(policy: Policy, opt: torch.optim.Optimizer, grad_clip: float) -> float:
     """Clip the accumulated gradients (0: no clip), step, clear, refresh a bf16 compute copy from the masters;
     returns the pre-clip global norm."""
-    params = [p for p in policy.model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    norm = clip_and_step([p for p in policy.model.parameters() if p.grad is not None], opt, grad_clip)
     policy.refresh_copy()
-    full = getattr(norm, "full_tensor", None)  # a sharded model's norm is a DTensor
-    return float(full() if full is not None else norm)
+    return norm
 
 
 def _step_figures(batch: Batch, loss: float, grad_norm: float, seconds: float) -> dict[str, float]:

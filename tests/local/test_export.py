@@ -51,7 +51,7 @@ def test_fused_export_computes_what_the_local_model_computes(local_run, tmp_path
     run_dir, backend = local_run
     out = tmp_path / "hf"
     result = export_local(run_dir, out, echo=lambda _s: None)
-    assert result.step == 2 and result.fused == len(backend.loras) > 0
+    assert result.step == 2 and result.fused == len(backend.lora_paths) > 0
     for prompt in PROMPTS:
         got, model = _hf_logits(out, prompt)
         with torch.no_grad():
@@ -77,6 +77,33 @@ def test_the_mlx_adapter_layout_is_written_next_to_it(local_run, tmp_path):
     arrays = load_file(str(result.adapters / "adapters.safetensors"))
     assert set(arrays) == set(backend.adapter_arrays())
     assert json.loads((result.out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_the_peft_adapter_merges_into_the_dequantized_base_as_the_export_fused_it(local_run, tmp_path):
+    """The PEFT files are the trainer's (``write_peft``): its keys and config; ``merge_arrays`` (what ``stoa export``
+    merges with) on the run's dequantized base gives the fused export's weights."""
+    from safetensors.numpy import load_file
+
+    from stoa.local.torch_lora import QuantLinear
+    from stoa.models.lora_torch import PEFT_PREFIX, merge_arrays
+
+    run_dir, backend = local_run
+    result = export_local(run_dir, tmp_path / "hf", echo=lambda _s: None)
+    config = json.loads((result.peft / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == backend.cfg.lora_rank
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    saved = load_file(str(result.peft / "adapter_model.safetensors"))
+    peft = {k.removeprefix(PEFT_PREFIX): v for k, v in saved.items()}
+    assert sorted(peft) == sorted(f"{p}.lora_{m}.weight" for p in backend.lora_paths for m in "AB")
+    base = {}
+    for path in backend.lora_paths:
+        lin = backend.model.get_submodule(path)
+        assert isinstance(lin, QuantLinear)
+        base[f"{path}.weight"] = lin.dequantized().numpy()
+    merged = merge_arrays({**base, **peft}, backend.lora_paths, backend.spec.scale)
+    fused = load_file(str(result.out / "model.safetensors"))
+    for name, w in merged.items():
+        np.testing.assert_allclose(fused[name], w, atol=1e-6, rtol=1e-6)
 
 
 def test_refusals_name_the_fix(local_run, tmp_path):

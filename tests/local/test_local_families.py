@@ -53,6 +53,7 @@ def test_torch_experts_quantized_routers_float(stoa_cache, make_cfg, name):
     from transformers import AutoModelForCausalLM
 
     from stoa.local.torch_lora import dequantize_affine, quantize_affine
+    from stoa.models.lora_torch import is_adapter
 
     d = _dir(stoa_cache, name)
     be: object = make_backend(make_cfg(model=str(d), backend="torch"), d)
@@ -74,7 +75,7 @@ def test_torch_experts_quantized_routers_float(stoa_cache, make_cfg, name):
             assert torch.equal(p.detach(), p0.detach()), n  # routers stay float
             checked += 1
     assert checked >= 2
-    assert not any(p.requires_grad for n, p in model.named_parameters() if not n.endswith(("lora_a", "lora_b")))
+    assert not any(p.requires_grad for n, p in model.named_parameters() if not is_adapter(n))
 
 
 @pytest.mark.mlx
@@ -168,3 +169,20 @@ def test_preflight_hybrid_kv_only_on_attention_layers(make_cfg):
     a, h = ModelShape.from_config("a", dense), ModelShape.from_config("h", hybrid)
     assert h.attention_layers() == 4 and a.attention_layers() == 16
     assert estimate_memory(cfg, h, "torch").parts["rollout"] < estimate_memory(cfg, a, "torch").parts["rollout"]
+
+
+@pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-qwen3.5"])
+def test_torch_reference_over_the_prompts_cache_equals_the_full_forward_on_hybrids(stoa_cache, make_cfg, name):
+    """The reference runs each group's prompt once on hybrid stacks too (conv and linear-attention states repeated,
+    the trainer's ``group_score``), within float32 noise of the full forward with the adapters bypassed."""
+    d = _dir(stoa_cache, name)
+    be: object = make_backend(make_cfg(model=str(d), backend="torch", kl_beta=0.04), d)
+    algo = get_algorithm(make_cfg(kl_beta=0.04).algo_config(), "torch")
+    batch = sample_batch(be, algo)
+    micro = micro_batches(len(batch), 0)
+    rng = np.random.default_rng(0)
+    be.load_adapter_arrays({k: rng.standard_normal(v.shape).astype(np.float32) * 0.1  # type: ignore[attr-defined]
+                            for k, v in be.adapter_arrays().items()})  # type: ignore[attr-defined]
+    with be.adapters_disabled():  # type: ignore[attr-defined]
+        full = be._score(batch, micro)  # type: ignore[attr-defined]
+    np.testing.assert_allclose(be.ref_logprobs(batch, micro), full, atol=2e-5)  # type: ignore[attr-defined]

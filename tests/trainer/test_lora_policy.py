@@ -256,3 +256,27 @@ def test_the_base_is_stored_in_the_compute_dtype_and_checkpointing_gives_the_sam
     assert deltas[0].keys() == deltas[1].keys()
     for k in deltas[0]:
         np.testing.assert_allclose(deltas[0][k], deltas[1][k], atol=1e-4, rtol=0)  # AdamW steps are 1e-2
+
+
+def test_a_lora_runs_reference_is_its_own_base_with_the_adapters_bypassed(tiny_dir: Path):
+    from stoa.trainer.peak import workload
+    from stoa.trainer.policy import BaseView
+
+    base, (pol, _opt) = Policy(tiny_dir, CPU, trainable=False), _lora(tiny_dir)
+    with torch.no_grad():
+        for k, p in pol.model.named_parameters():
+            if k.endswith("lora_B.weight"):
+                p.normal_(0.0, 0.05)
+    ref = BaseView(pol)
+    rng = np.random.default_rng(1)
+    prompt, comps = rng.integers(3, 500, 7), [rng.integers(3, 500, n) for n in (5, 2, 4)]
+    with torch.no_grad():
+        packed = pack_tensors([prompt] * 3, comps, 5, CPU)
+        assert torch.equal(ref.logprobs(packed), base.logprobs(packed))
+        assert torch.equal(ref.group_logprobs(prompt, comps, 5), base.group_logprobs(prompt, comps, 5))
+        assert not torch.equal(pol.logprobs(packed), base.logprobs(packed))  # the adapters are on again after
+    with pytest.raises(ValueError, match="needs a LoRA policy"):
+        BaseView(base)
+    kl = {"name": "grpo", "kl_beta": 0.04}
+    assert workload(TrainerConfig(algo=kl).validate(), 48, 64, 1, False).reference  # the preflight: no second base
+    assert not workload(TrainerConfig(lora_rank=8, algo=kl).validate(), 48, 64, 1, False).reference
