@@ -66,3 +66,25 @@ def test_a_mildly_lying_worker_is_quarantined_after_enough_records_an_honest_one
     assert rows["liar"].reason == "sequential" and rows["liar"].lag0_records == 6
     assert not rows["honest"].reason and rows["honest"].cusum == 0.0
     assert t.quarantine.state()["workers"]["liar"][6] > 0.3  # the sum goes into the journal
+
+
+@pytest.mark.slow  # about 17 s on a loaded 2-core box (four trainer steps)
+def test_a_worker_lying_at_lag_1_is_quarantined_by_its_excess_over_the_fleet_honest_lagged_ones_never(trainer):
+    t = trainer
+    t.resume()
+    workers = ("h1", "h2", "liar")
+
+    def honest_step(n: int, seed: int) -> None:  # n lag-0 records of every worker, honest
+        t.train([e for i, w in enumerate(workers) for e in lag0_entries(t, w, 0.0, n, seed=seed + i)])
+        t.settle_publish()
+
+    honest_step(1, 0)  # a fresh trainer's first lag 0 is not trusted
+    lagged = [e for i, w in enumerate(workers)  # sampled now, trained one version later: lag 1
+              for e in lag0_entries(t, w, -OFF if w == "liar" else 0.0, 4, seed=100 + i)]
+    honest_step(4, 10)  # calibrates the drift: three workers' records
+    assert t.quarantine.active is not None and t.quarantine.active.drift == pytest.approx(0.005)  # the floor
+    assert {t.version - e.record.policy_version for e in lagged} == {1}
+    t.train(lagged)
+    rows = t.quarantine.workers
+    assert rows["liar"].reason == "sequential"  # exp(0.12) - 1 over the others' lag-1 level: 3 records pass 0.3
+    assert not any(rows[w].reason for w in workers[:2]) and max(rows[w].cusum for w in workers[:2]) < 0.05
