@@ -126,3 +126,15 @@ def test_the_calibrated_drift_catches_a_mild_liar_the_ceiling_misses():
     step, q = run(0.005)
     assert 0 < step <= 200 and not any(q.is_quarantined(w) for w in ("h1", "h2", "h3"))
     assert run(None)[0] == 0  # the ceiling 0.065 never sees it
+
+
+def test_a_lagged_level_follows_a_growing_policy_movement_so_honest_workers_stay_under_it():
+    rng, q = np.random.default_rng(3), q_with()
+    workers = ["h1", "h2", "h3"]
+    for _ in range(3):
+        q.observe_step({w: records(rng, HONEST[0], 4, 0) for w in workers})
+    for step in range(80):  # the honest lag-1 level grows from 0.05 to 0.13 (an optimizer whose steps grow)
+        q.observe_step({w: records(rng, 0.05 + 0.001 * step, 4, 1) for w in workers})
+    assert not any(q.is_quarantined(w) for w in workers)
+    assert max(q.workers[w].cusum for w in workers) < 0.3 / 4
+    assert len(q.fleet.scores[1]["h1"]) == WINDOW and q.fleet.step == 83

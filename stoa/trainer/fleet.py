@@ -12,6 +12,10 @@ score an honest lag-0 record of the fleet would have plus the record's excess ov
 The same levels **calibrate the drift** (``calibrated_drift``): ``DRIFT_FACTOR`` x the fleet's lag-0 level, between
 ``quarantine_drift_floor`` and ``quarantine_drift`` (the ceiling, used until the fleet is large enough).
 
+At lag ``k >= 1`` the level uses the records of the last ``RECENT_STEPS`` steps only: the policy's movement per
+step changes over a run (the gradients' size, the optimizer's moments), and a level that lagged behind a growing
+movement would put every honest worker over it. The lag-0 level (rounding, steady) uses the whole window.
+
 A median over workers is a vote: it holds while fewer than half the workers with records at a lag lie. So a level
 needs ``MIN_WORKERS`` workers (the judged one excluded for its own shift): with fewer, lagged records give no
 evidence and the drift stays at its ceiling. Memory: ``WINDOW`` scores per worker and lag, for ``max_workers``
@@ -36,6 +40,9 @@ WINDOW = 64
 
 MIN_RECORDS = 4
 """Scores a worker needs at a lag before its median counts towards the level."""
+
+RECENT_STEPS = 4
+"""Steps a lagged level looks back (``FleetLevels.advance`` counts them)."""
 
 MIN_WORKERS = 2
 """Workers a level needs (other than the judged one): with two, one liar cannot set it alone."""
@@ -63,9 +70,13 @@ class FleetLevels:
     """
 
     def __init__(self, max_lag: int, max_workers: int = 1024):
-        self.max_lag, self.max_workers = max_lag, max_workers
-        self.scores: list[collections.OrderedDict[str, collections.deque[float]]] = [
+        self.max_lag, self.max_workers, self.step = max_lag, max_workers, 0
+        self.scores: list[collections.OrderedDict[str, collections.deque[tuple[int, float]]]] = [
             collections.OrderedDict() for _ in range(max_lag + 1)]
+
+    def advance(self) -> None:
+        """Start the next step: records added from now on are newer than those before."""
+        self.step += 1
 
     def add(self, worker: str, lag: int, score: float) -> None:
         """Keep one record's score (a lag outside ``[0, max_lag]`` or a non-finite score is ignored).
@@ -84,10 +95,11 @@ class FleetLevels:
             if len(by_worker) > self.max_workers:
                 by_worker.popitem(last=False)
         by_worker.move_to_end(worker)
-        q.append(float(score))
+        q.append((self.step, float(score)))
 
     def level(self, lag: int, exclude: str | None = None) -> Level | None:
-        """The fleet's level at ``lag`` over the workers other than ``exclude``; None with under ``MIN_WORKERS``.
+        """The fleet's level at ``lag`` over the workers other than ``exclude`` (their records of the last
+        ``RECENT_STEPS`` steps at a lag >= 1); None with under ``MIN_WORKERS`` workers of ``MIN_RECORDS`` records.
 
         Args:
             lag: the version lag.
@@ -95,7 +107,9 @@ class FleetLevels:
         """
         if not 0 <= lag <= self.max_lag:
             return None
-        meds = [float(np.median(q)) for w, q in self.scores[lag].items() if w != exclude and len(q) >= MIN_RECORDS]
+        since = self.step - RECENT_STEPS + 1 if lag else -1
+        recent = ([x for t, x in q if t >= since] for w, q in self.scores[lag].items() if w != exclude)
+        meds = [float(np.median(xs)) for xs in recent if len(xs) >= MIN_RECORDS]
         if len(meds) < MIN_WORKERS:
             return None
         return Level(float(np.median(meds)), len(meds))

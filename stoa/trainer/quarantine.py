@@ -238,6 +238,7 @@ class Quarantine:
         Args:
             stats: per worker id, its records of the step (``stoa.trainer.step.train_step``).
         """
+        self.fleet.advance()
         for worker_id, s in stats.items():
             for values, lag in zip(s.per_record, s.record_lags(), strict=True):
                 self.fleet.add(self.judged(worker_id), lag, record_score(values, math.inf))
