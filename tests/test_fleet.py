@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from stoa.trainer.fleet import DRIFT_FACTOR, MIN_RECORDS, WINDOW, FleetLevels, Level, calibrated_drift
+from stoa.trainer.fleet import DRIFT_FACTOR, MIN_RECORDS, SCORE_CLIP, WINDOW, FleetLevels, Level, calibrated_drift
 from stoa.trainer.quarantine import Disagreement, Quarantine
 
 lv0 = Level(0.0, 0)
@@ -138,3 +138,14 @@ def test_a_lagged_level_follows_a_growing_policy_movement_so_honest_workers_stay
     assert not any(q.is_quarantined(w) for w in workers)
     assert max(q.workers[w].cusum for w in workers) < 0.3 / 4
     assert len(q.fleet.scores[1]["h1"]) == WINDOW and q.fleet.step == 83
+
+
+def test_a_workers_vote_is_its_mean_score_as_the_cusum_sums_and_one_record_counts_at_most_the_clip():
+    f = FleetLevels(max_lag=3)
+    for w in ("a", "b"):
+        for x in (0.01, 0.01, 0.01, 0.09):  # skewed, as honest scores at a high lag: mean 0.03, median 0.01
+            f.add(w, 3, x)
+    assert value(f, 3) == pytest.approx(0.03)
+    for x in (1e9, 0.0, 0.0, 0.0):
+        f.add("c", 3, x)
+    assert value(f, 3, "a") == pytest.approx((0.03 + SCORE_CLIP / 4) / 2)

@@ -4,10 +4,11 @@ At lag 0 a record's score (``stoa.trainer.sequential.record_score``) measures on
 ``k >= 1`` the worker sampled with weights ``k`` versions older than the trainer's, which the trainer no longer
 holds, so the score also holds how far the policy moved in ``k`` steps: the honest level grows with the lag and with
 the learning rate, and no fixed reference fits it. Every worker's lag-``k`` records of the same steps share that
-movement, so the **fleet level** at lag ``k`` (the median over workers of each worker's median recent score at that
-lag) is the honest reference: a lag-``k`` record enters the worker's CUSUM as ``score - level_k + level_0``, the
-score an honest lag-0 record of the fleet would have plus the record's excess over the fleet at its lag
-(``Quarantine.observe_step``). The trainer computes these scores from the logprobs its step computes anyway.
+movement, so the **fleet level** at lag ``k`` (the median over workers of each worker's mean recent score at that
+lag, each score clipped to ``SCORE_CLIP``) is the honest reference: a lag-``k`` record enters the worker's CUSUM
+as ``score - level_k + level_0``, the score an honest lag-0 record of the fleet would have plus the record's
+excess over the fleet at its lag (``Quarantine.observe_step``). The trainer computes these scores from the
+logprobs its step computes anyway.
 
 The same levels **calibrate the drift** (``calibrated_drift``): ``DRIFT_FACTOR`` x the fleet's lag-0 level, between
 ``quarantine_drift_floor`` and ``quarantine_drift`` (the ceiling, used until the fleet is large enough).
@@ -39,7 +40,10 @@ WINDOW = 64
 """Recent record scores kept per worker and lag."""
 
 MIN_RECORDS = 4
-"""Scores a worker needs at a lag before its median counts towards the level."""
+"""Scores a worker needs at a lag before its mean counts towards the level."""
+
+SCORE_CLIP = 1.0
+"""Largest score a record adds to its worker's mean (a worker's own outlier moves only its own vote)."""
 
 RECENT_STEPS = 4
 """Steps a lagged level looks back (``FleetLevels.advance`` counts them)."""
@@ -53,7 +57,8 @@ class Level:
     """The fleet's level at one lag.
 
     Args:
-        value: median over workers of their median recent score.
+        value: median over workers of their mean recent score (a mean, as the CUSUM sums: skewed honest scores at
+            a high lag have a mean over their median, which a median level would count as excess).
         workers: workers it came from.
     """
 
@@ -95,7 +100,7 @@ class FleetLevels:
             if len(by_worker) > self.max_workers:
                 by_worker.popitem(last=False)
         by_worker.move_to_end(worker)
-        q.append((self.step, float(score)))
+        q.append((self.step, min(float(score), SCORE_CLIP)))
 
     def level(self, lag: int, exclude: str | None = None) -> Level | None:
         """The fleet's level at ``lag`` over the workers other than ``exclude`` (their records of the last
@@ -109,7 +114,7 @@ class FleetLevels:
             return None
         since = self.step - RECENT_STEPS + 1 if lag else -1
         recent = ([x for t, x in q if t >= since] for w, q in self.scores[lag].items() if w != exclude)
-        meds = [float(np.median(xs)) for xs in recent if len(xs) >= MIN_RECORDS]
+        meds = [float(np.mean(xs)) for xs in recent if len(xs) >= MIN_RECORDS]
         if len(meds) < MIN_WORKERS:
             return None
         return Level(float(np.median(meds)), len(meds))
