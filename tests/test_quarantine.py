@@ -161,7 +161,7 @@ def test_tracked_workers_are_bounded_and_quarantined_ones_kept():
 def _entries(policy: Policy, current: int) -> tuple[list[Entry], dict[str, float]]:
     """Groups of three workers: 'hon-est' at lag 0 (records the policy's own logprobs), 'li-ar' at lag 0
     (logprobs shifted by 0.5; one more group at lag 1), 'old' at lag 1 (shifted by 2.0).
-    Lag 1 must be ignored."""
+    Lag 1 is left out of the threshold's values, kept with its lag for the sequential test."""
     rng = np.random.default_rng(0)
     out, shift = [], {"hon-est": 0.0, "li-ar": 0.5, "old": 2.0}
     for g, (worker, version) in enumerate([("hon-est", current), ("li-ar", current), ("old", current - 1),
@@ -188,11 +188,14 @@ def test_train_step_returns_lag0_disagreement_per_worker(tiny_dir, shared_prefix
                    shared_prefix=shared_prefix)
     assert np.isfinite(m["loss"]) and all(isinstance(v, float) for v in m.values())
     d = m.disagreement
-    assert set(d) == {"hon-est", "li-ar"}  # the key's worker; the lag-1 worker is left out
+    assert set(d) == {"hon-est", "li-ar", "old"}  # the key's worker
     assert d["hon-est"].records == 2 and d["hon-est"].values.size == 16
-    assert d["li-ar"].records == 1 and d["li-ar"].values.size == 8  # its lag-1 group is left out
+    assert d["li-ar"].records == 1 and d["li-ar"].values.size == 8  # its lag-1 group is left out of the threshold's
+    assert d["old"].records == 0 and d["old"].values.size == 0
     assert [r.size for r in d["hon-est"].per_record] == [8, 8]  # split by record for the sequential test
-    assert [r.size for r in d["li-ar"].per_record] == [8]
+    assert [r.size for r in d["li-ar"].per_record] == [8, 8] and d["li-ar"].lags == (0, 1)  # lagged ones too
+    assert d["old"].lags == (1,) and d["hon-est"].record_lags() == (0, 0)
+    np.testing.assert_allclose(d["old"].per_record[0], math.exp(2.0) - 1, rtol=1e-4)  # against the current policy
     assert float(d["hon-est"].values.max()) < 1e-4
     np.testing.assert_allclose(d["li-ar"].values, math.exp(0.5) - 1, rtol=1e-4)
 

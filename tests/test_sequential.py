@@ -94,7 +94,7 @@ def test_run_temperature_scales_drift_cap_and_limit():
 def make_q(**kw) -> Quarantine:
     d = TrainerConfig()
     args = {"enabled": True, "disagreement": d.quarantine_disagreement, "reject_rate": 0.5, "min_records": 8,
-            "drift": d.quarantine_drift, "evidence": d.quarantine_evidence} | kw
+            "drift": d.quarantine_drift, "evidence": 1.0} | kw
     return Quarantine(**args)
 
 

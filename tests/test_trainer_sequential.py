@@ -18,7 +18,8 @@ from tests.test_lifecycle import make_trainer_cfg
 
 OFF = 0.12
 """The mild liar's logprob error in nats a token: exp(0.12) - 1 = 0.1275, under quarantine's 0.15 (no step
-quarantines it) and over the default drift 0.065 by 0.0625: 17 records pass the default limit 1.0."""
+quarantines it) and over the default drift 0.065 (two workers: too few to calibrate it) by 0.0625: 5 records pass
+the default limit 0.3."""
 
 
 @pytest.fixture
@@ -54,14 +55,36 @@ def test_a_mildly_lying_worker_is_quarantined_after_enough_records_an_honest_one
     d = TrainerConfig()
     assert t.cfg.quarantine_sequential and t.quarantine.sequential is not None  # on by default
     per_record = math.expm1(OFF) - d.quarantine_drift
-    assert math.expm1(OFF) < d.quarantine_disagreement and 16 * per_record < 1.0 < 17 * per_record
+    assert math.expm1(OFF) < d.quarantine_disagreement and 4 * per_record < d.quarantine_evidence < 5 * per_record
     t.resume()  # publishes v1: lag-0 records are sampled from the weights the trainer holds
-    for step in range(3):  # 6 records of each worker a step: 6, 12 (sum 0.75), 18 (over 1.0 at the 17th)
+    for step in range(3):  # 2 records of each worker a step: 2, 4 (sum 0.25), 6 (over 0.3 at the 5th)
         assert not t.quarantine.is_quarantined("liar"), step
-        t.train(lag0_entries(t, "honest", 0.0, 6, seed=2 * step + 1) + lag0_entries(t, "liar", -OFF, 6,
+        t.train(lag0_entries(t, "honest", 0.0, 2, seed=2 * step + 1) + lag0_entries(t, "liar", -OFF, 2,
                                                                                    seed=2 * step + 2))
         t.settle_publish()
     rows = {w: t.quarantine.workers[w] for w in ("honest", "liar")}
-    assert rows["liar"].reason == "sequential" and rows["liar"].lag0_records == 18
+    assert rows["liar"].reason == "sequential" and rows["liar"].lag0_records == 6
     assert not rows["honest"].reason and rows["honest"].cusum == 0.0
-    assert t.quarantine.state()["workers"]["liar"][6] > 1.0  # the sum goes into the journal
+    assert t.quarantine.state()["workers"]["liar"][6] > 0.3  # the sum goes into the journal
+
+
+@pytest.mark.slow  # about 17 s on a loaded 2-core box (four trainer steps)
+def test_a_worker_lying_at_lag_1_is_quarantined_by_its_excess_over_the_fleet_honest_lagged_ones_never(trainer):
+    t = trainer
+    t.resume()
+    workers = ("h1", "h2", "liar")
+
+    def honest_step(n: int, seed: int) -> None:  # n lag-0 records of every worker, honest
+        t.train([e for i, w in enumerate(workers) for e in lag0_entries(t, w, 0.0, n, seed=seed + i)])
+        t.settle_publish()
+
+    honest_step(1, 0)  # a fresh trainer's first lag 0 is not trusted
+    lagged = [e for i, w in enumerate(workers)  # sampled now, trained one version later: lag 1
+              for e in lag0_entries(t, w, -OFF if w == "liar" else 0.0, 4, seed=100 + i)]
+    honest_step(4, 10)  # calibrates the drift: three workers' records
+    assert t.quarantine.active is not None and t.quarantine.active.drift == pytest.approx(0.005)  # the floor
+    assert {t.version - e.record.policy_version for e in lagged} == {1}
+    t.train(lagged)
+    rows = t.quarantine.workers
+    assert rows["liar"].reason == "sequential"  # exp(0.12) - 1 over the others' lag-1 level: 3 records pass 0.3
+    assert not any(rows[w].reason for w in workers[:2]) and max(rows[w].cusum for w in workers[:2]) < 0.05

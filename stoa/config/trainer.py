@@ -116,11 +116,16 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                                 "median exp|recorded - recomputed logprob| - 1, capped at "
                                                 "quarantine_disagreement) minus quarantine_drift passes "
                                                 "quarantine_evidence (stoa.trainer.sequential; docs/verification.md).")
-    quarantine_drift: float = setting(0.065, "CUSUM reference per lag-0 record (temperature 1, top_p 1, scaled to the "
-                                             "run's like quarantine_disagreement): above the noisiest honest engine "
-                                             "pair's mean record score (SmolLM2 bf16 plane: <= 0.054; tiny: "
-                                             "<= 0.004), below a mild liar's (`stoa bench verify` prints both).")
-    quarantine_evidence: float = setting(1.0, "CUSUM limit: quarantine once a worker's sum of (record score - "
+    quarantine_drift: float = setting(0.065, "CUSUM reference per record (temperature 1, top_p 1, scaled to the "
+                                             "run's like quarantine_disagreement): the ceiling of the calibrated "
+                                             "drift, and the drift until the fleet calibrates it (or always, with "
+                                             "quarantine_drift_floor = 0); above the noisiest honest engine pair's "
+                                             "mean record score (SmolLM2 bf16 plane: <= 0.054; tiny: <= 0.004).")
+    quarantine_drift_floor: float = setting(0.005, "Calibrate the CUSUM drift to 2.5 x the fleet's lag-0 record "
+                                                   "level (the median over 3+ workers of each one's median score), "
+                                                   "between this floor and quarantine_drift (stoa.trainer.fleet; "
+                                                   "docs/verification.md); 0 = no calibration.")
+    quarantine_evidence: float = setting(0.3, "CUSUM limit: quarantine once a worker's sum of (record score - "
                                               "quarantine_drift), floored at 0, passes this; a record adds at most "
                                               "quarantine_disagreement - quarantine_drift, so no single record "
                                               "can reach it.")
@@ -227,9 +232,12 @@ class TrainerConfig(TrainingConfig, FleetConfig):
             raise ConfigError("quarantine_drift", f"must be in (0, quarantine_disagreement = "
                                                   f"{self.quarantine_disagreement}), got {self.quarantine_drift} "
                                                   "(turn the test off with quarantine_sequential = false)")
-        room = self.quarantine_disagreement - self.quarantine_drift
+        if not 0 <= self.quarantine_drift_floor <= self.quarantine_drift:
+            raise ConfigError("quarantine_drift_floor", f"must be in [0, quarantine_drift = {self.quarantine_drift}] "
+                                                        f"(0: no calibration), got {self.quarantine_drift_floor}")
+        room = self.quarantine_disagreement - (self.quarantine_drift_floor or self.quarantine_drift)
         if not room <= self.quarantine_evidence < 1e6:
-            raise ConfigError("quarantine_evidence", f"must be in [quarantine_disagreement - quarantine_drift = "
+            raise ConfigError("quarantine_evidence", f"must be in [quarantine_disagreement - the smallest drift = "
                                                      f"{room:.4g}, 1e6) so no single record quarantines, got "
                                                      f"{self.quarantine_evidence}")
         if not 0 < self.quarantine_reject_rate <= 1:

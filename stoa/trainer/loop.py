@@ -165,7 +165,8 @@ class _Trainer:
                                      reject_rate=cfg.quarantine_reject_rate, min_records=cfg.quarantine_min_records,
                                      temperature=cfg.temperature, top_p=cfg.top_p, by_name=keys_on,
                                      drift=cfg.quarantine_drift if cfg.quarantine_sequential else None,
-                                     evidence=cfg.quarantine_evidence)
+                                     evidence=cfg.quarantine_evidence,
+                                     drift_floor=cfg.quarantine_drift_floor or None, max_lag=cfg.staleness_bound)
         identities = IdentityBook(self.bucket, cfg.run, run_key) if keys_on else None
         self.pool = RecordPool(self.bucket, self.contract, self.task, self.codec, staleness_bound=cfg.staleness_bound,
                                reuse_cap=cfg.reuse_cap, gate=self.quarantine, tools=self.tools.tools,
@@ -393,8 +394,7 @@ class _Trainer:
         self.fence()
         ride_out(lambda: ckpt.write_journal(self.bucket, cfg.run, journal), "the journal", self.echo)
         if self.lag0_trusted:
-            for worker, values in m.disagreement.items():
-                self.quarantine.observe_disagreement(worker, values)
+            self.quarantine.observe_step(m.disagreement)
         self.lag0_trusted = True  # from now on lag 0 means "sampled from weights this trainer published"
         self.version, self.step = self.version + 1, self.step + 1
         self.start_publish(self.version)

@@ -10,8 +10,10 @@ Two signals per worker id (the ``<worker>`` of ``runs/<run>/rollouts/v<version>/
   rounding for an honest worker. The worker is quarantined when the median over its lag-0 tokens
   exceeds the threshold, judged once ``min_records`` lag-0 records were seen.
 
-- **sequential test** (``stoa.trainer.sequential``): a CUSUM over its lag-0 records' scores, which catches a
+- **sequential test** (``stoa.trainer.sequential``): a CUSUM over its records' scores, which catches a
   worker whose every record sits under the threshold but above what honest engines give, after enough records.
+  Lag-0 records count as scored; a lagged record counts by its excess over the fleet's records at the same lag
+  (``stoa.trainer.fleet``), and the fleet's lag-0 level calibrates the drift (``observe_step``).
 
 The first two are kept over a bounded recent window (counts halve when the window fills), so memory and the
 journal entry per worker are a handful of numbers. "Median above the threshold" is decided exactly
@@ -38,6 +40,7 @@ import numpy as np
 
 from stoa.identity import name_of
 from stoa.schemas.journal import QuarantineRow
+from stoa.trainer.fleet import FleetLevels, calibrated_drift
 from stoa.trainer.sequential import Cusum, CusumParams, record_score
 
 log = logging.getLogger(__name__)
@@ -74,12 +77,18 @@ class Disagreement:
     Args:
         values: ``exp|recorded - recomputed| - 1`` per lag-0 completion token.
         records: lag-0 records (groups) the tokens came from.
-        per_record: the same tokens split by record (one array per lag-0 record; empty: no sequential evidence).
+        per_record: every record's tokens, one array per record (empty: no sequential evidence).
+        lags: each ``per_record`` entry's version lag (empty: all 0).
     """
 
     values: np.ndarray
     records: int
     per_record: tuple[np.ndarray, ...] = ()
+    lags: tuple[int, ...] = ()
+
+    def record_lags(self) -> tuple[int, ...]:
+        """``lags``, or 0 for every record when unset."""
+        return self.lags if self.lags else (0,) * len(self.per_record)
 
     @property
     def median(self) -> float:
@@ -125,8 +134,12 @@ class Quarantine:
             quarantined ones last.
         by_name: judge a worker by the name its key proves (a run with worker keys: ``<name>-<6 hex>`` counts as
             ``<name>``, ``stoa.identity.name_of``), so a process that restarts under a new id keeps its record.
-        drift: the sequential test's reference per record at temperature 1, top_p 1 (None: no sequential test).
+        drift: the sequential test's reference per record at temperature 1, top_p 1 (None: no sequential test);
+            with ``drift_floor`` the ceiling of the calibrated drift.
         evidence: the sequential test's limit (``sequential_params``).
+        drift_floor: calibrate the drift from the fleet's lag-0 level (``stoa.trainer.fleet.calibrated_drift``)
+            down to this, at temperature 1, top_p 1 (None: the drift stays ``drift``).
+        max_lag: lagged records up to this lag give sequential evidence against the fleet's level at their lag.
     """
 
     RECORD_WINDOW = 256
@@ -134,7 +147,8 @@ class Quarantine:
 
     def __init__(self, *, enabled: bool, disagreement: float, reject_rate: float, min_records: int,
                  temperature: float = 1.0, top_p: float = 1.0, max_workers: int = 1024, by_name: bool = False,
-                 drift: float | None = None, evidence: float = 1.0):
+                 drift: float | None = None, evidence: float = 1.0, drift_floor: float | None = None,
+                 max_lag: int = 0):
         self.enabled, self.by_name = enabled, by_name
         self.threshold = effective_threshold(disagreement, temperature, top_p)
         self.reject_rate = reject_rate
@@ -142,6 +156,11 @@ class Quarantine:
         self.max_workers = max_workers
         self.sequential = (sequential_params(drift, evidence, disagreement, temperature, top_p)
                            if drift is not None else None)
+        self.active = self.sequential
+        """The test in force: ``sequential`` with the calibrated drift."""
+        self.drift_floor = (None if drift_floor is None or self.sequential is None
+                            else min(effective_threshold(drift_floor, temperature, top_p), self.sequential.drift))
+        self.fleet = FleetLevels(max_lag, max_workers)
         self.workers: collections.OrderedDict[str, _Worker] = collections.OrderedDict()
         self._since = _Since()
 
@@ -181,25 +200,29 @@ class Quarantine:
                              f"{w.rejected / w.records:.2f} of its records rejected (> {self.reject_rate})")
 
     def observe_disagreement(self, worker_id: str, stats: Disagreement) -> None:
-        """Add one step's lag-0 tokens of a worker.
+        """Add one step's lag-0 tokens and records (any lag) of a worker; ``observe_step`` adds a whole step's.
 
         Args:
             worker_id: the worker (see ``stoa.trainer.step.train_step``).
-            stats: its lag-0 values of this step.
+            stats: its lag-0 values and its records of this step.
         """
         values = np.asarray(stats.values, np.float64)
-        if values.size == 0:
+        if values.size == 0 and not stats.per_record:
             return
-        w = self._touch(worker_id)
+        w, judged = self._touch(worker_id), self.judged(worker_id)
+        if values.size:
+            self._observe_tokens(judged, w, values, int(stats.records))
+        self._observe_records(judged, w, stats)
+
+    def _observe_tokens(self, worker_id: str, w: _Worker, values: np.ndarray, records: int) -> None:
+        """Count a step's lag-0 tokens over the threshold; quarantine the worker when most of its recent ones are."""
         w.tokens += values.size
         # NaN (a recompute that overflowed) counts as over the threshold.
         w.over += int(values.size - np.count_nonzero(values <= self.threshold))
-        w.lag0_records += int(stats.records)
+        w.lag0_records += records
         while w.tokens > self.TOKEN_WINDOW:
             w.tokens, w.over = w.tokens / 2, w.over / 2
-        worker_id = self.judged(worker_id)
         self._since.medians[worker_id] = float(np.median(values))
-        self._observe_records(worker_id, w, stats.per_record)
         if w.lag0_records >= self.min_records and w.over > w.tokens / 2:
             self._quarantine(worker_id, w, "disagreement",
                              "median exp|recorded - recomputed logprob| - 1 over its lag-0 tokens > "
@@ -207,20 +230,44 @@ class Quarantine:
                              f"({w.over / w.tokens:.2f} of {w.tokens:.0f} tokens above; this step's median "
                              f"{self._since.medians[worker_id]:.4g})")
 
-    def _observe_records(self, worker_id: str, w: _Worker, per_record: tuple[np.ndarray, ...]) -> None:
-        """Feed each lag-0 record's score to the worker's CUSUM; quarantine it when the sum passes the limit."""
-        p = self.sequential
-        if p is None or not per_record:
+    def observe_step(self, stats: dict[str, Disagreement]) -> None:
+        """Add one step's records of every worker: first to the fleet's levels (every worker's, so each lagged
+        record is judged against the same step's fleet), then recalibrate the drift, then judge each worker
+        (``observe_disagreement``).
+
+        Args:
+            stats: per worker id, its records of the step (``stoa.trainer.step.train_step``).
+        """
+        self.fleet.advance()
+        for worker_id, s in stats.items():
+            for values, lag in zip(s.per_record, s.record_lags(), strict=True):
+                self.fleet.add(self.judged(worker_id), lag, record_score(values, math.inf))
+        if self.sequential is not None and self.drift_floor is not None:
+            drift = calibrated_drift(self.fleet, self.drift_floor, self.sequential.drift)
+            s0 = self.sequential
+            self.active = CusumParams(drift=drift, limit=max(s0.limit, s0.cap - drift), cap=s0.cap)
+        for worker_id, s in stats.items():
+            self.observe_disagreement(worker_id, s)
+
+    def _observe_records(self, worker_id: str, w: _Worker, stats: Disagreement) -> None:
+        """Feed each record's score to the worker's CUSUM (a lagged one shifted by the fleet's levels, skipped
+        without them); quarantine the worker when the sum passes the limit."""
+        p = self.active
+        if p is None or not stats.per_record:
             return
-        c = Cusum(w.cusum)
-        for values in per_record:
-            c = c.update(record_score(values, p.cap), p)
+        c, lagged = Cusum(w.cusum), 0
+        for values, lag in zip(stats.per_record, stats.record_lags(), strict=True):
+            score = record_score(values, p.cap) if lag == 0 else self.fleet.shifted(
+                worker_id, lag, record_score(values, math.inf))
+            if score is not None:
+                c, lagged = c.update(score, p), lagged + (lag > 0)
         w.cusum = c.value
         self._since.cusums[worker_id] = c.value
         if c.alarm(p):
             self._quarantine(worker_id, w, "sequential",
-                             f"CUSUM of its lag-0 records' median exp|recorded - recomputed logprob| - 1 minus "
-                             f"{p.drift:.4g} reached {c.value:.4g} (> {p.limit:.4g}) after {w.lag0_records} records")
+                             f"CUSUM of its records' median exp|recorded - recomputed logprob| - 1 (lagged ones "
+                             f"over the fleet's at their lag) minus {p.drift:.4g} reached {c.value:.4g} (> "
+                             f"{p.limit:.4g}) after {w.lag0_records} lag-0 records and {lagged} lagged ones this step")
 
     def _quarantine(self, worker_id: str, w: _Worker, reason: str, detail: str) -> None:
         if not self.enabled or w.reason:
@@ -284,7 +331,8 @@ class Quarantine:
                "quarantine/tracked": float(len(self.workers)), "quarantine/new": float(s.new),
                "quarantine/disagreement_max": max(s.medians.values(), default=0.0)}
         out.update({f"quarantine/disagreement/{k}": v for k, v in s.medians.items()})
-        if self.sequential is not None:
+        if self.active is not None:
+            out["quarantine/drift"] = self.active.drift
             out["quarantine/cusum_max"] = max(s.cusums.values(), default=0.0)
             out.update({f"quarantine/cusum/{k}": v for k, v in s.cusums.items()})
         return out

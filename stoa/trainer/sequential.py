@@ -1,4 +1,4 @@
-"""Per-worker sequential test (a one-sided CUSUM) on the lag-0 recompute residuals: catches mild, persistent lies.
+"""Per-worker sequential test (a one-sided CUSUM) on the recompute residuals: catches mild, persistent lies.
 
 Quarantine's per-step threshold (``stoa.trainer.quarantine``) judges a worker by the median residual of its recent
 tokens, so a worker whose every record sits just under it (sampling at T x 0.8, logprob noise N(0, 0.1), 2% weight
@@ -18,9 +18,10 @@ quarantine a worker, and none can wipe more than ``drift`` of a liar's evidence:
 ``limit / (cap - drift)`` records to quarantine anyone. Gross lies stay the per-step threshold's.
 
 The trainer does not know a worker's engine (a worker says what it runs, which proves nothing), so ``drift`` is
-one value per run that must hold for the noisiest honest engine pair of the run's model and plane;
-``stoa bench verify`` measures the honest scores per pair, the false-quarantine rate and the records each attack
-takes to be caught, and prints the drift a model could use. This module imports no torch.
+one value per run that must hold for the noisiest honest engine pair of the run's model and plane; the trainer
+calibrates it from the fleet's lag-0 level, and a lagged record enters the sum shifted by the fleet's level at its
+lag (``stoa.trainer.fleet``). ``stoa bench verify`` measures the honest scores per pair, the false-quarantine rate
+and the records each attack takes to be caught. This module imports no torch.
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ def train_step(
     check = RecomputeCheck(batch.group_ids, batch.version_lag, temperature=policy.temperature, top_p=top_p,
                            limit=recompute_limit)
     parts: list[dict[str, float]] = []
-    lag0: dict[str, list[tuple[int, np.ndarray]]] = {}
+    lag0: dict[str, list[tuple[int, int, np.ndarray]]] = {}
     loss_total = 0.0
     trained: list[np.ndarray] = []
     for idx in micro:
@@ -311,18 +311,16 @@ def _step_figures(batch: Batch, loss: float, grad_norm: float, seconds: float) -
 
 
 def _collect_lag0(batch: Batch, idx: np.ndarray, logp: torch.Tensor,
-                  out: dict[str, list[tuple[int, np.ndarray]]], check: RecomputeCheck) -> None:
-    """Append (its group, ``exp|recorded - recomputed| - 1`` of its tokens) of each lag-0 row to
-    ``out[its worker]``, and judge the rows (``check``)."""
-    sel = [j for j, i in enumerate(idx) if batch.version_lag[i] == 0]
-    if not sel:
-        return
+                  out: dict[str, list[tuple[int, int, np.ndarray]]], check: RecomputeCheck) -> None:
+    """Append (its group, its lag, ``exp|recorded - recomputed| - 1`` of its tokens) of each row to
+    ``out[its worker]`` (lagged rows too: the sequential test judges them against the fleet at their lag), and
+    judge the lag-0 rows (``check``)."""
     with torch.no_grad():
-        recomputed = logp.detach()[sel].float().cpu().numpy()
-    rows = idx[sel]
-    check.judge(rows, batch.rollout_logp[rows], recomputed, batch.mask[rows])
-    for i, vals in zip(rows, disagreement_values(batch.rollout_logp[rows], recomputed), strict=True):
-        out.setdefault(batch.sources[i], []).append((int(batch.group_ids[i]), vals[batch.mask[i] > 0]))
+        recomputed = logp.detach().float().cpu().numpy()
+    check.judge(idx, batch.rollout_logp[idx], recomputed, batch.mask[idx])
+    for i, vals in zip(idx, disagreement_values(batch.rollout_logp[idx], recomputed), strict=True):
+        out.setdefault(batch.sources[i], []).append((int(batch.group_ids[i]), int(batch.version_lag[i]),
+                                                     vals[batch.mask[i] > 0]))
 
 
 def _undo_batches(batch: Batch, check: RecomputeCheck, trained: Sequence[np.ndarray], micro_batch: int, dist: Dist
@@ -348,9 +346,9 @@ def _undo_batches(batch: Batch, check: RecomputeCheck, trained: Sequence[np.ndar
     return mine, most - len(mine)
 
 
-def _disagreement(batch: Batch, lag0: dict[str, list[tuple[int, np.ndarray]]]) -> dict[str, Disagreement]:
-    """Per worker: its lag-0 values of this step, how many lag-0 records (groups) they came from, and the values
-    split by record (in group order, for the sequential test)."""
+def _disagreement(batch: Batch, lag0: dict[str, list[tuple[int, int, np.ndarray]]]) -> dict[str, Disagreement]:
+    """Per worker: its lag-0 values of this step, how many lag-0 records (groups) they came from, and every
+    record's values with its lag (in group order, for the sequential test)."""
     records: dict[str, int] = {}
     for idx in group_indices(batch):
         first = int(idx[0])
@@ -359,10 +357,14 @@ def _disagreement(batch: Batch, lag0: dict[str, list[tuple[int, np.ndarray]]]) -
     out = {}
     for w, rows in lag0.items():
         by_group: dict[int, list[np.ndarray]] = {}
-        for g, v in sorted(rows, key=lambda r: r[0]):
+        lags: dict[int, int] = {}
+        for g, lag, v in sorted(rows, key=lambda r: r[0]):
             by_group.setdefault(g, []).append(v)
+            lags[g] = lag
         per_record = tuple(np.concatenate(vs) for vs in by_group.values())
-        out[w] = Disagreement(np.concatenate([v for _, v in rows]), records.get(w, 0), per_record)
+        at0 = [v for _, lag, v in rows if lag == 0]
+        out[w] = Disagreement(np.concatenate(at0) if at0 else np.zeros(0), records.get(w, 0), per_record,
+                              tuple(lags.values()))
     return out
 
 

@@ -89,7 +89,7 @@ def test_the_per_step_checks_drop_a_gross_liar_at_once_and_quarantine_a_mild_one
                                                                                               8, 1)
     mild = [[np.full(8, -0.1)] * 4 for _ in range(64)]  # 0.105 a record: under 0.15, over the drift 0.065
     row = step_row("mild", mild, per_step=8, temperature=1.0)
-    assert (row.dropped, row.reason, row.quarantined_after, row.steps) == (0, "sequential", 32, 4)  # 26th record
+    assert (row.dropped, row.reason, row.quarantined_after, row.steps) == (0, "sequential", 8, 1)  # 8th: 0.321 > 0.3
     assert step_row("lagged", mild, per_step=8, temperature=1.0, cfg=TrainerConfig(quarantine_sequential=False)
                     ).reason == ""
 
@@ -117,3 +117,29 @@ def test_a_verdict_names_the_check_that_catches_an_attack_first():
     assert logprob_verdict(cusum, gross, params).detector == "recompute check (per sample)"
     missed = logprob_verdict(replace(cusum, detected=0), StepRow("noise", 256, 0, 0, "", 0, 0), params)
     assert (missed.detector, missed.detected) == ("none", "no")
+
+
+def test_lagged_rows_judge_each_lag_over_the_fleets_level_and_auto_calibrates_the_drift():
+    from stoa.bench.verify.lagged import LagScores, fleet_of, load_arrays, save_arrays
+    from stoa.trainer.fleet import Level
+
+    rng = np.random.default_rng(0)
+    honest = {0: rng.normal(0.0034, 0.0003, 256), 1: rng.normal(0.07, 0.005, 256), 2: rng.normal(0.09, 0.005, 256)}
+    lies = {(k, "noise"): rng.normal(0.07 + 0.02 * k, 0.005, 256) + 0.03 for k in (1, 2)}
+    ls = LagScores(honest, lies)
+    args = argparse.Namespace(drift="auto", limit=0.3, cap=0.15, temperature=1.0, liar_engine="torch:bfloat16",
+                              liar_plane="bf16", n_samples=4, stream=32, attack_streams=5, seed=0)
+    params = verify.run_params(args, ls)
+    assert params.drift == pytest.approx(2.5 * 0.0034, rel=0.05)  # from the fleet's lag 0
+    assert params.limit == pytest.approx(0.3)
+    assert verify.run_params(argparse.Namespace(**{**vars(args), "drift": "0.02"}), ls).drift == pytest.approx(0.02)
+    h, k = verify.lag_rows(ls, params, args)
+    assert [r.pair for r in h] == [f"torch bfloat16 / bf16 / fp32, lag {i}" for i in range(3)]
+    assert [r.records for r in h] == [128] * 3 and all(r.quarantined == 0 for r in h)  # the half not fitted on
+    assert [r.attack for r in k] == ["noise at lag 1", "noise at lag 2"]
+    assert all(r.detected == r.streams == 5 and r.median_records <= 15 for r in k)  # +0.03 over the fleet a record
+    split = LagScores({0: np.concatenate([np.full(64, 0.003), np.full(64, 1.0)])}, {})
+    assert fleet_of(split).level(0) == Level(0.003, 8)  # fitted on the first half only, 8 workers of 4+ records
+    back = load_arrays(save_arrays(ls))
+    assert set(back.honest) == {0, 1, 2} and set(back.attacks) == set(lies)
+    assert all(np.array_equal(back.attacks[key], lies[key]) for key in lies)

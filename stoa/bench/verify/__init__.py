@@ -8,14 +8,18 @@ an off-grid float32 master (as after training), sampling ``--sequences`` complet
 order to simulated workers of ``--stream`` records each, every one running a fresh CUSUM with the trainer's
 settings: a false quarantine is a stream whose CUSUM alarms. Attacks run on ``--liar-engine`` with ``--liar-plane``
 against the fp32 recompute; each samples ``--attack-records`` records, and ``--attack-streams`` random orders of
-them are fed to fresh CUSUMs: detected within the pool, and the median records it took.
+them are fed to fresh CUSUMs: detected within the pool, and the median records it took. Lagged records
+(``stoa.bench.verify.lagged``): honest workers and liars ``1..--max-lag`` versions behind, judged over the fleet's
+level at their lag; the fleet's lag-0 records calibrate the drift (``--drift auto``, the trainer's default).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ import numpy as np
 
 from stoa.bench.verify.intake import intake_rows
 from stoa.bench.verify.intake import table as intake_table
+from stoa.bench.verify.lagged import LagScores, fleet_of, lag_scores, load_arrays, save_arrays, shifted
 from stoa.bench.verify.liars import attack_plan, copied_logprobs, noisy, quantized, swapped, top_k_sampler
 from stoa.bench.verify.sampling import Group, Rig
 from stoa.bench.verify.stats import AttackRow, HonestRow, attack_row, honest_row, table
@@ -32,7 +37,8 @@ from stoa.bench.verify.verdict import intake_verdict, logprob_verdict
 from stoa.bench.verify.verdict import table as verdict_table
 from stoa.config import TrainerConfig
 from stoa.models import resolve_model
-from stoa.trainer.quarantine import sequential_params
+from stoa.trainer.fleet import calibrated_drift
+from stoa.trainer.quarantine import effective_threshold, sequential_params
 from stoa.trainer.sequential import CusumParams, record_score
 from stoa.weights.planes import state_from_f32
 
@@ -63,8 +69,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                   "the intake attacks: --intake)")
     p.add_argument("--liar-engine", default="torch:bfloat16", help="engine:dtype the attacks run on")
     p.add_argument("--liar-plane", default="bf16", help="weight plane the attacks run on [default: bf16]")
-    p.add_argument("--drift", type=float, default=d.quarantine_drift,
-                   help=f"CUSUM reference per record [default: quarantine_drift = {d.quarantine_drift}]")
+    p.add_argument("--drift", default="auto",
+                   help=f"CUSUM reference per record, or auto: calibrated from the fleet's honest lag-0 records "
+                        f"between quarantine_drift_floor = {d.quarantine_drift_floor} and quarantine_drift = "
+                        f"{d.quarantine_drift}, as the trainer does [default: auto]")
+    p.add_argument("--max-lag", type=int, default=2, help="lagged records at lags 1..this [default: 2]")
+    p.add_argument("--lag-records", type=int, default=256,
+                   help="honest records sampled per lag 0..--max-lag on --liar-engine (half set the fleet's level, "
+                        "half are judged; the lags' lies are on them); 0: no lagged records [default: 256]")
+    p.add_argument("--lag-lr", type=float, default=1e-4,
+                   help="Adam learning rate of the steps between versions [default: 1e-4]")
     p.add_argument("--limit", type=float, default=d.quarantine_evidence,
                    help=f"CUSUM limit [default: quarantine_evidence = {d.quarantine_evidence}]")
     p.add_argument("--cap", type=float, default=d.quarantine_disagreement,
@@ -146,6 +160,31 @@ def judge(honest_scores: dict[str, np.ndarray], attack_scores: dict[str, np.ndar
     return h, k
 
 
+def run_params(args: argparse.Namespace, ls: LagScores) -> CusumParams:
+    """The CUSUM judged with: ``--drift`` (scaled like the trainer's), or with ``auto`` the trainer's calibration
+    over the fleet of the lagged run's honest lag-0 records (the ceiling without them)."""
+    d = TrainerConfig()
+    if args.drift != "auto":
+        return sequential_params(float(args.drift), args.limit, args.cap, args.temperature)
+    ceiling = sequential_params(d.quarantine_drift, args.limit, args.cap, args.temperature)
+    drift = calibrated_drift(fleet_of(ls), effective_threshold(d.quarantine_drift_floor, args.temperature),
+                             ceiling.drift)
+    return CusumParams(drift=drift, limit=max(ceiling.limit, ceiling.cap - drift), cap=ceiling.cap)
+
+
+def lag_rows(ls: LagScores, params: CusumParams, args: argparse.Namespace) -> tuple[list[HonestRow], list[AttackRow]]:
+    """Honest rows per lag (the half of the records the fleet's level was not set on) and an attack row per lagged
+    lie, every score on the lag-0 scale (``lagged.shifted``)."""
+    if not ls.honest:
+        return [], []
+    fleet, pair = fleet_of(ls), f"{args.liar_engine.replace(':', ' ')} / {args.liar_plane} / fp32"
+    h = [honest_row(f"{pair}, lag {lag}", shifted(fleet, lag, s[len(s) // 2:]), args.n_samples, args.stream, params)
+         for lag, s in sorted(ls.honest.items())]
+    k = [attack_row(f"{label} at lag {lag}", shifted(fleet, lag, s), args.attack_streams, params, args.seed + 50 + i)
+         for i, ((lag, label), s) in enumerate(sorted(ls.attacks.items()))]
+    return h, k
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark (or load its scores); print the tables; append JSONL rows to ``--out``.
 
@@ -153,20 +192,28 @@ def main(args: argparse.Namespace) -> int:
         args: parsed flags (see ``add_arguments``).
     """
     t0 = time.perf_counter()
-    params = sequential_params(args.drift, args.limit, args.cap, args.temperature)
-    print(f"CUSUM drift {params.drift:.4g}, limit {params.limit:.4g}, cap {params.cap:.4g} (>= "
-          f"{params.min_records} records to quarantine); honest streams of {args.stream} records")
+    ceiling = sequential_params(TrainerConfig().quarantine_drift, args.limit, args.cap, args.temperature)
     if args.load_scores:
-        hs, ks, rs = _load(args.load_scores)
+        hs, ks, rs, ls = _load(args.load_scores)
     else:
         rig = Rig(args)
         print(f"model {rig.model_dir.name}: {args.groups} groups x {args.n_samples} samples a batch, <= "
               f"{args.max_new_tokens} tokens, T={args.temperature}")
-        hs, (ks, rs) = honest(rig, params), attacks(rig, params)
+        ls = lag_scores(rig) if args.lag_records else LagScores({}, {})
+        hs, (ks, rs) = honest(rig, ceiling), attacks(rig, ceiling)
     if args.save_scores:
-        _save(args.save_scores, hs, ks, rs)
+        _save(args.save_scores, hs, ks, rs, ls)
+    params = run_params(args, ls)
+    how = "" if args.drift != "auto" else " (calibrated)" if params.drift != ceiling.drift else " (the ceiling)"
+    print(f"CUSUM drift {params.drift:.4g}{how}, limit "
+          f"{params.limit:.4g}, cap {params.cap:.4g} (>= {params.min_records} records to quarantine); honest streams "
+          f"of {args.stream} records")
     h, k = judge(hs, ks, params, args)
-    s = [step_row(label, r, args.records_per_step, args.temperature) for label, r in rs.items()]
+    lh, lk = lag_rows(ls, params, args)
+    h, k = h + lh, k + lk
+    cfg = replace(TrainerConfig(), quarantine_drift=math.expm1(math.log1p(params.drift) * args.temperature),
+                  quarantine_drift_floor=0.0)  # the trainer's defaults once its fleet calibrated the drift
+    s = [step_row(label, r, args.records_per_step, args.temperature, cfg) for label, r in rs.items()]
     i = intake_rows(Path(resolve_model(args.model))) if args.intake else []
     print()
     parts = [table(h, k), steps_table(s, args.records_per_step) if s else [], intake_table(i) if i else []]
@@ -186,15 +233,17 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _save(path: str, hs: dict[str, np.ndarray], ks: dict[str, np.ndarray], rs: dict[str, Residuals]) -> None:
-    """Write the record scores, and each attack's residuals (``steps.flatten``), to ``path`` (.npz)."""
-    arrays: dict[str, Any] = {**{f"honest:{k}": v for k, v in hs.items()}, **{f"attack:{k}": v for k, v in ks.items()}}
+def _save(path: str, hs: dict[str, np.ndarray], ks: dict[str, np.ndarray], rs: dict[str, Residuals],
+          ls: LagScores) -> None:
+    """Write the record scores, each attack's residuals (``steps.flatten``) and the lagged scores to ``path``."""
+    arrays: dict[str, Any] = {**{f"honest:{k}": v for k, v in hs.items()}, **{f"attack:{k}": v for k, v in ks.items()},
+                              **save_arrays(ls)}
     for label, r in rs.items():
         arrays[f"resid:{label}"], arrays[f"rlens:{label}"], arrays[f"rsamp:{label}"] = flatten(r)
     np.savez(path, allow_pickle=False, **arrays)
 
 
-def _load(paths: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Residuals]]:
+def _load(paths: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Residuals], LagScores]:
     """Honest and attack scores, and attack residuals, of ``--save-scores`` files (comma list); a label in several
     files (runs with other seeds) gets their scores one after the other."""
     found: dict[str, list[np.ndarray]] = {}
@@ -206,7 +255,7 @@ def _load(paths: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dic
     resid = {k[6:]: unflatten(v, joined[f"rlens:{k[6:]}"], joined[f"rsamp:{k[6:]}"])
              for k, v in joined.items() if k.startswith("resid:")}
     return ({k[7:]: v for k, v in joined.items() if k.startswith("honest:")},
-            {k[7:]: v for k, v in joined.items() if k.startswith("attack:")}, resid)
+            {k[7:]: v for k, v in joined.items() if k.startswith("attack:")}, resid, load_arrays(joined))
 
 
 def _split(s: str) -> list[str]:

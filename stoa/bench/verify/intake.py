@@ -213,8 +213,9 @@ def single_turn(model_dir: Path) -> list[IntakeRow]:
                         "trained with the trainer's rewards (0, 0); not rejected, not held against the worker"))
     dodge = rig.record(rig.honest_samples(), worker="liar", version=VERSION - 1)
     row = rig.run("a lie written under version current - 1 (lag dodge)", [dodge],
-                  f"lag > 0 is never recomputed: the recompute check drops {lag_dodge_dropped()} of 4 samples "
-                  "lying by 3 nats a token at lag 1; quarantine sees lag 0 only")
+                  f"the per-sample recompute check judges lag 0 only: it drops {lag_dodge_dropped()} of 4 samples "
+                  "lying by 3 nats a token at lag 1; the sequential test judges lagged records over the fleet "
+                  "(the lagged rows)")
     rows.append(row)
     rig.dir.cleanup()
     return rows
