@@ -31,7 +31,7 @@ def test_honest_torch_is_not_quarantined_a_model_swap_is_at_the_first_possible_r
     out, scores = tmp_path / "v.jsonl", tmp_path / "s.npz"
     assert run(["--model", str(tiny_dir), "--engines", "torch:float32", "--planes", "bf16", "--trainers", "fp32",
                 "--sequences", "32", "--groups", "4", "--stream", "4", "--attacks", "6", "--attack-records", "16",
-                "--attack-streams", "5", "--max-new-tokens", "8", "--out", str(out),
+                "--attack-streams", "5", "--max-new-tokens", "8", "--out", str(out), "--lag-records", "0",
                 "--save-scores", str(scores), "--no-intake"]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     honest, swap = [r for r in rows if r["kind"] in ("HonestRow", "AttackRow")]
@@ -40,16 +40,18 @@ def test_honest_torch_is_not_quarantined_a_model_swap_is_at_the_first_possible_r
     assert honest["kind"] == "HonestRow" and honest["records"] == 8 and honest["sequences"] == 32
     assert honest["workers"] == 2 and honest["quarantined"] == 0 and honest["score_max"] < 0.065
     assert swap["kind"] == "AttackRow" and swap["detected"] == swap["streams"] == 5
-    assert swap["median_records"] == 12  # scores at the cap 0.15: +0.085 a record, limit 1.0
+    # two honest workers are too few to calibrate the drift (3 needed): 0.065, so 0.085 a record; limit 0.3
+    assert swap["median_records"] == 4
     again = tmp_path / "again.jsonl"
-    assert run(["--load-scores", str(scores), "--limit", "0.3", "--stream", "8", "--attack-streams", "5",
+    assert run(["--load-scores", str(scores), "--drift", "0.065", "--limit", "1.0", "--stream", "8",
+                "--attack-streams", "5",
                 "--out", str(again), "--no-intake"]) == 0
     rows2 = [json.loads(x) for x in again.read_text().splitlines()]
     honest2, swap2 = [r for r in rows2 if r["kind"] in ("HonestRow", "AttackRow")]
     step2, = [r for r in rows2 if r["kind"] == "StepRow"]  # the residuals were saved and judged again
     assert {k: step2[k] for k in StepRow.__dataclass_fields__} == {k: step[k] for k in StepRow.__dataclass_fields__}
     assert honest2["workers"] == 1 and honest2["score_mean"] == honest["score_mean"]
-    assert swap2["median_records"] == 4  # 0.3 / 0.085: over at the fourth
+    assert swap2["median_records"] == 12  # judged again at the old defaults: 1.0 / 0.085, over at the twelfth
 
 
 def verdicts(rows) -> dict[str, tuple[str, str]]:
