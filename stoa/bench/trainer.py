@@ -231,7 +231,7 @@ def preflight(args: argparse.Namespace) -> int:
         work = Workload(min(micro, rows), args.prompt_tokens, args.tokens, ckpt, kl > 0, 1, cuda,
                         bf16=args.dtype == "bfloat16", lora_rank=args.lora_rank,
                         lora_targets=tuple(LORA_TARGETS.split(",")) if args.lora_rank else (),
-                        bf16_copy=args.compute_weights == "bf16_copy")
+                        bf16_copy=args.compute_weights == "bf16_copy", lean=not ckpt)
         est = estimate_peak(shape, work)
         measured = row["peak_cuda_gb"] or row["peak_rss_gb"]
         print(f"{micro:5d} {ckpt!s:>5} {kl:5.2f} {measured:12.2f} {est.total:13.2f}  {est.describe()}")

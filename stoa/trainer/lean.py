@@ -30,11 +30,11 @@ SWIGLU_LINE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
 """The expression an MLP's ``forward`` must return for it to be made lean (Llama, Qwen2/3, Mistral...)."""
 
 
-def _recomputed(fn: Any, *args: Any) -> Any:
-    """``fn(*args)``, its intermediates recomputed in backward (checkpointing) when gradients are on."""
+def _recomputed(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, its intermediates recomputed in backward (checkpointing) when gradients are on."""
     if not torch.is_grad_enabled():
-        return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args, **kwargs)
+    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
 _SWIGLU: dict[type, bool] = {}

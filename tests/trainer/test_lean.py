@@ -44,10 +44,10 @@ def kept_bytes(pol: Policy, monkeypatch) -> int:
 
     real = lean_mod._recomputed
 
-    def recomputed(fn, *args):
+    def recomputed(fn, *args, **kwargs):
         for a in args:
             keep(a)
-        return real(fn, *args)
+        return real(fn, *args, **kwargs)
 
     monkeypatch.setattr(lean_mod, "_recomputed", recomputed)
     params = {p.untyped_storage().data_ptr() for p in pol.model.parameters()}
