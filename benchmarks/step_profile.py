@@ -41,6 +41,7 @@ class Phases:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
         self.peak: dict[str, float] = defaultdict(float)
         self.now = "other"
         self.stop = threading.Event()
@@ -55,11 +56,12 @@ class Phases:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
             outer, self.now = self.now, name
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[name] += time.perf_counter() - t0
+                self.cpu[name] += time.process_time() - c0
                 self.peak[name] = max(self.peak[name], rss_gb())
                 self.now = outer
 
@@ -67,6 +69,7 @@ class Phases:
 
     def reset(self) -> None:
         self.seconds.clear()
+        self.cpu.clear()
         self.peak.clear()
 
 
@@ -114,19 +117,21 @@ def main() -> None:
     for r in range(1 + a.steps):
         entries = on_policy(synthetic_entries(8, 8, 48, 64, policy.vocab_size, r), policy, 64)
         ph.reset()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step_mod.train_step(policy, ref, opt, algo, entries, current_version=1, micro_batch=a.micro_batch,
                             grad_clip=1.0, shared_prefix=a.shared_prefix, recompute_limit=float("inf"))
         total.append(time.perf_counter() - t0)
+        step_cpu = time.process_time() - c0
     ph.stop.set()
     print(f"{a.dtype} ({a.compute_weights if a.dtype == 'bfloat16' else 'fp32'}), "
           f"{'shared prefix' if a.shared_prefix else f'packed, micro-batch {a.micro_batch}'}, kl {a.kl_beta}, "
           f"{'lean' if a.lean else 'not lean'}; "
-          f"step {total[-1]:.2f} s (warm-up {total[0]:.2f} s); load {os.getloadavg()[0]:.1f}")
-    print("| phase | s | peak RSS GB |\n| --- | ---: | ---: |")
+          f"step {total[-1]:.2f} s, {step_cpu:.1f} CPU s (warm-up {total[0]:.2f} s); load {os.getloadavg()[0]:.1f}")
+    print("| phase | s | CPU s | peak RSS GB |\n| --- | ---: | ---: | ---: |")
     for name, s in sorted(ph.seconds.items(), key=lambda kv: -kv[1]):
-        print(f"| {name} | {s:.2f} | {ph.peak[name]:.2f} |")
-    print(f"| other (batch, packing, metrics) | {total[-1] - sum(ph.seconds.values()):.2f} | {ph.peak['other']:.2f} |")
+        print(f"| {name} | {s:.2f} | {ph.cpu[name]:.1f} | {ph.peak[name]:.2f} |")
+    print(f"| other (batch, packing, metrics) | {total[-1] - sum(ph.seconds.values()):.2f} | "
+          f"{step_cpu - sum(ph.cpu.values()):.1f} | {ph.peak['other']:.2f} |")
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
     parts = {"interpreter + torch + libraries": base, "after loading (policy + ref + copy)": loaded,
              "fp32 masters": tensor_gb(policy.model.parameters()),
