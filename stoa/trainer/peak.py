@@ -45,9 +45,13 @@ smollm2-135m  bf16   4      no    no   3.71         4.11          +11%
 smollm2-135m  bf16   16     yes   no   4.20         4.11          -2%
 smollm2-135m  bf16   16     no    yes  6.11         6.38          +4%
 smollm2-135m  copy   16     no    no   5.36         5.24          -2%
+smollm2-135m  copy   16     no    .001 5.80         5.51          -5%
+smollm2-135m  lean   16     no    .001 5.06         5.07          +0%
 ============  =====  =====  ====  ===  ===========  ============  =====
 
-(bf16: ``compute_weights = "autocast"``; copy: the bf16 compute copy, ``bf16_copy``.)
+(bf16: ``compute_weights = "autocast"``; copy: the bf16 compute copy, ``bf16_copy``; lean: the copy with lean
+activations, ``stoa.trainer.lean``, measured by ``benchmarks/step_profile.py``. The rows above it were measured
+before lean activations and are estimated here without them.)
 
 CUDA figures are estimates from the same constants; check them with ``--preflight`` on a GPU.
 """
