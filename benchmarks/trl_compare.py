@@ -83,13 +83,15 @@ DEFAULT_BETA = 0.001
 @dataclass(frozen=True)
 class Side:
     """One side's medians over its repeats: seconds per step (TRL: without generation), trained tokens/s, peak RSS
-    (GB) and, for TRL, the generation seconds and whole-step seconds per step (0 for ours)."""
+    (GB), for TRL the generation seconds and whole-step seconds per step (0 for ours), and the CPU seconds of the
+    step (TRL: without generation; all threads; 0 when a child did not report them)."""
 
     step_s: float
     tokens_per_s: float
     peak_rss_gb: float
     gen_s: float = 0.0
     full_step_s: float = 0.0
+    cpu_s: float = 0.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -111,7 +113,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"KL coefficient; 0 compares at {DEFAULT_BETA} (both sides run a reference forward)")
     p.add_argument("--micro-batch", type=int, default=16, help="rows per micro-batch on both sides [default: 16]")
     p.add_argument("--dtype", default="float32", type=dtype_value, choices=("float32", "bfloat16"),
-                   help="our Policy's compute dtype (TRL stays float32) [default: float32]")
+                   help="our Policy's compute dtype [default: float32]")
+    p.add_argument("--compute-weights", default="bf16_copy", choices=("autocast", "bf16_copy"),
+                   help="how our bfloat16 policy computes: a bf16 copy of the fp32 masters (the trainer's default) "
+                        "or autocast on them [default: bf16_copy]")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help="our step runs each group's prompt once (one group per micro-batch); default: packed "
+                        "micro-batches, as TRL")
+    p.add_argument("--trl-bf16", action="store_true",
+                   help="TRL with bf16=True (autocast on its fp32 masters; AdamW state stays fp32) [default: fp32]")
     p.add_argument("--threads", type=int, default=2, help="torch threads on both sides [default: 2]")
     p.add_argument("--steps", type=int, default=1, help="timed steps per process, after one warm-up step "
                                                         "[default: 1]")
@@ -128,7 +138,8 @@ def child_spec(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     return {"model_dir": str(model_dir), "prompts": args.groups, "generations": args.n, "tokens": args.tokens,
             "prompt_tokens": args.prompt_tokens, "micro_batch": args.micro_batch,
             "beta": args.kl_beta or DEFAULT_BETA, "lr": 1e-6, "warmup": 1, "steps": args.steps, "seed": 0,
-            "threads": args.threads, "dtype": args.dtype}
+            "threads": args.threads, "dtype": args.dtype, "compute_weights": args.compute_weights,
+            "shared_prefix": args.shared_prefix, "trl_bf16": args.trl_bf16}
 
 
 def ours_argv(spec: dict[str, Any]) -> list[str]:
@@ -174,10 +185,11 @@ def summarize(results: list[dict[str, Any]], warmup: int, trl: bool) -> Side:
     rss = statistics.median(res["peak_rss_kb"] for res in results) / 1e6
     step = statistics.median(r["train_s" if trl else "step_s"] for r in rows)
     tokens = statistics.median(r["tokens"] for r in rows)
+    cpu = statistics.median(r.get("train_cpu_s" if trl else "cpu_s", 0.0) for r in rows)
     if not trl:
-        return Side(step, tokens / step, rss)
+        return Side(step, tokens / step, rss, cpu_s=cpu)
     return Side(step, tokens / step, rss, statistics.median(r["gen_s"] for r in rows),
-                statistics.median(r["step_s"] for r in rows))
+                statistics.median(r["step_s"] for r in rows), cpu)
 
 
 def ratio_line(ours: Side, trl: Side) -> str:
@@ -204,8 +216,9 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     device = torch.device("cpu")
-    policy = Policy(spec["model_dir"], device, **policy_kwargs(spec["dtype"]))
-    ref = Policy(spec["model_dir"], device, trainable=False, **policy_kwargs(spec["dtype"]))
+    kw = policy_kwargs(spec["dtype"], spec.get("compute_weights", "bf16_copy"))
+    policy = Policy(spec["model_dir"], device, **kw)
+    ref = Policy(spec["model_dir"], device, trainable=False, **kw)
     opt = torch.optim.AdamW(policy.model.parameters(), lr=spec["lr"])
     algo = get_algorithm(AlgoConfig.from_dict({"name": "grpo", "kl_beta": spec["beta"],
                                                "max_tokens": spec["tokens"]}), "torch")
@@ -214,11 +227,11 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
         raw = synthetic_entries(spec["prompts"], spec["generations"], spec["prompt_tokens"], spec["tokens"],
                                 policy.vocab_size, spec["seed"] + r)
         entries = on_policy(raw, policy, spec["tokens"])
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         train_step(policy, ref, opt, algo, entries, current_version=1, micro_batch=spec["micro_batch"],
-                   grad_clip=1.0, shared_prefix=False,
+                   grad_clip=1.0, shared_prefix=spec.get("shared_prefix", False),
                    recompute_limit=float("inf"))  # synthetic records: no worker's logprobs to judge
-        rows.append({"step_s": time.perf_counter() - t0,
+        rows.append({"step_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
                      "tokens": float(spec["prompts"] * spec["generations"] * spec["tokens"])})
     return {"rows": rows, "threads": torch.get_num_threads(),
             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
@@ -266,6 +279,26 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
+def precisions(spec: dict[str, Any]) -> tuple[str, str]:
+    """How each side computes, in words: ours (dtype, compute weights, packed or shared prefix) and TRL's."""
+    ours = "fp32" if spec["dtype"] == "float32" else f"bf16 {spec.get('compute_weights', 'bf16_copy')}"
+    ours += ", shared prefix" if spec.get("shared_prefix") else ", packed"
+    return ours, "bf16=True (autocast)" if spec.get("trl_bf16") else "fp32"
+
+
 def table(spec: dict[str, Any], ours: Side, trl: Side, versions: dict[str, str], load: tuple[float, float]) -> str:
     """The printed comparison: a settings line and a markdown table.
 
@@ -277,19 +310,23 @@ def table(spec: dict[str, Any], ours: Side, trl: Side, versions: dict[str, str],
         load: the 1-minute load average before and after.
     """
     rows = spec["prompts"] * spec["generations"]
+    mine, theirs = precisions(spec)
     head = (f"{spec['prompts']} prompts x {spec['generations']} generations, ~{spec['prompt_tokens']}-token prompts + "
             f"{spec['tokens']} new tokens, micro-batch {spec['micro_batch']} of {rows} rows, beta {spec['beta']}, "
-            f"full fine-tune, ours {spec['dtype']} / TRL float32, CPU, {spec['threads']} threads; "
+            f"full fine-tune, ours {mine} / TRL {theirs}, fp32 AdamW; {cpu_name()}, {spec['threads']} threads; "
             f"trl {versions['trl']}, transformers {versions['transformers']}, torch {versions['torch']}; "
             f"load {load[0]:.1f} -> {load[1]:.1f}")
     return "\n".join([
-        head, "| side | s/step | trained tok/s | peak RSS GB | generation s/step |",
-        "| --- | ---: | ---: | ---: | ---: |",
-        f"| stoa train_step (packed) | {ours.step_s:.2f} | {ours.tokens_per_s:.0f} | {ours.peak_rss_gb:.2f} | - |",
-        f"| TRL GRPOTrainer without generation | {trl.step_s:.2f} | {trl.tokens_per_s:.0f} | {trl.peak_rss_gb:.2f} "
-        f"| {trl.gen_s:.2f} |",
-        f"| TRL GRPOTrainer whole step | {trl.full_step_s:.2f} | "
-        f"{trl.tokens_per_s * trl.step_s / trl.full_step_s:.0f} | {trl.peak_rss_gb:.2f} | {trl.gen_s:.2f} |"])
+        head, "| side | s/step | CPU s/step | trained tok/s | peak RSS GB | generation s/step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"| stoa train_step ({mine}) | {ours.step_s:.2f} | {ours.cpu_s:.1f} | {ours.tokens_per_s:.0f} | "
+        f"{ours.peak_rss_gb:.2f} | - |",
+        f"| TRL GRPOTrainer ({theirs}) without generation | {trl.step_s:.2f} | {trl.cpu_s:.1f} | "
+        f"{trl.tokens_per_s:.0f} | {trl.peak_rss_gb:.2f} | {trl.gen_s:.2f} |",
+        f"| TRL GRPOTrainer whole step | {trl.full_step_s:.2f} | - | "
+        f"{trl.tokens_per_s * trl.step_s / trl.full_step_s:.0f} | {trl.peak_rss_gb:.2f} | {trl.gen_s:.2f} |",
+        f"CPU seconds (all threads; less moved by other load than wall time): TRL / ours "
+        f"{trl.cpu_s / ours.cpu_s if ours.cpu_s else 0.0:.2f}"])
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def length_reward(completions: list[str], **_kwargs: Any) -> list[float]:
 
 
 def build_trainer(spec: dict[str, Any], out_dir: str, timings: dict[str, list[float]]) -> Any:
-    """TRL's GRPOTrainer on the spec's shape: full fine-tune, fp32 on the CPU, micro-batches accumulated into one
+    """TRL's GRPOTrainer on the spec's shape: full fine-tune, fp32 masters on the CPU (``trl_bf16``: bf16=True, autocast
+    on them), micro-batches accumulated into one
     optimizer step per ``prompts x generations`` batch, completions forced to ``tokens`` tokens."""
     import torch
     from datasets import Dataset
@@ -54,7 +55,8 @@ def build_trainer(spec: dict[str, Any], out_dir: str, timings: dict[str, list[fl
     steps = spec["warmup"] + spec["steps"]
     dataset = Dataset.from_dict({"prompt": make_prompts(tokenizer, spec["prompts"] * steps, spec["prompt_tokens"])})
     config = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=spec["seed"],
+        output_dir=out_dir, use_cpu=True, bf16=bool(spec["trl_bf16"]), fp16=False, gradient_checkpointing=False,
+        seed=spec["seed"],
         per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,
         steps_per_generation=rows // micro, num_generations=spec["generations"],
         max_completion_length=spec["tokens"], generation_kwargs={"min_new_tokens": spec["tokens"]},
@@ -65,19 +67,21 @@ def build_trainer(spec: dict[str, Any], out_dir: str, timings: dict[str, list[fl
 
     class Timed(GRPOTrainer):
         def _generate(self, prompts: list) -> Any:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = super()._generate(prompts)
             timings["gen_s"].append(time.perf_counter() - t0)
+            timings["gen_cpu_s"].append(time.process_time() - c0)
             timings["gen_tokens"].append(float(sum(len(c) for c in out[1])))
             timings["prompt_tokens"].append(float(max(len(p) for p in out[0])))
             return out
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            timings["_t0"] = [time.perf_counter()]
+            timings["_t0"] = [time.perf_counter(), time.process_time()]
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             timings["step_s"].append(time.perf_counter() - timings["_t0"][0])
+            timings["step_cpu_s"].append(time.process_time() - timings["_t0"][1])
 
     return Timed(model=model, reward_funcs=length_reward, args=config, train_dataset=dataset,
                  processing_class=tokenizer, callbacks=[StepTimer()])
@@ -100,13 +104,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     import trl
 
     torch.set_num_threads(spec["threads"])
-    timings: dict[str, list[float]] = {"gen_s": [], "gen_tokens": [], "prompt_tokens": [], "step_s": []}
+    timings: dict[str, list[float]] = {"gen_s": [], "gen_tokens": [], "prompt_tokens": [], "step_s": [],
+                                       "gen_cpu_s": [], "step_cpu_s": []}
     record_trl_profiling(timings)
     with tempfile.TemporaryDirectory(prefix="stoa-bench-trl-") as out:
         build_trainer(spec, out, timings).train()
-    rows = [{"step_s": s, "gen_s": g, "train_s": s - g, "tokens": t, "prompt_tokens": p}
-            for s, g, t, p in zip(timings["step_s"], timings["gen_s"], timings["gen_tokens"],
-                                  timings["prompt_tokens"], strict=True)]
+    rows = [{"step_s": s, "gen_s": g, "train_s": s - g, "tokens": t, "prompt_tokens": p, "train_cpu_s": sc - gc}
+            for s, g, t, p, sc, gc in zip(timings["step_s"], timings["gen_s"], timings["gen_tokens"],
+                                          timings["prompt_tokens"], timings["step_cpu_s"], timings["gen_cpu_s"],
+                                          strict=True)]
     return {"rows": rows, "threads": torch.get_num_threads(),
             "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
             "trl_profiling": {k[4:]: v for k, v in timings.items() if k.startswith("trl:")},

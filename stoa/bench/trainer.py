@@ -224,7 +224,7 @@ def preflight_estimate(model: str, device: str, micro_batch: int, prompt_tokens:
     shape = shape_from_dir(resolve_bench_model(model), model)
     work = Workload(micro_batch, prompt_tokens, tokens, gradient_checkpointing, kl, 1, is_cuda(device), bf16=bf16,
                     lora_rank=lora_rank, lora_targets=tuple(LORA_TARGETS.split(",")) if lora_rank else (),
-                    bf16_copy=bf16 and compute_weights == "bf16_copy")
+                    bf16_copy=bf16 and compute_weights == "bf16_copy", lean=not gradient_checkpointing)
     return estimate_peak(shape, work)
 
 

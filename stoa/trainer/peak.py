@@ -46,9 +46,13 @@ smollm2-135m  bf16   4      no    no   3.71         4.11          +11%
 smollm2-135m  bf16   16     yes   no   4.20         4.11          -2%
 smollm2-135m  bf16   16     no    yes  6.11         6.38          +4%
 smollm2-135m  copy   16     no    no   5.36         5.24          -2%
+smollm2-135m  copy   16     no    .001 5.80         5.51          -5%
+smollm2-135m  lean   16     no    .001 5.06         5.07          +0%
 ============  =====  =====  ====  ===  ===========  ============  =====
 
-(bf16: ``compute_weights = "autocast"``; copy: the bf16 compute copy, ``bf16_copy``.)
+(bf16: ``compute_weights = "autocast"``; copy: the bf16 compute copy, ``bf16_copy``; lean: the copy with lean
+activations, ``stoa.trainer.lean``, measured by ``benchmarks/step_profile.py``. The rows above it were measured
+before lean activations and are estimated here without them.)
 
 CUDA figures are estimates from the same constants; check them with ``--preflight`` on a GPU.
 """
@@ -79,6 +83,9 @@ ACT_SCALE = 1.05
 """Multiplier on the activation model fitted to the measurements (0.67, 0.73 and 0.40 with checkpointing; the
 larger figure keeps the estimate on the safe side)."""
 CKPT_LAYERS = 6
+LEAN_NORM_BYTES = 8.0
+"""Bytes per hidden value and layer that lean activations do not keep: two RMSNorms, each 4 bytes (the fp32
+intermediate beyond the input it recomputes from; ``stoa.trainer.lean``)."""
 """With gradient checkpointing, blocks' worth of activations alive at the peak besides the block inputs: one
 recomputed block in theory; fitted on SmolLM2 (glibc keeps the freed blocks of the recomputes)."""
 LOGIT_COPIES = 2.0
@@ -109,6 +116,9 @@ class Workload(NamedTuple):
     bf16_copy: bool = False
     """Whether a bf16 rank computes on a bf16 copy of the weights (``compute_weights = "bf16_copy"``: one rank,
     full fine-tuning) rather than under autocast."""
+    lean: bool = False
+    """Whether the trained forward recomputes its norms' and SwiGLU's intermediates in backward
+    (``stoa.trainer.lean``: one rank, without gradient checkpointing)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +177,8 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
     b, seq, t = work.micro_batch, work.prompt_tokens + work.completion_tokens, work.completion_tokens
     acts = activation_bytes(shape, b, seq, ab, checkpointing=work.gradient_checkpointing,
                             checkpoint_blocks=CKPT_LAYERS)
+    if work.lean and w == 1 and not work.gradient_checkpointing:
+        acts -= lean_saved(shape, b * seq, cb)
     trained, weights = p, p * 4 / w + gathered
     if work.lora_rank:  # a frozen base (compute dtype at W = 1) plus the fp32 adapter, which alone trains
         trained = lora_params(shape, work.lora_rank, work.lora_targets)
@@ -177,6 +189,20 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
         logits=min(b * t * shape.vocab, LOGITS_CHUNK_ELEMENTS) * 4 * LOGIT_COPIES / GB,
         reference=((p * 4 / w if w > 1 else p * cb) if work.reference else 0) / GB,
         overhead=RUNTIME_GB["cuda" if work.cuda else "cpu"] + STEP_BYTES_PER_PARAM * p / w / GB)
+
+
+def lean_saved(shape: ModelShape, tokens: int, compute_bytes: int) -> float:
+    """Activation bytes lean activations do not keep for ``tokens`` tokens of a forward: per layer the norms'
+    fp32 intermediates (LEAN_NORM_BYTES x hidden) and, in a dense SwiGLU MLP, ``act(gate)`` (compute bytes x MLP
+    width; MoE layers keep theirs).
+
+    Args:
+        shape: the model's shape.
+        tokens: tokens per forward (rows x sequence).
+        compute_bytes: bytes per value the forward computes in.
+    """
+    dense = sum(shape.intermediate for i in range(shape.layers) if not shape.is_moe(i))
+    return tokens * (shape.layers * LEAN_NORM_BYTES * shape.hidden + dense * compute_bytes)
 
 
 def workload(cfg: Any, prompt_tokens: int, completion_tokens: int, world_size: int, cuda: bool,
@@ -199,7 +225,8 @@ def workload(cfg: Any, prompt_tokens: int, completion_tokens: int, world_size: i
     targets = tuple(t.strip() for t in getattr(cfg, "lora_targets", "").split(",") if t.strip()) if rank else ()
     copy = bf16 and getattr(cfg, "compute_weights", "autocast") == "bf16_copy"
     return Workload(micro, prompt_tokens, completion_tokens, cfg.gradient_checkpointing,
-                    cfg.algo_config().kl_beta > 0 and not rank, world_size, cuda, bf16, rank, targets, copy)
+                    cfg.algo_config().kl_beta > 0 and not rank, world_size, cuda, bf16, rank, targets, copy,
+                    lean=world_size == 1 and not cfg.gradient_checkpointing)
 
 
 class Budget(NamedTuple):

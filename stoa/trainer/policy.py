@@ -26,6 +26,7 @@ from stoa.engines.torch_scoring import PackedTensors, Scores, group_score, score
 from stoa.models.lora_torch import LoraSpec, add_lora, decoder_blocks, is_adapter, lora_disabled, merge_arrays
 from stoa.trainer.compute_copy import COMPUTE_WEIGHTS, ComputeCopy
 from stoa.trainer.dist import SINGLE, Dist, full_arrays, load_full, shard
+from stoa.trainer.lean import lean_activations
 
 
 class _Root(torch.nn.Module):
@@ -87,12 +88,14 @@ class Policy:
             masters per forward; ``bf16_copy`` runs forward and backward on a persistent bf16 copy refreshed
             after each optimizer step (gradients land on the masters in fp32). Only an unsharded full fine-tune
             keeps a copy: a LoRA base and a frozen policy are stored in bf16 already, and FSDP2 gathers bf16.
+        lean: recompute the norms' and SwiGLU's elementwise intermediates in backward instead of keeping them
+            (``stoa.trainer.lean``; bit-exact); an unsharded trainable policy without gradient checkpointing only.
     """
 
     def __init__(self, model_dir: str | Path, device: torch.device, *, temperature: float = 1.0,
                  gradient_checkpointing: bool = False, trainable: bool = True, dist: Dist = SINGLE,
                  compute_dtype: torch.dtype = torch.float32, lora: LoraSpec | None = None, seed: int = 0,
-                 compute_weights: str = "autocast"):
+                 compute_weights: str = "autocast", lean: bool = True):
         from transformers import AutoModelForCausalLM
 
         self.device, self.temperature, self.dist = device, temperature, dist
@@ -124,6 +127,9 @@ class Policy:
         # Unsharded bf16 without a copy: autocast (sharded: the gathered parameters already compute in bf16).
         self.autocast = unsharded_bf16 and self.copy is None
         self.copy_root = _Root(self.copy.module) if self.copy is not None else None
+        self.lean = lean and trainable and not gradient_checkpointing and not dist.sharded
+        if self.lean:  # on the module that computes (a copy deep-copied from a lean master would call the master)
+            lean_activations(self.copy.module if self.copy is not None else self.model)
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The model's parameters by name (tied weights appear once; a LoRA policy's adapters included)."""

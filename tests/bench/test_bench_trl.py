@@ -136,3 +136,32 @@ def test_on_policy_sets_behaviour_logprobs_to_the_policys_own():
         got = np.stack([s.logprobs for s in rec.samples])
         assert got.dtype == np.float32 and np.abs(got - want).max() < 1e-6
         assert not np.allclose(got, -2.0)
+
+
+def test_the_spec_carries_each_sides_precision_and_the_table_names_them_and_the_cpu():
+    spec = trl.child_spec(_args("--dtype", "bfloat16", "--compute-weights", "autocast", "--trl-bf16",
+                                "--shared-prefix"), Path("/m"))
+    assert (spec["compute_weights"], spec["trl_bf16"], spec["shared_prefix"]) == ("autocast", True, True)
+    default = trl.child_spec(_args(), Path("/m"))
+    assert (default["compute_weights"], default["trl_bf16"], default["shared_prefix"]) == ("bf16_copy", False, False)
+    assert trl.precisions(default) == ("fp32, packed", "fp32")
+    assert trl.precisions(spec) == ("bf16 autocast, shared prefix", "bf16=True (autocast)")
+    side = trl.Side(2.0, 2048.0, 1.5, 1.0, 3.0)
+    text = trl.table(spec, side, side, {"trl": "1", "transformers": "2", "torch": "3"}, (0.1, 0.2))
+    assert trl.cpu_name() in text.splitlines()[0]
+    assert "| stoa train_step (bf16 autocast, shared prefix) |" in text
+    assert "| TRL GRPOTrainer (bf16=True (autocast)) without generation |" in text
+
+
+@pytest.mark.parametrize(("weights", "copy"), [("bf16_copy", True), ("autocast", False)])
+def test_our_child_runs_the_specs_compute_weights_and_mode(tiny_dir, monkeypatch, weights, copy):
+    import stoa.trainer.step as step
+
+    seen: list[tuple[bool, bool]] = []
+    monkeypatch.setattr(step, "train_step", lambda policy, ref, *a, **kw: seen.append(
+        (policy.copy is not None, kw["shared_prefix"])))
+    spec = trl.child_spec(_args("--dtype", "bfloat16", "--compute-weights", weights, "--shared-prefix", "--groups",
+                                "1", "--n-samples", "2", "--prompt-tokens", "4", "--max-new-tokens", "3",
+                                "--micro-batch", "2", "--threads", "1"), tiny_dir)
+    trl.run_ours(spec)
+    assert seen == [(copy, True)] * 2  # warm-up + 1 timed step

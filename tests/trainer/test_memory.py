@@ -199,3 +199,18 @@ def test_a_bf16_compute_copy_halves_activations_and_keeps_its_weights():
     assert not workload(cfg, 10, 6, 1, False, bf16=False).bf16_copy
     auto_cfg = TrainerConfig(model="tiny", device="cpu", kl_beta=0.0, compute_weights="autocast").validate()
     assert not workload(auto_cfg, 10, 6, 1, False, bf16=True).bf16_copy
+
+
+def test_lean_activations_drop_the_norms_fp32_intermediates_and_the_swiglu_activation():
+    """Per token and layer, lean activations keep 8 bytes per hidden value (two norms' fp32 intermediates) and one
+    MLP activation in the compute dtype less; only one rank without gradient checkpointing runs them."""
+    for bf16, cb in ((False, 4), (True, 2)):
+        plain = Workload(4, 10, 6, False, False, bf16=bf16, bf16_copy=bf16)
+        lean = estimate_peak(TINY, plain._replace(lean=True))
+        saved = 4 * 16 * TINY.layers * (8 * TINY.hidden + cb * TINY.intermediate) * memory.ACT_SCALE
+        assert (estimate_peak(TINY, plain).activations - lean.activations) * GB == pytest.approx(saved)
+        ckpt = plain._replace(gradient_checkpointing=True)
+        assert estimate_peak(TINY, ckpt._replace(lean=True)) == estimate_peak(TINY, ckpt)
+    cfg = TrainerConfig(model="tiny", device="cpu", kl_beta=0.0).validate()
+    assert workload(cfg, 10, 6, 1, False).lean and not workload(cfg, 10, 6, 2, False).lean
+    assert not workload(dataclasses.replace(cfg, gradient_checkpointing=True), 10, 6, 1, False).lean
