@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stoa.bench.gpu_items import check_pulse, fleet_args, fleet_learned
+from stoa.bench.gpu_items import WINDOW, check_pulse, fleet_args, fleet_learned
 from stoa.bench.trainer import preflight_estimate
 
 
@@ -49,10 +49,10 @@ class Sizes:
 
 
 FULL = Sizes("llama-1b", groups=8, n=8, prompt_tokens=128, tokens=256, micro_batch=16, repeats=3,
-             decode_batch=64, fleet_steps=12)
+             decode_batch=64, fleet_steps=20)
 """On one H200: a ~1.1B Llama (random, built locally), 64 rows of 384 tokens per step."""
 QUICK = Sizes("tiny", groups=2, n=2, prompt_tokens=16, tokens=8, micro_batch=4, repeats=1, decode_batch=4,
-              fleet_steps=12)
+              fleet_steps=20)
 """The rehearsal: the tiny model, every path exercised in about a minute on 2 CPU cores."""
 
 MFU_GOAL = 0.35
@@ -185,7 +185,7 @@ def check_fleet(s: Sizes, device: str, tmp: Path, timeout: float) -> Verdict:
             worker.kill()
     learned = fleet_learned(bucket / "runs" / "gpu" / "metrics" / "trainer.jsonl")
     line = (f"{learned.steps} steps on {device}: reward {learned.first:.2f} -> {learned.last:.2f} "
-            f"(first vs last 3 steps), rejected {learned.rejected}")
+            f"(first vs last {WINDOW} steps), rejected {learned.rejected}")
     return Verdict("fleet", learned.ok, line, asdict(learned))
 
 

@@ -111,22 +111,26 @@ def fleet_args(bucket: str, device: str, steps: int) -> tuple[list[str], list[st
     return trainer, worker
 
 
+WINDOW = 5
+"""Steps averaged at each end of the fleet item's run (the toy task's reward is noisy step to step)."""
+
+
 @dataclass(frozen=True)
 class Learned:
     """The fleet item's reading of the trainer's metrics."""
 
     steps: int
     first: float
-    """Mean reward of the first three steps."""
+    """Mean reward of the first ``WINDOW`` steps."""
     last: float
-    """Mean reward of the last three steps."""
+    """Mean reward of the last ``WINDOW`` steps."""
     rejected: int
     """Records the trainer rejected (an honest worker on the same device: none)."""
 
     @property
     def ok(self) -> bool:
         """The reward rose by more than 0.05 and nothing was rejected."""
-        return self.steps >= 6 and self.last > self.first + 0.05 and self.rejected == 0
+        return self.steps >= 2 * WINDOW and self.last > self.first + 0.05 and self.rejected == 0
 
 
 def fleet_learned(metrics: Path) -> Learned:
@@ -138,6 +142,6 @@ def fleet_learned(metrics: Path) -> Learned:
     rows = [r for r in read_metrics(metrics) if "train/loss" in r] if metrics.exists() else []
     rewards = [float(r["rollout/reward_mean"]) for r in rows]
     rejected = sum(int(v) for r in rows for k, v in r.items() if k.startswith("rollout/rejected/") and v)
-    first = float(np.mean(rewards[:3])) if rewards else float("nan")
-    last = float(np.mean(rewards[-3:])) if rewards else float("nan")
+    first = float(np.mean(rewards[:WINDOW])) if rewards else float("nan")
+    last = float(np.mean(rewards[-WINDOW:])) if rewards else float("nan")
     return Learned(len(rows), first, last, rejected)

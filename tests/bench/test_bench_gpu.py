@@ -22,16 +22,16 @@ def test_pulse_from_device_tensors_keeps_every_promise_on_this_cpu():
 
 def test_the_fleet_item_reads_learning_and_rejections_from_the_metrics(tmp_path):
     metrics = tmp_path / "trainer.jsonl"
-    rewards = [0.2, 0.25, 0.2, 0.3, 0.4, 0.35, 0.5, 0.45]
+    rewards = [0.2, 0.25, 0.2, 0.3, 0.2, 0.3, 0.4, 0.35, 0.5, 0.45]
     rows = [{"step": i + 1, "train/loss": 0.1, "rollout/reward_mean": r} for i, r in enumerate(rewards)]
     rows.insert(2, {"step": 2, "eval/accuracy": 0.9})  # not a step: ignored
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = fleet_learned(metrics)
-    assert (got.steps, round(got.first, 3), round(got.last, 3), got.rejected, got.ok) == (8, 0.217, 0.433, 0, True)
+    assert (got.steps, round(got.first, 3), round(got.last, 3), got.rejected, got.ok) == (10, 0.23, 0.4, 0, True)
     rows[-1]["rollout/rejected/bad_logprobs"] = 2
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert fleet_learned(metrics).rejected == 2 and not fleet_learned(metrics).ok
-    flat = [{"step": i + 1, "train/loss": 0.1, "rollout/reward_mean": 0.3} for i in range(8)]
+    flat = [{"step": i + 1, "train/loss": 0.1, "rollout/reward_mean": 0.3} for i in range(10)]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in flat))
     assert not fleet_learned(metrics).ok  # no rise, no pass
     assert fleet_learned(tmp_path / "none.jsonl").steps == 0
