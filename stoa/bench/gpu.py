@@ -32,6 +32,9 @@ from typing import Any
 from stoa.bench.gpu_items import WINDOW, check_pulse, fleet_args, fleet_learned
 from stoa.bench.trainer import preflight_estimate
 
+TAIL_LINES = 25
+"""Lines of a failed command's output the check prints."""
+
 
 @dataclass(frozen=True)
 class Sizes:
@@ -99,14 +102,32 @@ def stoa_cmd(argv: Sequence[str], timeout: float) -> str:
     return run_cmd([sys.executable, "-m", "stoa", *argv], timeout)
 
 
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
+def show_tail(label: str, text: str, n: int = TAIL_LINES) -> None:
+    """Print the last ``n`` non-blank lines of a failed command's output to stderr (the log keeps them)."""
+    lines = [ln for ln in text.splitlines() if ln.strip()][-n:]
+    for ln in lines:
+        print(f"  [{label}] {ln}", file=sys.stderr, flush=True)
+
+
 def run_cmd(cmd: Sequence[str], timeout: float) -> str:
-    """Run ``cmd``; return its output, or raise ``CheckFailed`` naming its exit and last output line."""
+    """Run ``cmd``; return its output, or raise ``CheckFailed`` naming its exit and last output line.
+
+    A failure also prints the output's last lines to stderr, so one run on a borrowed machine says why.
+    """
+    label = " ".join(cmd[2:5])
     try:
         done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False)  # noqa: S603
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
+        show_tail(label, _text(e.stdout) + _text(e.stderr))
         raise CheckFailed(f"over its {timeout:.0f} s: {' '.join(cmd[2:6])} ...") from None
     if done.returncode:
-        lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+        out = done.stdout + done.stderr
+        show_tail(label, out)
+        lines = [ln for ln in out.splitlines() if ln.strip()]
         raise CheckFailed(f"exit {done.returncode}: {lines[-1] if lines else '(no output)'}")
     return done.stdout
 
@@ -173,17 +194,24 @@ def check_fleet(s: Sizes, device: str, tmp: Path, timeout: float) -> Verdict:
     """A trainer and a torch worker on ``device`` over a local bucket, the toy task: does the reward rise?"""
     bucket = tmp / "bucket"
     trainer_argv, worker_argv = fleet_args(str(bucket), device, s.fleet_steps)
-    worker = subprocess.Popen([sys.executable, "-m", "stoa", *worker_argv], stdout=subprocess.DEVNULL,  # noqa: S603
-                              stderr=subprocess.DEVNULL)
-    try:
-        stoa_cmd(trainer_argv, timeout)
-    finally:
-        worker.terminate()
+    log = tmp / "worker.log"
+    with open(log, "w", encoding="utf-8") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "stoa", *worker_argv], stdout=out,  # noqa: S603
+                                  stderr=subprocess.STDOUT)
         try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+            stoa_cmd(trainer_argv, timeout)
+        except CheckFailed:
+            show_tail("worker", log.read_text(errors="replace"))
+            raise
+        finally:
+            worker.terminate()
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
     learned = fleet_learned(bucket / "runs" / "gpu" / "metrics" / "trainer.jsonl")
+    if not learned.ok:
+        show_tail("worker", log.read_text(errors="replace"))
     line = (f"{learned.steps} steps on {device}: reward {learned.first:.2f} -> {learned.last:.2f} "
             f"(first vs last {WINDOW} steps), rejected {learned.rejected}")
     return Verdict("fleet", learned.ok, line, asdict(learned))
