@@ -126,7 +126,7 @@ def on_policy(entries: list[Any], policy: Any, tokens: int) -> list[Any]:
     with torch.no_grad():
         for e in entries:
             rec = e.record
-            lp = policy.group_logprobs(rec.prompt_tokens, [s.tokens for s in rec.samples], tokens).float().numpy()
+            lp = policy.group_logprobs(rec.prompt_tokens, [s.tokens for s in rec.samples], tokens).float().cpu().numpy()
             samples = [dataclasses.replace(s, logprobs=lp[i, :len(s.tokens)].astype("float32"))
                        for i, s in enumerate(rec.samples)]
             out.append(dataclasses.replace(e, record=dataclasses.replace(rec, samples=samples)))
