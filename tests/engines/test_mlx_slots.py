@@ -35,11 +35,14 @@ class CountingDriver(EpisodeDriver):
         self.steps: list[tuple[int, int]] = []
         self.held: list[int] = []
         """Rows decoding or waiting for a tool at each step."""
+        self.actives: list[list[int]] = []
+        """The rows decoded at each step."""
 
     def record(self, active: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float]) -> list[int]:
         queued = sum(1 for r in range(self.rows) if not self.episode(r).tokens and r not in set(active))
         self.steps.append((len(active), queued))
         self.held.append(len(active) + len(self.paused))
+        self.actives.append(list(active))
         return super().record(active, tokens, logprobs)
 
 
@@ -117,3 +120,25 @@ def test_each_prompt_is_prefilled_once_though_its_rows_are_admitted_apart(mlx_en
 def test_a_negative_slot_count_is_refused(mlx_engine, codec):
     with pytest.raises(ValueError, match="decode_slots"):
         run_slots(mlx_engine, codec, -1)
+
+
+def test_a_hybrids_queue_admits_a_new_wave_once_its_batch_has_ended(stoa_cache):
+    """lfm2 (conv state layers): rows never join a decoding batch, so the queue admits ``decode_slots`` rows each
+    time the batch is empty; greedy episodes still equal the full batch's and no step exceeds the slots."""
+    from stoa.engines.mlx.engine import MLXEngine
+    from stoa.models import resolve_model
+    from stoa.tokenize import TextCodec
+
+    d = resolve_model("tiny-lfm2", cache_dir=stoa_cache)
+    engine, lfm_codec = MLXEngine(d, dtype="float32"), TextCodec(d)
+    full, _, _ = run_slots(engine, lfm_codec, 0, greedy=True)
+    queued, stats, driver = run_slots(engine, lfm_codec, 4, greedy=True)
+    assert stats.extra["admitted"] == ROWS - 4 and max(driver.held) <= 4
+    seen: set[int] = set()
+    for active in driver.actives:  # a step decodes old rows only or new rows only: no row joins a decoding batch
+        new = set(active) - seen
+        assert not new or new == set(active)
+        seen |= new
+    for a, b in zip((e for g in full for e in g), (e for g in queued for e in g), strict=True):
+        assert (a.tokens, a.roles, a.calls, a.end_reason) == (b.tokens, b.roles, b.calls, b.end_reason)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
