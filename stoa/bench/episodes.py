@@ -12,8 +12,8 @@ then ``generate`` on the same prompt tokens with ``max_new_tokens`` = the per-tu
 - with EOS ignored (a ceiling, never the ratio): every row decodes all T tokens in a full batch, the most
   tokens/s a batch of these rows can reach on this machine.
 
-With ``--queue K`` (torch) a repeat runs K x P prompts: their episodes in one call on P x N decode slots
-(continuous batching: a queued episode takes the slot of one that ended, ``TorchEngine.decode_slots``) and
+With ``--queue K`` a repeat runs K x P prompts: their episodes in one call on P x N decode slots (continuous
+batching: a queued episode takes the slot of one that ended, the engines' ``decode_slots``) and
 ``generate`` on the same prompts as K batches of P, each as wide as the slots.
 
 Engines alternate within a repeat, so load changes hit both alike; the table gives medians over repeats. The last
@@ -69,7 +69,7 @@ class EpisodeBenchSpec:
         temperature: sampling temperature.
         seed: the prompts' and the sampling seed (every repeat samples the same episodes).
         queue: batches of P x N episodes per repeat (K). Above 1, the K x P prompts' episodes run in one call
-            with P x N decode slots (torch ``decode_slots``: continuous batching, a queued episode takes the
+            with P x N decode slots (the engine's ``decode_slots``: continuous batching, a queued episode takes the
             slot of one that ended) and ``generate`` runs the same prompts as K batches of P (static batches of
             the same width, as a worker samples single turns); 1: one batch each, no queue.
     """
@@ -101,9 +101,6 @@ class EpisodeBenchSpec:
                              "pass e.g. --engines torch,mlx")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype: {self.dtype!r}; use auto, float32 or bfloat16")
-        if self.queue > 1 and "mlx" in self.engines:
-            raise ValueError(f"queue: {self.queue} needs decode slots, which only the torch engine has; "
-                             "pass --engines torch or --queue 1")
         for name in ("prompts", "n", "turn_tokens", "repeats", "queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -136,7 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature [default: 1.0]")
     p.add_argument("--seed", type=int, default=d.seed, help="prompt and sampling seed [default: 0]")
     p.add_argument("--queue", type=int, default=d.queue, metavar="K",
-                   help="batches of P x N episodes queued on P x N decode slots (torch; generate runs K batches) "
+                   help="batches of P x N episodes queued on P x N decode slots (generate runs K batches) "
                         f"[default: {d.queue}]")
     p.add_argument("--json", default="", metavar="PATH", help="also write the results here (JSON)")
 

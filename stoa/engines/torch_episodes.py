@@ -10,22 +10,24 @@ resumed rows decoding their next turn alone). Every row's positions stay contigu
 recomputes its logprobs.
 
 Continuous batching (``slots`` below the rows): at most ``slots`` rows decode or wait for a tool at once; the
-other episodes queue in row order (``RowQueue``). Before every step the free slots (rows that ended) are given to
-queued rows: their prompts are prefilled in one forward (each prompt once, its state kept until its last row is
-admitted) and the rows join the batch as resumed rows do. A batch then decodes ``slots`` rows a step until the
-queue runs dry, instead of thinning out as its episodes end.
+other episodes queue in row order (``RowQueue``, on ``stoa.engines.slots``). Before every step the free slots (rows
+that ended) are given to queued rows: their prompts are prefilled in one forward (each prompt once, its state kept
+until its last row is admitted) and the rows join the batch as resumed rows do. A batch then decodes ``slots`` rows
+a step until the queue runs dry, instead of thinning out as its episodes end.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
 from stoa.engines.base import GenStats
+from stoa.engines.slots import RowQueue as SlotQueue
+from stoa.engines.slots import admit_timed
 from stoa.engines.torch_rows import DecodeBatch, RowKV, join_batches, merge_rows, resume_rows, take_rows
 from stoa.episodes.driver import EpisodeDriver
 
@@ -33,8 +35,10 @@ Draw = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """[rows, V] logits -> [rows] sampled tokens and their logprobs (``torch.sample_step`` with the call's settings)."""
 
 
-class RowQueue:
-    """The episodes not admitted yet (row ``g * n + j``, in row order) and the prefilled prompts of some of them.
+class RowQueue(SlotQueue[RowKV, DecodeBatch]):
+    """The episodes not admitted yet on the torch engine (``stoa.engines.slots.RowQueue``): prompts prefilled in one
+    forward (left-padded, as ``TorchEngine._prefill``), rows merged by ``merge_rows`` (copies: rows never share a
+    tensor).
 
     Args:
         engine: the ``TorchEngine`` (``_prefill``, ``model``).
@@ -43,38 +47,17 @@ class RowQueue:
     """
 
     def __init__(self, engine: Any, prompts: Sequence[Sequence[int]], n: int):
-        self.engine, self.prompts, self.n = engine, list(prompts), n
-        self.rows: deque[int] = deque(range(len(self.prompts) * n))
-        self._ready: dict[int, RowKV] = {}
-        """Prompt -> its prefilled state (``logits`` set), kept until its last row is admitted."""
+        config = getattr(engine.model, "config", None)
+        super().__init__(prompts, n, partial(_prefill, engine), partial(merge_rows, config=config))
 
-    def __len__(self) -> int:
-        return len(self.rows)
 
-    def admit(self, k: int) -> DecodeBatch | None:
-        """The next ``k`` queued rows (fewer when fewer wait) as one decoding batch, their prompts prefilled.
-
-        Prompts not prefilled yet are prefilled in one forward (left-padded, as ``TorchEngine._prefill``); a
-        prompt whose rows are admitted over several calls is prefilled once. None when no row is admitted.
-
-        Args:
-            k: free slots.
-        """
-        take = [self.rows.popleft() for _ in range(min(k, len(self.rows)))]
-        if not take:
-            return None
-        need = sorted({r // self.n for r in take} - set(self._ready))
-        if need:
-            batch = self.engine._prefill([self.prompts[g] for g in need], 1)
-            states = take_rows(batch, range(len(need)), [-1] * len(need))  # a prompt has no token pending
-            for b, g in enumerate(need):
-                states[b].logits = batch.logits[b]
-                self._ready[g] = states[b]
-        rows = {r: self._ready[r // self.n] for r in take}  # merge_rows copies: rows never share a tensor
-        for r in take:
-            if r % self.n == self.n - 1:
-                del self._ready[r // self.n]
-        return merge_rows(rows, getattr(self.engine.model, "config", None))
+def _prefill(engine: Any, prompts: list[Sequence[int]]) -> list[RowKV]:
+    """Each prompt's state after one left-padded forward of them all (``logits`` set; no token pending)."""
+    batch = engine._prefill(prompts, 1)
+    states = take_rows(batch, range(len(prompts)), [-1] * len(prompts))
+    for b in range(len(prompts)):
+        states[b].logits = batch.logits[b]
+    return [states[b] for b in range(len(prompts))]
 
 
 def run_episodes(engine: Any, batch: DecodeBatch | RowQueue, driver: EpisodeDriver, draw: Draw, stats: GenStats,
@@ -131,15 +114,7 @@ def run_episodes(engine: Any, batch: DecodeBatch | RowQueue, driver: EpisodeDriv
 def _admit(engine: Any, queue: RowQueue, live: DecodeBatch | None, waiting: int, slots: int,
            stats: GenStats) -> DecodeBatch | None:
     """Give the slots no row decodes or waits in to queued rows; the live rows, then the admitted ones."""
-    free = slots - waiting - (len(live.active) if live is not None else 0)
-    if free <= 0:
-        return live
-    t1 = time.perf_counter()
-    new = queue.admit(free)
-    stats.prefill_s += time.perf_counter() - t1
-    stats.extra["admit_prefill_s"] = stats.extra.get("admit_prefill_s", 0.0) + time.perf_counter() - t1
-    if new is not None and stats.steps:
-        stats.extra["admitted"] += len(new.active)
+    new = admit_timed(queue, slots - waiting - (len(live.active) if live is not None else 0), stats)
     if new is None or live is None:
         return live if new is None else new
     return join_batches(live, new, getattr(engine.model, "config", None))

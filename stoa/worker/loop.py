@@ -388,8 +388,8 @@ def _log_batch(w: _Worker, p: _Progress, batch: _Batch) -> None:
 
 def episode_queue(engine: Any, multi_turn: bool, slots: int, queue: int) -> int:
     """Batches of groups in flight the worker samples per call: ``queue`` for a multi-turn task on an engine with
-    decode slots (torch), whose ``decode_slots`` becomes ``slots`` (the rows of one batch: the queued episodes take
-    the slots of those that end); 1 otherwise (single turns, or MLX: every row decodes at once).
+    decode slots (torch, MLX), whose ``decode_slots`` becomes ``slots`` (the rows of one batch: the queued episodes
+    take the slots of those that end); 1 otherwise (single turns, or an engine without slots).
 
     Args:
         engine: the worker's engine.

@@ -149,18 +149,17 @@ def test_a_queued_bench_runs_generate_on_the_same_prompts_in_batches_as_wide_as_
     assert out["generate_rows_per_step"] == 4
 
 
-def test_a_queue_needs_the_torch_engines_decode_slots():
-    with pytest.raises(ValueError, match="--engines torch"):
-        EpisodeBenchSpec(engines=("torch", "mlx"), queue=2).check()
-    EpisodeBenchSpec(engines=("torch",), queue=2).check()
+def test_a_queue_runs_on_either_engines_decode_slots():
+    EpisodeBenchSpec(engines=("torch", "mlx"), queue=2).check()
     with pytest.raises(ValueError, match="queue"):
         EpisodeBenchSpec(engines=("torch",), queue=0).check()
 
 
-def test_a_queued_bench_admits_episodes_into_the_slots_on_the_tiny_model(tiny_dir):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_queued_bench_admits_episodes_into_the_slots_on_the_tiny_model(tiny_dir, engine):
     task = LetterSearchTask(topk=2, max_doc_chars=40, max_turns=3, max_obs_tokens=200, max_total_tokens=400)
-    spec = EpisodeBenchSpec(model=str(tiny_dir), engines=("torch",), prompts=1, n=2, turn_tokens=T, repeats=1,
+    spec = EpisodeBenchSpec(model=str(tiny_dir), engines=(engine,), prompts=1, n=2, turn_tokens=T, repeats=1,
                             threads=1, dtype="float32", queue=2)
-    row = run_episode_bench(spec, task=task, echo=lambda _: None)["engines"]["torch"]
+    row = run_episode_bench(spec, task=task, echo=lambda _: None)["engines"][engine]
     assert row["admitted"] >= 2 and row["rows_per_step"] <= 2  # two prompts' episodes on one prompt's 2 slots
     assert row["generate_no_eos_tokens"] == 2 * 2 * T and row["generate_no_eos_rows_per_step"] == 2

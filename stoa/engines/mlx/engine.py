@@ -24,7 +24,9 @@ from stoa.engines.mlx.kv import compact, feed, merge_rows
 from stoa.engines.mlx.quantized import set_lookup_dtype, use_float32_gather
 from stoa.engines.mlx.rounds import Batch, Sampler, check_driver, run_rounds
 from stoa.engines.mlx.sampling import Draw, draw, make_key
+from stoa.engines.mlx.slots import admit, row_queue
 from stoa.engines.mlx_blas import warn_if_slow_blas
+from stoa.engines.slots import queues
 from stoa.episodes.driver import Episode, EpisodeDriver
 from stoa.weights.planes import ADAPTER_PLANE, QUANT_BITS, check_plane, state_to_f32
 
@@ -75,6 +77,10 @@ class MLXEngine:
     refill: bool = True
     """Resume rows that pause while others decode before the next step, joining the batch (``rounds.decode_round``;
     attention-only models); False: resume only when no row decodes (one tool request per round)."""
+    decode_slots: int = 0
+    """Continuous batching (``stoa.engines.mlx.slots``): below the rows of a ``generate_episodes`` call, at most this
+    many rows decode or wait for a tool at once; the other episodes queue and take the slots of rows that end (a
+    hybrid's once every row of the batch has ended); 0: every row at once."""
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto"):
         from mlx_lm.utils import load_model
@@ -345,7 +351,8 @@ class MLXEngine:
 
         Rows decode until each ends or pauses (the driver decides); the tools of all paused rows run in one
         request, and the resumed rows are fed their observations in one forward (``batch_resumes``; else each in its
-        own cache at batch 1; ``stoa.engines.mlx.rounds``).
+        own cache at batch 1; ``stoa.engines.mlx.rounds``). With ``decode_slots`` below the rows, at most that many
+        rows decode at once and queued episodes (prefilled when admitted) take the slots of rows that end.
 
         Args:
             prompts: token ids of each prompt (one group per prompt).
@@ -359,7 +366,8 @@ class MLXEngine:
         Returns:
             per prompt, its ``n`` episodes; and timing figures (``prefill_s`` counts the prompts' and the
             observations' prefill, as the torch engine; ``extra``: the driver's stats, rounds, ``resume_s``,
-            ``obs_prefill_tokens``, ``obs_prefill_s``, prompt tokens, peak MLX memory in MB).
+            ``obs_prefill_tokens``, ``obs_prefill_s``, prompt tokens, peak MLX memory in MB; with a queue
+            ``admitted`` (rows admitted after the first step) and ``admit_prefill_s``, within ``prefill_s``).
 
         Raises:
             ToolUnavailable: the tools could not answer (the driver's episodes stay unfinished).
@@ -370,11 +378,18 @@ class MLXEngine:
         check_driver(driver, prompts, n)
         stats = GenStats()
         sample: Sampler = partial(draw, temperature=temperature, top_p=top_p, greedy=greedy)
+        history = (lambda r: [*prompts[r // n], *driver.episode(r).tokens]) if self.batch_resumes else None
         with wired_limit(self.model):
-            cache, first = self._start(prompts, n, True, sample, make_key(generator), stats)
-            history = (lambda r: [*prompts[r // n], *driver.episode(r).tokens]) if self.batch_resumes else None
-            run_rounds(self.model, Batch(cache, list(range(driver.rows)), first), sample, driver,
-                       self.vocab_size, PREFILL_CHUNK, stats, history, self.refill)
+            if queues(self.decode_slots, driver.rows):
+                mx.reset_peak_memory()
+                stats.extra.update(admitted=0.0, admit_prefill_s=0.0, prompt_tokens=0.0)
+                slots = partial(admit, row_queue(self, prompts, n, stats), self.decode_slots, sample, stats)
+                run_rounds(self.model, None, sample, driver, self.vocab_size, PREFILL_CHUNK, stats, history,
+                           self.refill, slots, make_key(generator))
+            else:
+                cache, first = self._start(prompts, n, True, sample, make_key(generator), stats)
+                run_rounds(self.model, Batch(cache, list(range(driver.rows)), first), sample, driver,
+                           self.vocab_size, PREFILL_CHUNK, stats, history, self.refill)
             stats.extra["peak_memory_mb"] = mx.get_peak_memory() / 1e6
         stats.prefill_s += stats.extra["obs_prefill_s"]
         stats.extra.update(driver.stats)

@@ -52,6 +52,10 @@ Refill = Callable[[dict[int, PausedRow], mx.array | None], Batch | None]
 """Paused rows and the next draw's key -> the resumed rows as a batch (their tools run, observations fed), or None
 when every paused row ended."""
 
+Admit = Callable[[int, mx.array | None], Batch | None]
+"""Rows held (decoding or paused) and the next draw's key -> queued rows admitted into the free decode slots, their
+prompts prefilled and first token drawn (``mlx.slots.admit``), or None when none is admitted."""
+
 
 def join(cache: list[Any], active: list[int], nxt: Draw, resumed: Batch) -> tuple[list[int], Draw]:
     """Append resumed rows to a decoding batch: their KV after its rows (``BatchKVCache.extend`` aligns the
@@ -64,13 +68,15 @@ def join(cache: list[Any], active: list[int], nxt: Draw, resumed: Batch) -> tupl
 
 
 def decode_round(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDriver, stats: GenStats,
-                 refill: Refill | None = None) -> tuple[dict[int, PausedRow], mx.array | None]:
+                 refill: Refill | None = None,
+                 admit: Admit | None = None) -> tuple[dict[int, PausedRow], mx.array | None]:
     """Decode until no row of the batch decodes; keep the caches of the rows that paused.
 
     Each step queues the next forward and draw before reading its own tokens (as ``MLXEngine._decode``);
     the queued forward has fed the rows that stop at this step too, so a paused row's cache is taken
     without that last position (it is fed again with the observation). With ``refill``, rows that pause while
-    others decode are resumed at once and join the batch before the next step (attention-only models).
+    others decode are resumed at once and join the batch before the next step; with ``admit``, queued rows take the
+    slots of rows that ended (both attention-only models).
 
     Args:
         model: the mlx-lm model.
@@ -79,14 +85,15 @@ def decode_round(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDrive
         driver: records each token and says which rows go on.
         stats: receives steps and new tokens (``extra["refills"]``: resumes while rows decoded).
         refill: resumes paused rows (tools and observation feed); None keeps them until no row decodes.
+        admit: admits queued rows into free slots after every step; None admits none.
 
     Returns:
         row -> its paused cache, for the rows that paused (after the last row stopped); and the key the next
         draw uses.
     """
     cache, active, cur = batch
-    if refill is not None and has_state(cache):
-        refill = None  # a state layer has no extend: hybrids resume between rounds
+    if has_state(cache):
+        refill = admit = None  # a state layer has no extend: hybrids resume between rounds
     paused: dict[int, PausedRow] = {}
     while True:
         before = snapshot(cache)
@@ -111,6 +118,9 @@ def decode_round(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDrive
             paused = {}
             if resumed is not None:
                 active, nxt = join(cache, active, nxt, resumed)
+        new = admit(len(active) + len(paused), nxt.key) if admit is not None else None
+        if new is not None:
+            active, nxt = join(cache, active, nxt, new)
         cur = nxt
 
 
@@ -206,13 +216,14 @@ def resume_batch(model: Any, paused: dict[int, PausedRow], observations: dict[in
     return Batch(cache, rows, first)
 
 
-def run_rounds(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDriver, vocab_size: int, chunk: int,
-               stats: GenStats, history: History | None = None, refill: bool = False) -> None:
-    """Decode rounds and resume paused rows until every episode has ended.
+def run_rounds(model: Any, batch: Batch | None, sample: Sampler, driver: EpisodeDriver, vocab_size: int, chunk: int,
+               stats: GenStats, history: History | None = None, refill: bool = False, admit: Admit | None = None,
+               key: mx.array | None = None) -> None:
+    """Decode rounds, resume paused rows and admit queued ones until every episode has ended.
 
     Args:
         model: the mlx-lm model.
-        batch: every row after the prompts' prefill.
+        batch: every row after the prompts' prefill; None with ``admit`` (the queue's first rows start).
         sample: the step's draw.
         driver: the episodes (ends and pauses rows, runs the tools).
         vocab_size: rows of the model's output projection.
@@ -224,6 +235,10 @@ def run_rounds(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDriver,
             at batch 1).
         refill: resume rows that pause while others decode before the next step (``decode_round``; ``refills``
             counts those resumes, ``resume_s`` and ``obs_prefill_s`` their time, which ``decode_s`` leaves out).
+        admit: continuous batching: queued rows take free slots after every step and at every round's start (a
+            hybrid's only once no row is left: a state layer cannot join a batch); ``decode_s`` leaves out
+            ``admit_prefill_s``.
+        key: the first admitted rows' draw key (with ``admit``).
 
     Raises:
         ToolUnavailable: the tools could not answer (from ``driver.resume``; the episodes are unfinished).
@@ -239,17 +254,30 @@ def run_rounds(model: Any, batch: Batch, sample: Sampler, driver: EpisodeDriver,
             return None
         return resume_batch(model, paused, observations, vocab_size, chunk, sample, key, stats, history)
 
+    def aside() -> float:
+        return stats.extra["resume_s"] + stats.extra["obs_prefill_s"] + stats.extra.get("admit_prefill_s", 0.0)
+
     while True:
-        t0, aside = time.perf_counter(), stats.extra["resume_s"] + stats.extra["obs_prefill_s"]
-        paused, key = decode_round(model, batch, sample, driver, stats, resume if refill else None)
-        stats.decode_s += time.perf_counter() - t0 - (stats.extra["resume_s"] + stats.extra["obs_prefill_s"] - aside)
+        if admit is not None:
+            batch = top_up(batch, admit, key)
+        if batch is None:
+            return
+        t0, before = time.perf_counter(), aside()
+        paused, key = decode_round(model, batch, sample, driver, stats, resume if refill else None, admit)
+        stats.decode_s += time.perf_counter() - t0 - (aside() - before)
         stats.extra["rounds"] += 1
-        if not paused:
-            return
-        resumed = resume(paused, key)
-        if resumed is None:
-            return
-        batch = resumed
+        batch = resume(paused, key) if paused else None
+
+
+def top_up(batch: Batch | None, admit: Admit, key: mx.array | None) -> Batch | None:
+    """A round's batch with queued rows in its free slots (a hybrid's only when no row is left); None if empty."""
+    if batch is not None and has_state(batch.cache):
+        return batch
+    new = admit(len(batch.active) if batch is not None else 0, batch.first.key if batch is not None else key)
+    if new is None or batch is None:
+        return batch if new is None else new
+    active, first = join(batch.cache, batch.active, batch.first, new)
+    return Batch(batch.cache, active, first)
 
 
 def check_driver(driver: EpisodeDriver, prompts: Sequence[Sequence[int]], n: int) -> None:
