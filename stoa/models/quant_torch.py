@@ -135,13 +135,13 @@ class QuantLinear(nn.Module):
         return dequantize_affine(codes, self.scales.float(), self.biases.float())
 
     def plane_bits(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A ``bf16`` linear's values as the weights plane stores them: uint32 codes [out, in * bits / 32] (the
-        packed bytes, little end first, are the plane's words), scales and biases as uint16 bf16 bits."""
+        """A ``bf16`` linear's values as the weights plane stores them (copies): uint32 codes [out, in * bits / 32]
+        (the packed bytes, little end first, are the plane's words), scales and biases as uint16 bf16 bits."""
         if not self.bf16:
             raise ValueError("plane_bits needs a QuantLinear built with bf16=True")
-        words = np.ascontiguousarray(self.codes.cpu().numpy()).view("<u4").astype(np.uint32, copy=False)
-        return (words, self.scales.cpu().view(torch.int16).numpy().view(np.uint16),
-                self.biases.cpu().view(torch.int16).numpy().view(np.uint16))
+        words = self.codes.cpu().numpy().copy().view("<u4").astype(np.uint32, copy=False)
+        return (words, self.scales.cpu().view(torch.int16).numpy().view(np.uint16).copy(),
+                self.biases.cpu().view(torch.int16).numpy().view(np.uint16).copy())
 
     def load_plane_bits(self, words: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> None:
         """Set a ``bf16`` linear from the weights plane's stored bits (``plane_bits``' inverse).

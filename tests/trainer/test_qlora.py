@@ -146,3 +146,14 @@ def test_the_preflight_counts_a_4bit_base():
     want = linears * (0.5 + 4 / 64) + (shape.params() - linears) * 2 + adapter
     assert four.parameters == pytest.approx(want / 1e9)
     assert bf16.parameters - four.parameters == pytest.approx(linears * (2 - 0.5 - 4 / 64) / 1e9)
+
+
+def test_gradients_flow_through_a_quantized_linear_as_through_its_values():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 8)
+    q = QuantLinear(lin, 4, 64, packed=True, bf16=True)
+    x = torch.randn(3, 128, requires_grad=True)
+    (q(x) ** 2).sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    (torch.nn.functional.linear(x2, q.dequantized(), q.bias) ** 2).sum().backward()
+    assert x.grad is not None and x2.grad is not None and torch.allclose(x.grad, x2.grad, atol=1e-5)
