@@ -115,13 +115,18 @@ class Policy:
         self.lora = lora if trainable else None
         frozen_base = not trainable or self.lora is not None
         stored = compute_dtype if frozen_base and not dist.sharded else torch.float32
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=stored)
         self.base_plane = base_plane if self.lora is not None else ""
+        if self.base_plane and dist.sharded:
+            raise ValueError("lora_base_plane needs a one-rank trainer; leave it empty to shard the base")
+        # A quantized base loads in bf16 (the plane rounds every tensor to bf16 first, so nothing it keeps is lost,
+        # and the float model held while quantizing is half fp32's), then its float rest takes the stored dtype.
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if self.base_plane
+                                                          else stored)
         if self.base_plane:
-            if dist.sharded:
-                raise ValueError("lora_base_plane needs a one-rank trainer; leave it empty to shard the base")
             quantize_linears(decoder_blocks(model), bits=QUANT_BITS[self.base_plane], group_size=GROUP_SIZE,
                              packed=True, bf16=True)
+            for p in model.parameters():
+                p.data = p.data.to(stored)
         self.lora_paths = add_lora(model, self.lora, seed, _targets(model, self.lora)) if self.lora is not None else []
         self.model: Any = model.to(device)
         self.model.config.use_cache = False
