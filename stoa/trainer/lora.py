@@ -96,8 +96,8 @@ def identity_problem(adapter: str, base: str, mine: Identity) -> str | None:
     """
     if adapter and mine.adapter and _base_plane(adapter) != mine.base_plane:
         theirs = _base_plane(adapter)
-        return (f"holds an adapter trained on a {theirs or 'full-precision'} base but this trainer holds its base "
-                f"{mine.base_plane or 'at the compute dtype'}; set lora_base_plane = {theirs!r} to resume it")
+        return (f"holds an adapter trained on a base held {theirs or 'at the compute dtype'} but this trainer holds "
+                f"its base {mine.base_plane or 'at the compute dtype'}; set lora_base_plane = {theirs!r} to resume it")
     if adapter != mine.adapter:
         what = f"a LoRA adapter ({adapter[:200]})" if adapter else "a full fine-tune's weights"
         ours = f"a LoRA adapter ({mine.adapter})" if mine.adapter else "full fine-tuning"

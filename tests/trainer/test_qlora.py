@@ -97,8 +97,22 @@ def test_a_fleet_trainer_publishes_its_4bit_base_and_recomputes_on_it(tiny_dir: 
         t.ops.load_base(PublishedBase(contract.adapter_spec, state, state_to_f32(state, "int4g64", compute=True)))
         again = t.policy.base_plane_bits()  # a trainer computes on the published bits
         assert all(np.array_equal(again[k], v) for k, v in own.items())
+        t.ops.save(1, 0)
     finally:
         t.close()
+    t2 = _Trainer(cfg, echo=lambda *_: None)  # a restart quantizes to the same bits: the run's base, accepted
+    try:
+        t2.resume()
+        assert t2.version == 1 and t2.policy.base_plane_bits().keys() == own.keys()
+    finally:
+        t2.close()
+    with pytest.raises((SystemExit, ValueError), match="lora_base_plane"):
+        t3 = _Trainer(make_cfg(cfg.bucket, model=str(tiny_dir), lora_rank=4, lora_alpha=8.0, dtype="float32",
+                               plane="int4g64"), echo=lambda *_: None)
+        try:
+            t3.resume()
+        finally:
+            t3.close()
 
 
 def test_a_checkpoint_of_one_base_plane_refuses_the_other(tiny_dir: Path, tmp_path: Path):
@@ -108,11 +122,11 @@ def test_a_checkpoint_of_one_base_plane_refuses_the_other(tiny_dir: Path, tmp_pa
     pol = Policy(tiny_dir, CPU, lora=SPEC, base_plane="int4g64")
     opt = torch.optim.AdamW(pol.trainable_parameters())
     ckpt.save_checkpoint(bucket, "r", pol.model, opt, version=1, step=0, echo=lambda s: None, identity=four)
-    with pytest.raises(ckpt.CheckpointError, match="int4g64 base .* set lora_base_plane = 'int4g64'"):
+    with pytest.raises(ckpt.CheckpointError, match="held int4g64 but .* set lora_base_plane = 'int4g64'"):
         ckpt.load_checkpoint(bucket, "r", pol.model, opt, echo=lambda s: None, identity=full)
     assert ckpt.load_checkpoint(bucket, "r", pol.model, opt, echo=lambda s: None, identity=four) is not None
     why = identity_problem(full.adapter, full.base, four)
-    assert why is not None and "full-precision base" in why and "lora_base_plane = ''" in why
+    assert why is not None and "held at the compute dtype but" in why and "lora_base_plane = ''" in why
     assert identity_problem(four.adapter, four.base, Identity(four.base, SPEC, "tiny", "int8g64")) is not None
 
 
