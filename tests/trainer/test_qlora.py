@@ -171,3 +171,20 @@ def test_gradients_flow_through_a_quantized_linear_as_through_its_values():
     x2 = x.detach().clone().requires_grad_(True)
     (torch.nn.functional.linear(x2, q.dequantized(), q.bias) ** 2).sum().backward()
     assert x.grad is not None and x2.grad is not None and torch.allclose(x.grad, x2.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_bf16_quantized_linear_holds_the_planes_bits_for_float32_weights(bits: int):
+    from stoa.weights.planes import dequantize_int8g64, quantize_int8g64
+
+    torch.manual_seed(bits)
+    lin = torch.nn.Linear(256, 48, bias=False)
+    with torch.no_grad():
+        lin.weight[0, :64] = 0.0  # an all-zero group, and groups whose edge is the minimum or the maximum
+        lin.weight[1] *= 1e-6
+        lin.weight[2, 64:128] = torch.linspace(-3.0, 0.5, 64)
+    q = QuantLinear(lin, bits, 64, packed=True, bf16=True)
+    want = quantize_int8g64(lin.weight.detach().numpy(), bits)
+    assert all(np.array_equal(g, w) for g, w in zip(q.plane_bits(), want, strict=True))
+    values = dequantize_int8g64(*want, compute=True, bits=bits)
+    assert np.array_equal(q.dequantized().numpy().view(np.uint32), values.view(np.uint32))
