@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from stoa.local.torch_lora import QuantLinear
 from stoa.models.lora_torch import (
     LoraSpec,
     add_lora,
@@ -18,6 +17,7 @@ from stoa.models.lora_torch import (
     peft_targets,
     to_mlx_lm,
 )
+from stoa.models.quant_torch import QuantLinear
 
 
 def test_mlx_lm_names_transpose_the_peft_matrices_and_round_trip() -> None:

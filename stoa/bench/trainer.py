@@ -19,12 +19,13 @@ import numpy as np
 
 from stoa.algorithms import AlgoConfig, get_algorithm
 from stoa.config.text import deprecated_flag, dtype_value
-from stoa.config.trainer import LORA_TARGETS
+from stoa.config.trainer import LORA_BASE_PLANES, LORA_TARGETS
 from stoa.models.random_llama import resolve_bench_model
 from stoa.models.shapes import shape_from_dir
 from stoa.rollouts.records import RolloutRecord, Sample
 from stoa.trainer.peak import Workload, estimate_peak, is_cuda
 from stoa.trainer.pool import Entry
+from stoa.weights.planes import QUANT_BITS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train a LoRA adapter of this rank on the frozen base, default targets (0 = full "
                         "fine-tuning) [default: 0]")
     p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha [default: 32]")
+    p.add_argument("--lora-base-plane", default="", choices=LORA_BASE_PLANES,
+                   help="hold the LoRA base quantized as this weights plane (the trainer's lora_base_plane; "
+                        "'' = the compute dtype) [default: '']")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     p.add_argument("--preflight", action="store_true",
                    help="compare the memory preflight's estimate with the measured peak of PREFLIGHT_GRID's "
@@ -152,7 +156,8 @@ def main(args: argparse.Namespace) -> int:
     model_dir = resolve_bench_model(args.model)
     dtype = policy_kwargs(args.dtype, args.compute_weights)
     lora = LoraSpec(args.lora_rank, args.lora_alpha) if args.lora_rank > 0 else None
-    policy = Policy(model_dir, device, gradient_checkpointing=args.gradient_checkpointing, lora=lora, **dtype)
+    policy = Policy(model_dir, device, gradient_checkpointing=args.gradient_checkpointing, lora=lora,
+                    base_plane=args.lora_base_plane, **dtype)
     ref = Policy(model_dir, device, trainable=False, **dtype) if args.kl_beta > 0 else None
     opt = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-6)
     algo = get_algorithm(AlgoConfig.from_dict({"name": args.algorithm, "kl_beta": args.kl_beta,
@@ -162,7 +167,8 @@ def main(args: argparse.Namespace) -> int:
           f"+ completion {args.tokens} tokens ({tokens_per_step} trained tokens/step), "
           f"threads {torch.get_num_threads()}, compute {args.dtype}"
           + (f" ({args.compute_weights}), " if args.dtype == "bfloat16" else ", ")
-          + (f"LoRA r={args.lora_rank} alpha={args.lora_alpha:g}" if lora else "full fine-tuning"))
+          + (f"LoRA r={args.lora_rank} alpha={args.lora_alpha:g} base {args.lora_base_plane or 'float'}" if lora
+             else "full fine-tuning"))
     rows = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         times = []
@@ -180,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
         med = statistics.median(times)
         row = {"bench": "trainer", "mode": mode, "model": args.model, "dtype": args.dtype, "groups": args.groups,
                "compute_weights": args.compute_weights if args.dtype == "bfloat16" else "",
-               "lora_rank": args.lora_rank,
+               "lora_rank": args.lora_rank, "lora_base_plane": args.lora_base_plane if lora else "",
                "n": args.n,
                "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "step_s_median": med,
                "step_s_min": min(times), "step_s_max": max(times), "tokens_per_s": tokens_per_step / med,
@@ -206,7 +212,7 @@ PREFLIGHT_GRID = ((16, False, 0.0), (4, False, 0.0), (16, True, 0.0), (16, False
 
 def preflight_estimate(model: str, device: str, micro_batch: int, prompt_tokens: int, tokens: int, *,
                        gradient_checkpointing: bool = False, kl: bool = False, bf16: bool = True,
-                       compute_weights: str = "bf16_copy", lora_rank: int = 0) -> Any:
+                       compute_weights: str = "bf16_copy", lora_rank: int = 0, lora_base_plane: str = "") -> Any:
     """``estimate_peak`` for one ``stoa bench trainer`` setting (one rank, packed), the preflight's figure.
 
     Args:
@@ -220,11 +226,13 @@ def preflight_estimate(model: str, device: str, micro_batch: int, prompt_tokens:
         bf16: whether the step computes in bf16.
         compute_weights: ``bf16_copy`` or ``autocast``, for a bf16 full fine-tune.
         lora_rank: the adapter's rank (0: full fine-tuning).
+        lora_base_plane: the LoRA base's quantized plane ('': the compute dtype).
     """
     shape = shape_from_dir(resolve_bench_model(model), model)
     work = Workload(micro_batch, prompt_tokens, tokens, gradient_checkpointing, kl, 1, is_cuda(device), bf16=bf16,
                     lora_rank=lora_rank, lora_targets=tuple(LORA_TARGETS.split(",")) if lora_rank else (),
-                    bf16_copy=bf16 and compute_weights == "bf16_copy", lean=not gradient_checkpointing)
+                    bf16_copy=bf16 and compute_weights == "bf16_copy", lean=not gradient_checkpointing,
+                    lora_base_bits=QUANT_BITS.get(lora_base_plane, 0) if lora_rank else 0)
     return estimate_peak(shape, work)
 
 
@@ -248,12 +256,14 @@ def preflight(args: argparse.Namespace) -> int:
                    str(args.tokens), "--modes", "packed", "--repeats", "1", "--micro-batch", str(micro),
                    "--kl-beta", str(kl), "--device", args.device, "--dtype", args.dtype, "--out", str(out),
                    "--compute-weights", args.compute_weights,
-                   "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha)]
+                   "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha),
+                   "--lora-base-plane", args.lora_base_plane]
             subprocess.run(cmd + (["--gradient-checkpointing"] if ckpt else []), check=True, capture_output=True)
             row = json.loads(out.read_text().splitlines()[-1])
         est = preflight_estimate(args.model, args.device, min(micro, rows), args.prompt_tokens, args.tokens,
                                  gradient_checkpointing=ckpt, kl=kl > 0, bf16=args.dtype == "bfloat16",
-                                 compute_weights=args.compute_weights, lora_rank=args.lora_rank)
+                                 compute_weights=args.compute_weights, lora_rank=args.lora_rank,
+                                 lora_base_plane=args.lora_base_plane)
         measured = row["peak_cuda_gb"] or row["peak_rss_gb"]
         print(f"{micro:5d} {ckpt!s:>5} {kl:5.2f} {measured:12.2f} {est.total:13.2f}  {est.describe()}")
     return 0

@@ -19,7 +19,7 @@ from stoa.config.base import ConfigError
 from stoa.models.shapes import ModelShape
 
 __all__ = ["ACT_ATTN", "ACT_H", "ACT_I", "GB", "Candidate", "Estimate", "FitReport", "Fix", "MemoryPreflightError",
-           "activation_bytes", "check_fit", "halvings", "lora_params", "refuse"]
+           "activation_bytes", "check_fit", "halvings", "lora_params", "quantized_base_bytes", "refuse"]
 
 GB = 1e9
 ACT_H, ACT_I, ACT_ATTN = 10.0, 5.0, 2.0
@@ -69,6 +69,20 @@ def lora_params(shape: ModelShape, rank: int, targets: Iterable[str]) -> int:
     ts = tuple(targets)
     return sum(rank * (i + o) for layer in range(shape.layers) for path, (i, o) in shape.layer_linears(layer).items()
                if any(path == t or path.endswith("." + t) for t in ts))
+
+
+def quantized_base_bytes(n_quant: int, bits: int, group_size: int, scale_bytes: float) -> float:
+    """Bytes of ``n_quant`` weights held quantized: ``bits`` per code plus a scale and a bias of ``scale_bytes``
+    each per group of ``group_size`` (a fleet trainer's ``lora_base_plane``: bf16 scales, 2 bytes; local mode's
+    torch base: float32 ones).
+
+    Args:
+        n_quant: the quantized weights.
+        bits: 4 or 8.
+        group_size: weights per scale.
+        scale_bytes: bytes per scale (and per bias).
+    """
+    return n_quant * (bits / 8 + 2 * scale_bytes / group_size)
 
 
 def halvings(value: int, floor: int = 1) -> list[int]:

@@ -15,6 +15,9 @@ COMPUTE_WEIGHTS = ("autocast", "bf16_copy")
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 """``lora_targets``' default: the attention and MLP projections, as PEFT names them."""
 
+LORA_BASE_PLANES = ("", "int8g64", "int4g64")
+"""The ``lora_base_plane`` settings: the base at the run's dtype, or quantized as that weights plane."""
+
 
 def check_lora(cfg: TrainerConfig) -> None:
     """Raise ``ConfigError`` for LoRA settings that cannot train (``lora_rank`` 0 ignores the other two).
@@ -23,8 +26,16 @@ def check_lora(cfg: TrainerConfig) -> None:
         cfg: the trainer config.
     """
     at_least(cfg, 0, ("lora_rank",))
+    if cfg.lora_base_plane and cfg.lora_rank == 0:
+        raise ConfigError("lora_base_plane", "needs a LoRA run: set lora_rank > 0 or leave lora_base_plane empty")
     if cfg.lora_rank == 0:
         return
+    if cfg.lora_base_plane not in LORA_BASE_PLANES:
+        raise ConfigError("lora_base_plane", f"{cfg.lora_base_plane!r} is not a base plane; use int8g64, int4g64 "
+                                             "or '' (the base at the compute dtype)")
+    if cfg.lora_base_plane and cfg.plane != cfg.lora_base_plane:
+        raise ConfigError("lora_base_plane", f"{cfg.lora_base_plane} base but plane {cfg.plane}: workers sample on "
+                                             f"the plane's base; set plane = {cfg.lora_base_plane} too")
     if not cfg.lora_alpha > 0:
         raise ConfigError("lora_alpha", f"must be > 0, got {cfg.lora_alpha}; set it to e.g. 2 x lora_rank")
     names = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
@@ -159,6 +170,11 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     lora_targets: str = setting(LORA_TARGETS, "Modules the adapter wraps, comma-separated module-name suffixes as "
                                               "PEFT's target_modules (a TOML list also works): the attention and "
                                               "MLP projections by default.", join=",")
+    lora_base_plane: str = setting("", "Hold a LoRA run's frozen base quantized (QLoRA): '' keeps it at the "
+                                       "compute dtype; int8g64 or int4g64 stores every decoder-block linear as "
+                                       "that weights plane's codes and bf16 group scales, its values equal to what "
+                                       "a worker holds bit for bit (the plane must be the same). Needs lora_rank > "
+                                       "0; one rank only. Fixed when the run is created.")
     skip_uniform_groups: bool = setting(True, "Skip groups whose rewards all agree (no advantage, so no policy "
                                               "gradient) before any forward pass; they do not count toward "
                                               "groups_per_step (rollout/skipped_uniform). False trains on them "

@@ -72,8 +72,8 @@ def fuse_into_linears(model: Any) -> int:
     import torch
     from torch import nn
 
-    from stoa.local.torch_lora import QuantLinear
     from stoa.models.lora_torch import lora_delta
+    from stoa.models.quant_torch import QuantLinear
 
     def plain(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
         lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)

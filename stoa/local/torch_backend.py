@@ -26,7 +26,7 @@ from stoa.local.backend import (
     check_same_arrays,
     echo_plan,
 )
-from stoa.local.torch_lora import QuantLinear, quantize_base
+from stoa.local.torch_lora import quantize_base
 from stoa.models.lora_torch import (
     LoraSpec,
     add_lora,
@@ -36,6 +36,7 @@ from stoa.models.lora_torch import (
     peft_targets,
     to_mlx_lm,
 )
+from stoa.models.quant_torch import QuantLinear
 
 
 class TorchBackend:

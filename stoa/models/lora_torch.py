@@ -6,7 +6,7 @@ leaves the model unchanged), plus a forward hook adding ``scale * lora_B(lora_A(
 The base's parameter names are unchanged, and an adapter's are the module's plus ``.lora_A.weight``: PEFT's
 saved keys are ``base_model.model.`` + that (``peft_state``). The merged weight is ``W + scale * B @ A``.
 
-Local mode's torch backend uses these adapters too, on its quantized linears (``stoa.local.torch_lora.QuantLinear``,
+Local mode's torch backend uses these adapters too, on its quantized linears (``stoa.models.quant_torch.QuantLinear``,
 any module with ``in_features``/``out_features``), at the paths its target rule picks (``add_lora(paths=...)``); its
 saved state keeps mlx-lm's adapter names and layout (``to_mlx_lm``: ``<module>.lora_a`` [in, r], ``.lora_b``
 [r, out]), which the MLX backend trains, and ``lora_disabled`` bypasses every adapter (the reference policy of
@@ -88,7 +88,7 @@ def _lora_hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tenso
 
 def _adaptable(m: nn.Module) -> bool:
     """Whether ``m`` is a linear an adapter can wrap: ``nn.Linear`` or a quantized one (``in_features`` and
-    ``out_features`` set, as ``stoa.local.torch_lora.QuantLinear``)."""
+    ``out_features`` set, as ``stoa.models.quant_torch.QuantLinear``)."""
     return isinstance(m, nn.Linear) or (isinstance(getattr(m, "in_features", None), int)
                                         and isinstance(getattr(m, "out_features", None), int))
 

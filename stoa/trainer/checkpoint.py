@@ -279,7 +279,7 @@ def load_checkpoint(bucket: Bucket, run_id: str, model: torch.nn.Module, opt: to
     have = (plan.adapter, plan.base) if isinstance(plan, CheckpointRef) else ("", "")
     if (problem := identity_problem(*have, identity)) is not None:
         raise CheckpointError(checkpoint_pointer_key(run_id), problem, "resume with the run's own model and lora_rank, "
-                              "lora_alpha, lora_targets, or " + DELETE_POINTER)
+                              "lora_alpha, lora_targets, lora_base_plane, or " + DELETE_POINTER)
     if plan == "legacy":
         if dist.sharded:
             raise CheckpointError(checkpoint_key(run_id), "is the single-file checkpoint of an older trainer",

@@ -153,7 +153,7 @@ class _Trainer:
         adapter = None
         if self.policy.lora is not None:  # a LoRA run's base goes up once, before the contract; the trainer then
             base = publish_adapter_base(self.bucket, cfg, self.ops.identity, self.ranks("export_base"), self.echo)
-            self.ranks("load_base", main_only=base.values)  # computes on it, as workers do (int8g64: dequantized)
+            self.ranks("load_base", main_only=base)  # computes on it, as workers do (int8g64: dequantized)
             adapter = base.spec
         contract = build_contract(cfg, model_dir, self.task, self.codec, self.policy.vocab_size,
                                   self.tools.retriever, task_data=data, adapter=adapter)

@@ -64,15 +64,26 @@ class Identity:
     """The adapter's rank, alpha and targets."""
     model: str = ""
     """The model setting, named in the PEFT config's ``base_model_name_or_path``."""
+    base_plane: str = ""
+    """The plane the base is held quantized in (``lora_base_plane``; empty: the compute dtype)."""
 
     @property
     def adapter(self) -> str:
-        """``spec.describe()``, or empty for full fine-tuning."""
-        return self.spec.describe() if self.spec is not None else ""
+        """``spec.describe()`` (then ``,base_plane=<plane>`` for a quantized base), or empty for full fine-tuning."""
+        if self.spec is None:
+            return ""
+        return self.spec.describe() + (f"{BASE_PLANE_TAG}{self.base_plane}" if self.base_plane else "")
 
 
+BASE_PLANE_TAG = ",base_plane="
+"""What joins a quantized base's plane to the adapter's description in a checkpoint pointer's ``adapter``."""
 FULL = Identity()
 """Full fine-tuning's identity."""
+
+
+def _base_plane(adapter: str) -> str:
+    """The base plane an identity's ``adapter`` string names (empty: the compute dtype)."""
+    return adapter.rpartition(BASE_PLANE_TAG)[2] if BASE_PLANE_TAG in adapter else ""
 
 
 def identity_problem(adapter: str, base: str, mine: Identity) -> str | None:
@@ -83,6 +94,10 @@ def identity_problem(adapter: str, base: str, mine: Identity) -> str | None:
         base: the checkpoint's base fingerprint.
         mine: this trainer's identity.
     """
+    if adapter and mine.adapter and _base_plane(adapter) != mine.base_plane:
+        theirs = _base_plane(adapter)
+        return (f"holds an adapter trained on a base held {theirs or 'at the compute dtype'} but this trainer holds "
+                f"its base {mine.base_plane or 'at the compute dtype'}; set lora_base_plane = {theirs!r} to resume it")
     if adapter != mine.adapter:
         what = f"a LoRA adapter ({adapter[:200]})" if adapter else "a full fine-tune's weights"
         ours = f"a LoRA adapter ({mine.adapter})" if mine.adapter else "full fine-tuning"
@@ -136,6 +151,8 @@ class PublishedBase:
 
     spec: AdapterSpec
     """The contract's ``adapter``: the base's identity and hash, the adapter's rank, alpha and targets."""
+    state: State
+    """The published base's stored bits (a quantized-base trainer's linears load these: ``RankOps.load_base``)."""
     values: dict[str, np.ndarray]
     """The published base decoded to float32 as engines compute with it (bf16 bits widened; int8g64 as MLX's quantized
     matmul and the torch engine dequantize, ``state_to_f32(..., compute=True)``): the trainer's
@@ -161,7 +178,7 @@ def publish_adapter_base(bucket: Bucket, cfg: Any, ident: Identity, base: dict[s
         ContractMismatch: the run already published another base (``adapter.base_hash``).
     """
     assert ident.spec is not None
-    state = state_from_f32(base, cfg.plane)
+    state = base_state(base, cfg.plane)
     try:
         base_hash = ride_out(lambda: publish_base(bucket, cfg.run, state, cfg.plane), "the base weights", echo)
     except AdapterError as e:  # the run published another base (same config and tokenizer, other weights)
@@ -169,7 +186,19 @@ def publish_adapter_base(bucket: Bucket, cfg: Any, ident: Identity, base: dict[s
         if not base_hash:
             raise ContractMismatch(["adapter.base_hash"], e.detail) from None
     spec = AdapterSpec(ident.base, base_hash, ident.spec.rank, ident.spec.alpha, ident.spec.targets)
-    return PublishedBase(spec, state_to_f32(state, cfg.plane, compute=True))
+    return PublishedBase(spec, state, state_to_f32(state, cfg.plane, compute=True))
+
+
+def base_state(base: dict[str, Any], plane: str) -> State:
+    """The published base's stored bits: float tensors through ``state_from_f32``, a quantized trainer base's
+    linears as they are (``RankOps.export_base`` gives their plane bits: uint32 codes, uint16 scales and biases).
+
+    Args:
+        base: ``RankOps.export_base``'s arrays.
+        plane: the run's plane.
+    """
+    stored = {k: v for k, v in base.items() if np.asarray(v).dtype in (np.uint32, np.uint16)}
+    return {**state_from_f32({k: v for k, v in base.items() if k not in stored}, plane), **stored}
 
 
 def _rebuilt_base(bucket: Bucket, cfg: Any, ident: Identity, base: dict[str, Any]) -> tuple[str, State]:

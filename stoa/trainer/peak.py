@@ -23,9 +23,11 @@ the compute dtype is the ``dtype`` setting's, bf16 by default on CUDA and on CPU
   base with the adapters bypassed, ``stoa.trainer.policy.BaseView``).
 - LoRA (``lora_rank`` > 0, L adapter parameters): the base is frozen, stored in the compute dtype at W = 1
   (fp32 sharded), the fp32 adapter is added to the parameters; gradients and AdamW moments count L instead
-  of P. The overhead keeps its P term: measured on SmolLM2-135M (fp32, 16 rows, micro-batch 16, shared 2-core
-  CPU) LoRA r=16 peaked at 5.23 GB against full fine-tuning's 5.41 GB, so the heap that term stands for is
-  not the optimizer's (estimate 5.18 GB with it, 4.66 GB without).
+  of P; with ``lora_base_plane`` the decoder-block linears count 4 or 8 bits plus two bf16 values per group
+  of 64 (``stoa.config.memory.quantized_base_bytes``). The overhead keeps its P term: measured on
+  SmolLM2-135M (fp32, 16 rows, micro-batch 16, shared 2-core CPU) LoRA r=16 peaked at 5.23 GB against full
+  fine-tuning's 5.41 GB, so the heap that term stands for is not the optimizer's (estimate 5.18 GB with it,
+  4.66 GB without).
 - overhead: interpreter, torch, transformers, tokenizer (CPU: the tiny model's measured peak); the CUDA context
   and workspaces on CUDA (not measured); plus STEP_BYTES_PER_PARAM x P / W for the optimizer step's temporaries
   and the heap glibc keeps after them (measured: one fp32 copy of the weights).
@@ -65,10 +67,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from stoa.config.memory import GB, Candidate, FitReport, activation_bytes, check_fit, halvings, lora_params, refuse
+from stoa.config.memory import (
+    GB,
+    Candidate,
+    FitReport,
+    activation_bytes,
+    check_fit,
+    halvings,
+    lora_params,
+    quantized_base_bytes,
+    refuse,
+)
 from stoa.machine import system_memory
 from stoa.models.shapes import ModelShape
 from stoa.tokenize import TextCodec
+from stoa.weights.planes import GROUP_SIZE, QUANT_BITS
 
 __all__ = ["Budget", "PeakEstimate", "PromptLength", "Workload", "computes_bf16", "device_budget", "estimate_peak",
            "fit", "is_cuda", "preflight", "prompt_length", "workload"]
@@ -119,6 +132,9 @@ class Workload(NamedTuple):
     lean: bool = False
     """Whether the trained forward recomputes its norms' and SwiGLU's intermediates in backward
     (``stoa.trainer.lean``: one rank, without gradient checkpointing)."""
+    lora_base_bits: int = 0
+    """A LoRA run's quantized base (``lora_base_plane``: 8 or 4 bits per decoder-block linear weight plus bf16
+    group scales and biases; 0: the base in the compute dtype)."""
 
 
 @dataclass(frozen=True)
@@ -182,13 +198,24 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
     trained, weights = p, p * 4 / w + gathered
     if work.lora_rank:  # a frozen base (compute dtype at W = 1) plus the fp32 adapter, which alone trains
         trained = lora_params(shape, work.lora_rank, work.lora_targets)
-        weights = (p * 4 / w + gathered if w > 1 else p * cb) + trained * 4 / w
+        weights = (p * 4 / w + gathered if w > 1 else _base_bytes(shape, cb, work.lora_base_bits)) + trained * 4 / w
     return PeakEstimate(
         parameters=weights / GB, gradients=trained * 4 / w / GB, optimizer=trained * 8 / w / GB,
         activations=acts * ACT_SCALE / GB,
         logits=min(b * t * shape.vocab, LOGITS_CHUNK_ELEMENTS) * 4 * LOGIT_COPIES / GB,
         reference=((p * 4 / w if w > 1 else p * cb) if work.reference else 0) / GB,
         overhead=RUNTIME_GB["cuda" if work.cuda else "cpu"] + STEP_BYTES_PER_PARAM * p / w / GB)
+
+
+def _base_bytes(shape: ModelShape, compute_bytes: int, bits: int) -> float:
+    """A one-rank LoRA base's bytes: every weight in the compute dtype, or with ``bits`` the decoder-block linears
+    quantized as the weights plane does (``stoa.models.quant_torch``: those whose input width is a multiple of 64,
+    routers included) and the rest in the compute dtype."""
+    p = shape.params()
+    if not bits:
+        return p * compute_bytes
+    n_q = sum(a * b for i in range(shape.layers) for a, b in shape.layer_linears(i).values() if a % GROUP_SIZE == 0)
+    return quantized_base_bytes(n_q, bits, GROUP_SIZE, 2) + (p - n_q) * compute_bytes
 
 
 def lean_saved(shape: ModelShape, tokens: int, compute_bytes: int) -> float:
@@ -226,7 +253,8 @@ def workload(cfg: Any, prompt_tokens: int, completion_tokens: int, world_size: i
     copy = bf16 and getattr(cfg, "compute_weights", "autocast") == "bf16_copy"
     return Workload(micro, prompt_tokens, completion_tokens, cfg.gradient_checkpointing,
                     cfg.algo_config().kl_beta > 0 and not rank, world_size, cuda, bf16, rank, targets, copy,
-                    lean=world_size == 1 and not cfg.gradient_checkpointing)
+                    lean=world_size == 1 and not cfg.gradient_checkpointing,
+                    lora_base_bits=QUANT_BITS.get(getattr(cfg, "lora_base_plane", ""), 0) if rank else 0)
 
 
 class Budget(NamedTuple):

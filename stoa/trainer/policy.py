@@ -23,10 +23,20 @@ import torch
 
 from stoa.engines.torch import model_tensors
 from stoa.engines.torch_scoring import PackedTensors, Scores, group_score, score
-from stoa.models.lora_torch import LoraSpec, add_lora, decoder_blocks, is_adapter, lora_disabled, merge_arrays
+from stoa.models.lora_torch import (
+    LoraSpec,
+    add_lora,
+    decoder_blocks,
+    is_adapter,
+    lora_disabled,
+    matches,
+    merge_arrays,
+)
+from stoa.models.quant_torch import QuantLinear, quant_linears, quantize_linears
 from stoa.trainer.compute_copy import COMPUTE_WEIGHTS, ComputeCopy
 from stoa.trainer.dist import SINGLE, Dist, full_arrays, load_full, shard
 from stoa.trainer.lean import lean_activations
+from stoa.weights.planes import GROUP_SIZE, QUANT_BITS
 
 
 class _Root(torch.nn.Module):
@@ -90,20 +100,34 @@ class Policy:
             keeps a copy: a LoRA base and a frozen policy are stored in bf16 already, and FSDP2 gathers bf16.
         lean: recompute the norms' and SwiGLU's elementwise intermediates in backward instead of keeping them
             (``stoa.trainer.lean``; bit-exact); an unsharded trainable policy without gradient checkpointing only.
+        base_plane: a LoRA policy's quantized base (``lora_base_plane``): ``int8g64`` or ``int4g64`` holds every
+            decoder-block linear as that plane's codes and bf16 scales (``stoa.models.quant_torch.QuantLinear``
+            with ``bf16``), dequantized per call to the plane's values; empty keeps the base at ``stored`` dtype.
     """
 
     def __init__(self, model_dir: str | Path, device: torch.device, *, temperature: float = 1.0,
                  gradient_checkpointing: bool = False, trainable: bool = True, dist: Dist = SINGLE,
                  compute_dtype: torch.dtype = torch.float32, lora: LoraSpec | None = None, seed: int = 0,
-                 compute_weights: str = "autocast", lean: bool = True):
+                 compute_weights: str = "autocast", lean: bool = True, base_plane: str = ""):
         from transformers import AutoModelForCausalLM
 
         self.device, self.temperature, self.dist = device, temperature, dist
         self.lora = lora if trainable else None
         frozen_base = not trainable or self.lora is not None
         stored = compute_dtype if frozen_base and not dist.sharded else torch.float32
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=stored)
-        self.lora_paths = add_lora(model, self.lora, seed) if self.lora is not None else []
+        self.base_plane = base_plane if self.lora is not None else ""
+        if self.base_plane and dist.sharded:
+            raise ValueError("lora_base_plane needs a one-rank trainer; leave it empty to shard the base")
+        # A quantized base loads in bf16 (the plane rounds every tensor to bf16 first, so nothing it keeps is lost,
+        # and the float model held while quantizing is half fp32's), then its float rest takes the stored dtype.
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if self.base_plane
+                                                          else stored)
+        if self.base_plane:
+            quantize_linears(decoder_blocks(model), bits=QUANT_BITS[self.base_plane], group_size=GROUP_SIZE,
+                             packed=True, bf16=True)
+            for p in model.parameters():
+                p.data = p.data.to(stored)
+        self.lora_paths = add_lora(model, self.lora, seed, _targets(model, self.lora)) if self.lora is not None else []
         self.model: Any = model.to(device)
         self.model.config.use_cache = False
         self.gradient_checkpointing = gradient_checkpointing
@@ -112,7 +136,8 @@ class Policy:
         self.model.train(trainable)
         for name, p in self.model.named_parameters():
             p.requires_grad_(trainable and (self.lora is None or is_adapter(name)))
-        self.buffer_names = sorted(set(model_tensors(self.model)) - set(dict(self.model.named_parameters())))
+        quant = {f"{p}.{b}" for p in quant_linears(self.model) for b in ("scales", "biases")}
+        self.buffer_names = sorted(set(model_tensors(self.model)) - set(dict(self.model.named_parameters())) - quant)
         _round_buffers_to_bf16(self.model, self.buffer_names)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.root = _Root(self.model)
@@ -234,7 +259,25 @@ class Policy:
         arrays = full_arrays(self.named_tensors(), self.dist)
         if self.lora is None or not self.dist.main:
             return arrays
+        arrays.update({f"{p}.weight": q.dequantized().cpu().numpy() for p, q in quant_linears(self.model).items()})
         return merge_arrays(arrays, self.lora_paths, self.lora.scale)
+
+    def base_plane_bits(self) -> dict[str, np.ndarray]:
+        """A quantized base's linears as the weights plane stores them (``<p>.weight`` uint32 codes, ``<p>.scales``
+        and ``<p>.biases`` bf16 bits); ``{}`` for a base at the compute dtype."""
+        out: dict[str, np.ndarray] = {}
+        for path, q in quant_linears(self.model).items():
+            out[f"{path}.weight"], out[f"{path}.scales"], out[f"{path}.biases"] = q.plane_bits()
+        return out
+
+    def load_base_plane_bits(self, state: dict[str, np.ndarray]) -> None:
+        """Set a quantized base's linears from a published base's stored bits (``base_plane_bits``' inverse).
+
+        Args:
+            state: the published base in the policy's ``base_plane`` (``stoa.weights.planes.State``).
+        """
+        for path, q in quant_linears(self.model).items():
+            q.load_plane_bits(state[f"{path}.weight"], state[f"{path}.scales"], state[f"{path}.biases"])
 
     def adapter_f32(self) -> dict[str, np.ndarray]:
         """A LoRA policy's adapter tensors as float32 arrays by parameter name on rank 0 (``{}`` elsewhere, and
@@ -256,6 +299,16 @@ class Policy:
         if self.lora is not None:
             raise ValueError("a LoRA policy cannot load merged full weights; it resumes from its checkpoint")
         load_full(self.named_tensors(), named, self.dist)
+
+
+def _targets(model: torch.nn.Module, spec: LoraSpec) -> list[str] | None:
+    """The paths ``add_lora`` adapts on a quantized base (its own rule sees ``nn.Linear`` only): every linear or
+    ``QuantLinear`` a target names; None on a float base."""
+    quant = quant_linears(model)
+    if not quant:
+        return None
+    return [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, QuantLinear))
+            and matches(n, spec.targets)]
 
 
 class Reference(Protocol):

@@ -25,7 +25,7 @@ from stoa.trainer import checkpoint as ckpt
 from stoa.trainer.ckpt_async import CheckpointWriter
 from stoa.trainer.coldstart import SftRow, SftStep, sft_steps
 from stoa.trainer.dist import Dist, full_arrays, load_full, timeout_s
-from stoa.trainer.lora import FULL, Identity, base_fingerprint, lora_spec
+from stoa.trainer.lora import FULL, Identity, PublishedBase, base_fingerprint, lora_spec
 from stoa.trainer.policy import BaseView, Policy, compute_dtype
 from stoa.trainer.pool import Entry
 from stoa.trainer.step import StepMetrics, train_step
@@ -69,8 +69,10 @@ class RankOps:
         dtype, spec = compute_dtype(cfg.dtype, device), lora_spec(cfg)
         self.policy = Policy(model_dir, device, temperature=cfg.temperature,
                              gradient_checkpointing=cfg.gradient_checkpointing, dist=dist, compute_dtype=dtype,
-                             lora=spec, seed=cfg.seed, compute_weights=cfg.compute_weights)
-        self.identity = FULL if spec is None else Identity(base_fingerprint(model_dir), spec, cfg.model)
+                             lora=spec, seed=cfg.seed, compute_weights=cfg.compute_weights,
+                             base_plane=cfg.lora_base_plane)
+        self.identity = (FULL if spec is None else
+                         Identity(base_fingerprint(model_dir), spec, cfg.model, self.policy.base_plane))
         self.restored: ckpt.Restored | None = None
         self.algo: Algorithm = get_algorithm(cfg.algo_config(), "torch")
         self.ref: Policy | BaseView | None = None  # a LoRA run's reference is its own base, adapters bypassed
@@ -113,16 +115,23 @@ class RankOps:
         return self.policy.adapter_f32()
 
     def export_base(self) -> dict[str, np.ndarray]:
-        """A LoRA policy's frozen base (every tensor the planes carry but the adapters) as float32 on rank 0."""
-        return full_arrays({k: t for k, t in self.policy.named_tensors().items() if not is_adapter(k)}, self.dist)
+        """A LoRA policy's frozen base (every tensor the planes carry but the adapters) as float32 on rank 0; a
+        quantized base's linears as the plane's stored bits (``Policy.base_plane_bits``)."""
+        base = full_arrays({k: t for k, t in self.policy.named_tensors().items() if not is_adapter(k)}, self.dist)
+        return {**base, **self.policy.base_plane_bits()}
 
-    def load_base(self, arrays: dict[str, np.ndarray] | None = None) -> None:
-        """Set a LoRA policy's frozen base (and the reference, which is the base) to rank 0's arrays: the published
-        base's decoded values (``stoa.trainer.lora.PublishedBase``), so the trainer scores on what workers sample
-        with. Every rank calls it, rank 0 with the arrays."""
+    def load_base(self, base: PublishedBase | None = None) -> None:
+        """Set a LoRA policy's frozen base (and the reference, which is the base) to rank 0's published base: its
+        decoded values (``stoa.trainer.lora.PublishedBase``), and a quantized base's linears its stored bits, so the
+        trainer scores on what workers sample with. Every rank calls it, rank 0 with the base."""
         for policy in (self.policy, self.ref):
             if isinstance(policy, Policy):  # a BaseView is the policy's own base
-                load_full({k: t for k, t in policy.named_tensors().items() if not is_adapter(k)}, arrays, self.dist)
+                named = {k: t for k, t in policy.named_tensors().items() if not is_adapter(k)}
+                quant = policy.base_plane_bits().keys()
+                arrays = None if base is None else {k: v for k, v in base.values.items() if k not in quant}
+                load_full(named, arrays, self.dist)
+                if base is not None:
+                    policy.load_base_plane_bits(base.state)
 
     def save(self, version: int, step: int, before_pointer: Callable[[], Any] | None = None) -> int:
         """Checkpoint this step (rank 0 writes its pointer last): wait for the write in flight, take the state

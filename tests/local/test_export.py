@@ -84,8 +84,8 @@ def test_the_peft_adapter_merges_into_the_dequantized_base_as_the_export_fused_i
     merges with) on the run's dequantized base gives the fused export's weights."""
     from safetensors.numpy import load_file
 
-    from stoa.local.torch_lora import QuantLinear
     from stoa.models.lora_torch import PEFT_PREFIX, merge_arrays
+    from stoa.models.quant_torch import QuantLinear
 
     run_dir, backend = local_run
     result = export_local(run_dir, tmp_path / "hf", echo=lambda _s: None)
@@ -120,7 +120,7 @@ def test_fusing_keeps_the_outputs_of_adapted_and_merely_quantized_linears(make_c
 
     from stoa.local.fuse import fuse_into_linears
     from stoa.local.loop import make_backend
-    from stoa.local.torch_lora import QuantLinear
+    from stoa.models.quant_torch import QuantLinear
 
     backend = make_backend(make_cfg(lora_targets="q_proj,v_proj", torch_base="dequantized"), tiny_dir)
     rng = np.random.default_rng(0)

@@ -52,8 +52,8 @@ def test_torch_experts_quantized_routers_float(stoa_cache, make_cfg, name):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stoa.local.torch_lora import dequantize_affine, quantize_affine
     from stoa.models.lora_torch import is_adapter
+    from stoa.models.quant_torch import dequantize_affine, quantize_affine
 
     d = _dir(stoa_cache, name)
     be: object = make_backend(make_cfg(model=str(d), backend="torch"), d)

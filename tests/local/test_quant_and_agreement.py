@@ -9,7 +9,7 @@ import torch
 from stoa.algorithms import get_algorithm
 from stoa.algorithms.batch import micro_batches
 from stoa.local.loop import make_backend
-from stoa.local.torch_lora import (
+from stoa.models.quant_torch import (
     QuantLinear,
     dequantize_affine,
     pack_nibbles,
