@@ -8,6 +8,7 @@ device time, the device's busy time against the step's wall time (a gap is host 
 and the time spent inside ``optimizer.step``. ``--device cpu --model tiny`` rehearses it here. Usage::
 
     python benchmarks/cuda_profile.py --device cuda --out $OUT/profile.jsonl
+    python benchmarks/cuda_profile.py --device cuda --micro-batches 64 --no-checkpointing-rows --compile also
     python benchmarks/cuda_profile.py --device cpu --model tiny --groups 2 --n 2 --prompt-tokens 16 --tokens 8
 """
 
@@ -18,7 +19,7 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.profiler import DeviceType
@@ -38,6 +39,7 @@ class Setting:
     micro_batch: int
     checkpointing: bool
     adamw: str  # "foreach" or "fused"
+    compiled: bool = False  # each decoder layer of the computing module through torch.compile
 
 
 @dataclass
@@ -69,10 +71,23 @@ def one_step(policy: Policy, opt: torch.optim.Optimizer, args: argparse.Namespac
                shared_prefix=False, recompute_limit=float("inf"))
 
 
-def time_setting(s: Setting, args: argparse.Namespace, device: torch.device) -> Result:
-    """One warm-up and ``--repeats`` timed steps of a fresh policy under ``s``."""
+def make_policy(s: Setting, args: argparse.Namespace, device: torch.device) -> Policy:
+    """A bf16-copy policy under ``s``; ``compiled``: each decoder layer of the module that computes compiled
+    (``torch.compile(dynamic=True)``: packed lengths vary), so its elementwise work (norms, SwiGLU, rotary, casts)
+    can fuse."""
     policy = Policy(resolve_bench_model(args.model), device, gradient_checkpointing=s.checkpointing,
                     compute_dtype=torch.bfloat16)
+    if s.compiled:
+        root: Any = policy.copy.module if policy.copy is not None else policy.model
+        layers: torch.nn.ModuleList = root.model.layers
+        for i, layer in enumerate(layers):
+            layers[i] = cast(torch.nn.Module, torch.compile(layer, dynamic=True))
+    return policy
+
+
+def time_setting(s: Setting, args: argparse.Namespace, device: torch.device) -> Result:
+    """One warm-up (the compile, when compiled) and ``--repeats`` timed steps of a fresh policy under ``s``."""
+    policy = make_policy(s, args, device)
     opt = make_opt(policy, s.adamw)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -99,8 +114,7 @@ def profile_step(s: Setting, args: argparse.Namespace, device: torch.device) -> 
     """Profile one step (after a warm-up) under ``s``; print the top ops by device time and the busy fraction."""
     from torch.profiler import ProfilerActivity, profile
 
-    policy = Policy(resolve_bench_model(args.model), device, gradient_checkpointing=s.checkpointing,
-                    compute_dtype=torch.bfloat16)
+    policy = make_policy(s, args, device)
     opt = make_opt(policy, s.adamw)
     one_step(policy, opt, args, s.micro_batch, 0)
     sync(device)
@@ -132,19 +146,25 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--micro-batches", default="16,64", help="comma-separated micro-batch sizes to time")
+    p.add_argument("--compile", default="no", choices=("no", "also", "only"),
+                   help="also (or only) time each setting with its decoder layers compiled [default: no]")
+    p.add_argument("--no-checkpointing-rows", action="store_true", help="skip the gradient-checkpointing rows")
     p.add_argument("--top", type=int, default=20, help="ops in the profile table")
     p.add_argument("--out", default="", help="append JSONL rows here")
     args = p.parse_args()
     device = torch.device(args.device)
     adamws = ("foreach", "fused") if device.type == "cuda" else ("foreach",)
-    settings = [Setting(mb, ck, a) for mb in (int(m) for m in args.micro_batches.split(","))
-                for ck in (True, False) for a in adamws]
+    compiled = {"no": (False,), "also": (False, True), "only": (True,)}[args.compile]
+    ckpts = (False,) if args.no_checkpointing_rows else (True, False)
+    settings = [Setting(mb, ck, a, c) for mb in (int(m) for m in args.micro_batches.split(","))
+                for ck in ckpts for a in adamws for c in compiled]
     results = []
     for s in settings:
         r = time_setting(s, args, device)
         results.append(r)
         mfu_s = f"{r.mfu:.1%}" if r.mfu is not None else "-"
-        print(f"micro {s.micro_batch:3d} ckpt {s.checkpointing!s:5} adamw {s.adamw:7}: {r.step_s:.3f} s/step, "
+        tag = " compiled" if s.compiled else ""
+        print(f"micro {s.micro_batch:3d} ckpt {s.checkpointing!s:5} adamw {s.adamw:7}{tag}: {r.step_s:.3f} s/step, "
               f"MFU {mfu_s}, peak {r.peak_gib:.1f} GiB", flush=True)
     best = min(results, key=lambda r: r.step_s)
     prof = profile_step(best.setting, args, device)
