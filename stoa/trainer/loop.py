@@ -240,7 +240,7 @@ class _Trainer:
                 self.evaluate("cold start")
             self.publish(1)
             coldstart.finish_stage(self)
-            plane = f"adapter on a {cfg.plane} base" if self.contract.adapter else f"plane {cfg.plane}"
+            plane = f"an adapter on the {cfg.plane} base" if self.contract.adapter else f"plane {cfg.plane}"
             self.echo(f"[trainer] run {cfg.run}: published v1 ({self.contract.model.architecture}, {plane})")
             return
         self.version = pointer.version
