@@ -34,7 +34,7 @@ class FlagGroup(NamedTuple):
 FLAG_GROUPS: tuple[FlagGroup, ...] = (
     FlagGroup("model", "model", ("model", "dtype", "compute_weights", "device", "threads", "engine", "backend",
                                  "quant_bits", "quant_group_size", "torch_base", "lora_rank", "lora_alpha",
-                                 "lora_targets")),
+                                 "lora_targets", "lora_base_plane")),
     FlagGroup("task", "task and evaluation", ("task", "retriever", "replay", "max_prompt_tokens", "eval_every",
                                               "eval_n", "eval_k"), ("eval_",)),
     FlagGroup("sampling", "sampling", ("n_samples", "groups_per_step", "max_new_tokens", "temperature", "top_p",
