@@ -5,13 +5,11 @@ recompute (as tests/engines/test_torch_slots.py on the torch engine)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import pytest
 
-from stoa.episodes.driver import EpisodeDriver
 from stoa.rollouts.episode import ROLE_ACTION
+from tests.engines.counting_driver import CountingDriver
 from tests.engines.test_mlx_episodes import EOS, LIMITS, PROMPTS, TOL, FixedTools, TinyEnv, assert_multi_turn, recompute
 
 pytestmark = pytest.mark.mlx
@@ -25,25 +23,6 @@ def codec(tiny_dir):
     from stoa.tokenize import TextCodec
 
     return TextCodec(tiny_dir)
-
-
-class CountingDriver(EpisodeDriver):
-    """Records, at every decode step, the rows it decoded and how many episodes had not been admitted yet."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.steps: list[tuple[int, int]] = []
-        self.held: list[int] = []
-        """Rows decoding or waiting for a tool at each step."""
-        self.actives: list[list[int]] = []
-        """The rows decoded at each step."""
-
-    def record(self, active: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float]) -> list[int]:
-        queued = sum(1 for r in range(self.rows) if not self.episode(r).tokens and r not in set(active))
-        self.steps.append((len(active), queued))
-        self.held.append(len(active) + len(self.paused))
-        self.actives.append(list(active))
-        return super().record(active, tokens, logprobs)
 
 
 def run_slots(engine, codec, slots: int, seed: int = 3, greedy: bool = False, refill: bool = True):

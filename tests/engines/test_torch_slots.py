@@ -4,38 +4,20 @@ prompt is prefilled once, and the logprobs still equal a full-forward recompute.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import pytest
 import torch
 
 from stoa.engines.torch import sampling_logprobs_torch
-from stoa.episodes.driver import EpisodeDriver
 from stoa.rollouts.episode import ROLE_ACTION
 from stoa.tokenize import TextCodec
+from tests.engines.counting_driver import CountingDriver
 from tests.engines.test_torch_episodes import LIMITS, QUESTIONS, TOL, LetterEnv, RecordingTools, prompts_of
 
 
 @pytest.fixture(scope="module")
 def codec(tiny_dir) -> TextCodec:
     return TextCodec(tiny_dir)
-
-
-class CountingDriver(EpisodeDriver):
-    """Records, at every decode step, the rows it decoded and how many episodes had not been admitted yet."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.steps: list[tuple[int, int]] = []
-        self.held: list[int] = []
-        """Rows decoding or waiting for a tool at each step."""
-
-    def record(self, active: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float]) -> list[int]:
-        queued = sum(1 for r in range(self.rows) if not self.episode(r).tokens and r not in set(active))
-        self.steps.append((len(active), queued))
-        self.held.append(len(active) + len(self.paused))
-        return super().record(active, tokens, logprobs)
 
 
 def run_slots(engine, codec, slots: int, n: int = 3, seed: int = 3, greedy: bool = False):
