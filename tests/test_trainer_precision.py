@@ -49,9 +49,9 @@ def test_chunking_bounds_the_logits_alive_at_once(tiny_dir, monkeypatch):
     calls = []
     real = policy_mod._chunk_scores
 
-    def spy(head, h, targets, temperature):
+    def spy(head, h, targets, temperature, hits):
         calls.append(h.shape[0])
-        return real(head, h, targets, temperature)
+        return real(head, h, targets, temperature, hits)
 
     monkeypatch.setattr(policy_mod, "_chunk_scores", spy)
     monkeypatch.setattr(policy_mod, "LOGITS_CHUNK_ELEMENTS", 3 * 512)

@@ -15,9 +15,10 @@ the compute dtype is the ``dtype`` setting's, bf16 by default on CUDA and on CPU
   compute copy, or sharded),
   times ACT_SCALE; with gradient checkpointing the block inputs (layers x b x S x hidden) plus CKPT_LAYERS
   blocks' worth.
-- logits: the LM head runs only on the completion positions, at most ``LOGITS_CHUNK_ELEMENTS`` of them at once
-  (``stoa.engines.torch_scoring``): min(b x T x vocab, chunk) x 4 bytes, LOGIT_COPIES (2) of them: logits and
-  log-softmax.
+- logits: the LM head runs only on the completion positions, at most ``LOGITS_CHUNK_ELEMENTS`` of them upcast
+  at once (``stoa.engines.torch_scoring``): min(b x T x vocab, chunk) x 4 bytes, LOGIT_COPIES (2) of them (the
+  fp32 logits and the logsumexp's buffer), plus the b x T x vocab logits in the compute dtype kept for backward
+  while they fit ``LOGITS_KEEP_BYTES`` (past it they are recomputed).
 - reference: the frozen reference policy's weights when kl_beta > 0: sharded fp32 with W > 1, stored in the
   compute dtype at W = 1; its forward keeps no activations. A LoRA run holds none (its reference is its own
   base with the adapters bypassed, ``stoa.trainer.policy.BaseView``).
@@ -102,7 +103,7 @@ intermediate beyond the input it recomputes from; ``stoa.trainer.lean``)."""
 """With gradient checkpointing, blocks' worth of activations alive at the peak besides the block inputs: one
 recomputed block in theory; fitted on SmolLM2 (glibc keeps the freed blocks of the recomputes)."""
 LOGIT_COPIES = 2.0
-"""float32 [b, T, vocab] buffers alive at the LM head's peak."""
+"""float32 [b, T, vocab] buffers alive at the LM head's peak (besides the kept logits)."""
 DEFAULT_PROMPT_TOKENS = 256
 """Prompt length assumed when the task's held-out prompts cannot be rendered offline (give --prompt-tokens)."""
 
@@ -179,7 +180,7 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
         work: the rank's workload.
     """
     p, w = shape.params(), max(1, work.world_size)
-    from stoa.engines.torch_scoring import LOGITS_CHUNK_ELEMENTS
+    from stoa.engines.torch_scoring import LOGITS_CHUNK_ELEMENTS, LOGITS_KEEP_BYTES
 
     cb = 2 if work.bf16 else 4  # compute bytes
     # Activation bytes per value: autocast (one rank) keeps many ops' fp32 inputs next to their bf16 copies
@@ -202,7 +203,8 @@ def estimate_peak(shape: ModelShape, work: Workload) -> PeakEstimate:
     return PeakEstimate(
         parameters=weights / GB, gradients=trained * 4 / w / GB, optimizer=trained * 8 / w / GB,
         activations=acts * ACT_SCALE / GB,
-        logits=min(b * t * shape.vocab, LOGITS_CHUNK_ELEMENTS) * 4 * LOGIT_COPIES / GB,
+        logits=(min(b * t * shape.vocab, LOGITS_CHUNK_ELEMENTS) * 4 * LOGIT_COPIES
+                + (b * t * shape.vocab * cb if b * t * shape.vocab * cb <= LOGITS_KEEP_BYTES else 0)) / GB,
         reference=((p * 4 / w if w > 1 else p * cb) if work.reference else 0) / GB,
         overhead=RUNTIME_GB["cuda" if work.cuda else "cpu"] + STEP_BYTES_PER_PARAM * p / w / GB)
 

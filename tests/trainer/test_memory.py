@@ -48,7 +48,8 @@ def test_bf16_compute_shrinks_activations_and_halves_the_reference():
     sharded = estimate_peak(TINY, Workload(4, 10, 6, False, True, world_size=2, bf16=True))
     assert sharded.activations == pytest.approx(fp32.activations / 2)
     assert bf16.reference == pytest.approx(fp32.reference / 2)  # stored in bf16: no master weights to keep
-    assert bf16.logits == fp32.logits  # the loss stays fp32
+    kept = 4 * 6 * 512  # the micro-batch's logits, kept for backward in the compute dtype
+    assert bf16.logits == pytest.approx(fp32.logits - kept * 2 / GB)  # the loss stays fp32; kept in bf16
 
 
 def test_logits_are_bounded_by_the_chunk():
@@ -63,7 +64,8 @@ def test_activations_and_logits_by_hand():
     est = estimate_peak(TINY, Workload(b, s - t, t, False, False))
     per_layer = b * s * (core.ACT_H * 64 + core.ACT_I * 128 + core.ACT_ATTN * 4 * s) * 4
     assert est.activations == pytest.approx(2 * per_layer * memory.ACT_SCALE / GB)
-    assert est.logits == pytest.approx(b * t * 512 * 4 * memory.LOGIT_COPIES / GB)  # completion positions only
+    # completion positions only: two fp32 buffers while scoring, and the logits kept for backward
+    assert est.logits == pytest.approx(b * t * 512 * 4 * (memory.LOGIT_COPIES + 1) / GB)
     ckpt = estimate_peak(TINY, Workload(b, s - t, t, True, False))
     layers = min(memory.CKPT_LAYERS, 2)  # the tiny model has 2
     assert ckpt.activations == pytest.approx((2 * b * s * 64 * 4 + layers * per_layer) * memory.ACT_SCALE / GB)
