@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stoa.bench.trainer import on_policy, policy_kwargs, synthetic_entries
+from stoa.bench.trainer import on_policy, policy_kwargs, reference, synthetic_entries
 from stoa.config.text import dtype_value
 from stoa.config.trainer import LORA_TARGETS
 from stoa.models import default_cache_dir, resolve_model
@@ -230,7 +230,7 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
     from stoa.algorithms import AlgoConfig, get_algorithm
     from stoa.models.lora_torch import LoraSpec
-    from stoa.trainer.policy import BaseView, Policy
+    from stoa.trainer.policy import Policy
     from stoa.trainer.step import train_step
 
     torch.set_num_threads(spec["threads"])
@@ -239,8 +239,7 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     rank = spec.get("lora_rank", 0)
     lora = LoraSpec(rank, spec["lora_alpha"], tuple(spec["lora_targets"])) if rank else None
     policy = Policy(spec["model_dir"], device, lora=lora, **kw)
-    # As the fleet trainer: a LoRA policy's reference is its own base with the adapters off, not a second model.
-    ref = BaseView(policy) if lora else Policy(spec["model_dir"], device, trainable=False, **kw)
+    ref = reference(policy, spec["model_dir"], spec["beta"], **kw)  # LoRA: its own base, adapters off (BaseView)
     opt = torch.optim.AdamW(policy.trainable_parameters(), lr=spec["lr"])
     algo = get_algorithm(AlgoConfig.from_dict({"name": "grpo", "kl_beta": spec["beta"],
                                                "max_tokens": spec["tokens"]}), "torch")

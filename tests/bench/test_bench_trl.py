@@ -235,3 +235,21 @@ def test_our_lora_child_steps_only_the_adapters_against_its_own_base(tiny_dir, m
     assert result["trained_params"] == sum(p.numel() for p in adapters.values())
     assert all(not p.requires_grad for n, p in policy.model.named_parameters() if n not in adapters)
     assert any(torch.count_nonzero(p) for n, p in adapters.items() if "lora_B" in n)  # the steps moved B off 0
+
+
+def test_the_benches_reference_is_the_fleet_trainers_none_a_base_view_or_a_frozen_copy(tiny_dir):
+    import torch
+
+    from stoa.bench.trainer import reference
+    from stoa.models.lora_torch import LoraSpec
+    from stoa.trainer.policy import BaseView, Policy
+
+    cpu = torch.device("cpu")
+    lora = Policy(tiny_dir, cpu, lora=LoraSpec(4, 8.0))
+    assert reference(lora, tiny_dir, 0.0) is None
+    view = reference(lora, tiny_dir, 0.04)
+    assert isinstance(view, BaseView) and view.policy is lora
+    full = Policy(tiny_dir, cpu)
+    ref = reference(full, tiny_dir, 0.04)
+    assert isinstance(ref, Policy) and ref.model is not full.model
+    assert not any(p.requires_grad for p in ref.model.parameters())
