@@ -1,9 +1,11 @@
 """``stoa bench trl``: our ``train_step`` and TRL's ``GRPOTrainer`` side by side.
 
 Both run the same model, batch shape (B prompts x n generations, T new tokens, ~P-token prompts), KL weight and
-thread count, full fine-tune in fp32 on the CPU. They alternate (ours, TRL, ours, TRL, ...), each repeat in a fresh
-subprocess so each peak RSS is its own. TRL runs in its own venv under ``$STOA_CACHE/venvs``, made on first use
-from the pins of ``requirements-trl.txt`` beside this file, through ``trl_driver.py``, which prints a
+thread count, full fine-tune in fp32 on the CPU, or with ``--lora-rank R`` the same LoRA adapter (rank, alpha,
+targets; TRL's a ``peft.LoraConfig`` as ``peft_config``; each side's KL reference its base with the adapters off).
+They alternate (ours, TRL, ours, TRL, ...; with LoRA our full fine-tune too, the baseline of our LoRA peak), each
+repeat in a fresh subprocess so each peak RSS is its own. TRL runs in its own venv under ``$STOA_CACHE/venvs``, made
+on first use from the pins of ``requirements-trl.txt`` beside this file, through ``trl_driver.py``, which prints a
 ``RESULT {json}`` line; our side runs this script with ``--child``. TRL's generation time is reported apart; the
 last line printed is ``ratio_step=X ratio_mem=Y`` (X: TRL's seconds per step without generation / ours, Y: our
 peak RSS / TRL's). Run it as ``stoa bench trl [flags]`` or ``python benchmarks/trl_compare.py [flags]``.
@@ -24,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stoa.bench.trainer import on_policy, policy_kwargs, synthetic_entries
+from stoa.bench.trainer import on_policy, policy_kwargs, reference, synthetic_entries
 from stoa.config.text import dtype_value
+from stoa.config.trainer import LORA_TARGETS
 from stoa.models import default_cache_dir, resolve_model
 
 TRL_DRIVER = Path(__file__).with_name("trl_driver.py")
@@ -83,8 +86,9 @@ DEFAULT_BETA = 0.001
 @dataclass(frozen=True)
 class Side:
     """One side's medians over its repeats: seconds per step (TRL: without generation), trained tokens/s, peak RSS
-    (GB), for TRL the generation seconds and whole-step seconds per step (0 for ours), and the CPU seconds of the
-    step (TRL: without generation; all threads; 0 when a child did not report them)."""
+    (GB), for TRL the generation seconds and whole-step seconds per step (0 for ours), the CPU seconds of the
+    step (TRL: without generation; all threads; 0 when a child did not report them) and the parameters the
+    optimizer steps (0 when not reported)."""
 
     step_s: float
     tokens_per_s: float
@@ -92,6 +96,7 @@ class Side:
     gen_s: float = 0.0
     full_step_s: float = 0.0
     cpu_s: float = 0.0
+    trained_params: int = 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -126,6 +131,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=1, help="timed steps per process, after one warm-up step "
                                                         "[default: 1]")
     p.add_argument("--out", default="", help="append one JSON row with every child's figures to this file")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="both sides train a LoRA adapter of this rank on the frozen base (TRL: peft_config); "
+                        "0 = full fine-tune [default: 0]")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha on both sides [default: 32]")
+    p.add_argument("--lora-targets", default=LORA_TARGETS,
+                   help=f"module-name suffixes both sides adapt, comma-separated [default: {LORA_TARGETS}]")
+    p.add_argument("--no-full", action="store_true",
+                   help="with --lora-rank: leave out our full fine-tune (the baseline of the LoRA peak RSS)")
 
 
 def child_spec(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
@@ -135,11 +148,15 @@ def child_spec(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         args: parsed ``stoa bench trl`` flags.
         model_dir: the resolved model directory.
     """
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    if args.lora_rank < 0 or (args.lora_rank and not targets):
+        raise ValueError("--lora-rank must be >= 0 (0: full fine-tune) and LoRA needs --lora-targets (q_proj,v_proj)")
     return {"model_dir": str(model_dir), "prompts": args.groups, "generations": args.n, "tokens": args.tokens,
             "prompt_tokens": args.prompt_tokens, "micro_batch": args.micro_batch,
             "beta": args.kl_beta or DEFAULT_BETA, "lr": 1e-6, "warmup": 1, "steps": args.steps, "seed": 0,
             "threads": args.threads, "dtype": args.dtype, "compute_weights": args.compute_weights,
-            "shared_prefix": args.shared_prefix, "trl_bf16": args.trl_bf16}
+            "shared_prefix": args.shared_prefix, "trl_bf16": args.trl_bf16,
+            "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha, "lora_targets": targets}
 
 
 def ours_argv(spec: dict[str, Any]) -> list[str]:
@@ -186,10 +203,11 @@ def summarize(results: list[dict[str, Any]], warmup: int, trl: bool) -> Side:
     step = statistics.median(r["train_s" if trl else "step_s"] for r in rows)
     tokens = statistics.median(r["tokens"] for r in rows)
     cpu = statistics.median(r.get("train_cpu_s" if trl else "cpu_s", 0.0) for r in rows)
+    params = int(results[0].get("trained_params", 0))
     if not trl:
-        return Side(step, tokens / step, rss, cpu_s=cpu)
+        return Side(step, tokens / step, rss, cpu_s=cpu, trained_params=params)
     return Side(step, tokens / step, rss, statistics.median(r["gen_s"] for r in rows),
-                statistics.median(r["step_s"] for r in rows), cpu)
+                statistics.median(r["step_s"] for r in rows), cpu, params)
 
 
 def ratio_line(ours: Side, trl: Side) -> str:
@@ -211,15 +229,18 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from stoa.algorithms import AlgoConfig, get_algorithm
+    from stoa.models.lora_torch import LoraSpec
     from stoa.trainer.policy import Policy
     from stoa.trainer.step import train_step
 
     torch.set_num_threads(spec["threads"])
     device = torch.device("cpu")
     kw = policy_kwargs(spec["dtype"], spec.get("compute_weights", "bf16_copy"))
-    policy = Policy(spec["model_dir"], device, **kw)
-    ref = Policy(spec["model_dir"], device, trainable=False, **kw)
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=spec["lr"])
+    rank = spec.get("lora_rank", 0)
+    lora = LoraSpec(rank, spec["lora_alpha"], tuple(spec["lora_targets"])) if rank else None
+    policy = Policy(spec["model_dir"], device, lora=lora, **kw)
+    ref = reference(policy, spec["model_dir"], spec["beta"], **kw)  # LoRA: its own base, adapters off (BaseView)
+    opt = torch.optim.AdamW(policy.trainable_parameters(), lr=spec["lr"])
     algo = get_algorithm(AlgoConfig.from_dict({"name": "grpo", "kl_beta": spec["beta"],
                                                "max_tokens": spec["tokens"]}), "torch")
     rows = []
@@ -234,6 +255,7 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
         rows.append({"step_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
                      "tokens": float(spec["prompts"] * spec["generations"] * spec["tokens"])})
     return {"rows": rows, "threads": torch.get_num_threads(),
+            "trained_params": sum(p.numel() for p in policy.trainable_parameters()),
             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 
 
@@ -251,9 +273,27 @@ def run_child(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
     return parse_result(proc.stdout)
 
 
+FULL = "ours full FT"
+"""The name of our full fine-tune beside a LoRA comparison (the baseline of our LoRA peak RSS)."""
+
+
+def children(spec: dict[str, Any], python: Path, no_full: bool = False) -> list[tuple[str, list[str]]]:
+    """Each repeat's children in order: ours, TRL's and, with LoRA, our full fine-tune (unless ``no_full``).
+
+    Args:
+        spec: :func:`child_spec`'s JSON.
+        python: TRL's venv python.
+        no_full: leave our full fine-tune out.
+    """
+    runs = [("ours", ours_argv(spec)), ("TRL", trl_argv(python, spec))]
+    if spec["lora_rank"] and not no_full:
+        runs.append((FULL, ours_argv({**spec, "lora_rank": 0})))
+    return runs
+
+
 def main(args: argparse.Namespace) -> int:
-    """Interleave our side and TRL's (``--repeats`` times each, every run a fresh process); print the table and,
-    last, the ratio line.
+    """Interleave our side and TRL's (``--repeats`` times each, every run a fresh process; with LoRA our full
+    fine-tune too); print the table and, last, the ratio line.
 
     Args:
         args: parsed flags (see :func:`add_arguments`).
@@ -263,19 +303,21 @@ def main(args: argparse.Namespace) -> int:
     spec = child_spec(args, model_dir)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
     load = os.getloadavg()[0]
-    ours: list[dict[str, Any]] = []
-    theirs: list[dict[str, Any]] = []
+    runs = children(spec, python, args.no_full)
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in runs}
     for r in range(args.repeats):
-        for name, cmd, out in (("ours", ours_argv(spec), ours), ("TRL", trl_argv(python, spec), theirs)):
+        for name, cmd in runs:
             t0 = time.perf_counter()
-            out.append(run_child(cmd, env))
+            results[name].append(run_child(cmd, env))
             print(f"[bench] repeat {r + 1}/{args.repeats} {name}: {time.perf_counter() - t0:.0f}s", flush=True)
     if args.out:
         with Path(args.out).open("a") as f:
-            f.write(json.dumps({"bench": "trainer-vs-trl", "spec": spec, "ours": ours, "trl": theirs}) + "\n")
-    print(table(spec, summarize(ours, spec["warmup"], False), summarize(theirs, spec["warmup"], True),
-                theirs[0]["versions"], (load, os.getloadavg()[0])))
-    print(ratio_line(summarize(ours, spec["warmup"], False), summarize(theirs, spec["warmup"], True)))
+            f.write(json.dumps({"bench": "trainer-vs-trl", "spec": spec, "ours": results["ours"],
+                                "trl": results["TRL"], "ours_full": results.get(FULL, [])}) + "\n")
+    ours, theirs = summarize(results["ours"], spec["warmup"], False), summarize(results["TRL"], spec["warmup"], True)
+    full = summarize(results[FULL], spec["warmup"], False) if FULL in results else None
+    print(table(spec, ours, theirs, results["TRL"][0]["versions"], (load, os.getloadavg()[0]), full))
+    print(ratio_line(ours, theirs))
     return 0
 
 
@@ -293,14 +335,25 @@ def cpu_name() -> str:
 
 
 def precisions(spec: dict[str, Any]) -> tuple[str, str]:
-    """How each side computes, in words: ours (dtype, compute weights, packed or shared prefix) and TRL's."""
-    ours = "fp32" if spec["dtype"] == "float32" else f"bf16 {spec.get('compute_weights', 'bf16_copy')}"
-    ours += ", shared prefix" if spec.get("shared_prefix") else ", packed"
+    """How each side computes, in words: ours (dtype, compute weights or a LoRA's bf16 base, packed or shared prefix)
+    and TRL's."""
+    bf16 = "bf16 base" if spec.get("lora_rank") else f"bf16 {spec.get('compute_weights', 'bf16_copy')}"
+    ours = ("fp32" if spec["dtype"] == "float32" else bf16) + (", shared prefix" if spec.get("shared_prefix")
+                                                               else ", packed")
     return ours, "bf16=True (autocast)" if spec.get("trl_bf16") else "fp32"
 
 
-def table(spec: dict[str, Any], ours: Side, trl: Side, versions: dict[str, str], load: tuple[float, float]) -> str:
-    """The printed comparison: a settings line and a markdown table.
+def training(spec: dict[str, Any]) -> str:
+    """What both sides train, in words: the full model, or the same LoRA adapter (rank, alpha, targets)."""
+    if not spec.get("lora_rank"):
+        return "full fine-tune"
+    return (f"LoRA r={spec['lora_rank']} alpha={spec['lora_alpha']:g} targets={','.join(spec['lora_targets'])} on "
+            "both sides (TRL: peft_config; KL reference: the base with adapters off)")
+
+
+def table(spec: dict[str, Any], ours: Side, trl: Side, versions: dict[str, str], load: tuple[float, float],
+          full: Side | None = None) -> str:
+    """The printed comparison: a settings line, a markdown table and notes.
 
     Args:
         spec: the shape both sides ran.
@@ -308,15 +361,16 @@ def table(spec: dict[str, Any], ours: Side, trl: Side, versions: dict[str, str],
         trl: TRL's side.
         versions: TRL's venv versions.
         load: the 1-minute load average before and after.
+        full: our full fine-tune beside a LoRA comparison (None: none ran).
     """
     rows = spec["prompts"] * spec["generations"]
     mine, theirs = precisions(spec)
     head = (f"{spec['prompts']} prompts x {spec['generations']} generations, ~{spec['prompt_tokens']}-token prompts + "
             f"{spec['tokens']} new tokens, micro-batch {spec['micro_batch']} of {rows} rows, beta {spec['beta']}, "
-            f"full fine-tune, ours {mine} / TRL {theirs}, fp32 AdamW; {cpu_name()}, {spec['threads']} threads; "
+            f"{training(spec)}, ours {mine} / TRL {theirs}, fp32 AdamW; {cpu_name()}, {spec['threads']} threads; "
             f"trl {versions['trl']}, transformers {versions['transformers']}, torch {versions['torch']}; "
             f"load {load[0]:.1f} -> {load[1]:.1f}")
-    return "\n".join([
+    lines = [
         head, "| side | s/step | CPU s/step | trained tok/s | peak RSS GB | generation s/step |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
         f"| stoa train_step ({mine}) | {ours.step_s:.2f} | {ours.cpu_s:.1f} | {ours.tokens_per_s:.0f} | "
@@ -324,9 +378,16 @@ def table(spec: dict[str, Any], ours: Side, trl: Side, versions: dict[str, str],
         f"| TRL GRPOTrainer ({theirs}) without generation | {trl.step_s:.2f} | {trl.cpu_s:.1f} | "
         f"{trl.tokens_per_s:.0f} | {trl.peak_rss_gb:.2f} | {trl.gen_s:.2f} |",
         f"| TRL GRPOTrainer whole step | {trl.full_step_s:.2f} | - | "
-        f"{trl.tokens_per_s * trl.step_s / trl.full_step_s:.0f} | {trl.peak_rss_gb:.2f} | {trl.gen_s:.2f} |",
-        f"CPU seconds (all threads; less moved by other load than wall time): TRL / ours "
-        f"{trl.cpu_s / ours.cpu_s if ours.cpu_s else 0.0:.2f}"])
+        f"{trl.tokens_per_s * trl.step_s / trl.full_step_s:.0f} | {trl.peak_rss_gb:.2f} | {trl.gen_s:.2f} |"]
+    if full is not None:
+        lines.append(f"| stoa train_step ({precisions({**spec, 'lora_rank': 0})[0]}), full fine-tune | "
+                     f"{full.step_s:.2f} | {full.cpu_s:.1f} | {full.tokens_per_s:.0f} | {full.peak_rss_gb:.2f} | - |")
+    lines.append(f"CPU seconds (all threads; less moved by other load than wall time): TRL / ours "
+                 f"{trl.cpu_s / ours.cpu_s if ours.cpu_s else 0.0:.2f}")
+    lines.append(f"parameters the optimizer steps: ours {ours.trained_params:,}, TRL {trl.trained_params:,}")
+    if full is not None:
+        lines.append(f"our peak RSS, LoRA / full fine-tune: {ours.peak_rss_gb / full.peak_rss_gb:.2f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ How a step is split: a ``TrainerCallback`` times each optimizer step from ``on_s
 AdamW update); a ``GRPOTrainer`` subclass times ``_generate`` (prompt tokenization, ``model.generate`` and decoding).
 ``train_s = step_s - gen_s`` is TRL's step without generation: reference forward, loss, backward and update.
 TRL's own ``profiling/Time taken`` timers (``transformers.generate``, ``GRPOTrainer._prepare_inputs``) are kept too.
+
+With ``lora_rank`` > 0 the trainer gets ``peft_config=peft.LoraConfig(**lora_kwargs(spec))``: the rank, alpha and
+target modules our side adapts, no dropout, no bias. TRL then wraps the model with ``get_peft_model`` (only the
+adapters train) and, with beta > 0, holds no reference model: its reference logprobs are the policy's with the
+adapters disabled (``use_adapter(model, None)`` -> ``model.disable_adapter()``), as our ``BaseView``.
 """
 
 from __future__ import annotations
@@ -37,9 +42,20 @@ def length_reward(completions: list[str], **_kwargs: Any) -> list[float]:
     return [len(c) / 100.0 for c in completions]
 
 
+def lora_kwargs(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``peft.LoraConfig`` keywords of the spec's adapter (None: full fine-tune): our side's rank, alpha and
+    targets, no dropout, no bias, a causal LM."""
+    if not spec.get("lora_rank"):
+        return None
+    alpha = spec["lora_alpha"]
+    return {"r": spec["lora_rank"], "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+            "target_modules": list(spec["lora_targets"]), "lora_dropout": 0.0, "bias": "none",
+            "task_type": "CAUSAL_LM"}
+
+
 def build_trainer(spec: dict[str, Any], out_dir: str, timings: dict[str, list[float]]) -> Any:
-    """TRL's GRPOTrainer on the spec's shape: full fine-tune, fp32 masters on the CPU (``trl_bf16``: bf16=True, autocast
-    on them), micro-batches accumulated into one
+    """TRL's GRPOTrainer on the spec's shape: full fine-tune or the spec's LoRA (``lora_kwargs``), fp32 masters on the
+    CPU (``trl_bf16``: bf16=True, autocast on them), micro-batches accumulated into one
     optimizer step per ``prompts x generations`` batch, completions forced to ``tokens`` tokens."""
     import torch
     from datasets import Dataset
@@ -64,6 +80,12 @@ def build_trainer(spec: dict[str, Any], out_dir: str, timings: dict[str, list[fl
         max_grad_norm=1.0, optim="adamw_torch", max_steps=steps, logging_steps=1, report_to="none",
         save_strategy="no", shuffle_dataset=False, dataloader_num_workers=0, disable_dropout=True)
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    lora = lora_kwargs(spec)
+    peft_config = None
+    if lora is not None:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(**lora)
 
     class Timed(GRPOTrainer):
         def _generate(self, prompts: list) -> Any:
@@ -84,7 +106,7 @@ def build_trainer(spec: dict[str, Any], out_dir: str, timings: dict[str, list[fl
             timings["step_cpu_s"].append(time.process_time() - timings["_t0"][1])
 
     return Timed(model=model, reward_funcs=length_reward, args=config, train_dataset=dataset,
-                 processing_class=tokenizer, callbacks=[StepTimer()])
+                 processing_class=tokenizer, callbacks=[StepTimer()], peft_config=peft_config)
 
 
 def record_trl_profiling(timings: dict[str, list[float]]) -> None:
@@ -108,12 +130,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                                        "gen_cpu_s": [], "step_cpu_s": []}
     record_trl_profiling(timings)
     with tempfile.TemporaryDirectory(prefix="stoa-bench-trl-") as out:
-        build_trainer(spec, out, timings).train()
+        trainer = build_trainer(spec, out, timings)
+        trainer.train()
+        trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     rows = [{"step_s": s, "gen_s": g, "train_s": s - g, "tokens": t, "prompt_tokens": p, "train_cpu_s": sc - gc}
             for s, g, t, p, sc, gc in zip(timings["step_s"], timings["gen_s"], timings["gen_tokens"],
                                           timings["prompt_tokens"], timings["step_cpu_s"], timings["gen_cpu_s"],
                                           strict=True)]
-    return {"rows": rows, "threads": torch.get_num_threads(),
+    return {"rows": rows, "threads": torch.get_num_threads(), "trained_params": trained,
             "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
             "trl_profiling": {k[4:]: v for k, v in timings.items() if k.startswith("trl:")},
             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}

@@ -113,6 +113,25 @@ def policy_kwargs(dtype: str, compute_weights: str = "bf16_copy") -> dict[str, A
     return {"compute_dtype": torch.bfloat16, "compute_weights": compute_weights}
 
 
+def reference(policy: Any, model_dir: Any, kl_beta: float, **dtype: Any) -> Any:
+    """The KL's reference for ``policy``, as the fleet trainer holds it: None at ``kl_beta`` 0, a LoRA policy's own
+    base with the adapters off (``BaseView``, no second model), else a frozen ``Policy`` of ``model_dir``.
+
+    Args:
+        policy: the trained policy.
+        model_dir: the model directory (a full fine-tune's reference loads it again).
+        kl_beta: the KL coefficient.
+        **dtype: the policy's dtype keywords (``policy_kwargs``).
+    """
+    from stoa.trainer.policy import BaseView, Policy
+
+    if kl_beta <= 0:
+        return None
+    if policy.lora is not None:
+        return BaseView(policy)
+    return Policy(model_dir, policy.device, trainable=False, **dtype)
+
+
 def on_policy(entries: list[Any], policy: Any, tokens: int) -> list[Any]:
     """The entries with each sample's behaviour logprobs set to the policy's own (as TRL's single-iteration GRPO
     has it: ratio 1). With made-up logprobs the clipped ratio zeroes nearly every gradient, and AdamW on ~1e-20
@@ -158,7 +177,7 @@ def main(args: argparse.Namespace) -> int:
     lora = LoraSpec(args.lora_rank, args.lora_alpha) if args.lora_rank > 0 else None
     policy = Policy(model_dir, device, gradient_checkpointing=args.gradient_checkpointing, lora=lora,
                     base_plane=args.lora_base_plane, **dtype)
-    ref = Policy(model_dir, device, trainable=False, **dtype) if args.kl_beta > 0 else None
+    ref = reference(policy, model_dir, args.kl_beta, **dtype)
     opt = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-6)
     algo = get_algorithm(AlgoConfig.from_dict({"name": args.algorithm, "kl_beta": args.kl_beta,
                                                "max_tokens": args.tokens}), "torch")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from stoa.bench.checkout import load_script
+from stoa.models.lora_torch import DEFAULT_TARGETS
 
 trl = load_script("trl_compare.py")
 
@@ -165,3 +166,90 @@ def test_our_child_runs_the_specs_compute_weights_and_mode(tiny_dir, monkeypatch
                                 "--micro-batch", "2", "--threads", "1"), tiny_dir)
     trl.run_ours(spec)
     assert seen == [(copy, True)] * 2  # warm-up + 1 timed step
+
+
+def test_the_spec_carries_the_lora_fields_and_the_full_fine_tune_is_rank_0():
+    spec = trl.child_spec(_args("--lora-rank", "8", "--lora-alpha", "16", "--lora-targets", "q_proj, v_proj"),
+                          Path("/m"))
+    assert (spec["lora_rank"], spec["lora_alpha"], spec["lora_targets"]) == (8, 16.0, ["q_proj", "v_proj"])
+    default = trl.child_spec(_args(), Path("/m"))
+    assert default["lora_rank"] == 0 and default["lora_alpha"] == 32.0
+    assert tuple(default["lora_targets"]) == DEFAULT_TARGETS  # the trainer's (PEFT's) default targets
+    with pytest.raises(ValueError, match="--lora-targets"):
+        trl.child_spec(_args("--lora-rank", "8", "--lora-targets", ","), Path("/m"))
+
+
+def test_the_driver_maps_the_spec_to_peft_lora_config_keywords():
+    driver = load_script("trl_driver.py")
+    spec = trl.child_spec(_args("--lora-rank", "8", "--lora-targets", "q_proj,v_proj"), Path("/m"))
+    assert driver.lora_kwargs(spec) == {"r": 8, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"],
+                                        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}
+    assert driver.lora_kwargs({**spec, "lora_alpha": 2.5})["lora_alpha"] == 2.5
+    assert driver.lora_kwargs(trl.child_spec(_args(), Path("/m"))) is None  # full fine-tune: no peft_config
+
+
+def test_with_lora_each_repeat_runs_ours_trls_and_our_full_fine_tune_and_the_table_says_so(monkeypatch, capsys,
+                                                                                           tmp_path):
+    specs: list[dict] = []
+
+    def child(cmd: list[str], env: dict[str, str]) -> dict:
+        specs.append({**json.loads(cmd[-1]), "side": "trl" if cmd[1] == str(trl.TRL_DRIVER) else "ours"})
+        if specs[-1]["side"] == "trl":
+            return {**_trl((99.0, 50.0), (14.0, 9.0)), "trained_params": 640}
+        return {**_ours(99.0, 2.0, rss_kb=1_000_000 if specs[-1]["lora_rank"] else 4_000_000), "trained_params": 640}
+
+    monkeypatch.setattr(trl, "run_child", child)
+    monkeypatch.setattr(trl, "ensure_trl_venv", lambda: tmp_path / "python")
+    monkeypatch.setattr(trl, "resolve_model", lambda name: tmp_path)
+    assert trl.main(_args("--repeats", "2", "--lora-rank", "8", "--lora-targets", "q_proj,v_proj")) == 0
+    assert [(s["side"], s["lora_rank"]) for s in specs] == [("ours", 8), ("trl", 8), ("ours", 0)] * 2
+    out = capsys.readouterr().out.splitlines()
+    assert "LoRA r=8 alpha=32 targets=q_proj,v_proj on both sides" in next(ln for ln in out if "prompts x" in ln)
+    assert "our peak RSS, LoRA / full fine-tune: 0.25" in out
+    assert "parameters the optimizer steps: ours 640, TRL 640" in out
+    assert RATIO.match(out[-1]) is not None
+    specs.clear()
+    trl.main(_args("--lora-rank", "8", "--no-full", "--repeats", "1"))
+    assert [s["side"] for s in specs] == ["ours", "trl"]
+
+
+def test_our_lora_child_steps_only_the_adapters_against_its_own_base(tiny_dir, monkeypatch):
+    import torch
+
+    import stoa.trainer.step as step
+    from stoa.models.lora_torch import is_adapter
+    from stoa.trainer.policy import BaseView
+
+    seen: list = []
+    real = step.train_step
+    monkeypatch.setattr(step, "train_step", lambda policy, ref, opt, *a, **kw: (seen.append((policy, ref, opt)),
+                                                                                 real(policy, ref, opt, *a, **kw)))
+    spec = trl.child_spec(_args("--lora-rank", "4", "--groups", "1", "--n-samples", "2", "--prompt-tokens", "4",
+                                "--max-new-tokens", "3", "--micro-batch", "2", "--threads", "1"), tiny_dir)
+    result = trl.run_ours(spec)
+    policy, ref, opt = seen[-1]
+    assert isinstance(ref, BaseView) and ref.policy is policy  # no second model for the KL's reference
+    adapters = {n: p for n, p in policy.model.named_parameters() if is_adapter(n)}
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    assert adapters and {id(p) for p in stepped} == {id(p) for p in adapters.values()}
+    assert result["trained_params"] == sum(p.numel() for p in adapters.values())
+    assert all(not p.requires_grad for n, p in policy.model.named_parameters() if n not in adapters)
+    assert any(torch.count_nonzero(p) for n, p in adapters.items() if "lora_B" in n)  # the steps moved B off 0
+
+
+def test_the_benches_reference_is_the_fleet_trainers_none_a_base_view_or_a_frozen_copy(tiny_dir):
+    import torch
+
+    from stoa.bench.trainer import reference
+    from stoa.models.lora_torch import LoraSpec
+    from stoa.trainer.policy import BaseView, Policy
+
+    cpu = torch.device("cpu")
+    lora = Policy(tiny_dir, cpu, lora=LoraSpec(4, 8.0))
+    assert reference(lora, tiny_dir, 0.0) is None
+    view = reference(lora, tiny_dir, 0.04)
+    assert isinstance(view, BaseView) and view.policy is lora
+    full = Policy(tiny_dir, cpu)
+    ref = reference(full, tiny_dir, 0.04)
+    assert isinstance(ref, Policy) and ref.model is not full.model
+    assert not any(p.requires_grad for p in ref.model.parameters())
