@@ -29,6 +29,7 @@ from stoa.bench.verify.intake import intake_rows
 from stoa.bench.verify.intake import table as intake_table
 from stoa.bench.verify.lagged import LagScores, fleet_of, lag_scores, load_arrays, save_arrays, shifted
 from stoa.bench.verify.liars import attack_plan, copied_logprobs, noisy, quantized, swapped, top_k_sampler
+from stoa.bench.verify.lora import LoraRig, contract_planes, lag0, lora_attacks, plane_label
 from stoa.bench.verify.sampling import Group, Rig
 from stoa.bench.verify.stats import AttackRow, HonestRow, attack_row, honest_row, table
 from stoa.bench.verify.steps import Residuals, flatten, step_row, unflatten, values
@@ -36,6 +37,7 @@ from stoa.bench.verify.steps import table as steps_table
 from stoa.bench.verify.verdict import intake_verdict, logprob_verdict
 from stoa.bench.verify.verdict import table as verdict_table
 from stoa.config import TrainerConfig
+from stoa.config.trainer import LORA_BASE_PLANES
 from stoa.models import resolve_model
 from stoa.trainer.fleet import calibrated_drift
 from stoa.trainer.quarantine import effective_threshold, sequential_params
@@ -88,6 +90,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the liar's lag-0 records per trainer step, for the per-step checks [default: 8]")
     p.add_argument("--intake", action=argparse.BooleanOptionalAction, default=True,
                    help="run the intake attacks (prompt swaps, replays, multi-turn forgeries) [default: on]")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="a LoRA run: workers hold the contract's base plus an adapter of this rank, the trainer's "
+                        "LoRA policy recomputes (the LoRA lies replace the attacks; 0: full weights) [default: 0]")
+    p.add_argument("--lora-alpha", type=float, default=d.lora_alpha,
+                   help=f"LoRA alpha [default: lora_alpha = {d.lora_alpha:g}]")
+    p.add_argument("--lora-base-plane", default="", choices=LORA_BASE_PLANES,
+                   help="the trainer's lora_base_plane: int8g64 or int4g64 (the contract's plane; --planes ignored), "
+                        "'' a float base on each of --planes [default: '']")
+    p.add_argument("--lora-b-std", type=float, default=0.02,
+                   help="the adapter's lora_B entries ~ N(0, this), fixed seed (0 moves nothing) [default: 0.02]")
     p.add_argument("--out", default="", help="append JSONL rows to this file")
     p.add_argument("--save-scores", default="", help="write every record score to this .npz")
     p.add_argument("--load-scores", default="",
@@ -96,19 +108,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--stream)")
 
 
-def honest(rig: Rig, params: CusumParams, echo=print) -> dict[str, np.ndarray]:
-    """Every engine pair's honest record scores, by pair label."""
+def honest(rig: Rig, params: CusumParams, echo=print, planes: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Every engine pair's honest record scores, by pair label (``planes``: those the rig holds; None: ``--planes``)."""
 
     a, out = rig.args, {}
     batches = -(-a.sequences // (a.groups * a.n_samples))
-    for plane in _split(a.planes):
-        state = state_from_f32(rig.master, plane)
+    for plane in _split(a.planes) if planes is None else planes:
+        state = rig.state(plane)
         for spec in _split(a.engines):
             engine, _, dtype = spec.partition(":")
             groups, secs = rig.sample(engine, dtype, state, plane, batches, a.temperature)
             for trainer in _split(a.trainers):
                 t0 = time.perf_counter()
-                pair = f"{engine} {dtype} / {plane} / {trainer}"
+                pair = f"{engine} {dtype} / {rig.label(plane)} / {trainer}"
                 out[pair] = rig.scores(groups, trainer == "bf16", params.cap)
                 echo(f"  {pair}: {len(groups) * a.n_samples} sequences sampled in {secs:.0f}s, scored in "
                      f"{time.perf_counter() - t0:.0f}s")
@@ -151,6 +163,23 @@ def attacks(rig: Rig, params: CusumParams, echo=print) -> tuple[dict[str, np.nda
     return out, resid
 
 
+def lora_run(args: argparse.Namespace, params: CusumParams, echo=print
+             ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Residuals], LagScores]:
+    """A LoRA run (``--lora-rank``; ``stoa.bench.verify.lora``): honest scores per contract plane, and on the attack
+    plane (``--lora-base-plane``, else ``--liar-plane``) the lag-0 fleet and the LoRA lies' scores and residuals."""
+    hs: dict[str, np.ndarray] = {}
+    ks: dict[str, np.ndarray] = {}
+    rs: dict[str, Residuals] = {}
+    ls = LagScores({}, {})
+    for plane in contract_planes(args):
+        rig = LoraRig(args, plane)
+        if plane == (args.lora_base_plane or args.liar_plane):
+            ls = lag0(rig, echo) if args.lag_records else ls
+            ks, rs = lora_attacks(rig, params.cap, echo)
+        hs.update(honest(rig, params, echo, [plane]))
+    return hs, ks, rs, ls
+
+
 def judge(honest_scores: dict[str, np.ndarray], attack_scores: dict[str, np.ndarray], params: CusumParams,
           args: argparse.Namespace) -> tuple[list[HonestRow], list[AttackRow]]:
     """The rows of the tables: honest streams of ``--stream`` records, ``--attack-streams`` orders per attack."""
@@ -177,7 +206,9 @@ def lag_rows(ls: LagScores, params: CusumParams, args: argparse.Namespace) -> tu
     lie, every score on the lag-0 scale (``lagged.shifted``)."""
     if not ls.honest:
         return [], []
-    fleet, pair = fleet_of(ls), f"{args.liar_engine.replace(':', ' ')} / {args.liar_plane} / fp32"
+    plane = (plane_label(args.lora_base_plane or args.liar_plane, args.lora_rank) if getattr(args, "lora_rank", 0)
+             else args.liar_plane)
+    fleet, pair = fleet_of(ls), f"{args.liar_engine.replace(':', ' ')} / {plane} / fp32"
     h = [honest_row(f"{pair}, lag {lag}", shifted(fleet, lag, s[len(s) // 2:]), args.n_samples, args.stream, params)
          for lag, s in sorted(ls.honest.items())]
     k = [attack_row(f"{label} at lag {lag}", shifted(fleet, lag, s), args.attack_streams, params, args.seed + 50 + i)
@@ -193,8 +224,14 @@ def main(args: argparse.Namespace) -> int:
     """
     t0 = time.perf_counter()
     ceiling = sequential_params(TrainerConfig().quarantine_drift, args.limit, args.cap, args.temperature)
+    if args.lora_base_plane and not args.lora_rank:
+        raise SystemExit("--lora-base-plane needs a LoRA run: set --lora-rank > 0")
     if args.load_scores:
         hs, ks, rs, ls = _load(args.load_scores)
+    elif args.lora_rank:
+        print(f"model {args.model}: LoRA r{args.lora_rank} alpha {args.lora_alpha:g} (lora_B ~ N(0, "
+              f"{args.lora_b_std:g})) on a {args.lora_base_plane or 'float'} base")
+        hs, ks, rs, ls = lora_run(args, ceiling)
     else:
         rig = Rig(args)
         print(f"model {rig.model_dir.name}: {args.groups} groups x {args.n_samples} samples a batch, <= "

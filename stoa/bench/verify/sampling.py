@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from stoa.tasks import get_task
 from stoa.tokenize import TextCodec
 from stoa.trainer.quarantine import disagreement_values
 from stoa.trainer.sequential import record_score
-from stoa.weights.planes import bf16_bits_to_f32, f32_to_bf16_bits
+from stoa.weights.planes import bf16_bits_to_f32, f32_to_bf16_bits, state_from_f32
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,7 @@ class Rig:
         """
 
         t0 = time.perf_counter()
-        eng = make_engine(engine, self.model_dir, dtype=dtype, device="cpu", plane=plane)
-        eng.load_state(state, plane)
+        eng = self.worker(engine, dtype, state, plane)
         a, out = self.args, []
         for b in range(batches):
             prompts = self.prompts(b)
@@ -101,6 +101,27 @@ class Rig:
                                                                           for c in g])
                     for p, g in zip(prompts, groups, strict=True)]
         return out, time.perf_counter() - t0
+
+    def state(self, plane: str) -> dict[str, np.ndarray]:
+        """What an honest worker on ``plane`` loads: the master's stored bits."""
+        return state_from_f32(self.master, plane)
+
+    def label(self, plane: str) -> str:
+        """``plane`` as the tables name it."""
+        return plane
+
+    def worker(self, engine: str, dtype: str, state: dict[str, np.ndarray], plane: str) -> Any:
+        """A worker engine holding ``state`` (a LoRA rig's adds the run's adapter: ``stoa.bench.verify.lora``).
+
+        Args:
+            engine: ``torch`` or ``mlx``.
+            dtype: its compute dtype.
+            state: the published plane state.
+            plane: its plane.
+        """
+        eng = make_engine(engine, self.model_dir, dtype=dtype, device="cpu", plane=plane)
+        eng.load_state(state, plane)
+        return eng
 
     def scores(self, groups: list[Group], autocast: bool, cap: float, lie: Lie | None = None,
                seed: int = 0) -> np.ndarray:
