@@ -23,12 +23,13 @@ def mean_abs(residuals) -> float:
     return float(np.mean([np.abs(np.concatenate(r)).mean() for r in residuals]))
 
 
-def test_lora_workers_agree_with_the_trainer_and_the_adapter_moves_both_sides(tiny_dir):
+@pytest.mark.parametrize(("engine", "base_plane", "plane"), [("torch", "int8g64", "int8g64"), ("mlx", "", "bf16")])
+def test_lora_workers_agree_with_the_trainer_and_the_adapter_moves_both_sides(tiny_dir, engine, base_plane, plane):
     from stoa.models.lora_torch import lora_disabled
 
-    rig = LoraRig(flags(["--model", str(tiny_dir), "--lora-rank", "4", "--lora-base-plane", "int8g64", "--groups",
-                         "2", "--n-samples", "2", "--max-new-tokens", "8"]), "int8g64")
-    groups, _ = rig.sample("torch", "float32", rig.base, "int8g64", 1, 1.0)
+    rig = LoraRig(flags(["--model", str(tiny_dir), "--lora-rank", "4", "--lora-base-plane", base_plane, "--groups",
+                         "2", "--n-samples", "2", "--max-new-tokens", "4"]), plane)
+    groups, _ = rig.sample(engine, "float32", rig.base, plane, 1, 1.0)
     resid = list(rig.residuals(groups, False))
     assert [[d.shape for d in r] for r in resid] == [[c.shape for c in g.tokens] for g in groups]
     honest = mean_abs(resid)
@@ -36,7 +37,7 @@ def test_lora_workers_agree_with_the_trainer_and_the_adapter_moves_both_sides(ti
     with lora_disabled(rig.policy.model):  # the trainer without its adapter
         assert mean_abs(rig.residuals(groups, False)) > 20 * honest
     rig.adapter_on = False  # a worker without the adapter
-    bare, _ = rig.sample("torch", "float32", rig.base, "int8g64", 1, 1.0)
+    bare, _ = rig.sample(engine, "float32", rig.base, plane, 1, 1.0)
     assert mean_abs(rig.residuals(bare, False)) > 20 * honest
 
 

@@ -11,6 +11,9 @@ against the fp32 recompute; each samples ``--attack-records`` records, and ``--a
 them are fed to fresh CUSUMs: detected within the pool, and the median records it took. Lagged records
 (``stoa.bench.verify.lagged``): honest workers and liars ``1..--max-lag`` versions behind, judged over the fleet's
 level at their lag; the fleet's lag-0 records calibrate the drift (``--drift auto``, the trainer's default).
+A LoRA run (``--lora-rank``, ``stoa.bench.verify.lora``): workers hold the base the contract names plus the adapter,
+the trainer's LoRA policy recomputes on that base; its lies replace the attacks, and its lag-0 fleet (no versions
+behind) calibrates the drift.
 """
 
 from __future__ import annotations
