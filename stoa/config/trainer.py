@@ -94,9 +94,10 @@ class TrainerConfig(TrainingConfig, FleetConfig):
     reuse_cap: int = setting(2, "Use each record in at most this many optimizer steps.")
     anchor_every: int = setting(16, "Publish a full anchor every this many versions (patches in between).")
     keep_versions: int = setting(8, "Keep weights objects for at least this many recent versions.")
-    shared_prefix: bool = setting(False, "Run each group's prompt once in forward/backward (fewer FLOPs, "
-                                         "~30% less memory, but one group per micro-batch); off packs whole "
-                                         "sequences.")
+    shared_prefix: bool = setting(True, "Run each group's prompt once in forward/backward, its completions on "
+                                        "the prompt's KV cache (one group per micro-batch: fewer FLOPs, less "
+                                        "memory; docs/memory.md); false packs whole sequences, micro_batch rows "
+                                        "per pass.")
     poll_seconds: float = setting(0.5, "Sleep between bucket listings while waiting for records; it doubles "
                                        "with each listing that brings nothing, up to min(5 s, 10x this).")
     max_wait_seconds: float = setting(0.0, "Exit with an error if no usable record arrives for this long "

@@ -82,7 +82,8 @@ def test_kl_adds_the_sharded_reference():
 
 
 def _cfg(**kw) -> TrainerConfig:
-    base = {"model": "smollm2-135m", "groups_per_step": 4, "n_samples": 8, "micro_batch": 16, "kl_beta": 0.04}
+    base = {"model": "smollm2-135m", "groups_per_step": 4, "n_samples": 8, "micro_batch": 16, "kl_beta": 0.04,
+            "shared_prefix": False}  # packed: micro_batch is a knob
     return TrainerConfig(**{**base, **kw}).validate()
 
 
@@ -104,6 +105,14 @@ def test_refusal_names_the_largest_micro_batch_that_fits():
     with pytest.raises(MemoryPreflightError) as e:
         preflight(cfg, report)
     assert e.value.field == "micro_batch" and "--micro-batch 4" in str(e.value)
+
+
+def test_the_shared_prefix_default_sizes_one_group_and_refuses_with_checkpointing():
+    cfg = TrainerConfig(model="smollm2-135m", groups_per_step=4, n_samples=8, micro_batch=16).validate()
+    assert cfg.shared_prefix  # the default: one group of n_samples rows per pass, whatever micro_batch says
+    assert workload(cfg, 128, 128, 1, False).micro_batch == 8
+    report = _fix(cfg, _total(cfg, gradient_checkpointing=True, micro_batch=16) + 0.01)
+    assert report.fix is not None and report.fix.knob == "gradient_checkpointing"  # no smaller micro-batch to offer
 
 
 def test_refusal_prefers_checkpointing_then_ranks_then_kl():
@@ -144,7 +153,7 @@ def test_dry_run_breakdown_for_nproc_ranks(stoa_cache, monkeypatch):
     assert report.estimate.gradients == pytest.approx(TINY_PARAMS * 4 / 4 / GB)
     assert report.available_gb == 64.0
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert memory_report(cfg, 0, 77, offline=True).work[:3] == (16, 77, cfg.max_new_tokens)  # type: ignore
+    assert memory_report(cfg, 0, 77, offline=True).work[:3] == (cfg.n_samples, 77, cfg.max_new_tokens)  # type: ignore  # one group per pass
     assert world_size(0, {"WORLD_SIZE": "2"}) == 2 and world_size(3, {"WORLD_SIZE": "2"}) == 3
 
 
