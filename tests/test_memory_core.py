@@ -81,7 +81,8 @@ def test_activation_model():
 
 def test_trainer_checkpointing_fix_keeps_bf16():
     smol = ModelShape.from_config("smollm2-135m", KNOWN_SHAPES["smollm2-135m"])
-    cfg = TrainerConfig(model="smollm2-135m", groups_per_step=4, n_samples=8, micro_batch=1, kl_beta=0.0).validate()
+    cfg = TrainerConfig(model="smollm2-135m", groups_per_step=4, n_samples=8, micro_batch=1, kl_beta=0.0,
+                        shared_prefix=False).validate()  # packed: checkpointing keeps micro_batch 1
     base = workload(cfg, 128, 128, 1, False, bf16=True)
     ckpt = base._replace(gradient_checkpointing=True)
     report = fit(cfg, smol, base, Budget(estimate_peak(smol, ckpt).total + 0.001, "test"), max_world=1)
