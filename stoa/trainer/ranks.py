@@ -29,6 +29,7 @@ from stoa.trainer.lora import FULL, Identity, PublishedBase, base_fingerprint, l
 from stoa.trainer.policy import BaseView, Policy, compute_dtype
 from stoa.trainer.pool import Entry
 from stoa.trainer.step import StepMetrics, train_step
+from stoa.weights.planes import State
 
 
 def adamw_fused(device: torch.device, sharded: bool) -> bool | None:
@@ -39,6 +40,36 @@ def adamw_fused(device: torch.device, sharded: bool) -> bool | None:
     the default, which the CPU tests pin bit for bit.
     """
     return True if device.type == "cuda" and not sharded else None
+
+
+def base_arrays(policy: Policy, dist: Dist) -> dict[str, np.ndarray]:
+    """A LoRA policy's frozen base (every tensor the planes carry but the adapters) as float32 on rank 0, with a
+    quantized base's linears as the plane's stored bits (``Policy.base_plane_bits``): what the trainer publishes.
+
+    Args:
+        policy: the LoRA ``Policy``.
+        dist: the process group (``SINGLE`` for one process).
+    """
+    base = full_arrays({k: t for k, t in policy.named_tensors().items() if not is_adapter(k)}, dist)
+    return {**base, **policy.base_plane_bits()}
+
+
+def hold_base(policy: Policy, values: dict[str, np.ndarray] | None, state: State | None, dist: Dist) -> None:
+    """Set a LoRA policy's frozen base to the published base: its decoded values, and a quantized base's linears
+    its stored bits, so it scores on what workers sample with. Every rank calls it, rank 0 with the base.
+
+    Args:
+        policy: the LoRA ``Policy``.
+        values: the published base decoded as engines compute with it (``PublishedBase.values``) on rank 0,
+            ``None`` on the others.
+        state: its stored bits (``PublishedBase.state``) on rank 0, ``None`` on the others.
+        dist: the process group (``SINGLE`` for one process).
+    """
+    named = {k: t for k, t in policy.named_tensors().items() if not is_adapter(k)}
+    quant = policy.base_plane_bits().keys()
+    load_full(named, None if values is None else {k: v for k, v in values.items() if k not in quant}, dist)
+    if state is not None:
+        policy.load_base_plane_bits(state)
 
 
 class Command(NamedTuple):
@@ -117,21 +148,16 @@ class RankOps:
     def export_base(self) -> dict[str, np.ndarray]:
         """A LoRA policy's frozen base (every tensor the planes carry but the adapters) as float32 on rank 0; a
         quantized base's linears as the plane's stored bits (``Policy.base_plane_bits``)."""
-        base = full_arrays({k: t for k, t in self.policy.named_tensors().items() if not is_adapter(k)}, self.dist)
-        return {**base, **self.policy.base_plane_bits()}
+        return base_arrays(self.policy, self.dist)
 
     def load_base(self, base: PublishedBase | None = None) -> None:
         """Set a LoRA policy's frozen base (and the reference, which is the base) to rank 0's published base: its
         decoded values (``stoa.trainer.lora.PublishedBase``), and a quantized base's linears its stored bits, so the
         trainer scores on what workers sample with. Every rank calls it, rank 0 with the base."""
+        values, state = (None, None) if base is None else (base.values, base.state)
         for policy in (self.policy, self.ref):
             if isinstance(policy, Policy):  # a BaseView is the policy's own base
-                named = {k: t for k, t in policy.named_tensors().items() if not is_adapter(k)}
-                quant = policy.base_plane_bits().keys()
-                arrays = None if base is None else {k: v for k, v in base.values.items() if k not in quant}
-                load_full(named, arrays, self.dist)
-                if base is not None:
-                    policy.load_base_plane_bits(base.state)
+                hold_base(policy, values, state, self.dist)
 
     def save(self, version: int, step: int, before_pointer: Callable[[], Any] | None = None) -> int:
         """Checkpoint this step (rank 0 writes its pointer last): wait for the write in flight, take the state

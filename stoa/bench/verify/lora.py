@@ -4,8 +4,8 @@ the trainer's LoRA ``Policy`` recomputing on that base.
 The trainer side is a LoRA ``Policy`` (``--lora-rank``, ``--lora-alpha``, the default targets) whose base is held as
 ``--lora-base-plane`` (``int8g64``/``int4g64``: ``QuantLinear`` codes; empty: float) and whose ``lora_B`` are drawn
 off zero (N(0, ``--lora-b-std``), fixed seed) so the adapter moves the logprobs. The base is published as a LoRA
-trainer publishes it (``stoa.trainer.lora.base_state`` of what ``RankOps.export_base`` gives) and the policy then
-holds the published base's values, as ``RankOps.load_base`` sets them. Honest workers load that base's stored
+trainer publishes it (``stoa.trainer.lora.base_state`` of ``stoa.trainer.ranks.base_arrays``) and the policy then
+holds the published base's values, as ``stoa.trainer.ranks.hold_base`` sets them. Honest workers load that base's stored
 bits, add adapters through the engine's ``use_adapter`` (what ``stoa.engines.adapter.prepare_adapter`` calls) and
 load the adapter plane's version (bf16 bits of the trainer's fp32 adapter). The lies that matter for LoRA
 (``lora_lies``): a worker holding a lower-precision base than the contract's, and one sampling without the adapter.
@@ -25,7 +25,7 @@ from stoa.bench.verify.liars import How, quantized
 from stoa.bench.verify.sampling import Rig
 from stoa.bench.verify.steps import values
 from stoa.models import resolve_model
-from stoa.models.lora_torch import DEFAULT_TARGETS, LoraSpec, is_adapter
+from stoa.models.lora_torch import DEFAULT_TARGETS, LoraSpec
 from stoa.tasks import get_task
 from stoa.tokenize import TextCodec
 from stoa.trainer.lora import base_state
@@ -55,16 +55,18 @@ class LoraRig(Rig):
     def __init__(self, args: argparse.Namespace, plane: str):  # Rig's own __init__ builds a full-weight policy
         import torch
 
+        from stoa.trainer.dist import SINGLE
         from stoa.trainer.policy import Policy
+        from stoa.trainer.ranks import base_arrays, hold_base
 
         self.args, self.plane = args, plane
         self.model_dir = Path(resolve_model(args.model))
         self.spec = LoraSpec(args.lora_rank, args.lora_alpha, DEFAULT_TARGETS)
         self.policy = Policy(self.model_dir, torch.device("cpu"), temperature=args.temperature, lora=self.spec,
                              base_plane=args.lora_base_plane, seed=args.seed)
-        self.base = published_base(self.policy, plane)
+        self.base = base_state(base_arrays(self.policy, SINGLE), plane)  # what a LoRA trainer publishes
         self.master = state_to_f32(self.base, plane, compute=True)  # PublishedBase.values: the trainer's base
-        hold_base(self.policy, self.master, self.base)
+        hold_base(self.policy, self.master, self.base, SINGLE)
         set_adapter(self.policy, args.lora_b_std, args.seed)
         self.adapter: State = adapter_state(self.policy.adapter_f32())
         self.adapter_on = True
@@ -89,37 +91,6 @@ class LoraRig(Rig):
         if self.adapter_on:
             eng.load_state(self.adapter, ADAPTER_PLANE)
         return eng
-
-
-def published_base(policy: Any, plane: str) -> State:
-    """The base a LoRA trainer publishes (``base_state`` of ``RankOps.export_base``: the frozen float tensors and a
-    quantized base's stored bits).
-
-    Args:
-        policy: the LoRA ``Policy``.
-        plane: the contract's plane.
-    """
-    from stoa.trainer.dist import SINGLE, full_arrays
-
-    named = {k: t for k, t in policy.named_tensors().items() if not is_adapter(k)}
-    return base_state({**full_arrays(named, SINGLE), **policy.base_plane_bits()}, plane)
-
-
-def hold_base(policy: Any, decoded: dict[str, np.ndarray], state: State) -> None:
-    """Set the policy's frozen base to the published base as ``RankOps.load_base`` does: its decoded values, and a
-    quantized base's linears its stored bits.
-
-    Args:
-        policy: the LoRA ``Policy``.
-        decoded: ``state_to_f32(state, plane, compute=True)``.
-        state: the published base.
-    """
-    from stoa.trainer.dist import SINGLE, load_full
-
-    named = {k: t for k, t in policy.named_tensors().items() if not is_adapter(k)}
-    quant = policy.base_plane_bits().keys()
-    load_full(named, {k: v for k, v in decoded.items() if k not in quant}, SINGLE)
-    policy.load_base_plane_bits(state)
 
 
 def set_adapter(policy: Any, std: float, seed: int) -> None:
