@@ -180,6 +180,7 @@ class _Trainer:
         acfg = self.algo.cfg  # GiGPO's step advantages and ECHO's echo term train on groups of equal rewards
         self.skip_uniform = cfg.skip_uniform_groups and acfg.name != "gigpo" and not acfg.echo_alpha
         self.version = self.step = 0
+        self.evaluated_at = -1  # the step of the last held-out eval (the "after" eval skips a step that had one)
         self.cadence = CheckpointCadence(cfg.checkpoint_every, cfg.checkpoint_minutes)
         self.clock = StepClock(cfg.steps, 0)  # restarted from the resumed step when the loop starts
         self.publishing: Background[Any] | None = None
@@ -286,7 +287,6 @@ class _Trainer:
         """Resume, then step until the run's total steps or a stop. The run's status says ``running`` from the
         first loop on, ``finished`` when the steps are reached or the trainer stops cleanly (written before the
         last eval, so workers stop competing for the machine) and ``failed`` on an exception."""
-        cfg = self.cfg
         self.open_lifecycle()
         try:
             self.resume()
@@ -300,7 +300,7 @@ class _Trainer:
             self.close_lifecycle("failed", e)
             raise
         self.close_lifecycle("finished")
-        if steps_here and (not cfg.eval_every or self.step % cfg.eval_every):
+        if self.final_eval_due(steps_here):
             self.evaluate("after")
         self.metrics.log(self.cost.row(self.pool.reports, 0.0, step=False))  # the requests after the last step
         self.metrics.close()
@@ -374,7 +374,7 @@ class _Trainer:
                 continue
             self.train(entries)
             steps_here += 1
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and not self.evaluator_running():
+            if self.periodic_eval_due():
                 self.evaluate(f"step {self.step}")
             waited_since = time.monotonic()
         return steps_here
@@ -453,6 +453,23 @@ class _Trainer:
         except BucketError:
             return False
 
+    def periodic_eval_due(self) -> bool:
+        """Whether this step gets an ``eval_every`` eval: not the run's last step, whose eval is the "after" one
+        (it samples ``eval_k_final`` episodes per prompt), and not while a follow-along evaluator runs."""
+        cfg = self.cfg
+        every = cfg.eval_every and self.step % cfg.eval_every == 0
+        return bool(every) and self.step != cfg.steps and not self.evaluator_running()
+
+    def final_eval_due(self, steps_here: int) -> bool:
+        """Whether the run ends with the "after" eval: it took a step here, that step had no eval (a run stopped
+        early at an ``eval_every`` step has its figures already), and no follow-along evaluator covers it (it
+        evaluates every version on the ``eval_every`` cadence)."""
+        if steps_here == 0 or self.evaluated_at == self.step:
+            return False
+        every = self.cfg.eval_every
+        return not (every and self.step % every == 0 and self.evaluator_running())
+
     def evaluate(self, label: str) -> None:
         """One held-out eval (``stoa.trainer.closing.run_eval``)."""
         closing.run_eval(self, label)
+        self.evaluated_at = self.step

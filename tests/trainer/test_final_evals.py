@@ -39,6 +39,40 @@ def test_cold_start_and_last_evals_use_eval_k_final_and_the_curve_keeps_eval_k(t
     assert [e["label"] for e in t.summary["evals"]] == ["before", "cold start", "step 3", "after"]
 
 
+def test_the_last_step_leaves_its_eval_to_the_after_eval_which_samples_pass_at_k(tmp_path, tiny_dir, monkeypatch):
+    """With ``eval_every`` dividing ``steps``, the last step's eval is the "after" one (``eval_k_final``), not a
+    periodic one that would skip it; a run stopped early at an ``eval_every`` step keeps that step's eval."""
+    from stoa.trainer import loop
+
+    cfg = TrainerConfig(bucket=str(tmp_path / "b"), run="r", model="tiny", task="arithmetic", steps=4, eval_every=2,
+                        eval_n=2, kl_beta=0.0, log_dir="").validate()
+    t = loop._Trainer(cfg, echo=lambda _line: None)
+    monkeypatch.setattr(t, "evaluator_running", lambda: False)
+    monkeypatch.setattr(t, "evaluate", lambda label: setattr(t, "evaluated_at", t.step))
+    try:
+        due = {}
+        for step in (1, 2, 3, 4):
+            t.step = step
+            due[step] = t.periodic_eval_due()
+        assert due == {1: False, 2: True, 3: False, 4: False}
+        assert t.final_eval_due(steps_here=4)  # step 4 had no periodic eval: "after" samples pass@k
+        t.step = 2
+        t.evaluate("step 2")
+        assert not t.final_eval_due(steps_here=2)  # stopped at step 2: its eval stands
+        t.step = 3
+        assert t.final_eval_due(steps_here=3) and not t.final_eval_due(steps_here=0)
+        monkeypatch.setattr(t, "evaluator_running", lambda: True)
+        t.step = 2
+        assert not t.periodic_eval_due()  # a follow-along evaluator does the curve, the last step's eval too
+        t.step = 4
+        assert not t.final_eval_due(steps_here=4)
+        t.step = 3
+        assert t.final_eval_due(steps_here=3)  # off the cadence: the evaluator may never see this version
+    finally:
+        t.metrics.close()
+        t.close()
+
+
 def test_eval_k_final_zero_means_eval_k_and_negative_is_refused(tmp_path):
     assert TrainerConfig(bucket=str(tmp_path), run="r", model="tiny").validate().eval_k_final == 0
     with pytest.raises(ConfigError, match="eval_k_final"):
