@@ -36,11 +36,12 @@ PRESETS = {
 }
 SEARCH_PRESETS = {
     # Multi-turn episodes (up to 3 model turns of 48 tokens, ~180-token observations): fewer, longer rows. A
-    # 4-step cold start on the task's demonstrations first: 135M never completes search -> read -> answer by
-    # chance (cover-EM 0.000), after it 0.708 (docs/search.md). micro_batch 4: the trainer peaked at 8.2 GB of
-    # RSS (8 OOM-killed it next to other jobs on a 24 GB machine).
-    "smollm2-135m": {"n_samples": 8, "groups_per_step": 4, "max_new_tokens": 48, "lr": 5e-6, "eval_n": 48,
-                     "micro_batch": 4, "kl_beta": 0.0, "cold_start": "demos", "cold_start_steps": 4},
+    # 2-step cold start on the task's demonstrations first (135M never completes search -> read -> answer by
+    # chance: cover-EM 0.000), which teaches the protocol (0.19), then RL at lr 2e-5 learns the answers (0.65 at
+    # step 4, 0.67 at 8). A 4-step cold start reached 0.71 alone and RL at 5e-6 added nothing (docs/search.md).
+    # micro_batch 4: the trainer peaked at 8.2 GB of RSS (8 OOM-killed it next to other jobs on 24 GB).
+    "smollm2-135m": {"n_samples": 8, "groups_per_step": 4, "max_new_tokens": 48, "lr": 2e-5, "eval_n": 48,
+                     "micro_batch": 4, "kl_beta": 0.0, "cold_start": "demos", "cold_start_steps": 2},
     # eval_every: search_eval_every(steps)
     # A random model never finds an answer: every group scores 0, so it trains on them too (as above).
     "tiny": {"n_samples": 4, "groups_per_step": 2, "max_new_tokens": 8, "lr": 1e-3, "eval_n": 4,
@@ -53,9 +54,9 @@ reached 0.65, as full fine-tuning does. The search task's LoRA lr is this one to
 SEARCH_EVALS = 2
 """Held-out evals of a SmolLM2 search quickstart after the ones before RL (``search_eval_every``): with the evals
 before and after the cold start, a curve of four points (before, cold start, mid-run, final). Measured on this
-2-core CPU at load ~8: one eval of 48 greedy episodes takes 71-180 s (312 s at load ~10) against 120-250 s per
-step, so more points would cost more than the steps they show. eval_k stays 1 (``--set eval_k_final=8`` adds
-pass@8 to the cold-start and final evals: 8 sampled episodes per prompt cost ~2.6x the greedy eval more)."""
+2-core CPU: one eval of 48 greedy episodes takes 37 s quiet (71-180 s at load ~8) against 60-140 s per step.
+eval_k stays 1: ``--set eval_k_final=8`` adds pass@8 to the cold-start and final evals, and 8 sampled episodes
+per prompt took 415 s against the greedy eval's 37 s (the trainer alone, workers waiting for v1)."""
 SEARCH_TASKS = {"smollm2-135m": "search:hops=2,max_turns=3,max_total_tokens=640,format_reward=0.1",
                 "tiny": "search:entities=60,max_turns=2,max_total_tokens=256"}
 """``--task search`` per model: the built-in search task with two-hop questions (room for RL after the cold start),
