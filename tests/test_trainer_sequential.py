@@ -88,3 +88,24 @@ def test_a_worker_lying_at_lag_1_is_quarantined_by_its_excess_over_the_fleet_hon
     rows = t.quarantine.workers
     assert rows["liar"].reason == "sequential"  # exp(0.12) - 1 over the others' lag-1 level: 3 records pass 0.3
     assert not any(rows[w].reason for w in workers[:2]) and max(rows[w].cusum for w in workers[:2]) < 0.05
+
+
+def test_a_majority_lying_alike_at_lag_0_is_quarantined_the_honest_minority_never(trainer):
+    """Two of three workers off by the same ``OFF`` on every token: the fleet's lag-0 level is theirs, so the drift
+    it calibrates would hide them, but it is capped at ``quarantine_drift`` (the ceiling), over which their error
+    sits; lag 0 compares with the trainer's own recompute, not with a vote, so the honest minority scores 0."""
+    t = trainer
+    t.resume()
+    liars = ("l1", "l2")
+    for step in range(3):  # 2 records of each worker a step, as above: over the limit at the 5th
+        assert not any(t.quarantine.is_quarantined(w) for w in liars), step
+        entries = lag0_entries(t, "honest", 0.0, 2, seed=10 * step)
+        for i, w in enumerate(liars):
+            entries += lag0_entries(t, w, -OFF, 2, seed=10 * step + 1 + i)
+        t.train(entries)
+        t.settle_publish()
+    rows = t.quarantine.workers
+    assert all(rows[w].reason == "sequential" for w in liars)
+    assert not rows["honest"].reason and rows["honest"].cusum == 0.0
+    active = t.quarantine.active  # calibrated from three workers' lag-0 records: 2.5 x 0.1275, capped
+    assert active is not None and active.drift == pytest.approx(TrainerConfig().quarantine_drift)
