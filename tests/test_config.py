@@ -146,6 +146,16 @@ def test_unknown_keys_suggest_the_closest_name(tmp_path, text, field, hint):
     assert e.value.field == field and hint in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("given", ["echo_alpha", "gigpo-gamma"])
+def test_an_algorithm_knob_given_as_a_setting_names_its_algo_spelling(tmp_path, given):
+    knob = given.replace("-", "_")
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainerConfig, env={}, overrides={"bucket": str(tmp_path), "run": "r", given: 0.5})
+    want = f"algo.{knob} (--set algo.{knob}=V, or {knob} in the [algo] table)"
+    assert e.value.field == given and want in str(e.value)
+    assert "did you mean" not in str(e.value)  # echo_alpha is close to lora_alpha, which is not what was meant
+
+
 def test_a_key_both_shared_and_in_the_section_is_an_error(tmp_path):
     f = tmp_path / "t.toml"
     f.write_text("seed = 1\n[worker]\nseed = 2\n")

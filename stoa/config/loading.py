@@ -276,6 +276,13 @@ def field_names(cls: type[BaseConfig]) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+def algo_knobs() -> set[str]:
+    """The knobs of the ``algo`` table (``stoa.algorithms.AlgoConfig``'s fields but its name)."""
+    from stoa.algorithms import AlgoConfig
+
+    return {f.name for f in dataclasses.fields(AlgoConfig)} - {"name"}
+
+
 def unknown_setting(cls: type[BaseConfig], key: str, where: str, *, shared: bool = False) -> ConfigError:
     """The error for an unknown key, with the closest known name or the command that has it.
 
@@ -291,6 +298,8 @@ def unknown_setting(cls: type[BaseConfig], key: str, where: str, *, shared: bool
     candidates = [*names, *SECTIONS] if shared else list(names)
     close = difflib.get_close_matches(_canonical(key), candidates, n=1)
     hint = foreign_hint(key, set(names))  # another tool's name first: 'beta' is close to no field of ours
+    if not hint and "algo" in names and (knob := _canonical(key)) in algo_knobs():
+        hint = f"; it is an algorithm knob: algo.{knob} (--set algo.{knob}=V, or {knob} in the [algo] table)"
     if not hint and close:
         hint = f"; did you mean '{names.get(close[0], close[0])}'?"
     elif not hint and (owners := sorted(s for s, c in SECTIONS.items() if c is not cls and knows(c, _canonical(key)))):
