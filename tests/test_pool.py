@@ -353,3 +353,26 @@ def test_a_record_relabelled_to_a_newer_version_is_a_replay_not_held_against_any
     assert pool.drain_stats().rejected == {"replayed": 1}
     assert sorted(e.key for e in pool.entries.values()) == [key, rollout_key("r", 2, "w", 1)]
     assert ("copier", False) not in gate.seen
+
+
+def test_a_restarted_trainer_still_refuses_a_taken_record_relabelled_to_a_newer_version(setup):
+    """The replay memory goes into the journal (through its parser, as a restart reads it): after a restart the
+    same samples and logprobs under another version are a replay, though the original has left the window (so
+    the restarted pool never reads it again) and only the journal remembers it."""
+    from stoa.trainer.checkpoint import read_journal, write_journal
+
+    bucket, contract, task, codec = setup
+    key = put(*setup, seq=0, version=1)
+    pool = RecordPool(bucket, contract, task, codec, staleness_bound=3, reuse_cap=2)
+    pool.refresh(1)
+    assert len(pool.take(1)) == 1
+    write_journal(bucket, "r", {"version": 2, "step": 1, "pool": pool.state(), "quarantine": {}})
+    restarted = RecordPool(bucket, contract, task, codec, staleness_bound=1, reuse_cap=2)
+    journal = read_journal(bucket, "r")
+    assert journal is not None
+    restarted.restore(journal["pool"])
+    replay = RolloutRecord.decode(bucket.get(key))
+    replay.worker_id, replay.policy_version = "copier", 3
+    bucket.put_create(rollout_key("r", 3, "copier", 0), replay.encode())
+    restarted.refresh(3)
+    assert restarted.drain_stats().rejected == {"replayed": 1} and not restarted.entries

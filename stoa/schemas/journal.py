@@ -118,6 +118,8 @@ class Journal:
         version: the version the step publishes (None: not said).
         step: the run's steps after it (None: not said; the checkpoint's step is used).
         uses: the pool's record uses by content id.
+        replays: the pool's accepted records by replay id (their content id without the version: ``[version, 0,
+            key]``), so a restarted trainer still refuses their samples relabelled to another version.
         quarantine: the quarantine's rows by worker id.
         threshold: the disagreement threshold the quarantine's token counts were made against (None: unknown).
         sequential: the sequential test's ``[drift, limit, cap]`` its sums were made against (None: unknown).
@@ -133,6 +135,7 @@ class Journal:
     dropped: int = 0
     schema: int = 1
     sequential: tuple[float, float, float] | None = None
+    replays: Mapping[str, PoolUse] = field(default_factory=dict)
 
     SCHEMA = 1
 
@@ -147,7 +150,7 @@ class Journal:
         """The trainer's state: ``version`` and ``step`` (when said), ``pool`` and ``quarantine`` (what
         ``Pool.restore`` and ``Quarantine.restore`` take; left out when empty); :meth:`from_state` reads it back."""
         doc: dict[str, Any] = {k: v for k, v in (("version", self.version), ("step", self.step)) if v is not None}
-        if self.uses:
+        if self.uses or self.replays:
             doc["pool"] = self.pool_state()
         if self.quarantine or self.threshold is not None:
             doc["quarantine"] = self.quarantine_state()
@@ -155,7 +158,10 @@ class Journal:
 
     def pool_state(self) -> dict[str, Any]:
         """The pool's state (``stoa.trainer.pool.Pool.restore``)."""
-        return {"records": {cid: use.to_json() for cid, use in self.uses.items()}}
+        out: dict[str, Any] = {"records": {cid: use.to_json() for cid, use in self.uses.items()}}
+        if self.replays:
+            out["replays"] = {rid: use.to_json() for rid, use in self.replays.items()}
+        return out
 
     def quarantine_state(self) -> dict[str, Any]:
         """The quarantine's state (``stoa.trainer.quarantine.Quarantine.restore``)."""
@@ -199,14 +205,17 @@ class Journal:
         records = pool.get("records", {})
         workers = quarantine.get("workers", {})
         uses = {str(k): u for k, v in _items(records) if (u := PoolUse.parse(v)) is not None}
+        replays = {str(k): u for k, v in _items(pool.get("replays")) if (u := PoolUse.parse(v)) is not None}
         rows = {k: r for k, v in _items(workers) if (r := QuarantineRow.parse(v)) is not None}
         threshold = quarantine.get("threshold")
         threshold = None if isinstance(threshold, bool) or not isinstance(threshold, int | float) else float(threshold)
-        dropped = len(_items(records)) - len(uses) + len(_items(workers)) - len(rows)
+        dropped = (len(_items(records)) - len(uses) + len(_items(pool.get("replays"))) - len(replays)
+                   + len(_items(workers)) - len(rows))
         seq = quarantine.get("sequential")
         sequential = (tuple(float(x) for x in seq) if isinstance(seq, list) and len(seq) == 3
                       and all(_count(x) for x in seq) else None)
-        return cls(version, step, uses, rows, threshold, dropped, schema, sequential)  # type: ignore[arg-type]
+        return cls(version, step, uses, rows, threshold, dropped, schema, sequential,  # type: ignore[arg-type]
+                   replays)
 
 
 def _items(value: Any) -> list[tuple[str, Any]]:

@@ -41,7 +41,7 @@ FETCH_BATCH = 64
 """New records fetched before they are checked: bounds the bytes held at once to FETCH_BATCH x MAX_RECORD_BYTES."""
 REPLAY_VERSIONS = 64
 """Versions a taken record's samples are remembered for: the same samples and logprobs relabelled to another version
-inside this horizon are a ``replayed`` rejection (not journaled: a trainer restart forgets them)."""
+inside this horizon are a ``replayed`` rejection (journaled: a restarted trainer still refuses them)."""
 
 
 @dataclass
@@ -143,8 +143,11 @@ class RecordPool:
 
     def state(self) -> dict[str, Any]:
         """JSON-able state for the trainer journal: per content id inside the window, its version, use
-        count and the key it was taken under."""
-        return {"records": {cid: PoolUse(u.version, u.count, u.key).to_json() for cid, u in self.uses.items()}}
+        count and the key it was taken under; per replay id inside ``REPLAY_VERSIONS``, the same."""
+        def rows(uses: dict[str, _Use]) -> dict[str, list[Any]]:
+            return {c: PoolUse(u.version, u.count, u.key).to_json() for c, u in uses.items()}
+
+        return {"records": rows(self.uses), **({"replays": rows(self.replays)} if self.replays else {})}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Restore use counts from a journal; malformed entries are ignored.
@@ -152,10 +155,11 @@ class RecordPool:
         Args:
             state: what ``state()`` returned.
         """
-        records = state.get("records", {}) if isinstance(state, dict) else {}
-        for cid, row in (records.items() if isinstance(records, dict) else ()):
-            if (use := PoolUse.parse(row)) is not None:
-                self.uses[str(cid)] = _Use(use.version, use.count, use.key)
+        for name, into in (("records", self.uses), ("replays", self.replays)):
+            rows = state.get(name, {}) if isinstance(state, dict) else {}
+            for cid, row in (rows.items() if isinstance(rows, dict) else ()):
+                if (use := PoolUse.parse(row)) is not None:
+                    into[str(cid)] = _Use(use.version, use.count, use.key)
 
     def refresh(self, current_version: int) -> int:
         """List and ingest records of the versions inside the window; return how many were accepted.
