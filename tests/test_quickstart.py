@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from stoa.cli import main
-from stoa.cli.quickstart import DEFAULT_BUCKET, bucket_arg
+from stoa.cli.quickstart import DEFAULT_BUCKET, bucket_arg, thread_split
 from stoa.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +32,15 @@ def test_dir_is_a_deprecated_spelling_of_bucket_with_one_warning_line(capsys):
     assert capsys.readouterr().err.splitlines() == [warning] * 2
     with pytest.raises(ConfigError, match="--bucket 'a' and --dir 'b' disagree"):
         bucket_arg("a", "b")
+
+
+@pytest.mark.parametrize(("cores", "workers"), [(2, 2), (2, 1), (1, 2), (16, 2), (8, 7)])
+def test_the_trainer_takes_every_core_and_each_worker_its_share(cores, workers):
+    """The trainer is the quickstart's bottleneck (the workers wait on its versions): on 2 cores with 2 workers it
+    gets 2 threads, not the 1 left over after the workers' shares (measured 14.0 against 19.7 min)."""
+    per_worker, trainer = thread_split(cores, workers)
+    assert trainer == cores
+    assert per_worker == max(1, cores // (workers + 1)) and per_worker * workers <= max(cores, workers)
 
 
 def test_disagreeing_bucket_and_dir_exit_2_in_one_line_writing_nothing(tmp_path, capsys, monkeypatch):
