@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from stoa.algorithms.base import ALGORITHM_NAMES
+from stoa.algorithms.base import ALGORITHM_NAMES, AlgoConfig
 from stoa.config.base import (
     BACKENDS,
     DTYPES,
@@ -278,8 +278,6 @@ def field_names(cls: type[BaseConfig]) -> list[str]:
 
 def algo_knobs() -> set[str]:
     """The knobs of the ``algo`` table (``stoa.algorithms.AlgoConfig``'s fields but its name)."""
-    from stoa.algorithms import AlgoConfig
-
     return {f.name for f in dataclasses.fields(AlgoConfig)} - {"name"}
 
 
