@@ -96,6 +96,15 @@ def test_malformed_journal_rows_are_dropped_and_counted() -> None:
     assert list(got.uses) == ["a"] and list(got.quarantine) == ["w"] and got.dropped == 7
 
 
+def test_malformed_replay_rows_are_dropped_and_counted_and_good_ones_round_trip() -> None:
+    doc = {"step": 1, "pool": {"records": {}, "replays": {"r": [2, 1, "k"], "s": [2, "1", "k"], "t": None,
+                                                           "u": [True, 1, "k"]}}}
+    got = Journal.parse(json.dumps(doc).encode(), KEY)
+    assert list(got.replays) == ["r"] and not got.uses and got.dropped == 3
+    assert Journal.from_state(got.state()).replays == got.replays
+    assert Journal.parse(b'{"step": 1, "pool": {"records": {}, "replays": [1, 2]}}', KEY).replays == {}
+
+
 @pytest.mark.parametrize("data", [b"[]", b'{"step": "4"}', b'{"version": 1.5}', b'{"step": null}',
                                   b'{"pool": []}', b'{"quarantine": 3}', b'{"schema": 2}', b'{"schema": true}',
                                   b"[" * 7 + b"]" * 7, b'{"step": 1' + b"0" * 40 + b"}"])
