@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from stoa.algorithms.base import LossInputs
+from stoa.algorithms.base import Algorithm, LossInputs
 from stoa.algorithms.batch import Batch, Packed, pack_rows
 from stoa.rollouts.episode import ROLE_ACTION
 
@@ -27,6 +27,33 @@ class RoleRow(Protocol):
 
     @property
     def roles(self) -> np.ndarray: ...
+
+
+class EchoStep(NamedTuple):
+    """How one step treats echo tokens (multi-turn ECHO), for every backend."""
+
+    echo: bool
+    """The batch has echo tokens: the loss gets the echo mask (``loss_echo``; the term itself when alpha > 0)."""
+    alpha: float | None
+    """This step's coefficient (``Algorithm.echo_coefficient``); None: the algorithm's constant one."""
+    hits: bool
+    """The ECHO term is on (alpha > 0): the forward also returns argmax hits (``echo_acc``)."""
+    scored: np.ndarray
+    """[B, T] float32: the positions the forward must score (actions, plus echo tokens when the batch has them)."""
+
+
+def echo_step(batch: Batch, algo: Algorithm, alpha: float | None) -> EchoStep:
+    """The echo settings of a step: none for single-turn rows (no echo tokens), hits only when the term is on.
+
+    Args:
+        batch: the step's batch.
+        algo: the algorithm (its config's ``echo_alpha`` when ``alpha`` is None).
+        alpha: this step's coefficient, or None for the algorithm's constant one.
+    """
+    if not batch.echo_mask.any():
+        return EchoStep(False, alpha, False, batch.mask)
+    on = (algo.cfg.echo_alpha if alpha is None else alpha) > 0
+    return EchoStep(True, alpha, on, np.maximum(batch.mask, batch.echo_mask))
 
 
 def micro_inputs(batch: Batch, idx: np.ndarray, logp: Any, *, to: Callable[[np.ndarray], Any],

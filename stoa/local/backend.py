@@ -134,30 +134,6 @@ class SftResult(NamedTuple):
     """Action tokens the step trained on."""
 
 
-class EchoPlan(NamedTuple):
-    """What one step's forwards must supply for the ECHO term of a batch."""
-
-    echo: bool
-    """The batch has echo tokens: the loss gets the echo mask (``loss_echo``; the term itself when alpha > 0)."""
-    hits: bool
-    """The ECHO term is on (alpha > 0): the forward also returns argmax hits (``echo_acc``)."""
-    alpha: float | None
-    """This step's coefficient (``LossInputs.echo_alpha``); None: the algorithm's constant one."""
-
-
-def echo_plan(batch: Batch, algo: Algorithm, echo_alpha: float | None) -> EchoPlan:
-    """The ECHO inputs a batch needs: none for single-turn rows (no echo tokens), hits only when alpha > 0.
-
-    Args:
-        batch: the step's batch.
-        algo: the algorithm (its config's ``echo_alpha`` when ``echo_alpha`` is None).
-        echo_alpha: this step's coefficient, or None.
-    """
-    echo = bool(np.any(batch.echo_mask > 0))
-    alpha = algo.cfg.echo_alpha if echo_alpha is None else echo_alpha
-    return EchoPlan(echo, echo and alpha > 0, echo_alpha)
-
-
 def check_same_arrays(have: dict[str, np.ndarray], got: dict[str, np.ndarray], what: str) -> None:
     """Raise ValueError naming the first missing, unexpected or misshaped tensor of a loaded state.
 

@@ -15,7 +15,7 @@ from mlx.utils import tree_map, tree_unflatten
 
 from stoa.algorithms import Algorithm, combine_metrics
 from stoa.algorithms.batch import Batch, Packed, group_rows, pack
-from stoa.algorithms.inputs import micro_inputs
+from stoa.algorithms.inputs import EchoStep, echo_step, micro_inputs
 from stoa.algorithms.mlx_loss import token_hits, token_logprobs
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats, engine_from_model
@@ -23,12 +23,10 @@ from stoa.episodes.demo_rows import SftRow
 from stoa.local import mlx_sft
 from stoa.local.backend import (
     ADAPTER_LEAVES,
-    EchoPlan,
     ModelSummary,
     SftResult,
     check_same_arrays,
     choose_targets,
-    echo_plan,
 )
 from stoa.local.mlx_parts import (
     DeferredDiagnostics,
@@ -151,7 +149,7 @@ class MLXBackend:
             hidden = mx.concatenate([hidden, rest], axis=1)
         return token_logprobs(self._head(hidden), mx.array(tokens), self.temperature)
 
-    def _loss(self, pk: Packed, idx: np.ndarray, batch: Batch, plan: EchoPlan, algo: Algorithm
+    def _loss(self, pk: Packed, idx: np.ndarray, batch: Batch, plan: EchoStep, algo: Algorithm
               ) -> tuple[mx.array, mx.array, mx.array]:
         """(loss, logprobs, argmax hits) of one micro-batch (``pk`` packs the rows ``idx``); ``algo`` runs on
         deferred-diagnostics ops (no eval)."""
@@ -242,7 +240,7 @@ class MLXBackend:
         value_and_grad = nn.value_and_grad(self.model, self._loss)
         concrete: Any = type(algo)  # every algorithm class is built from (cfg, ops)
         lazy: Algorithm = concrete(algo.cfg, DeferredDiagnostics())
-        plan = echo_plan(batch, algo, echo_alpha)
+        plan = echo_step(batch, algo, echo_alpha)
         reuse = batch.old_logp is None
         filled = np.zeros(batch.mask.shape, np.float32)
         parts, total = [], 0.0
@@ -386,7 +384,7 @@ class MLXBackend:
             extra={"dtype": dtype_name, "device": str(mx.default_device())})
 
 
-def _inputs(batch: Batch, idx: np.ndarray, logp: mx.array, plan: EchoPlan, hits: mx.array) -> Any:
+def _inputs(batch: Batch, idx: np.ndarray, logp: mx.array, plan: EchoStep, hits: mx.array) -> Any:
     """The loss inputs of the rows ``idx`` in MLX arrays (``stoa.algorithms.inputs.micro_inputs``, the trainer's)."""
     return micro_inputs(batch, idx, logp, to=mx.array, stop=mx.stop_gradient, echo=plan.echo, echo_alpha=plan.alpha,
                         hits=hits if plan.hits else None, lags=False)

@@ -13,7 +13,8 @@ import torch
 
 from stoa.algorithms import Algorithm, combine_metrics
 from stoa.algorithms.batch import Batch, Packed, group_indices, pack
-from stoa.algorithms.inputs import action_tokens, micro_inputs, pack_sft
+from stoa.algorithms.inputs import action_tokens, echo_step, pack_sft
+from stoa.algorithms.torch_accumulate import MicroForward, accumulate
 from stoa.algorithms.torch_loss import clip_and_step
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats
@@ -24,7 +25,6 @@ from stoa.local.backend import (
     ModelSummary,
     SftResult,
     check_same_arrays,
-    echo_plan,
 )
 from stoa.local.torch_lora import quantize_base
 from stoa.models.lora_torch import (
@@ -204,25 +204,23 @@ class TorchBackend:
             echo_alpha: this step's ECHO coefficient (``Algorithm.echo_coefficient``); None: the config's.
         """
         reuse = batch.old_logp is None
-        plan = echo_plan(batch, algo, echo_alpha)
+        echo = echo_step(batch, algo, echo_alpha)
         filled = np.zeros(batch.mask.shape, np.float32)
+
+        def forward(idx: np.ndarray) -> MicroForward:
+            logp, hits = self._logp(pack(batch, idx), echo.hits)
+            return MicroForward(logp, hits, None)
+
+        def observe(idx: np.ndarray, logp: torch.Tensor) -> None:
+            filled[idx] = logp.detach().float().cpu().numpy() * batch.mask[idx]
+
         self.model.train()
-        parts, total = [], 0.0
-        for idx in micro:
-            pk = pack(batch, idx)
-            logp, hits = self._logp(pk, plan.hits)
-            filled[idx] = logp.detach().float().cpu().numpy() * pk.mask
-            loss, diag = algo.loss(micro_inputs(batch, idx, logp, to=self._t, stop=torch.Tensor.detach,
-                                                echo=plan.echo, echo_alpha=plan.alpha,
-                                                hits=hits if plan.hits else None, lags=False))
-            loss.backward()
-            total += float(loss.detach())
-            parts.append(diag)
+        acc = accumulate(algo, batch, micro, forward, to=self._t, echo=echo, observe=observe, lags=False)
         if reuse:
             batch.old_logp = filled
         self.model.eval()
-        out = combine_metrics(parts)
-        out["loss"] = total
+        out = combine_metrics(acc.parts)
+        out["loss"] = acc.loss
         return out
 
     def grad_arrays(self) -> dict[str, np.ndarray]:

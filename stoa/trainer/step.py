@@ -19,9 +19,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from stoa.algorithms import Algorithm, LossInputs, combine_metrics
+from stoa.algorithms import Algorithm, combine_metrics
 from stoa.algorithms.batch import Batch, Trajectory, build_batch, group_indices, micro_batches, pack
-from stoa.algorithms.inputs import micro_inputs
+from stoa.algorithms.inputs import EchoStep, echo_step
+from stoa.algorithms.torch_accumulate import MicroForward, accumulate
 from stoa.algorithms.torch_loss import clip_and_step
 from stoa.engines.torch_scoring import Scores, to_device
 from stoa.episodes.collect import episode_metrics
@@ -106,22 +107,9 @@ def entry_trajectories(e: Entry) -> list[Trajectory]:
             for s, r, rep in zip(rec.samples, e.rewards, e.replayed, strict=True)]
 
 
-class EchoStep(NamedTuple):
-    """How a step treats echo tokens (``train_step``)."""
-
-    alpha: float | None
-    """This step's ECHO coefficient; None when the batch has no echo token (no echo term, no echo metrics)."""
-    scored: np.ndarray
-    """[B, T] float32: the positions the forward scores (actions, plus echo tokens when ``alpha`` is set)."""
-
-    @property
-    def hits(self) -> bool:
-        """Whether the forward reports argmax hits (only when the term is on: ``echo_acc``)."""
-        return bool(self.alpha)
-
-
-def echo_step(batch: Batch, algo: Algorithm, step: int, total_steps: int) -> EchoStep:
-    """The echo settings of a step: the algorithm's coefficient at ``step`` when the batch has echo tokens.
+def step_echo(batch: Batch, algo: Algorithm, step: int, total_steps: int) -> EchoStep:
+    """The echo settings of a step: the algorithm's coefficient at ``step`` when the batch has echo tokens
+    (``stoa.algorithms.torch_accumulate.echo_step``; a batch without any asks for no coefficient).
 
     Args:
         batch: the step's batch.
@@ -129,9 +117,8 @@ def echo_step(batch: Batch, algo: Algorithm, step: int, total_steps: int) -> Ech
         step: the optimizer step about to be taken (0 for the first).
         total_steps: the run's total steps (the 'linear_taper_to_zero' schedule needs them).
     """
-    if not batch.echo_mask.any():
-        return EchoStep(None, batch.mask)
-    return EchoStep(algo.echo_coefficient(step, total_steps), np.maximum(batch.mask, batch.echo_mask))
+    alpha = algo.echo_coefficient(step, total_steps) if batch.echo_mask.any() else None
+    return echo_step(batch, algo, alpha)
 
 
 def train_step(
@@ -183,32 +170,26 @@ def train_step(
     shared_prefix = shared_prefix and not policy.gradient_checkpointing
     t0 = time.perf_counter()
     batch = entries_batch(entries, algo, current_version)
-    echo = echo_step(batch, algo, step, total_steps)
+    echo = step_echo(batch, algo, step, total_steps)
     micro, padding = rank_micro_batches(batch, dist, micro_batch, shared_prefix)
     check = RecomputeCheck(batch.group_ids, batch.version_lag, temperature=policy.temperature, top_p=top_p,
                            limit=recompute_limit)
-    parts: list[dict[str, float]] = []
     lag0: dict[str, list[tuple[int, int, np.ndarray]]] = {}
-    loss_total = 0.0
-    trained: list[np.ndarray] = []
-    for idx in micro:
-        fw, ref_lp = _forward(policy, ref, batch, idx, shared_prefix, echo)
-        _collect_lag0(batch, idx, fw.logp, lag0, check)
-        keep = check.keep(idx)
-        loss, diag = algo.loss(_loss_inputs(batch, idx, fw, ref_lp, policy.device, echo.alpha, keep))
-        loss.backward()
-        loss_total += float(loss.detach())
-        parts.append(diag)
-        trained.append(idx[keep > 0])
+
+    def observe(idx: np.ndarray, logp: torch.Tensor) -> np.ndarray:
+        _collect_lag0(batch, idx, logp, lag0, check)
+        return check.keep(idx)
+
+    acc = accumulate(algo, batch, micro, lambda idx: _forward(policy, ref, batch, idx, shared_prefix, echo),
+                     to=lambda a: _tensor(a, policy.device), echo=echo, observe=observe)
+    parts, loss_total, trained = acc.parts, acc.loss, acc.trained
     undo, undo_padding = _undo_batches(batch, check, trained, micro_batch, dist)
-    for idx in undo:  # rows that trained before their group was rejected (packed mode): subtract their loss
-        fw, ref_lp = _forward(policy, ref, batch, idx, False, echo)
-        loss, _diag = algo.loss(_loss_inputs(batch, idx, fw, ref_lp, policy.device, echo.alpha))
-        (-loss).backward()
-        loss_total -= float(loss.detach())
+    # rows that trained before their group was rejected (packed mode): their loss is subtracted again
+    loss_total += accumulate(algo, batch, undo, lambda idx: _forward(policy, ref, batch, idx, False, echo),
+                             to=lambda a: _tensor(a, policy.device), echo=echo, sign=-1.0).loss
     padding += undo_padding
     for _ in range(padding):  # an empty share still joins every all-gather and reduce-scatter
-        fw, _ref = _forward(policy, ref, batch, group_indices(batch)[0][:1], shared_prefix, echo)
+        fw = _forward(policy, ref, batch, group_indices(batch)[0][:1], shared_prefix, echo)
         (fw.logp.sum() * 0.0).backward()
     grad_norm = _apply_update(policy, opt, grad_clip)
     shares = dist.gather((parts, loss_total, lag0, len(check.rejected), check.worst, check.residual,
@@ -223,7 +204,7 @@ def train_step(
             lag0.setdefault(worker, []).extend(values)
     out = combine_metrics(parts)
     out.update(_step_figures(batch, loss_total, grad_norm, time.perf_counter() - t0))
-    if echo.alpha is not None:
+    if echo.echo and echo.alpha is not None:
         out["echo_alpha"] = echo.alpha
     out["recompute_median_max"] = max(share[4] for share in shares)
     groups = {g: GroupCheck(v, g in share[6]) for share in shares for g, v in share[5].items()}
@@ -261,9 +242,9 @@ def rank_micro_batches(batch: Batch, dist: Dist, micro_batch: int, shared_prefix
 
 
 def _forward(policy: Policy, ref: Reference | None, batch: Batch, idx: np.ndarray, shared_prefix: bool,
-             echo: EchoStep) -> tuple[Scores, torch.Tensor | None]:
-    """The policy's scores of a micro-batch's rows (logprobs [b, T] with gradient, argmax hits when the echo
-    term is on) and the reference's logprobs (or None), on the positions ``echo.scored`` marks."""
+             echo: EchoStep) -> MicroForward:
+    """The policy's logprobs of a micro-batch's rows [b, T] with gradient (argmax hits when the echo term is on) and
+    the reference's logprobs (or None), on the positions ``echo.scored`` marks."""
     scored = echo.scored[idx]
     if shared_prefix:  # one group: its prompt runs once
         prompt, comps = batch.rows[int(idx[0])].prompt, [batch.rows[int(i)].tokens for i in idx]
@@ -272,21 +253,13 @@ def _forward(policy: Policy, ref: Reference | None, batch: Batch, idx: np.ndarra
         else:
             fw = Scores(policy.group_logprobs(prompt, comps, batch.width, scored), None)
         with torch.no_grad():
-            return fw, ref.group_logprobs(prompt, comps, batch.width, scored) if ref is not None else None
+            ref_lp = ref.group_logprobs(prompt, comps, batch.width, scored) if ref is not None else None
+        return MicroForward(fw.logp, fw.hits, ref_lp)
     packed = to_device(pack(batch, idx), policy.device, scored)
     with torch.no_grad():
         ref_lp = ref.logprobs(packed) if ref is not None else None
-    return (policy.score(packed, hits=True) if echo.hits else Scores(policy.logprobs(packed), None)), ref_lp
-
-
-def _loss_inputs(batch: Batch, idx: np.ndarray, fw: Scores, ref_lp: torch.Tensor | None, device: torch.device,
-                 echo_alpha: float | None, keep: np.ndarray | None = None) -> LossInputs[torch.Tensor]:
-    """The algorithm's inputs for the rows ``idx`` (``stoa.algorithms.inputs.micro_inputs``, shared with local mode):
-    the workers' logprobs as the old policy, the echo mask with this step's coefficient (when set); rows whose
-    ``keep`` [b] is 0 get empty masks (no loss)."""
-    assert batch.old_logp is not None  # entries_batch sets the workers' logprobs
-    return micro_inputs(batch, idx, fw.logp, to=lambda a: _tensor(a, device), ref_logp=ref_lp,
-                        echo=echo_alpha is not None, echo_alpha=echo_alpha, hits=fw.hits, keep=keep)
+    fw = policy.score(packed, hits=True) if echo.hits else Scores(policy.logprobs(packed), None)
+    return MicroForward(fw.logp, fw.hits, ref_lp)
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
