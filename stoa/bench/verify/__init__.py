@@ -8,7 +8,9 @@ an off-grid float32 master (as after training), sampling ``--sequences`` complet
 order to simulated workers of ``--stream`` records each, every one running a fresh CUSUM with the trainer's
 settings: a false quarantine is a stream whose CUSUM alarms. Attacks run on ``--liar-engine`` with ``--liar-plane``
 against the fp32 recompute; each samples ``--attack-records`` records, and ``--attack-streams`` random orders of
-them are fed to fresh CUSUMs: detected within the pool, and the median records it took. Lagged records
+them are fed to fresh CUSUMs: detected within the pool, and the median records it took. A mixed fleet
+(``stoa.bench.verify.minority``): each pair's honest workers judged with the drift another pair's majority
+calibrates (``--minority-records``). Lagged records
 (``stoa.bench.verify.lagged``): honest workers and liars ``1..--max-lag`` versions behind, judged over the fleet's
 level at their lag; the fleet's lag-0 records calibrate the drift (``--drift auto``, the trainer's default).
 A LoRA run (``--lora-rank``, ``stoa.bench.verify.lora``): workers hold the base the contract names plus the adapter,
@@ -33,6 +35,8 @@ from stoa.bench.verify.intake import table as intake_table
 from stoa.bench.verify.lagged import LagScores, fleet_of, lag_scores, load_arrays, save_arrays, shifted
 from stoa.bench.verify.liars import attack_plan, copied_logprobs, noisy, quantized, swapped, top_k_sampler
 from stoa.bench.verify.lora import LoraRig, contract_planes, lag0, lora_attacks, plane_label
+from stoa.bench.verify.minority import minority_rows
+from stoa.bench.verify.minority import table as minority_table
 from stoa.bench.verify.sampling import Group, Rig
 from stoa.bench.verify.stats import AttackRow, HonestRow, attack_row, honest_row, table
 from stoa.bench.verify.steps import Residuals, flatten, step_row, unflatten, values
@@ -103,6 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'' a float base on each of --planes [default: '']")
     p.add_argument("--lora-b-std", type=float, default=0.02,
                    help="the adapter's lora_B entries ~ N(0, this), fixed seed (0 moves nothing) [default: 0.02]")
+    p.add_argument("--minority-records", type=int, default=1000,
+                   help="a mixed fleet: each honest pair's workers judged with the drift another pair's majority "
+                        "calibrates, streams of this many records drawn from its scores (0: no such table) "
+                        "[default: 1000]")
     p.add_argument("--out", default="", help="append JSONL rows to this file")
     p.add_argument("--save-scores", default="", help="write every record score to this .npz")
     p.add_argument("--load-scores", default="",
@@ -256,7 +264,11 @@ def main(args: argparse.Namespace) -> int:
     s = [step_row(label, r, args.records_per_step, args.temperature, cfg) for label, r in rs.items()]
     i = intake_rows(Path(resolve_model(args.model))) if args.intake else []
     print()
-    parts = [table(h, k), steps_table(s, args.records_per_step) if s else [], intake_table(i) if i else []]
+    floor = effective_threshold(TrainerConfig().quarantine_drift_floor, args.temperature)
+    m = minority_rows(hs, ceiling, floor, args.minority_records, args.attack_streams, args.seed) if (
+        args.minority_records > 0 and args.drift == "auto") else []
+    parts = [table(h, k), minority_table(m), steps_table(s, args.records_per_step) if s else [],
+             intake_table(i) if i else []]
     print("\n\n".join("\n".join(lines) for lines in parts if lines))
     by_label = {r.attack: r for r in s}
     verdicts = [logprob_verdict(r, by_label.get(r.attack), params) for r in k] + [intake_verdict(r) for r in i]
@@ -267,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
           f"({time.perf_counter() - t0:.0f}s)")
     if args.out:
         with Path(args.out).open("a") as f:
-            for r in [*h, *k, *s, *i, *verdicts]:
+            for r in [*h, *k, *m, *s, *i, *verdicts]:
                 f.write(json.dumps({"bench": "verify", "model": args.model, "kind": type(r).__name__,
                                     "drift": params.drift, "limit": params.limit, **r.__dict__}) + "\n")
     return 0
