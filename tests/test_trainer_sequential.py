@@ -66,6 +66,8 @@ def test_a_mildly_lying_worker_is_quarantined_after_enough_records_an_honest_one
     assert rows["liar"].reason == "sequential" and rows["liar"].lag0_records == 6
     assert not rows["honest"].reason and rows["honest"].cusum == 0.0
     assert t.quarantine.state()["workers"]["liar"][6] > 0.3  # the sum goes into the journal
+    probes = list(t.quarantine.fleet.rounding)  # each step's rounding probe reached the drift's calibration
+    assert len(probes) == 3 and all(0 < x < 0.05 for x in probes)
 
 
 @pytest.mark.slow  # about 17 s on a loaded 2-core box (four trainer steps)

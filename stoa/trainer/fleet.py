@@ -11,7 +11,13 @@ excess over the fleet at its lag (``Quarantine.observe_step``). The trainer comp
 logprobs its step computes anyway.
 
 The same levels **calibrate the drift** (``calibrated_drift``): ``DRIFT_FACTOR`` x the fleet's lag-0 level, between
-``quarantine_drift_floor`` and ``quarantine_drift`` (the ceiling, used until the fleet is large enough).
+``quarantine_drift_floor`` and ``quarantine_drift`` (the ceiling, used until the fleet is large enough), and never
+under ``ROUNDING_FACTOR`` x the trainer's own **rounding level**: how far bf16 rounding alone moves this model's
+logprobs, from the trainer's fp32 and bf16 forwards of one of its groups (``FleetLevels.add_rounding``). The fleet's
+level is a median, so in a fleet of mostly fp32 workers it is theirs, and an honest minority on bf16 engines scores
+more than ``DRIFT_FACTOR`` x it on some models (SmolLM2-135M with an fp32 trainer: 0.0215 against 0.0083,
+docs/verification.md); the rounding level is a property of the model the trainer computes itself, which no worker
+can move.
 
 At lag ``k >= 1`` the level uses the records of the last ``RECENT_STEPS`` steps only: the policy's movement per
 step changes over a run (the gradients' size, the optimizer's moments), and a level that lagged behind a growing
@@ -30,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DRIFT_FACTOR", "FleetLevels", "calibrated_drift"]
+__all__ = ["DRIFT_FACTOR", "ROUNDING_FACTOR", "FleetLevels", "calibrated_drift"]
 
 DRIFT_FACTOR = 2.5
 """Drift over the fleet's lag-0 level: covers a worker on the noisiest engine of the fleet (bf16 workers score about
@@ -50,6 +56,14 @@ RECENT_STEPS = 4
 
 MIN_WORKERS = 2
 """Workers a level needs (other than the judged one): with two, one liar cannot set it alone."""
+
+ROUNDING_FACTOR = 1.5
+"""Drift over the trainer's rounding level (``FleetLevels.rounding_level``): an honest worker that computes in the other
+precision than the trainer scores about that level, plus its engine's own (a pure-bf16 torch worker against an fp32
+trainer on SmolLM2-135M: 0.0215 against a rounding level of about 0.016)."""
+
+PROBE_EVERY = 8
+"""Steps between the trainer's rounding probes once it has ``MIN_RECORDS`` of them (every step before)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,8 @@ class FleetLevels:
         self.max_lag, self.max_workers, self.step = max_lag, max_workers, 0
         self.scores: list[collections.OrderedDict[str, collections.deque[tuple[int, float]]]] = [
             collections.OrderedDict() for _ in range(max_lag + 1)]
+        self.rounding: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        """The trainer's own rounding probes (record scores of its fp32 against its bf16 logprobs)."""
 
     def advance(self) -> None:
         """Start the next step: records added from now on are newer than those before."""
@@ -101,6 +117,28 @@ class FleetLevels:
                 by_worker.popitem(last=False)
         by_worker.move_to_end(worker)
         q.append((self.step, min(float(score), SCORE_CLIP)))
+
+    def add_rounding(self, score: float) -> None:
+        """Keep one rounding probe's score (a non-finite one is ignored).
+
+        Args:
+            score: ``record_score`` of the trainer's fp32 against its bf16 logprobs of one group.
+        """
+        if np.isfinite(score):
+            self.rounding.append(min(float(score), SCORE_CLIP))
+
+    def rounding_level(self) -> float | None:
+        """The mean of the rounding probes (None with under ``MIN_RECORDS``)."""
+        return float(np.mean(self.rounding)) if len(self.rounding) >= MIN_RECORDS else None
+
+    def wants_probe(self, step: int) -> bool:
+        """Whether the trainer should probe its rounding at ``step``: every step until it has ``MIN_RECORDS``
+        probes, then every ``PROBE_EVERY`` steps.
+
+        Args:
+            step: the optimizer step about to be taken.
+        """
+        return len(self.rounding) < MIN_RECORDS or step % PROBE_EVERY == 0
 
     def level(self, lag: int, exclude: str | None = None) -> Level | None:
         """The fleet's level at ``lag`` over the workers other than ``exclude`` (their records of the last
@@ -137,8 +175,9 @@ class FleetLevels:
 
 
 def calibrated_drift(fleet: FleetLevels, floor: float, ceiling: float) -> float:
-    """The run's drift at temperature 1: ``DRIFT_FACTOR`` x the fleet's lag-0 level (all workers), clipped to
-    ``[floor, ceiling]``; the ceiling until ``MIN_WORKERS + 1`` workers have ``MIN_RECORDS`` lag-0 records.
+    """The run's drift: ``DRIFT_FACTOR`` x the fleet's lag-0 level (all workers), or ``ROUNDING_FACTOR`` x the trainer's
+    rounding level when that is more, clipped to ``[floor, ceiling]``; the ceiling until ``MIN_WORKERS + 1`` workers
+    have ``MIN_RECORDS`` lag-0 records.
 
     Args:
         fleet: the levels.
@@ -148,4 +187,6 @@ def calibrated_drift(fleet: FleetLevels, floor: float, ceiling: float) -> float:
     lv = fleet.level(0)
     if lv is None or lv.workers < MIN_WORKERS + 1:
         return ceiling
-    return float(min(max(DRIFT_FACTOR * lv.value, floor), ceiling))
+    rounding = fleet.rounding_level()
+    anchor = max(DRIFT_FACTOR * lv.value, 0.0 if rounding is None else ROUNDING_FACTOR * rounding)
+    return float(min(max(anchor, floor), ceiling))

@@ -387,14 +387,14 @@ class _Trainer:
                    "quarantine": self.quarantine.state()}  # this step's uses, before the intake below moves on
         intake = Background(lambda: self.pool.refresh(self.version), "stoa-intake")
         try:
-            m = self.ranks("step", entries, self.version, self.step)
+            m = self.ranks("step", entries, self.version, self.step, self.quarantine.wants_rounding(self.step))
         finally:
             intake.join()
         self.settle_publish()  # the last version's pointer is in before this step's journal
         self.fence()
         ride_out(lambda: ckpt.write_journal(self.bucket, cfg.run, journal), "the journal", self.echo)
         if self.lag0_trusted:
-            self.quarantine.observe_step(m.disagreement)
+            self.quarantine.observe_step(m.disagreement, m.rounding)
         self.lag0_trusted = True  # from now on lag 0 means "sampled from weights this trainer published"
         self.version, self.step = self.version + 1, self.step + 1
         self.start_publish(self.version)

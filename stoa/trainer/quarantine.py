@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,15 +231,27 @@ class Quarantine:
                              f"({w.over / w.tokens:.2f} of {w.tokens:.0f} tokens above; this step's median "
                              f"{self._since.medians[worker_id]:.4g})")
 
-    def observe_step(self, stats: dict[str, Disagreement]) -> None:
+    def wants_rounding(self, step: int) -> bool:
+        """Whether ``train_step`` should probe the trainer's rounding at ``step`` (``stoa.trainer.fleet``): only while
+        the drift is calibrated.
+
+        Args:
+            step: the optimizer step about to be taken.
+        """
+        return self.sequential is not None and self.drift_floor is not None and self.fleet.wants_probe(step)
+
+    def observe_step(self, stats: dict[str, Disagreement], rounding: Sequence[float] = ()) -> None:
         """Add one step's records of every worker: first to the fleet's levels (every worker's, so each lagged
         record is judged against the same step's fleet), then recalibrate the drift, then judge each worker
         (``observe_disagreement``).
 
         Args:
             stats: per worker id, its records of the step (``stoa.trainer.step.train_step``).
+            rounding: the step's rounding probes (``StepMetrics.rounding``), the drift's floor from the model itself.
         """
         self.fleet.advance()
+        for score in rounding:
+            self.fleet.add_rounding(score)
         for worker_id, s in stats.items():
             for values, lag in zip(s.per_record, s.record_lags(), strict=True):
                 self.fleet.add(self.judged(worker_id), lag, record_score(values, math.inf))

@@ -115,12 +115,13 @@ class RankOps:
                                      fused=adamw_fused(device, dist.sharded))
         self.writer = CheckpointWriter(background=cfg.checkpoint_async and not dist.sharded)
 
-    def step(self, entries: Sequence[Entry], current_version: int, step: int) -> StepMetrics:
-        """One optimizer step on the step's groups (every rank gets all of them and runs its share)."""
+    def step(self, entries: Sequence[Entry], current_version: int, step: int, probe: bool = False) -> StepMetrics:
+        """One optimizer step on the step's groups (every rank gets all of them and runs its share); ``probe``: also
+        the policy's rounding probe (``stoa.trainer.rounding``)."""
         cfg = self.cfg
         return train_step(self.policy, self.ref, self.opt, self.algo, entries, current_version=current_version,
                           micro_batch=cfg.micro_batch, grad_clip=cfg.grad_clip, shared_prefix=cfg.shared_prefix,
-                          step=step, total_steps=cfg.steps, dist=self.dist, top_p=cfg.top_p)
+                          step=step, total_steps=cfg.steps, dist=self.dist, top_p=cfg.top_p, probe=probe)
 
     def cold_start(self, rows: Sequence[SftRow]) -> list[SftStep]:
         """The cold start's supervised steps (every rank runs every row; a sharded model averages equal grads)."""

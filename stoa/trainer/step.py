@@ -32,6 +32,7 @@ from stoa.trainer.policy import Policy, Reference
 from stoa.trainer.pool import Entry, PoolStats
 from stoa.trainer.quarantine import Disagreement, disagreement_values
 from stoa.trainer.recompute_check import RecomputeCheck
+from stoa.trainer.rounding import finite, rounding_probe
 
 
 class GroupCheck(NamedTuple):
@@ -47,15 +48,18 @@ class StepMetrics(dict):
     """``train_step``'s flat float metrics (a plain ``dict[str, float]`` to its callers), plus
     ``disagreement``: per worker id, its lag-0 tokens' ``exp|recorded - recomputed| - 1``
     (see ``stoa.trainer.quarantine``), measured on the logprobs the step computes anyway; and ``rejected``:
-    per reason (``recompute``), the groups the step did not train on (``rollout/rejected/<reason>``); and
-    ``groups``: per entry index, its recompute verdict (``stoa.trainer.provenance``)."""
+    per reason (``recompute``), the groups the step did not train on (``rollout/rejected/<reason>``);
+    ``groups``: per entry index, its recompute verdict (``stoa.trainer.provenance``); and ``rounding``: the step's
+    rounding probe, when asked (``stoa.trainer.rounding``)."""
 
     def __init__(self, metrics: dict[str, float], disagreement: dict[str, Disagreement],
-                 rejected: dict[str, int] | None = None, groups: dict[int, GroupCheck] | None = None):
+                 rejected: dict[str, int] | None = None, groups: dict[int, GroupCheck] | None = None,
+                 rounding: list[float] | None = None):
         super().__init__(metrics)
         self.disagreement = disagreement
         self.rejected = rejected or {}
         self.groups = groups or {}
+        self.rounding = rounding or []
 
 
 def entry_worker(e: Entry) -> str:
@@ -137,6 +141,7 @@ def train_step(
     dist: Dist = SINGLE,
     top_p: float = 1.0,
     recompute_limit: float | None = None,
+    probe: bool = False,
 ) -> StepMetrics:
     """Compute advantages, accumulate the loss over micro-batches, clip, and step the optimizer.
 
@@ -162,6 +167,8 @@ def train_step(
         top_p: the run's nucleus mass (widens the recompute check's limit below 1).
         recompute_limit: the recompute check's limit at temperature 1, top_p 1 (None: ``RECOMPUTE_LIMIT``;
             ``float("inf")`` turns the check off).
+        probe: also probe the policy's bf16 rounding on the first group (``stoa.trainer.rounding``; the
+            sequential test's calibration asks for it every few steps).
 
     Returns:
         flat metrics without the ``train/`` prefix; ``.disagreement`` holds the lag-0 values per worker and
@@ -191,6 +198,7 @@ def train_step(
     for _ in range(padding):  # an empty share still joins every all-gather and reduce-scatter
         fw = _forward(policy, ref, batch, group_indices(batch)[0][:1], shared_prefix, echo)
         (fw.logp.sum() * 0.0).backward()
+    rounding = finite(rounding_probe(policy, batch)) if probe and dist.main else []  # the weights that judged it
     grad_norm = _apply_update(policy, opt, grad_clip)
     shares = dist.gather((parts, loss_total, lag0, len(check.rejected), check.worst, check.residual,
                           check.rejected))
@@ -208,7 +216,9 @@ def train_step(
         out["echo_alpha"] = echo.alpha
     out["recompute_median_max"] = max(share[4] for share in shares)
     groups = {g: GroupCheck(v, g in share[6]) for share in shares for g, v in share[5].items()}
-    return StepMetrics(out, _disagreement(batch, lag0), {"recompute": rejected} if rejected else {}, groups)
+    if rounding:
+        out["rounding_probe"] = rounding[0]
+    return StepMetrics(out, _disagreement(batch, lag0), {"recompute": rejected} if rejected else {}, groups, rounding)
 
 
 def rank_micro_batches(batch: Batch, dist: Dist, micro_batch: int, shared_prefix: bool

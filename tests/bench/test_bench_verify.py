@@ -52,6 +52,9 @@ def test_honest_torch_is_not_quarantined_a_model_swap_is_at_the_first_possible_r
     assert {k: step2[k] for k in StepRow.__dataclass_fields__} == {k: step[k] for k in StepRow.__dataclass_fields__}
     assert honest2["workers"] == 1 and honest2["score_mean"] == honest["score_mean"]
     assert swap2["median_records"] == 12  # judged again at the old defaults: 1.0 / 0.085, over at the twelfth
+    with np.load(scores) as z:  # the trainer's rounding probe on the plane's records (stoa.trainer.rounding)
+        probe = z["round:bf16"]
+    assert probe.shape == (8,) and np.all((probe > 0) & (probe < 0.05))
 
 
 def verdicts(rows) -> dict[str, tuple[str, str]]:

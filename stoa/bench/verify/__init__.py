@@ -119,9 +119,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--stream)")
 
 
-def honest(rig: Rig, params: CusumParams, echo=print, planes: list[str] | None = None) -> dict[str, np.ndarray]:
-    """Every engine pair's honest record scores, by pair label (``planes``: those the rig holds; None: ``--planes``)."""
+ROUNDING_RECORDS = 64
+"""Records of each plane's first engine the trainer's rounding probe is measured on."""
 
+
+def honest(rig: Rig, params: CusumParams, echo=print, planes: list[str] | None = None,
+           rounding: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Every engine pair's honest record scores, by pair label (``planes``: those the rig holds; None: ``--planes``);
+    ``rounding`` gets each plane's rounding probe scores (``Rig.rounding``) by plane label.
+
+    """
     a, out = rig.args, {}
     batches = -(-a.sequences // (a.groups * a.n_samples))
     for plane in _split(a.planes) if planes is None else planes:
@@ -129,6 +136,8 @@ def honest(rig: Rig, params: CusumParams, echo=print, planes: list[str] | None =
         for spec in _split(a.engines):
             engine, _, dtype = spec.partition(":")
             groups, secs = rig.sample(engine, dtype, state, plane, batches, a.temperature)
+            if rounding is not None and rig.label(plane) not in rounding:
+                rounding[rig.label(plane)] = rig.rounding(groups[:ROUNDING_RECORDS], params.cap)
             for trainer in _split(a.trainers):
                 t0 = time.perf_counter()
                 pair = f"{engine} {dtype} / {rig.label(plane)} / {trainer}"
@@ -200,15 +209,18 @@ def judge(honest_scores: dict[str, np.ndarray], attack_scores: dict[str, np.ndar
     return h, k
 
 
-def run_params(args: argparse.Namespace, ls: LagScores) -> CusumParams:
+def run_params(args: argparse.Namespace, ls: LagScores, rounding: dict[str, np.ndarray] | None = None) -> CusumParams:
     """The CUSUM judged with: ``--drift`` (scaled like the trainer's), or with ``auto`` the trainer's calibration
-    over the fleet of the lagged run's honest lag-0 records (the ceiling without them)."""
+    over the fleet of the lagged run's honest lag-0 records (the ceiling without them) and the liar plane's rounding
+    probes."""
     d = TrainerConfig()
     if args.drift != "auto":
         return sequential_params(float(args.drift), args.limit, args.cap, args.temperature)
     ceiling = sequential_params(d.quarantine_drift, args.limit, args.cap, args.temperature)
-    drift = calibrated_drift(fleet_of(ls), effective_threshold(d.quarantine_drift_floor, args.temperature),
-                             ceiling.drift)
+    fleet = fleet_of(ls)
+    for x in (rounding or {}).get(args.liar_plane, ()):
+        fleet.add_rounding(float(x))
+    drift = calibrated_drift(fleet, effective_threshold(d.quarantine_drift_floor, args.temperature), ceiling.drift)
     return CusumParams(drift=drift, limit=max(ceiling.limit, ceiling.cap - drift), cap=ceiling.cap)
 
 
@@ -237,8 +249,9 @@ def main(args: argparse.Namespace) -> int:
     ceiling = sequential_params(TrainerConfig().quarantine_drift, args.limit, args.cap, args.temperature)
     if args.lora_base_plane and not args.lora_rank:
         raise SystemExit("--lora-base-plane needs a LoRA run: set --lora-rank > 0")
+    rounding: dict[str, np.ndarray] = {}
     if args.load_scores:
-        hs, ks, rs, ls = _load(args.load_scores)
+        hs, ks, rs, ls, rounding = _load(args.load_scores)
     elif args.lora_rank:
         print(f"model {args.model}: LoRA r{args.lora_rank} alpha {args.lora_alpha:g} (lora_B ~ N(0, "
               f"{args.lora_b_std:g})) on a {args.lora_base_plane or 'float'} base")
@@ -248,10 +261,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"model {rig.model_dir.name}: {args.groups} groups x {args.n_samples} samples a batch, <= "
               f"{args.max_new_tokens} tokens, T={args.temperature}")
         ls = lag_scores(rig) if args.lag_records else LagScores({}, {})
-        hs, (ks, rs) = honest(rig, ceiling), attacks(rig, ceiling)
+        hs, (ks, rs) = honest(rig, ceiling, rounding=rounding), attacks(rig, ceiling)
     if args.save_scores:
-        _save(args.save_scores, hs, ks, rs, ls)
-    params = run_params(args, ls)
+        _save(args.save_scores, hs, ks, rs, ls, rounding)
+    params = run_params(args, ls, rounding)
     how = "" if args.drift != "auto" else " (calibrated)" if params.drift != ceiling.drift else " (the ceiling)"
     print(f"CUSUM drift {params.drift:.4g}{how}, limit "
           f"{params.limit:.4g}, cap {params.cap:.4g} (>= {params.min_records} records to quarantine); honest streams "
@@ -265,7 +278,7 @@ def main(args: argparse.Namespace) -> int:
     i = intake_rows(Path(resolve_model(args.model))) if args.intake else []
     print()
     floor = effective_threshold(TrainerConfig().quarantine_drift_floor, args.temperature)
-    m = minority_rows(hs, ceiling, floor, args.minority_records, args.attack_streams, args.seed) if (
+    m = minority_rows(hs, ceiling, floor, args.minority_records, args.attack_streams, args.seed, rounding) if (
         args.minority_records > 0 and args.drift == "auto") else []
     parts = [table(h, k), minority_table(m), steps_table(s, args.records_per_step) if s else [],
              intake_table(i) if i else []]
@@ -286,18 +299,20 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _save(path: str, hs: dict[str, np.ndarray], ks: dict[str, np.ndarray], rs: dict[str, Residuals],
-          ls: LagScores) -> None:
-    """Write the record scores, each attack's residuals (``steps.flatten``) and the lagged scores to ``path``."""
+          ls: LagScores, rounding: dict[str, np.ndarray]) -> None:
+    """Write the record scores, each attack's residuals (``steps.flatten``), the lagged scores and the rounding probes
+    to ``path``."""
     arrays: dict[str, Any] = {**{f"honest:{k}": v for k, v in hs.items()}, **{f"attack:{k}": v for k, v in ks.items()},
-                              **save_arrays(ls)}
+                              **save_arrays(ls), **{f"round:{k}": v for k, v in rounding.items()}}
     for label, r in rs.items():
         arrays[f"resid:{label}"], arrays[f"rlens:{label}"], arrays[f"rsamp:{label}"] = flatten(r)
     np.savez(path, allow_pickle=False, **arrays)
 
 
-def _load(paths: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Residuals], LagScores]:
-    """Honest and attack scores, and attack residuals, of ``--save-scores`` files (comma list); a label in several
-    files (runs with other seeds) gets their scores one after the other."""
+def _load(paths: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Residuals], LagScores,
+                               dict[str, np.ndarray]]:
+    """Honest and attack scores, attack residuals, lagged scores and rounding probes of ``--save-scores`` files (comma
+    list); a label in several files (runs with other seeds) gets their scores one after the other."""
     found: dict[str, list[np.ndarray]] = {}
     for path in _split(paths):
         with np.load(path) as z:
@@ -307,7 +322,8 @@ def _load(paths: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dic
     resid = {k[6:]: unflatten(v, joined[f"rlens:{k[6:]}"], joined[f"rsamp:{k[6:]}"])
              for k, v in joined.items() if k.startswith("resid:")}
     return ({k[7:]: v for k, v in joined.items() if k.startswith("honest:")},
-            {k[7:]: v for k, v in joined.items() if k.startswith("attack:")}, resid, load_arrays(joined))
+            {k[7:]: v for k, v in joined.items() if k.startswith("attack:")}, resid, load_arrays(joined),
+            {k[6:]: v for k, v in joined.items() if k.startswith("round:")})
 
 
 def _split(s: str) -> list[str]:

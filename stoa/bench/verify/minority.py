@@ -6,7 +6,8 @@ a noisier engine (bf16 workers, Macs) is judged against the quiet majority's lev
 score is over that drift, its honest workers' sums climb and they are quarantined. For each trainer recompute, this
 table puts every pair of the run as the majority (it sets the drift, through the trainer's own calibration) and every
 other pair as the minority: streams of ``horizon`` records drawn with replacement from the minority's measured record
-scores run a fresh CUSUM each. Drawing with replacement from a few hundred records is an approximation of a longer
+scores run a fresh CUSUM each. The trainer's rounding probes (``stoa.trainer.rounding``), when the run measured them,
+floor the drift as in the trainer. Drawing with replacement from a few hundred records is an approximation of a longer
 run (it repeats the measured spread, not its tails). Imports no torch.
 """
 
@@ -53,15 +54,19 @@ def run_of(pair: str) -> str:
     return pair.split(" / ", 1)[-1]
 
 
-def majority_drift(scores: np.ndarray, floor: float, ceiling: float) -> float:
-    """The trainer's calibrated drift over a fleet of ``FLEET`` workers holding ``scores`` (dealt round-robin).
+def majority_drift(scores: np.ndarray, floor: float, ceiling: float, rounding: np.ndarray | None = None) -> float:
+    """The trainer's calibrated drift over a fleet of ``FLEET`` workers holding ``scores`` (dealt round-robin), with
+    the trainer's rounding probes ``rounding`` (None: none).
 
     Args:
         scores: the majority's record scores.
         floor: ``quarantine_drift_floor`` at the run's sampling.
         ceiling: ``quarantine_drift`` at the run's sampling.
+        rounding: the run's rounding probe scores (``Rig.rounding``).
     """
     fleet = FleetLevels(0)
+    for x in () if rounding is None else rounding:
+        fleet.add_rounding(float(x))
     for i, x in enumerate(scores):
         fleet.add(f"fleet{i % FLEET}", 0, float(x))
     if len(scores) < FLEET * MIN_RECORDS:
@@ -70,7 +75,7 @@ def majority_drift(scores: np.ndarray, floor: float, ceiling: float) -> float:
 
 
 def minority_rows(honest: dict[str, np.ndarray], ceiling: CusumParams, floor: float, horizon: int, streams: int,
-                  seed: int) -> list[MinorityRow]:
+                  seed: int, rounding: dict[str, np.ndarray] | None = None) -> list[MinorityRow]:
     """Every ordered pair (majority, minority) of engine pairs with the same plane and trainer recompute.
 
     Args:
@@ -80,13 +85,15 @@ def minority_rows(honest: dict[str, np.ndarray], ceiling: CusumParams, floor: fl
         horizon: records per minority worker.
         streams: minority workers simulated per row.
         seed: resampling seed.
+        rounding: the trainer's rounding probes by plane label (the drift's floor; None or a plane missing: none).
     """
     rng = np.random.default_rng(seed)
     rows = []
     for major, m_scores in honest.items():
         if len(m_scores) < FLEET * MIN_RECORDS:
             continue
-        drift = majority_drift(m_scores, floor, ceiling.drift)
+        plane = run_of(major).split(" / ", 1)[0]
+        drift = majority_drift(m_scores, floor, ceiling.drift, (rounding or {}).get(plane))
         params = CusumParams(drift, max(ceiling.limit, ceiling.cap - drift), ceiling.cap)
         for minor, s in honest.items():
             if minor == major or run_of(minor) != run_of(major) or not len(s):

@@ -140,6 +140,25 @@ class Rig:
             out[i] = record_score(disagreement_values(d, np.zeros_like(d)), cap)
         return out
 
+    def rounding(self, groups: list[Group], cap: float) -> np.ndarray:
+        """Each group's record score between the trainer policy's fp32 and bf16-autocast logprobs of its tokens: the
+        trainer's rounding probe (``stoa.trainer.rounding``) on these records.
+
+        Args:
+            groups: sampled records.
+            cap: the score's cap.
+        """
+        out, chunk = [], 16
+        for i in range(0, len(groups), chunk):
+            part = groups[i:i + chunk]
+            fp32, bf16, row = self.recompute(part), self.recompute(part, True), 0
+            for g in part:
+                d = np.concatenate([fp32[row + k, :len(c)].astype(np.float64) - bf16[row + k, :len(c)]
+                                    for k, c in enumerate(g.tokens)])
+                out.append(record_score(disagreement_values(d, np.zeros_like(d)), cap))
+                row += len(g.tokens)
+        return np.array(out, np.float64)
+
     def residuals(self, groups: list[Group], autocast: bool, lie: Lie | None = None,
                   seed: int = 0) -> Iterator[list[np.ndarray]]:
         """Per group, per sample: ``recorded - recomputed`` logprob of each token (float64; the trainer's
