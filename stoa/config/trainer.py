@@ -134,9 +134,10 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                              "quarantine_drift_floor = 0); above the noisiest honest engine pair's "
                                              "mean record score (SmolLM2 bf16 plane: <= 0.054; tiny: <= 0.004).")
     quarantine_drift_floor: float = setting(0.005, "Calibrate the CUSUM drift to 2.5 x the fleet's lag-0 record "
-                                                   "level (the median over 3+ workers of each one's median score), "
-                                                   "between this floor and quarantine_drift (stoa.trainer.fleet; "
-                                                   "docs/verification.md); 0 = no calibration.")
+                                                   "level (the median over 3+ workers of each one's mean score), "
+                                                   "and at least 1.5 x the trainer's own bf16 rounding level (its "
+                                                   "rounding probe), between this floor and quarantine_drift "
+                                                   "(stoa.trainer.fleet; docs/verification.md); 0 = no calibration.")
     quarantine_evidence: float = setting(0.3, "CUSUM limit: quarantine once a worker's sum of (record score - "
                                               "quarantine_drift), floored at 0, passes this; a record adds at most "
                                               "quarantine_disagreement - quarantine_drift, so no single record "
