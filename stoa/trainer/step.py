@@ -113,7 +113,7 @@ def entry_trajectories(e: Entry) -> list[Trajectory]:
 
 def step_echo(batch: Batch, algo: Algorithm, step: int, total_steps: int) -> EchoStep:
     """The echo settings of a step: the algorithm's coefficient at ``step`` when the batch has echo tokens
-    (``stoa.algorithms.torch_accumulate.echo_step``; a batch without any asks for no coefficient).
+    (``stoa.algorithms.inputs.echo_step``; a batch without any asks for no coefficient).
 
     Args:
         batch: the step's batch.
