@@ -135,7 +135,7 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                              "mean record score (SmolLM2 bf16 plane: <= 0.054; tiny: <= 0.004).")
     quarantine_drift_floor: float = setting(0.005, "Calibrate the CUSUM drift to 2.5 x the fleet's lag-0 record "
                                                    "level (the median over 3+ workers of each one's mean score), "
-                                                   "and at least 1.5 x the trainer's own bf16 rounding level (its "
+                                                   "and at least 1.75 x the trainer's own bf16 rounding level (its "
                                                    "rounding probe), between this floor and quarantine_drift "
                                                    "(stoa.trainer.fleet; docs/verification.md); 0 = no calibration.")
     quarantine_evidence: float = setting(0.3, "CUSUM limit: quarantine once a worker's sum of (record score - "
