@@ -148,3 +148,11 @@ def test_lagged_rows_judge_each_lag_over_the_fleets_level_and_auto_calibrates_th
     back = load_arrays(save_arrays(ls))
     assert set(back.honest) == {0, 1, 2} and set(back.attacks) == set(lies)
     assert all(np.array_equal(back.attacks[key], lies[key]) for key in lies)
+
+
+def test_load_scores_names_a_missing_or_foreign_file_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="is not a file"):
+        run(["--load-scores", str(tmp_path / "none.npz"), "--no-intake"])
+    (tmp_path / "junk.npz").write_bytes(b"not a numpy archive")
+    with pytest.raises(SystemExit, match="is not a --save-scores file"):
+        run(["--load-scores", str(tmp_path / "junk.npz"), "--no-intake"])

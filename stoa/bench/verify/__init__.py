@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import time
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -315,9 +316,14 @@ def _load(paths: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dic
     list); a label in several files (runs with other seeds) gets their scores one after the other."""
     found: dict[str, list[np.ndarray]] = {}
     for path in _split(paths):
-        with np.load(path) as z:
-            for k in z.files:
-                found.setdefault(k, []).append(z[k])
+        if not Path(path).is_file():
+            raise SystemExit(f"--load-scores: {path} is not a file (write one with --save-scores)")
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                for k in z.files:
+                    found.setdefault(k, []).append(z[k])
+        except (OSError, ValueError, zipfile.BadZipFile) as e:
+            raise SystemExit(f"--load-scores: {path} is not a --save-scores file ({type(e).__name__})") from None
     joined = {k: np.concatenate(v) for k, v in found.items()}
     resid = {k[6:]: unflatten(v, joined[f"rlens:{k[6:]}"], joined[f"rsamp:{k[6:]}"])
              for k, v in joined.items() if k.startswith("resid:")}
