@@ -70,6 +70,12 @@ def test_the_drift_is_the_fleets_lag_0_level_times_the_factor_between_floor_and_
     assert calibrated_drift(f, 0.005, 0.065) == pytest.approx(DRIFT_FACTOR * 0.0034)
     assert calibrated_drift(f, 0.01, 0.065) == 0.01
     assert calibrated_drift(f, 0.001, 0.005) == 0.005
+    assert calibrated_drift(f, 0.001, 0.065, factor=1.5) == pytest.approx(1.5 * 0.0034)  # quarantine_drift_factor
+    q = Quarantine(enabled=True, disagreement=0.15, reject_rate=0.5, min_records=8, drift=0.065, evidence=0.3,
+                   drift_floor=0.001, drift_factor=1.5)
+    q.observe_step({w: Disagreement(np.full(8, 0.0034), 1, (np.full(8, 0.0034),) * MIN_RECORDS, (0,) * MIN_RECORDS)
+                    for w in ("a", "b", "c")})
+    assert q.active is not None and q.active.drift == pytest.approx(1.5 * 0.0034)
 
 
 def q_with(**kw) -> Quarantine:

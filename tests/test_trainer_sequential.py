@@ -50,6 +50,16 @@ def lag0_entries(t, worker: str, off: float, groups: int, seed: int) -> list[Ent
     return out
 
 
+def test_the_drift_factor_setting_reaches_the_quarantine(tmp_path, stoa_cache):
+    from stoa.trainer.loop import _Trainer
+
+    t = _Trainer(make_trainer_cfg(str(tmp_path / "b"), quarantine_drift_factor=1.5), echo=lambda *_: None)
+    try:
+        assert t.quarantine.drift_factor == 1.5 and TrainerConfig().quarantine_drift_factor == 2.5
+    finally:
+        t.close()
+
+
 def test_a_mildly_lying_worker_is_quarantined_after_enough_records_an_honest_one_never(trainer):
     t = trainer
     d = TrainerConfig()

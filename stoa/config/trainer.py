@@ -133,11 +133,17 @@ class TrainerConfig(TrainingConfig, FleetConfig):
                                              "drift, and the drift until the fleet calibrates it (or always, with "
                                              "quarantine_drift_floor = 0); above the noisiest honest engine pair's "
                                              "mean record score (SmolLM2 bf16 plane: <= 0.054; tiny: <= 0.004).")
-    quarantine_drift_floor: float = setting(0.005, "Calibrate the CUSUM drift to 2.5 x the fleet's lag-0 record "
-                                                   "level (the median over 3+ workers of each one's mean score), "
+    quarantine_drift_floor: float = setting(0.005, "Calibrate the CUSUM drift to quarantine_drift_factor x the "
+                                                   "fleet's lag-0 record level (the median over 3+ workers of each "
+                                                   "one's mean score), "
                                                    "and at least 1.75 x the trainer's own bf16 rounding level (its "
                                                    "rounding probe), between this floor and quarantine_drift "
                                                    "(stoa.trainer.fleet; docs/verification.md); 0 = no calibration.")
+    quarantine_drift_factor: float = setting(2.5, "The calibrated CUSUM drift over the fleet's lag-0 level: it must "
+                                                  "cover the spread between honest engines of one precision in your "
+                                                  "fleet (the rounding probe covers bf16 against fp32); lower catches "
+                                                  "mild lies sooner. Check a value with stoa bench verify "
+                                                  "--drift-factor (its mixed-fleet table); docs/verification.md.")
     quarantine_evidence: float = setting(0.3, "CUSUM limit: quarantine once a worker's sum of (record score - "
                                               "quarantine_drift), floored at 0, passes this; a record adds at most "
                                               "quarantine_disagreement - quarantine_drift, so no single record "
@@ -250,6 +256,9 @@ class TrainerConfig(TrainingConfig, FleetConfig):
             raise ConfigError("quarantine_drift", f"must be in (0, quarantine_disagreement = "
                                                   f"{self.quarantine_disagreement}), got {self.quarantine_drift} "
                                                   "(turn the test off with quarantine_sequential = false)")
+        if not 1.0 < self.quarantine_drift_factor <= 10.0:
+            raise ConfigError("quarantine_drift_factor", f"must be in (1, 10] (over 1: a worker at the fleet's level "
+                                                         f"must not climb), got {self.quarantine_drift_factor}")
         if not 0 <= self.quarantine_drift_floor <= self.quarantine_drift:
             raise ConfigError("quarantine_drift_floor", f"must be in [0, quarantine_drift = {self.quarantine_drift}] "
                                                         f"(0: no calibration), got {self.quarantine_drift_floor}")

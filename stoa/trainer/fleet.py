@@ -39,8 +39,9 @@ import numpy as np
 __all__ = ["DRIFT_FACTOR", "ROUNDING_FACTOR", "FleetLevels", "calibrated_drift"]
 
 DRIFT_FACTOR = 2.5
-"""Drift over the fleet's lag-0 level: covers a worker on the noisiest engine of the fleet (bf16 workers score about
-twice what fp32 workers do on the tiny model, docs/verification.md) while a fleet-level worker's sum falls."""
+"""Drift over the fleet's lag-0 level (the default of ``quarantine_drift_factor``): covers a worker on the noisiest
+engine of the fleet (bf16 workers score about twice what fp32 workers do on the tiny model, docs/verification.md)
+while a fleet-level worker's sum falls."""
 
 WINDOW = 64
 """Recent record scores kept per worker and lag."""
@@ -175,8 +176,8 @@ class FleetLevels:
         return score - at.value + base.value
 
 
-def calibrated_drift(fleet: FleetLevels, floor: float, ceiling: float) -> float:
-    """The run's drift: ``DRIFT_FACTOR`` x the fleet's lag-0 level (all workers), or ``ROUNDING_FACTOR`` x the trainer's
+def calibrated_drift(fleet: FleetLevels, floor: float, ceiling: float, factor: float = DRIFT_FACTOR) -> float:
+    """The run's drift: ``factor`` x the fleet's lag-0 level (all workers), or ``ROUNDING_FACTOR`` x the trainer's
     rounding level when that is more, clipped to ``[floor, ceiling]``; the ceiling until ``MIN_WORKERS + 1`` workers
     have ``MIN_RECORDS`` lag-0 records.
 
@@ -184,10 +185,11 @@ def calibrated_drift(fleet: FleetLevels, floor: float, ceiling: float) -> float:
         fleet: the levels.
         floor: the smallest drift (``quarantine_drift_floor``).
         ceiling: the largest (``quarantine_drift``).
+        factor: the drift over the fleet's level (``quarantine_drift_factor``).
     """
     lv = fleet.level(0)
     if lv is None or lv.workers < MIN_WORKERS + 1:
         return ceiling
     rounding = fleet.rounding_level()
-    anchor = max(DRIFT_FACTOR * lv.value, 0.0 if rounding is None else ROUNDING_FACTOR * rounding)
+    anchor = max(factor * lv.value, 0.0 if rounding is None else ROUNDING_FACTOR * rounding)
     return float(min(max(anchor, floor), ceiling))

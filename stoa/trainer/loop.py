@@ -166,7 +166,8 @@ class _Trainer:
                                      temperature=cfg.temperature, top_p=cfg.top_p, by_name=keys_on,
                                      drift=cfg.quarantine_drift if cfg.quarantine_sequential else None,
                                      evidence=cfg.quarantine_evidence,
-                                     drift_floor=cfg.quarantine_drift_floor or None, max_lag=cfg.staleness_bound)
+                                     drift_floor=cfg.quarantine_drift_floor or None, max_lag=cfg.staleness_bound,
+                                     drift_factor=cfg.quarantine_drift_factor)
         identities = IdentityBook(self.bucket, cfg.run, run_key) if keys_on else None
         self.pool = RecordPool(self.bucket, self.contract, self.task, self.codec, staleness_bound=cfg.staleness_bound,
                                reuse_cap=cfg.reuse_cap, gate=self.quarantine, tools=self.tools.tools,

@@ -41,7 +41,7 @@ import numpy as np
 
 from stoa.identity import name_of
 from stoa.schemas.journal import QuarantineRow
-from stoa.trainer.fleet import FleetLevels, calibrated_drift
+from stoa.trainer.fleet import DRIFT_FACTOR, FleetLevels, calibrated_drift
 from stoa.trainer.sequential import Cusum, CusumParams, record_score
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,7 @@ class Quarantine:
         drift_floor: calibrate the drift from the fleet's lag-0 level (``stoa.trainer.fleet.calibrated_drift``)
             down to this, at temperature 1, top_p 1 (None: the drift stays ``drift``).
         max_lag: lagged records up to this lag give sequential evidence against the fleet's level at their lag.
+        drift_factor: the calibrated drift over the fleet's lag-0 level (``quarantine_drift_factor``).
     """
 
     RECORD_WINDOW = 256
@@ -149,7 +150,7 @@ class Quarantine:
     def __init__(self, *, enabled: bool, disagreement: float, reject_rate: float, min_records: int,
                  temperature: float = 1.0, top_p: float = 1.0, max_workers: int = 1024, by_name: bool = False,
                  drift: float | None = None, evidence: float = 1.0, drift_floor: float | None = None,
-                 max_lag: int = 0):
+                 max_lag: int = 0, drift_factor: float = DRIFT_FACTOR):
         self.enabled, self.by_name = enabled, by_name
         self.threshold = effective_threshold(disagreement, temperature, top_p)
         self.reject_rate = reject_rate
@@ -162,6 +163,7 @@ class Quarantine:
         self.drift_floor = (None if drift_floor is None or self.sequential is None
                             else min(effective_threshold(drift_floor, temperature, top_p), self.sequential.drift))
         self.fleet = FleetLevels(max_lag, max_workers)
+        self.drift_factor = drift_factor
         self.workers: collections.OrderedDict[str, _Worker] = collections.OrderedDict()
         self._since = _Since()
 
@@ -256,7 +258,7 @@ class Quarantine:
             for values, lag in zip(s.per_record, s.record_lags(), strict=True):
                 self.fleet.add(self.judged(worker_id), lag, record_score(values, math.inf))
         if self.sequential is not None and self.drift_floor is not None:
-            drift = calibrated_drift(self.fleet, self.drift_floor, self.sequential.drift)
+            drift = calibrated_drift(self.fleet, self.drift_floor, self.sequential.drift, self.drift_factor)
             s0 = self.sequential
             self.active = CusumParams(drift=drift, limit=max(s0.limit, s0.cap - drift), cap=s0.cap)
         for worker_id, s in stats.items():

@@ -108,6 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'' a float base on each of --planes [default: '']")
     p.add_argument("--lora-b-std", type=float, default=0.02,
                    help="the adapter's lora_B entries ~ N(0, this), fixed seed (0 moves nothing) [default: 0.02]")
+    p.add_argument("--drift-factor", type=float, default=d.quarantine_drift_factor,
+                   help="the calibrated drift over the fleet's lag-0 level (--drift auto and the mixed-fleet table) "
+                        f"[default: quarantine_drift_factor = {d.quarantine_drift_factor:g}]")
     p.add_argument("--minority-records", type=int, default=1000,
                    help="a mixed fleet: each honest pair's workers judged with the drift another pair's majority "
                         "calibrates, streams of this many records drawn from its scores (0: no such table) "
@@ -221,7 +224,8 @@ def run_params(args: argparse.Namespace, ls: LagScores, rounding: dict[str, np.n
     fleet = fleet_of(ls)
     for x in (rounding or {}).get(args.liar_plane, ()):
         fleet.add_rounding(float(x))
-    drift = calibrated_drift(fleet, effective_threshold(d.quarantine_drift_floor, args.temperature), ceiling.drift)
+    drift = calibrated_drift(fleet, effective_threshold(d.quarantine_drift_floor, args.temperature), ceiling.drift,
+                             args.drift_factor)
     return CusumParams(drift=drift, limit=max(ceiling.limit, ceiling.cap - drift), cap=ceiling.cap)
 
 
@@ -279,7 +283,8 @@ def main(args: argparse.Namespace) -> int:
     i = intake_rows(Path(resolve_model(args.model))) if args.intake else []
     print()
     floor = effective_threshold(TrainerConfig().quarantine_drift_floor, args.temperature)
-    m = minority_rows(hs, ceiling, floor, args.minority_records, args.attack_streams, args.seed, rounding) if (
+    m = minority_rows(hs, ceiling, floor, args.minority_records, args.attack_streams, args.seed, rounding,
+                      args.drift_factor) if (
         args.minority_records > 0 and args.drift == "auto") else []
     parts = [table(h, k), minority_table(m), steps_table(s, args.records_per_step) if s else [],
              intake_table(i) if i else []]

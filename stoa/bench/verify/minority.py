@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stoa.trainer.fleet import MIN_RECORDS, FleetLevels, calibrated_drift
+from stoa.trainer.fleet import DRIFT_FACTOR, MIN_RECORDS, FleetLevels, calibrated_drift
 from stoa.trainer.sequential import CusumParams, run_length
 
 FLEET = 8
@@ -54,7 +54,8 @@ def run_of(pair: str) -> str:
     return pair.split(" / ", 1)[-1]
 
 
-def majority_drift(scores: np.ndarray, floor: float, ceiling: float, rounding: np.ndarray | None = None) -> float:
+def majority_drift(scores: np.ndarray, floor: float, ceiling: float, rounding: np.ndarray | None = None,
+                   factor: float = DRIFT_FACTOR) -> float:
     """The trainer's calibrated drift over a fleet of ``FLEET`` workers holding ``scores`` (dealt round-robin), with
     the trainer's rounding probes ``rounding`` (None: none).
 
@@ -63,6 +64,7 @@ def majority_drift(scores: np.ndarray, floor: float, ceiling: float, rounding: n
         floor: ``quarantine_drift_floor`` at the run's sampling.
         ceiling: ``quarantine_drift`` at the run's sampling.
         rounding: the run's rounding probe scores (``Rig.rounding``).
+        factor: ``quarantine_drift_factor``.
     """
     fleet = FleetLevels(0)
     for x in () if rounding is None else rounding:
@@ -71,11 +73,12 @@ def majority_drift(scores: np.ndarray, floor: float, ceiling: float, rounding: n
         fleet.add(f"fleet{i % FLEET}", 0, float(x))
     if len(scores) < FLEET * MIN_RECORDS:
         raise ValueError(f"a majority needs {FLEET * MIN_RECORDS} records to calibrate, got {len(scores)}")
-    return calibrated_drift(fleet, floor, ceiling)
+    return calibrated_drift(fleet, floor, ceiling, factor)
 
 
 def minority_rows(honest: dict[str, np.ndarray], ceiling: CusumParams, floor: float, horizon: int, streams: int,
-                  seed: int, rounding: dict[str, np.ndarray] | None = None) -> list[MinorityRow]:
+                  seed: int, rounding: dict[str, np.ndarray] | None = None,
+                  factor: float = DRIFT_FACTOR) -> list[MinorityRow]:
     """Every ordered pair (majority, minority) of engine pairs with the same plane and trainer recompute.
 
     Args:
@@ -86,6 +89,7 @@ def minority_rows(honest: dict[str, np.ndarray], ceiling: CusumParams, floor: fl
         streams: minority workers simulated per row.
         seed: resampling seed.
         rounding: the trainer's rounding probes by plane label (the drift's floor; None or a plane missing: none).
+        factor: ``quarantine_drift_factor``.
     """
     rng = np.random.default_rng(seed)
     rows = []
@@ -93,7 +97,7 @@ def minority_rows(honest: dict[str, np.ndarray], ceiling: CusumParams, floor: fl
         if len(m_scores) < FLEET * MIN_RECORDS:
             continue
         plane = run_of(major).split(" / ", 1)[0]
-        drift = majority_drift(m_scores, floor, ceiling.drift, (rounding or {}).get(plane))
+        drift = majority_drift(m_scores, floor, ceiling.drift, (rounding or {}).get(plane), factor)
         params = CusumParams(drift, max(ceiling.limit, ceiling.cap - drift), ceiling.cap)
         for minor, s in honest.items():
             if minor == major or run_of(minor) != run_of(major) or not len(s):
