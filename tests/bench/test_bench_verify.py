@@ -133,7 +133,7 @@ def test_lagged_rows_judge_each_lag_over_the_fleets_level_and_auto_calibrates_th
     lies = {(k, "noise"): rng.normal(0.07 + 0.02 * k, 0.005, 256) + 0.03 for k in (1, 2)}
     ls = LagScores(honest, lies)
     args = argparse.Namespace(drift="auto", limit=0.3, cap=0.15, temperature=1.0, liar_engine="torch:bfloat16",
-                              liar_plane="bf16", n_samples=4, stream=32, attack_streams=5, seed=0)
+                              liar_plane="bf16", n_samples=4, stream=32, attack_streams=5, seed=0, drift_factor=2.5)
     params = verify.run_params(args, ls)
     assert params.drift == pytest.approx(2.5 * 0.0034, rel=0.05)  # from the fleet's lag 0
     assert params.limit == pytest.approx(0.3)
