@@ -156,3 +156,11 @@ def test_load_scores_names_a_missing_or_foreign_file_in_one_line(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"not a numpy archive")
     with pytest.raises(SystemExit, match="is not a --save-scores file"):
         run(["--load-scores", str(tmp_path / "junk.npz"), "--no-intake"])
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [("--drift-factor", "1.0", "must be in \\(1, 10\\]"),
+                                                     ("--drift-factor", "-2", "must be in"),
+                                                     ("--minority-records", "-1", "must be >= 0")])
+def test_a_bad_drift_factor_or_minority_horizon_is_one_line(tmp_path, flag, value, says):
+    with pytest.raises(SystemExit, match=says):
+        run(["--load-scores", str(tmp_path / "none.npz"), flag, value, "--no-intake"])

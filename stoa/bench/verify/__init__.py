@@ -130,9 +130,7 @@ ROUNDING_RECORDS = 64
 def honest(rig: Rig, params: CusumParams, echo=print, planes: list[str] | None = None,
            rounding: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Every engine pair's honest record scores, by pair label (``planes``: those the rig holds; None: ``--planes``);
-    ``rounding`` gets each plane's rounding probe scores (``Rig.rounding``) by plane label.
-
-    """
+    ``rounding`` gets each plane's rounding probe scores (``Rig.rounding``) by plane label."""
     a, out = rig.args, {}
     batches = -(-a.sequences // (a.groups * a.n_samples))
     for plane in _split(a.planes) if planes is None else planes:
@@ -254,6 +252,10 @@ def main(args: argparse.Namespace) -> int:
     ceiling = sequential_params(TrainerConfig().quarantine_drift, args.limit, args.cap, args.temperature)
     if args.lora_base_plane and not args.lora_rank:
         raise SystemExit("--lora-base-plane needs a LoRA run: set --lora-rank > 0")
+    if not 1.0 < args.drift_factor <= 10.0:
+        raise SystemExit(f"--drift-factor must be in (1, 10] like quarantine_drift_factor, got {args.drift_factor:g}")
+    if args.minority_records < 0:
+        raise SystemExit(f"--minority-records must be >= 0 (0: no mixed-fleet table), got {args.minority_records}")
     rounding: dict[str, np.ndarray] = {}
     if args.load_scores:
         hs, ks, rs, ls, rounding = _load(args.load_scores)
