@@ -19,7 +19,7 @@ from stoa.algorithms.torch_loss import clip_and_step
 from stoa.config.local import LocalConfig
 from stoa.engines import Completion, GenStats
 from stoa.engines.torch import TorchEngine, resolve_device
-from stoa.engines.torch_scoring import Scores, group_score, score, to_device
+from stoa.engines.torch_scoring import Scores, group_score, grouped_keys_on_cpu, score, to_device
 from stoa.episodes.demo_rows import SftRow
 from stoa.local.backend import (
     ModelSummary,
@@ -59,6 +59,7 @@ class TorchBackend:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+        grouped_keys_on_cpu()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg

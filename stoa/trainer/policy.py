@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from stoa.engines.torch import model_tensors
-from stoa.engines.torch_scoring import PackedTensors, Scores, group_score, score
+from stoa.engines.torch_scoring import PackedTensors, Scores, group_score, grouped_keys_on_cpu, score
 from stoa.models.lora_torch import (
     LoraSpec,
     add_lora,
@@ -111,6 +111,7 @@ class Policy:
                  compute_weights: str = "autocast", lean: bool = True, base_plane: str = ""):
         from transformers import AutoModelForCausalLM
 
+        grouped_keys_on_cpu()
         self.device, self.temperature, self.dist = device, temperature, dist
         self.lora = lora if trainable else None
         frozen_base = not trainable or self.lora is not None

@@ -92,3 +92,67 @@ def test_local_torch_backend_scores_through_the_shared_path(tiny_dir, tmp_path):
     with torch.no_grad():
         want = score(be.model, to_device(pack(batch, idx), CPU), temperature=0.8).logp.numpy() * batch.mask
     np.testing.assert_array_equal(got, want)
+
+
+def _saved_shapes(fn):
+    """The shapes of the tensors autograd keeps for backward while ``fn`` runs, and its result."""
+    shapes: list[tuple[int, ...]] = []
+
+    def keep(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = fn()
+    return shapes, out
+
+
+def test_grouped_keys_on_cpu_keep_no_repeated_keys_and_score_the_same(lm, monkeypatch):
+    from transformers.integrations import sdpa_attention
+
+    from stoa.engines.torch_scoring import grouped_keys_on_cpu
+
+    cfg = lm.config
+    heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    assert kv_heads < heads and lm.config._attn_implementation == "sdpa"
+    grouped_keys_on_cpu()
+    grouped_keys_on_cpu()  # idempotent: one wrapper
+    patched = sdpa_attention.use_gqa_in_sdpa
+    assert not getattr(patched.plain, "grouped_on_cpu", False)
+    prompt, comps = np.array([3, 9, 4, 1]), [np.array([5, 6, 7]), np.array([8]), np.array([2, 2])]
+    repeated = (3, heads, len(prompt) + 3, head_dim)  # keys of 3 rows over prompt + 3 completion positions
+
+    def run():
+        lm.zero_grad()
+        shapes, s = _saved_shapes(lambda: group_score(lm, prompt, comps, 4, device=CPU, temperature=0.7))
+        s.logp.sum().backward()
+        return shapes, s.logp.detach(), lm.get_decoder().layers[0].self_attn.k_proj.weight.grad.clone()
+
+    grouped_shapes, grouped_logp, grouped_grad = run()
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", patched.plain)
+    plain_shapes, plain_logp, plain_grad = run()
+    assert repeated in plain_shapes and repeated not in grouped_shapes
+    assert (3, kv_heads, len(prompt) + 3, head_dim) in grouped_shapes
+    assert torch.equal(grouped_logp, plain_logp)  # the forward is bit-identical
+    torch.testing.assert_close(grouped_grad, plain_grad, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():  # without gradients transformers decides as before
+        key = torch.zeros(1, kv_heads, 2, head_dim)
+        assert patched(torch.ones(1, 1, 2, 2, dtype=torch.bool), key, key) is False
+
+
+def test_the_trainer_and_local_mode_train_with_grouped_keys(tiny_dir, tmp_path, monkeypatch):
+    from transformers.integrations import sdpa_attention
+
+    from stoa.config import load_local_config
+    from stoa.engines.torch_scoring import grouped_keys_on_cpu
+    from stoa.local.torch_backend import TorchBackend
+    from stoa.trainer.policy import Policy
+
+    grouped_keys_on_cpu()
+    plain = sdpa_attention.use_gqa_in_sdpa.plain
+    for build in (lambda: Policy(tiny_dir, CPU),
+                  lambda: TorchBackend(load_local_config(None, {"model": str(tiny_dir), "backend": "torch",
+                                                                "output_dir": str(tmp_path)}), tiny_dir)):
+        monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", plain)
+        build()
+        assert getattr(sdpa_attention.use_gqa_in_sdpa, "grouped_on_cpu", False)
