@@ -164,3 +164,12 @@ def test_load_scores_names_a_missing_or_foreign_file_in_one_line(tmp_path):
 def test_a_bad_drift_factor_or_minority_horizon_is_one_line(tmp_path, flag, value, says):
     with pytest.raises(SystemExit, match=says):
         run(["--load-scores", str(tmp_path / "none.npz"), flag, value, "--no-intake"])
+
+
+def test_the_attack_table_is_printed_only_with_attack_rows():
+    from stoa.bench.verify.stats import HonestRow, table
+
+    honest = [HonestRow("torch:float32 / bf16 / fp32", 8, 64, 2, 0, 0.01, 0.02, 0.03, 0.1)]
+    attack = AttackRow("swap", 64, 10, 10, 3.0, 4, 0.2)
+    assert len(table(honest, [])) == 3 and not any("| attack |" in line for line in table(honest, []))
+    assert sum("| attack |" in line for line in table(honest, [attack])) == 1 and len(table(honest, [attack])) == 7

@@ -142,12 +142,14 @@ def attack_row(attack: str, scores: np.ndarray, streams: int, params: CusumParam
 
 
 def table(honest: list[HonestRow], attacks: list[AttackRow]) -> list[str]:
-    """Markdown tables of the rows."""
+    """Markdown tables of the rows; the attack table only when there are attack rows (``--attacks none``)."""
     lines = ["| engine pair (worker / plane / trainer) | honest sequences | workers | false quarantines | "
              "95% upper bound per sequence | record score mean / p99 / max | peak CUSUM |",
              "| --- | ---: | ---: | ---: | ---: | --- | ---: |"]
     lines += [f"| {r.pair} | {r.sequences:,} | {r.workers} | {r.quarantined} | {r.fp_upper:.2g} | "
               f"{r.score_mean:.4f} / {r.score_p99:.4f} / {r.score_max:.4f} | {r.peak:.3f} |" for r in honest]
+    if not attacks:
+        return lines
     lines += ["", "| attack | record score mean | streams | detected | median records to detect | max |",
               "| --- | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {a.attack} | {a.score_mean:.4f} | {a.streams} | {a.detected}/{a.streams} (within "
