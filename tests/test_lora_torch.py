@@ -82,3 +82,58 @@ def test_peft_targets_are_leaf_names_unless_those_would_adapt_more_linears() -> 
     assert peft_targets(model, ["a.q", "b.q"]) == ("q",)
     assert peft_targets(model, ["a.q", "b.k", "a.k", "b.q"]) == ("k", "q")
     assert peft_targets(model, ["a.q", "b.k"]) == ("a.q", "b.k")  # q and k in one layer only: the full paths
+
+
+class _Shared(nn.Module):
+    """Two adapted linears reading one input, as q_proj and k_proj do."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.q, self.k = nn.Linear(64, 48, bias=False).to(dtype), nn.Linear(64, 16, bias=False).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x).sum(-1) + self.k(x).sum(-1)
+
+
+def _chain(model: _Shared, x: torch.Tensor) -> torch.Tensor:
+    """``model(x)`` with each adapter as autograd's plain chain ``out + (scale * b(a(x.to(fp32)))).to(out.dtype)``."""
+    total = torch.zeros((), dtype=torch.float32)
+    for lin in (model.q, model.k):
+        with lora_disabled(lin):
+            out = lin(x)
+        a, b = _weight(lin, "lora_A"), _weight(lin, "lora_B")
+        delta = nn.functional.linear(nn.functional.linear(x.to(a.dtype), a), b)
+        total = total + (out + (lin.__dict__["lora_scale"] * delta).to(out.dtype)).sum(-1).float()
+    return total
+
+
+@pytest.mark.parametrize(("dtype", "autocast"), [(torch.bfloat16, False), (torch.float32, False),
+                                                 (torch.bfloat16, True)])
+def test_the_adapter_update_equals_autograds_chain_and_keeps_no_copy_of_its_input(dtype, autocast) -> None:
+    torch.manual_seed(0)
+    model = _Shared(dtype)
+    add_lora(model, LoraSpec(4, 8.0), seed=1, paths=["q", "k"])
+    with torch.no_grad():
+        for lin in (model.q, model.k):
+            _weight(lin, "lora_B").normal_()
+    x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
+    grads, kept = [], []
+    for run in (lambda: model(x).float().sum(), lambda: _chain(model, x).sum()):
+        model.zero_grad()
+        x.grad = None
+        saved: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor, into: list[torch.Tensor] = saved) -> torch.Tensor:
+            into.append(t)
+            return t
+
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+                torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            run().backward()
+        assert x.grad is not None
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        kept.append({(t.dtype, t.untyped_storage().data_ptr()) for t in saved if t.numel() == x.numel()})
+    for ours, chain in zip(*grads, strict=True):
+        assert torch.equal(ours, chain)  # bit-equal gradients of the input and of both adapters
+    assert kept[0] == {(dtype, x.untyped_storage().data_ptr())}  # ours: x itself, once for both adapters
+    assert len(kept[1]) > len(kept[0]) or dtype == torch.float32 and not autocast  # the chain: a copy per adapter

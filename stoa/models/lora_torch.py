@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,15 +76,47 @@ def matches(name: str, targets: Iterable[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
+class LoraDelta(torch.autograd.Function):
+    """``scale * B(A(x))`` for an adapter of ``x``'s linear, with the values and gradients of autograd's
+    ``scale * b(a(x.to(A.dtype)))`` (tested bit-equal), but backward keeps ``x`` itself and the rank-``r``
+    product, not the adapter-dtype copy of ``x`` that autograd keeps for every adapted linear (q, k and v each kept
+    their own copy of one input). ``compute``: the products' dtype, the adapter's own (fp32) or, under autocast,
+    autocast's (bf16: the adapter's weights are cast per call, as autocast does)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, a_weight: torch.Tensor, b_weight: torch.Tensor, scale: float,
+                compute: torch.dtype) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            u = nn.functional.linear(x.to(compute), a_weight.to(compute))
+            out = scale * nn.functional.linear(u, b_weight.to(compute))
+        ctx.save_for_backward(x, u, a_weight, b_weight)
+        ctx.scale, ctx.compute = scale, compute
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, u, a_weight, b_weight = ctx.saved_tensors
+        c = ctx.compute
+        with torch.autocast(x.device.type, enabled=False):
+            g = (grads[0].to(c) * ctx.scale).flatten(0, -2)
+            du = g.mm(b_weight.to(c))
+            grad_b = g.t().mm(u.flatten(0, -2)).to(b_weight.dtype) if ctx.needs_input_grad[2] else None
+            grad_a = (du.t().mm(x.flatten(0, -2).to(c)).to(a_weight.dtype) if ctx.needs_input_grad[1] else None)
+            grad_x = du.mm(a_weight.to(c)).to(x.dtype).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_a, grad_b, None, None
+
+
 def _lora_hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     """The base output plus the scaled low-rank update (computed in the adapter's dtype, returned in the base's)."""
     if not module.__dict__.get("lora_on", True):
         return out
     a, b = module.get_submodule("lora_A"), module.get_submodule("lora_B")
-    assert isinstance(a, nn.Linear)
-    x = args[0]
-    delta = b(a(x.to(a.weight.dtype)))
-    return out + (float(module.__dict__["lora_scale"]) * delta).to(out.dtype)
+    assert isinstance(a, nn.Linear) and isinstance(b, nn.Linear)
+    x, kind, scale = args[0], args[0].device.type, float(module.__dict__["lora_scale"])
+    compute = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else a.weight.dtype
+    if torch.is_autocast_enabled(kind) and x.dtype != compute:  # fp32 activations under autocast: autograd's chain
+        return out + (scale * b(a(x.to(a.weight.dtype)))).to(out.dtype)
+    return out + LoraDelta.apply(x, a.weight, b.weight, scale, compute).to(out.dtype)
 
 
 def _adaptable(m: nn.Module) -> bool:
