@@ -55,9 +55,9 @@ def matmul_step(m: int, k: int, n: int) -> Any:
     return lambda: [a @ b for _ in range(10)]
 
 
-def decoder_step(decoder: Any, rows: int, width: int) -> Any:
+def decoder_step(decoder: Any, rows: int, width: int, vocab: int) -> Any:
     """The decoder's forward + backward on ``rows`` x ``width`` tokens."""
-    ids = torch.randint(0, 1000, (rows, width))
+    ids = torch.randint(0, vocab, (rows, width))
     return lambda: decoder(input_ids=ids).last_hidden_state.float().square().mean().backward()
 
 
@@ -87,9 +87,9 @@ def main() -> None:
     m, hidden = a.generations * (a.tokens - 1), model.config.hidden_size
     rows, width = a.generations, a.prompt_tokens + a.tokens - 1
     fns = {"matmul": matmul_step(m, hidden, model.config.intermediate_size),
-           "eager": decoder_step(model.get_decoder(), rows, width)}
+           "eager": decoder_step(model.get_decoder(), rows, width, model.config.vocab_size)}
     if a.compile:
-        fns["torch.compile"] = decoder_step(torch.compile(model.get_decoder()), rows, width)
+        fns["torch.compile"] = decoder_step(torch.compile(model.get_decoder()), rows, width, model.config.vocab_size)
     seconds = alternating_s(fns, a.repeats)
     peak = 10 * 2 * m * hidden * model.config.intermediate_size / seconds.pop("matmul") / 1e9
     rates = {name: 3 * 2 * body * rows * width / s / 1e9 for name, s in seconds.items()}
