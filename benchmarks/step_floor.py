@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from stoa.models import resolve_model
+from stoa.models.registry import UnknownModel
 
 
 def macs_per_token(cfg: Any) -> tuple[int, int]:
@@ -78,7 +79,11 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(resolve_model(a.model), dtype=torch.bfloat16).train()
+    try:
+        model_dir = resolve_model(a.model)
+    except UnknownModel as e:
+        raise SystemExit(f"step_floor: {e}") from None
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).train()
     body, head = macs_per_token(model.config)
     scored = a.prompts * a.generations * a.tokens
     passes = 3 if a.lora else 4

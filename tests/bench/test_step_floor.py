@@ -31,3 +31,11 @@ def test_a_tiny_run_prints_both_floors_and_the_ratio(tiny_dir, monkeypatch, caps
     want = (body * 32 + head * 16) / (body * 20 + head * 16)
     line = next(x for x in out.splitlines() if x.startswith("step ratio if both sides ran at one rate"))
     assert line.endswith(f": {want:.2f}")
+
+
+def test_an_unknown_model_is_one_line(monkeypatch):
+    import pytest
+
+    monkeypatch.setattr(sys, "argv", ["step_floor.py", "--model", "no-such-model"])
+    with pytest.raises(SystemExit, match="unknown model 'no-such-model'; use a built-in name"):
+        step_floor.main()
