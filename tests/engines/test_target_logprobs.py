@@ -42,6 +42,33 @@ def test_fused_gradient_is_onehot_minus_softmax_over_the_temperature():
     torch.testing.assert_close(logits.grad[0], (torch.tensor([0.0, 1.0, 0.0]) - p) / 2.0)
 
 
+def fused_with_grad(base: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, ...]:
+    x = base.clone().requires_grad_()
+    lp = TargetLogprobs.apply(x, targets, temperature)
+    (lp * torch.linspace(-1.0, 2.0, len(lp))).sum().backward()
+    assert x.grad is not None and torch.equal(x.detach(), base)  # the logits themselves untouched
+    return lp.detach(), x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_cpu_row_blocks_give_the_whole_tensors_bits(monkeypatch, dtype, temperature):
+    torch.manual_seed(1)
+    base, targets = (torch.randn(37, 3001) * 3).to(dtype), torch.randint(0, 3001, (37,))
+    monkeypatch.setattr(torch_scoring, "ROWS_PER_THREAD", 1 << 20)  # one block: every row at once
+    whole = fused_with_grad(base, targets, temperature)
+    monkeypatch.setattr(torch_scoring, "ROWS_PER_THREAD", 2)  # blocks of 2 rows per thread, the last one short
+    assert torch_scoring._row_step(base) < 37
+    blocked = fused_with_grad(base, targets, temperature)
+    assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[1], whole[1])
+
+
+def test_cpu_takes_the_logits_in_blocks_and_other_devices_whole():
+    logits = torch.empty(5000, 8)
+    assert torch_scoring._row_step(logits) == torch_scoring.ROWS_PER_THREAD * torch.get_num_threads()
+    assert torch_scoring._row_step(torch.empty(5000, 8, device="meta")) == 5000
+
+
 class CountingHead(torch.nn.Linear):
     calls = 0
 
