@@ -91,7 +91,7 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 ROWS_PER_THREAD = 8
 """Rows of logits each CPU thread takes through the log-softmax's passes at a time: 8 rows of a 49k vocabulary in
-fp32 (1.5 MB) stay in a core's cache between the upcast, the max, the exponentials and the sum."""
+fp32 (1.5 MB) stay in the CPU's caches between the upcast, the max, the exponentials and the sum."""
 
 
 def _row_step(logits: torch.Tensor) -> int:
