@@ -94,12 +94,17 @@ ROWS_PER_THREAD = 8
 fp32 (1.5 MB) stay in the CPU's caches between the upcast, the max, the exponentials and the sum."""
 
 
-def _row_step(logits: torch.Tensor) -> int:
-    """Rows per block of ``TargetLogprobs``' passes: on the CPU ``ROWS_PER_THREAD`` per thread, so each pass reads
-    the block from cache rather than memory (4.7x faster on a [341, 49152] chunk, bit-identical: every row is still
-    reduced whole by one thread); elsewhere every row at once, one kernel per pass."""
+def _row_blocks(logits: torch.Tensor) -> list[slice]:
+    """The row blocks of ``TargetLogprobs``' passes: on the CPU ``ROWS_PER_THREAD`` rows per thread, so each pass
+    reads the block from cache rather than memory (4.7x faster on a [341, 49152] chunk); elsewhere every row at
+    once, one kernel per pass. Bit-identical to one block: torch reduces each row of a block of two or more rows
+    whole, on one thread (a lone row it splits across threads), so no block but a lone tensor's has one row."""
     rows = int(logits.shape[0])
-    return max(1, min(rows, ROWS_PER_THREAD * torch.get_num_threads())) if logits.device.type == "cpu" else rows
+    step = max(1, ROWS_PER_THREAD * torch.get_num_threads()) if logits.device.type == "cpu" else max(rows, 1)
+    starts = list(range(0, rows, step)) or [0]
+    if len(starts) > 1 and rows - starts[-1] == 1:
+        starts.pop()  # the lone last row joins the block before it
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], rows], strict=True)]
 
 
 class TargetLogprobs(torch.autograd.Function):
@@ -107,15 +112,14 @@ class TargetLogprobs(torch.autograd.Function):
     the logits (in their own dtype) and their fp32 logsumexp, backward forms ``g * (onehot - softmax) /
     temperature`` block by block and hands it back in the logits' dtype. Equal to the unfused autograd chain
     (tested), with a fraction of its elementwise passes, no fp32 [N, V] tensor kept for backward and, on the CPU,
-    none formed at all (``_row_step``)."""
+    none formed at all (``_row_blocks``)."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        step = _row_step(logits)
-        for i in range(0, logits.shape[0], step):
-            z = logits[i : i + step].float()
-            torch.logsumexp(z / temperature if temperature != 1.0 else z, dim=-1, out=lse[i : i + step])
+        for rows in _row_blocks(logits):
+            z = logits[rows].float()
+            torch.logsumexp(z / temperature if temperature != 1.0 else z, dim=-1, out=lse[rows])
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
         picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1).float()
@@ -126,9 +130,7 @@ class TargetLogprobs(torch.autograd.Function):
         logits, targets, lse = ctx.saved_tensors
         g = grads[0].float() / ctx.temperature  # d logp / d logits = (onehot - softmax) / temperature
         out = torch.empty_like(logits)
-        step = _row_step(logits)
-        for i in range(0, logits.shape[0], step):
-            rows = slice(i, i + step)
+        for rows in _row_blocks(logits):
             z = logits[rows].to(torch.float32, copy=True)
             if ctx.temperature != 1.0:
                 z.div_(ctx.temperature)

@@ -50,23 +50,35 @@ def fused_with_grad(base: torch.Tensor, targets: torch.Tensor, temperature: floa
     return lp.detach(), x.grad
 
 
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_cpu_row_blocks_give_the_whole_tensors_bits(monkeypatch, dtype, temperature):
+def test_cpu_row_blocks_give_the_whole_tensors_bits(monkeypatch, two_threads, dtype, temperature):
     torch.manual_seed(1)
-    base, targets = (torch.randn(37, 3001) * 3).to(dtype), torch.randint(0, 3001, (37,))
+    # 37 rows in blocks of 4 would leave a lone last row; a vocabulary past torch's grain size (32768) is what
+    # torch splits across threads when a reduction has a single row
+    base, targets = (torch.randn(37, 40_000) * 3).to(dtype), torch.randint(0, 40_000, (37,))
     monkeypatch.setattr(torch_scoring, "ROWS_PER_THREAD", 1 << 20)  # one block: every row at once
     whole = fused_with_grad(base, targets, temperature)
-    monkeypatch.setattr(torch_scoring, "ROWS_PER_THREAD", 2)  # blocks of 2 rows per thread, the last one short
-    assert torch_scoring._row_step(base) < 37
+    monkeypatch.setattr(torch_scoring, "ROWS_PER_THREAD", 2)
+    assert [b.stop - b.start for b in torch_scoring._row_blocks(base)] == [4] * 8 + [5]
     blocked = fused_with_grad(base, targets, temperature)
     assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[1], whole[1])
 
 
 def test_cpu_takes_the_logits_in_blocks_and_other_devices_whole():
-    logits = torch.empty(5000, 8)
-    assert torch_scoring._row_step(logits) == torch_scoring.ROWS_PER_THREAD * torch.get_num_threads()
-    assert torch_scoring._row_step(torch.empty(5000, 8, device="meta")) == 5000
+    step = torch_scoring.ROWS_PER_THREAD * torch.get_num_threads()
+    sizes = [b.stop - b.start for b in torch_scoring._row_blocks(torch.empty(5000, 8))]
+    assert len(sizes) > 1 and set(sizes[:-1]) == {step} and sizes[-1] >= min(step, 2) and sum(sizes) == 5000
+    assert torch_scoring._row_blocks(torch.empty(5000, 8, device="meta")) == [slice(0, 5000)]
+    assert torch_scoring._row_blocks(torch.empty(0, 8)) == [slice(0, 0)]
 
 
 class CountingHead(torch.nn.Linear):
